@@ -1,0 +1,27 @@
+"""Load a model and show its most likely next tokens for a prompt.
+
+    python examples/next_token.py HuggingFaceTB/SmolLM2-135M-Instruct "The capital of France is"
+"""
+
+import sys
+
+import mlx.core as mx
+
+import mlxinfer
+
+
+def main(model_path: str, prompt: str = "The capital of France is", top: int = 5) -> None:
+    model, tokenizer = mlxinfer.load(model_path)
+    ids = tokenizer.encode(prompt)
+    logits = model(mx.array([ids]))[0, -1]
+    probs = mx.softmax(logits.astype(mx.float32))
+    best = mx.argsort(-probs)[:top].tolist()
+    print(f"{len(ids)} prompt tokens; top {top} next tokens:")
+    for token in best:
+        print(f"  {probs[token].item():6.3f}  {tokenizer.decode([token])!r}")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) < 2:
+        sys.exit("usage: python examples/next_token.py MODEL [PROMPT]")
+    main(*sys.argv[1:3])

@@ -1,0 +1,33 @@
+"""One exception hierarchy for everything mlxinfer reports to a user.
+
+Every error carries a single-line message that names the problem and, where
+there is one, the fix; the CLI catches `MlxinferError` once and prints it.
+"""
+
+
+class MlxinferError(Exception):
+    """Base class: a user-facing error whose message is one line."""
+
+
+class ModelNotFoundError(MlxinferError):
+    """A path or hub id that does not resolve to a model."""
+
+
+class UnsupportedArchitectureError(MlxinferError):
+    """A `model_type` (or GGUF architecture) we have no family for."""
+
+
+class CorruptCheckpointError(MlxinferError):
+    """Weights that are missing, truncated, mis-shaped or unsafe to load."""
+
+
+class ConfigError(MlxinferError):
+    """A config.json or tokenizer config that cannot be understood."""
+
+
+class TokenizerError(MlxinferError):
+    """A tokenizer that cannot be loaded or a chat template that fails to render."""
+
+
+class InvalidOptionError(MlxinferError, ValueError):
+    """An option value out of its allowed range."""

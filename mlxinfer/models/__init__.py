@@ -1,0 +1,32 @@
+"""Model families, looked up by config.json's `model_type`."""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+from typing import Any
+
+from ..errors import UnsupportedArchitectureError
+from .layers import CausalLM
+
+FAMILIES: dict[str, str] = {
+    "llama": "llama",
+    "mistral": "mistral",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+}
+
+
+def family(model_type: str) -> ModuleType:
+    """The family module for `model_type`, or a clear error listing what we support."""
+    if model_type not in FAMILIES:
+        raise UnsupportedArchitectureError(
+            f"model_type '{model_type}' is not supported; supported: {', '.join(sorted(FAMILIES))}"
+        )
+    return importlib.import_module(f"{__name__}.{FAMILIES[model_type]}")
+
+
+def build_model(config: dict[str, Any]) -> CausalLM:
+    """An uninitialised model for a config.json dict."""
+    fam = family(config.get("model_type", "<missing>"))
+    return fam.Model(fam.config(config))

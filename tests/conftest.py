@@ -1,0 +1,159 @@
+"""Test fixtures: random-weight Hugging Face checkpoints and a tokenizer trained on the spot.
+
+Checkpoints are built with transformers (the reference implementation) from a
+config, saved with `save_pretrained`, and cached for the whole test session.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+
+# Nothing in the suite may download weights; set before huggingface_hub is imported.
+os.environ["HF_HUB_OFFLINE"] = "1"
+
+SHARED = Path(__file__).resolve().parents[2] / "shared"
+VOCAB = 512
+
+BASE_CONFIG: dict[str, Any] = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=VOCAB,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=False,
+)
+
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Paris is the capital of France. Berlin is the capital of Germany.",
+    "def add(a, b):\n    return a + b\n",
+    "Numbers like 12345 and 3.14159 appear in text.",
+    "User: hello there! Assistant: hi, how can I help you today?",
+] * 20
+
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def train_tokenizer(folder: Path) -> None:
+    """A small byte-level BPE with ChatML special tokens, written as HF tokenizer files."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB - 16, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tok.train_from_iterator(CORPUS, trainer)
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "bos_token": None,
+                "eos_token": "<|im_end|>",
+                "pad_token": "<|endoftext|>",
+                "chat_template": CHATML,
+                "tokenizer_class": "PreTrainedTokenizerFast",
+            }
+        )
+    )
+
+
+def perturb(model, seed: int) -> None:
+    """Make norms and biases non-trivial so the parity test exercises them."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=g) * 0.1
+            if "norm" in name:
+                p.copy_(1.0 + noise)
+            elif name.endswith("bias"):
+                p.copy_(noise)
+
+
+def build_hf_checkpoint(folder: Path, model_type: str, overrides: dict[str, Any], seed: int = 0) -> Path:
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    config = AutoConfig.for_model(model_type, **{**BASE_CONFIG, "initializer_range": 0.08, **overrides})
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager").float().eval()
+    perturb(model, seed)
+    model.save_pretrained(folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    # Real hub checkpoints mostly use the older top-level convention; write both
+    # so tools that read only one (mlx-lm) see the same model.
+    rope = cfg.get("rope_parameters") or {}
+    if "rope_theta" in rope:
+        cfg.setdefault("rope_theta", rope["rope_theta"])
+    (folder / "config.json").write_text(json.dumps(cfg, indent=2))
+    train_tokenizer(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def hf_checkpoint(tmp_path_factory) -> Callable[..., Path]:
+    """`hf_checkpoint(model_type, **config_overrides)` -> folder, built once per session."""
+    cache: dict[str, Path] = {}
+
+    def make(model_type: str, seed: int = 0, **overrides: Any) -> Path:
+        key = json.dumps([model_type, seed, overrides], sort_keys=True)
+        if key not in cache:
+            folder = tmp_path_factory.mktemp(model_type)
+            cache[key] = build_hf_checkpoint(folder, model_type, overrides, seed)
+        return cache[key]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def mlx_lm_quantized(tmp_path_factory) -> Callable[..., Path]:
+    """`mlx_lm_quantized(hf_folder, bits, group_size, recipe)` -> folder written by mlx-lm's converter."""
+    cache: dict[tuple, Path] = {}
+
+    def make(hf_folder: Path, bits: int = 4, group_size: int = 32, recipe: str | None = None) -> Path:
+        from mlx_lm import convert
+
+        key = (str(hf_folder), bits, group_size, recipe)
+        if key not in cache:
+            out = tmp_path_factory.mktemp("mlxlm") / "model"
+            convert(
+                str(hf_folder),
+                str(out),
+                quantize=True,
+                q_bits=bits,
+                q_group_size=group_size,
+                dtype="float32",
+                quant_predicate=recipe,
+            )
+            cache[key] = out
+        return cache[key]
+
+    return make
+
+
+@pytest.fixture
+def copy_checkpoint(tmp_path) -> Callable[[Path], Path]:
+    """A private, writable copy of a cached checkpoint for tests that damage it."""
+
+    def make(src: Path) -> Path:
+        dst = tmp_path / "ckpt"
+        shutil.copytree(src, dst)
+        return dst
+
+    return make
