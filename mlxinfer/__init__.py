@@ -1,8 +1,24 @@
 """mlxinfer: on-device LLM inference on Apple Silicon, built on MLX."""
 
-from .cache import make_cache
+from .cache import PromptCache, load_prompt_cache, make_cache, save_prompt_cache
 from .errors import MlxinferError
+from .generate import Chunk, Stats, generate, stream_generate
 from .loading import load, load_tokenizer
+from .sample import SamplingConfig
 
 __version__ = "0.1.0"
-__all__ = ["MlxinferError", "load", "load_tokenizer", "make_cache", "__version__"]
+__all__ = [
+    "Chunk",
+    "MlxinferError",
+    "PromptCache",
+    "SamplingConfig",
+    "Stats",
+    "__version__",
+    "generate",
+    "load",
+    "load_prompt_cache",
+    "load_tokenizer",
+    "make_cache",
+    "save_prompt_cache",
+    "stream_generate",
+]

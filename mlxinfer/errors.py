@@ -31,3 +31,7 @@ class TokenizerError(MlxinferError):
 
 class InvalidOptionError(MlxinferError, ValueError):
     """An option value out of its allowed range."""
+
+
+class ConversionError(MlxinferError):
+    """A conversion that cannot go ahead: output in the way, disk full, tensor type we cannot read."""

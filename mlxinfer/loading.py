@@ -18,6 +18,7 @@ from .models import CausalLM, build_model
 from .tokenizer import Tokenizer, load_tokenizer_from_dir
 
 TOKENIZER_FILES = [
+    "config.json",
     "tokenizer.json",
     "tokenizer_config.json",
     "special_tokens_map.json",
@@ -25,7 +26,7 @@ TOKENIZER_FILES = [
     "chat_template.jinja",
     "chat_template.json",
 ]
-MODEL_FILES = ["config.json", "*.safetensors", "model.safetensors.index.json", *TOKENIZER_FILES]
+MODEL_FILES = ["*.safetensors", "model.safetensors.index.json", *TOKENIZER_FILES]
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 

@@ -153,9 +153,10 @@ class Attention(nn.Module):
         v = self._heads(self.v_proj(x), self.n_kv_heads)
         offset = cache.offset if cache is not None else 0
         q, k = self.rope(q, offset), self.rope(k, offset)
-        if cache is not None:
-            k, v = cache.update_and_fetch(k, v)
-        o = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
+        if cache is None:
+            o = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
+        else:
+            o = cache.attend(q, k, v, self.scale, mask)
         return self.o_proj(o.transpose(0, 2, 1, 3).reshape(B, T, -1))
 
 

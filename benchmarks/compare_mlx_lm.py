@@ -1,0 +1,124 @@
+"""mlxinfer vs mlx-lm on the same checkpoint, prompt and settings, in one process.
+
+Runs the two engines alternately (so drift in machine load hits both), reports
+our/their ratios for prefill and decode tok/s, and the decode roofline: bytes
+read per token (weights + KV cache) divided by the measured memory bandwidth.
+
+    python benchmarks/compare_mlx_lm.py                 # builds a ~50M float32 Llama
+    python benchmarks/compare_mlx_lm.py PATH --repeat 5 # any folder both can load
+
+On Linux, preload OpenBLAS first (see README).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+
+import mlxinfer
+from mlxinfer.bench import Run, memory_bandwidth, random_prompt, run_once, summarize, weight_bytes
+
+LLAMA_50M = dict(
+    hidden_size=512, intermediate_size=1408, num_hidden_layers=8, num_attention_heads=8,
+    num_key_value_heads=8, vocab_size=32000, max_position_embeddings=4096, tie_word_embeddings=False,
+)
+
+
+def build_llama_50m(folder: Path) -> Path:
+    """A random-weight float32 Llama of ~58M parameters (transformers is a bench-only dependency)."""
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", **LLAMA_50M)).float()
+    model.save_pretrained(folder)
+    vocab = {f"t{i}": i for i in range(LLAMA_50M["vocab_size"])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "t1", "bos_token": "t0"}))
+    return folder
+
+
+def run_mlx_lm(model, tokenizer, prompt: list[int], gen_tokens: int) -> Run:
+    import mlx_lm
+    from mlx_lm.sample_utils import make_sampler
+
+    mx.reset_peak_memory()
+    start = time.perf_counter()
+    ttft, last = 0.0, None
+    for r in mlx_lm.stream_generate(model, tokenizer, mx.array(prompt), max_tokens=gen_tokens,
+                                     sampler=make_sampler(0.0)):
+        if not ttft:
+            ttft = time.perf_counter() - start
+        last = r
+    return Run(last.prompt_tps, last.generation_tps, ttft, mx.get_peak_memory())
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("model", nargs="?", help="checkpoint folder (default: build a ~50M float32 Llama)")
+    ap.add_argument("--prompt-tokens", type=int, default=512)
+    ap.add_argument("--gen-tokens", type=int, default=128)
+    ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+
+    import mlx_lm
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(args.model) if args.model else build_llama_50m(Path(tmp))
+        ours, our_tok = mlxinfer.load(path)
+        theirs, their_tok = mlx_lm.load(str(path))
+        prompt = random_prompt(ours.config.vocab_size, args.prompt_tokens)
+        run_once(ours, our_tok, prompt, 8)
+        run_mlx_lm(theirs, their_tok, prompt, 8)
+        our_runs, their_runs = [], []
+        for _ in range(args.repeat):
+            our_runs.append(run_once(ours, our_tok, prompt, args.gen_tokens))
+            their_runs.append(run_mlx_lm(theirs, their_tok, prompt, args.gen_tokens))
+
+    a, b = summarize(our_runs), summarize(their_runs)
+    bandwidth = memory_bandwidth()
+    weights = weight_bytes(ours)
+    cfg = ours.config
+    act_bytes = ours.model.norm.weight.dtype.size
+    kv_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * act_bytes
+    mean_context = args.prompt_tokens + args.gen_tokens / 2
+    bytes_per_token = weights + kv_per_token * mean_context
+    roofline = bandwidth / bytes_per_token
+    result = {
+        "model": str(args.model or "llama-50m-float32 (random)"),
+        "params_m": sum(p.size for _, p in tree_flatten(ours.parameters())) / 1e6,
+        "prompt_tokens": args.prompt_tokens, "gen_tokens": args.gen_tokens, "repeat": args.repeat,
+        "mlxinfer": a.as_dict(), "mlx_lm": b.as_dict(),
+        "prefill_ratio": a.prefill_tps[0] / b.prefill_tps[0],
+        "decode_ratio": a.decode_tps[0] / b.decode_tps[0],
+        "bandwidth_gbs": bandwidth / 1e9, "bytes_per_token_mb": bytes_per_token / 1e6,
+        "roofline_tps": roofline,
+        "mlxinfer_roofline_frac": a.decode_tps[0] / roofline,
+        "mlx_lm_roofline_frac": b.decode_tps[0] / roofline,
+    }
+    if args.json:
+        print(json.dumps(result))
+        return
+    print(f"{result['model']}: {args.prompt_tokens} prompt + {args.gen_tokens} generated, "
+          f"{args.repeat} alternating runs, medians")
+    print(f"{'':14}{'mlxinfer':>12}{'mlx-lm':>12}{'ratio':>9}")
+    print(f"{'prefill tok/s':14}{a.prefill_tps[0]:12.1f}{b.prefill_tps[0]:12.1f}{result['prefill_ratio']:9.3f}")
+    print(f"{'decode tok/s':14}{a.decode_tps[0]:12.1f}{b.decode_tps[0]:12.1f}{result['decode_ratio']:9.3f}")
+    print(f"{'peak MiB':14}{a.peak_memory[0] / 2**20:12.1f}{b.peak_memory[0] / 2**20:12.1f}")
+    print(f"roofline: {bytes_per_token / 1e6:.1f} MB/token at {bandwidth / 1e9:.1f} GB/s = {roofline:.1f} tok/s; "
+          f"mlxinfer {result['mlxinfer_roofline_frac']:.0%}, mlx-lm {result['mlx_lm_roofline_frac']:.0%}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,88 @@
+"""Benchmark harness in the spirit of llama-bench: fixed random prompts, EOS
+ignored, greedy, warm-up excluded, median and spread over repeats."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import asdict, dataclass
+
+import mlx.core as mx
+import numpy as np
+from mlx.utils import tree_flatten
+
+from .generate import stream_generate
+
+
+@dataclass(frozen=True)
+class Run:
+    prefill_tps: float
+    decode_tps: float
+    ttft: float
+    peak_memory: int
+
+
+@dataclass(frozen=True)
+class Summary:
+    """Median and (min, max) of each figure over the repeats."""
+
+    prefill_tps: tuple[float, float, float]
+    decode_tps: tuple[float, float, float]
+    ttft: tuple[float, float, float]
+    peak_memory: tuple[float, float, float]
+    runs: int
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def summarize(runs: list[Run]) -> Summary:
+    def spread(values: list[float]) -> tuple[float, float, float]:
+        return (statistics.median(values), min(values), max(values))
+
+    return Summary(
+        spread([r.prefill_tps for r in runs]),
+        spread([r.decode_tps for r in runs]),
+        spread([r.ttft for r in runs]),
+        spread([float(r.peak_memory) for r in runs]),
+        len(runs),
+    )
+
+
+def random_prompt(vocab_size: int, n: int, seed: int = 0) -> list[int]:
+    return np.random.default_rng(seed).integers(0, vocab_size, n).tolist()
+
+
+def run_once(model, tokenizer, prompt: list[int], gen_tokens: int, **options) -> Run:
+    stats = None
+    for chunk in stream_generate(model, tokenizer, prompt, max_tokens=gen_tokens, ignore_eos=True, **options):
+        stats = chunk.stats
+    return Run(stats.prefill_tps, stats.decode_tps, stats.ttft, stats.peak_memory)
+
+
+def bench(
+    model, tokenizer, prompt_tokens: int = 512, gen_tokens: int = 128, repeat: int = 5, warmup: int = 1, **options
+) -> Summary:
+    prompt = random_prompt(model.config.vocab_size, prompt_tokens)
+    for _ in range(warmup):
+        run_once(model, tokenizer, prompt, min(gen_tokens, 8), **options)
+    return summarize([run_once(model, tokenizer, prompt, gen_tokens, **options) for _ in range(repeat)])
+
+
+def weight_bytes(model) -> int:
+    return sum(p.nbytes for _, p in tree_flatten(model.parameters()))
+
+
+def memory_bandwidth(nbytes: int = 1 << 29, repeat: int = 5) -> float:
+    """Bytes per second a float32 matrix-vector product streams: the operation decode
+    is made of, so its rate is the roofline's denominator."""
+    cols = 4096
+    w = mx.random.normal((nbytes // 4 // cols, cols))
+    x = mx.random.normal((1, cols))
+    mx.eval(w, x)
+    best = float("inf")
+    for _ in range(repeat):
+        t = time.perf_counter()
+        mx.eval(x @ w.T)
+        best = min(best, time.perf_counter() - t)
+    return w.nbytes / best

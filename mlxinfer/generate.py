@@ -1,0 +1,290 @@
+"""The generation loop: prompt → chunked prefill → pipelined decode → streamed text."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import warnings
+from dataclasses import dataclass, field, fields
+from typing import Any, Iterator, Sequence
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+
+from .cache import PromptCache, RotatingKVCache
+from .errors import InvalidOptionError
+from .sample import Sampler, SamplingConfig
+from .tokenizer import Tokenizer
+
+Prompt = str | Sequence[int] | Sequence[dict]
+
+
+@dataclass
+class Stats:
+    """Numbers for one generation; updated as it runs."""
+
+    prompt_tokens: int = 0
+    prefill_tokens: int = 0
+    generated_tokens: int = 0
+    ttft: float = 0.0
+    prefill_tps: float = 0.0
+    decode_tps: float = 0.0
+    peak_memory: int = 0
+    cache_bytes: int = 0
+    finish_reason: str | None = None
+
+
+@dataclass
+class Chunk:
+    text: str
+    token: int | None
+    logprob: float | None
+    finish_reason: str | None
+    stats: Stats
+    top_logprobs: list[tuple[int, float]] | None = None
+    drafted: bool = False
+
+
+@dataclass(frozen=True)
+class GenerationOptions:
+    max_tokens: int = 256
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    max_kv_size: int | None = None
+    kv_bits: int | None = None
+    kv_group_size: int | None = None
+    prefill_step: int = 512
+    logprobs: int = 0
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 0:
+            raise InvalidOptionError(f"max_tokens must be >= 0, got {self.max_tokens}")
+        if self.prefill_step < 1:
+            raise InvalidOptionError(f"prefill_step must be >= 1, got {self.prefill_step}")
+        if self.max_kv_size is not None and self.max_kv_size < 2:
+            raise InvalidOptionError(f"max_kv_size must be >= 2, got {self.max_kv_size}")
+        if any(not s for s in self.stop):
+            raise InvalidOptionError("stop strings must not be empty")
+
+
+def split_options(options: dict[str, Any]) -> tuple[SamplingConfig, GenerationOptions]:
+    """Route keyword options to the sampling and generation configs; reject unknown ones."""
+    sampling = {f.name for f in fields(SamplingConfig)}
+    generation = {f.name for f in fields(GenerationOptions)}
+    unknown = sorted(set(options) - sampling - generation)
+    if unknown:
+        raise InvalidOptionError(f"unknown option '{unknown[0]}'; valid: {', '.join(sorted(sampling | generation))}")
+    gen = {k: v for k, v in options.items() if k in generation}
+    if isinstance(gen.get("stop"), str):
+        gen["stop"] = (gen["stop"],)
+    gen["stop"] = tuple(gen.get("stop") or ())
+    return (
+        SamplingConfig(**{k: v for k, v in options.items() if k in sampling}),
+        GenerationOptions(**gen),
+    )
+
+
+def prompt_tokens(tokenizer: Tokenizer, prompt: Prompt) -> list[int]:
+    """A string, token ids, or chat messages (rendered with the chat template)."""
+    if isinstance(prompt, str):
+        ids = tokenizer.encode(prompt) if prompt else []
+    elif prompt and isinstance(prompt[0], dict):
+        ids = tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True, tokenize=True)
+    else:
+        ids = [int(t) for t in prompt]
+    if not ids:
+        raise InvalidOptionError("the prompt is empty; give some text, token ids or chat messages")
+    return ids
+
+
+def check_context(model, cache: PromptCache, n_prompt: int) -> None:
+    limit = model.config.max_position_embeddings
+    bounded = all(isinstance(c, RotatingKVCache) for c in cache.caches)
+    if n_prompt > limit and not bounded:
+        raise InvalidOptionError(
+            f"the prompt has {n_prompt} tokens but the model's context is {limit}; "
+            "shorten it or pass --max-kv-size to use a rotating cache"
+        )
+
+
+@contextlib.contextmanager
+def wired_limit(model):
+    """On Metal, wire the model's memory so macOS does not page it out mid-generation."""
+    if not mx.metal.is_available():
+        yield
+        return
+    model_bytes = sum(p.nbytes for _, p in tree_flatten(model.parameters()))
+    info = mx.device_info()
+    recommended = info.get("max_recommended_working_set_size", 0)
+    if recommended and model_bytes > 0.9 * recommended:
+        warnings.warn(
+            f"the model needs {model_bytes / 2**30:.1f} GiB, close to the {recommended / 2**30:.1f} GiB this Mac "
+            "recommends for the GPU; generation may be slow. Try a smaller or more quantized model."
+        )
+    previous = mx.set_wired_limit(recommended) if recommended else None
+    try:
+        yield
+    finally:
+        if previous is not None:
+            mx.synchronize()
+            mx.set_wired_limit(previous)
+
+
+class StopMatcher:
+    """Holds back text that might be the start of a stop string, so neither a
+    stop string nor a prefix of one that turns out to be one is ever emitted."""
+
+    def __init__(self, stops: Sequence[str]):
+        self.stops = list(stops)
+        self.pending = ""
+
+    def push(self, text: str) -> tuple[str, bool]:
+        """Returns (text safe to emit, whether a stop string was hit)."""
+        self.pending += text
+        if not self.stops:
+            out, self.pending = self.pending, ""
+            return out, False
+        hits = [i for i in (self.pending.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            out, self.pending = self.pending[: min(hits)], ""
+            return out, True
+        hold = max((n for s in self.stops for n in range(1, len(s)) if self.pending.endswith(s[:n])), default=0)
+        cut = len(self.pending) - hold
+        out, self.pending = self.pending[:cut], self.pending[cut:]
+        return out, False
+
+    def flush(self) -> str:
+        out, self.pending = self.pending, ""
+        return out
+
+
+@dataclass
+class _Step:
+    """One decode step's lazily computed outputs."""
+
+    token: mx.array
+    logprobs: mx.array
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class Generator:
+    """Owns one generation: the cache, sampler and stats."""
+
+    def __init__(self, model, tokenizer: Tokenizer, prompt: Prompt, prompt_cache: PromptCache | None, options):
+        self.model, self.tokenizer = model, tokenizer
+        self.sampling, self.options = split_options(options)
+        self.prompt = prompt_tokens(tokenizer, prompt)
+        o = self.options
+        self.cache = prompt_cache or PromptCache.for_model(
+            model, max_kv_size=o.max_kv_size, kv_bits=o.kv_bits, kv_group_size=o.kv_group_size
+        )
+        check_context(model, self.cache, len(self.prompt))
+        self.sampler = Sampler(self.sampling)
+        self.history = list(self.prompt[-self.sampling.penalty_window :])
+        self.stats = Stats(prompt_tokens=len(self.prompt))
+
+    def forward(self, tokens: Sequence[int] | mx.array) -> mx.array:
+        """Run tokens through the model and the cache; last position's logits."""
+        x = tokens if isinstance(tokens, mx.array) else mx.array(list(tokens))
+        logits = self.model(x[None], cache=self.cache.caches)
+        return logits[:, -1, :]
+
+    def prefill(self, todo: list[int]) -> mx.array:
+        """All but the last prompt token in bounded chunks (only cache state is
+        evaluated, so the LM head never runs on them); logits for the last."""
+        step = self.options.prefill_step
+        body, last = todo[:-1], todo[-1:]
+        for i in range(0, len(body), step):
+            chunk = body[i : i + step]
+            self.forward(chunk)
+            self.cache.feed(chunk)
+            mx.eval([c.keys for c in self.cache.caches])
+        logits = self.forward(last)
+        self.cache.feed(last)
+        return logits
+
+    def sample(self, logits: mx.array) -> _Step:
+        history = None
+        if self.sampling.penalised:
+            history = mx.array(self.history[-self.sampling.penalty_window :])[None]
+        token = self.sampler(logits, history)
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        return _Step(token, logprobs)
+
+    def top_logprobs(self, logprobs: mx.array) -> list[tuple[int, float]] | None:
+        k = self.options.logprobs
+        if not k:
+            return None
+        row = logprobs[0]
+        best = mx.argsort(-row)[:k].tolist()
+        return [(t, row[t].item()) for t in best]
+
+    def run(self) -> Iterator[Chunk]:
+        o, stats = self.options, self.stats
+        detok = self.tokenizer.detokenizer()
+        stop = StopMatcher(o.stop)
+        eos = set() if o.ignore_eos else set(self.tokenizer.eos_token_ids)
+        limit = o.max_tokens
+        if not all(isinstance(c, RotatingKVCache) for c in self.cache.caches):
+            limit = min(limit, self.model.config.max_position_embeddings - len(self.prompt))
+        mx.reset_peak_memory()
+        start = time.perf_counter()
+        todo = self.cache.prepare(self.prompt)
+        stats.prefill_tokens = len(todo)
+        if limit <= 0:
+            stats.finish_reason = "length"
+            yield Chunk("", None, None, "length", stats)
+            return
+        step = self.sample(self.prefill(todo))
+        mx.async_eval(step.token, step.logprobs)
+        n = 0
+        while True:
+            token = int(step.token.item())
+            n += 1
+            if n == 1:
+                stats.ttft = time.perf_counter() - start
+                stats.prefill_tps = len(todo) / stats.ttft
+                first_token_at = time.perf_counter()
+            stopped_by_eos = token in eos
+            done = stopped_by_eos or n >= limit
+            nxt = None
+            if not done:
+                self.history.append(token)
+                nxt = self.sample(self.forward(step.token))
+                self.cache.feed([token])
+                mx.async_eval(nxt.token, nxt.logprobs)
+            text, hit = ("", False) if stopped_by_eos else stop.push(detok.add(token))
+            finish = "stop" if (stopped_by_eos or hit) else ("length" if n >= limit else None)
+            if finish and not hit:
+                text += stop.push(detok.finalize())[0] + stop.flush()
+            stats.generated_tokens = n
+            if n > 1:
+                stats.decode_tps = (n - 1) / max(time.perf_counter() - first_token_at, 1e-9)
+            stats.cache_bytes = self.cache.nbytes
+            stats.peak_memory = mx.get_peak_memory()
+            stats.finish_reason = finish
+            logprob = step.logprobs[0, token].item()
+            yield Chunk(text, token, logprob, finish, stats, self.top_logprobs(step.logprobs))
+            if finish:
+                return
+            step = nxt
+
+
+def stream_generate(
+    model, tokenizer: Tokenizer, prompt: Prompt, prompt_cache: PromptCache | None = None, **options: Any
+) -> Iterator[Chunk]:
+    """Stream a completion chunk by chunk (one chunk per generated token).
+
+    Options: max_tokens, temperature, top_p, top_k, min_p, repetition_penalty,
+    presence_penalty, frequency_penalty, penalty_window, logit_bias, seed, stop,
+    ignore_eos, max_kv_size, kv_bits, kv_group_size, prefill_step, logprobs.
+    Pass a `PromptCache` to reuse the longest common prefix across calls.
+    """
+    gen = Generator(model, tokenizer, prompt, prompt_cache, options)
+    with wired_limit(model):
+        yield from gen.run()
+
+
+def generate(model, tokenizer: Tokenizer, prompt: Prompt, **options: Any) -> str:
+    """The whole completion as one string (same options as `stream_generate`)."""
+    return "".join(chunk.text for chunk in stream_generate(model, tokenizer, prompt, **options))

@@ -1,0 +1,186 @@
+"""The generation loop against oracles: greedy recomputation from full-sequence
+logits (numpy argmax), mlx-lm's greedy generate, explicit sink-window masks."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import mlxinfer
+from mlxinfer.cache import PromptCache, load_prompt_cache, save_prompt_cache
+from mlxinfer.errors import InvalidOptionError
+from mlxinfer.generate import StopMatcher, stream_generate
+
+from test_cache import SinkWindowOracle
+
+
+@pytest.fixture(scope="module")
+def loaded(hf_checkpoint):
+    return mlxinfer.load(hf_checkpoint("llama", head_dim=32), dtype="float32")
+
+
+def tokens_of(chunks) -> list[int]:
+    return [c.token for c in chunks if c.token is not None]
+
+
+def greedy_by_recompute(model, prompt: list[int], n: int, cache_factory=None) -> list[int]:
+    """Recompute the whole sequence's logits at every step; take numpy's argmax."""
+    seq = list(prompt)
+    for _ in range(n):
+        cache = cache_factory() if cache_factory else None
+        logits = np.array(model(mx.array([seq]), cache=cache)[0, -1])
+        seq.append(int(logits.argmax()))
+    return seq[len(prompt):]
+
+
+PROMPT = [5, 17, 99, 250, 3, 42, 7, 300, 12, 8]
+
+
+@pytest.mark.parametrize("opts", [{}, {"max_kv_size": 64}, {"prefill_step": 3}])
+def test_greedy_equals_recomputation(loaded, opts):
+    model, tok = loaded
+    out = tokens_of(stream_generate(model, tok, PROMPT, max_tokens=20, ignore_eos=True, **opts))
+    assert out == greedy_by_recompute(model, PROMPT, 20)
+
+
+@pytest.mark.parametrize("prefill_step", [4, 64])
+def test_greedy_small_window_equals_recomputation_over_kept_tokens(loaded, prefill_step):
+    """max_kv_size=12 keeps 4 sink tokens and a window of the newest 8."""
+    model, tok = loaded
+    out = tokens_of(stream_generate(model, tok, PROMPT, max_tokens=20, ignore_eos=True, max_kv_size=12,
+                                    prefill_step=prefill_step))
+    ref = greedy_by_recompute(model, PROMPT, 20, lambda: [SinkWindowOracle(4, 8) for _ in model.layers])
+    assert out == ref
+
+
+def test_quantized_cache_tokens_and_logprobs_close(loaded):
+    model, tok = loaded
+    f = list(stream_generate(model, tok, PROMPT, max_tokens=10, ignore_eos=True))
+    q = list(stream_generate(model, tok, PROMPT, max_tokens=10, ignore_eos=True, kv_bits=8))
+    assert abs(f[0].logprob - q[0].logprob) < 0.05
+
+
+def test_greedy_equals_mlx_lm(hf_checkpoint, loaded):
+    import mlx_lm
+    from mlx_lm.sample_utils import make_sampler
+
+    model, tok = loaded
+    ref_model, ref_tok = mlx_lm.load(str(hf_checkpoint("llama", head_dim=32)))
+    ref = [r.token for r in mlx_lm.stream_generate(ref_model, ref_tok, mx.array(PROMPT), max_tokens=24,
+                                                   sampler=make_sampler(0.0))]
+    ours = tokens_of(stream_generate(model, tok, PROMPT, max_tokens=24, ignore_eos=True))
+    assert ours[: len(ref)] == ref and len(ref) >= 1
+
+
+def test_text_prompt_chat_prompt_and_stats(loaded):
+    model, tok = loaded
+    chunks = list(stream_generate(model, tok, [{"role": "user", "content": "hello there"}], max_tokens=6,
+                                  ignore_eos=True, logprobs=3))
+    expected_prompt = tok.apply_chat_template([{"role": "user", "content": "hello there"}], tokenize=True)
+    s = chunks[-1].stats
+    assert s.prompt_tokens == len(expected_prompt) == s.prefill_tokens
+    assert s.generated_tokens == 6 and s.finish_reason == "length" and chunks[-1].finish_reason == "length"
+    assert s.ttft > 0 and s.prefill_tps > 0 and s.decode_tps > 0 and s.peak_memory > 0 and s.cache_bytes > 0
+    for c in chunks:
+        assert c.top_logprobs and c.top_logprobs[0][1] >= c.logprob - 1e-6
+    text = mlxinfer.generate(model, tok, "hello there", max_tokens=6, ignore_eos=True)
+    ids = tokens_of(stream_generate(model, tok, "hello there", max_tokens=6, ignore_eos=True))
+    assert text == tok.decode(ids)
+
+
+def test_eos_stops_and_is_not_emitted(loaded):
+    model, tok = loaded
+    free = tokens_of(stream_generate(model, tok, PROMPT, max_tokens=8, ignore_eos=True))
+    eos = free[3]
+    tok.eos_token_ids.insert(0, eos)
+    try:
+        chunks = list(stream_generate(model, tok, PROMPT, max_tokens=8))
+    finally:
+        tok.eos_token_ids.remove(eos)
+    assert chunks[-1].finish_reason == "stop" and chunks[-1].token == eos
+    assert "".join(c.text for c in chunks) == tok.decode(free[:3])
+
+
+def test_stop_string_spanning_tokens(loaded):
+    model, tok = loaded
+    ids = tokens_of(stream_generate(model, tok, PROMPT, max_tokens=16, ignore_eos=True))
+    full = tok.decode(ids)
+    assert len(full) > 6
+    stop = full[3:7]
+    text = mlxinfer.generate(model, tok, PROMPT, max_tokens=16, ignore_eos=True, stop=[stop])
+    assert text == full[: full.index(stop)]
+
+
+def test_stop_matcher_never_emits_a_stop_prefix():
+    m = StopMatcher(["</end>"])
+    out = [m.push(p) for p in ["hello </", "en", "d> tail"]]
+    assert out == [("hello ", False), ("", False), ("", True)]
+    m = StopMatcher(["ab"])
+    assert m.push("xa") == ("x", False) and m.push("c") == ("ac", False)
+
+
+def test_prompt_cache_reuses_prefix_and_matches_fresh(loaded, tmp_path):
+    model, tok = loaded
+    cache = PromptCache.for_model(model)
+    first = list(stream_generate(model, tok, PROMPT, prompt_cache=cache, max_tokens=5, ignore_eos=True))
+    turn2 = PROMPT + tokens_of(first) + [9, 10, 11]
+    second = list(stream_generate(model, tok, turn2, prompt_cache=cache, max_tokens=5, ignore_eos=True))
+    assert second[-1].stats.prefill_tokens == 4  # the last generated token (never fed) + 3 new
+    fresh = tokens_of(stream_generate(model, tok, turn2, max_tokens=5, ignore_eos=True))
+    assert tokens_of(second) == fresh
+    # diverging prompt: trims back to the common prefix
+    third = PROMPT[:6] + [1, 2]
+    out = list(stream_generate(model, tok, third, prompt_cache=cache, max_tokens=5, ignore_eos=True))
+    assert out[-1].stats.prefill_tokens == 2
+    assert tokens_of(out) == tokens_of(stream_generate(model, tok, third, max_tokens=5, ignore_eos=True))
+    # save and load: resume without re-prefill
+    path = tmp_path / "chat.safetensors"
+    save_prompt_cache(path, cache, {"model": "tiny"})
+    loaded_cache = load_prompt_cache(path)
+    assert loaded_cache.tokens == cache.tokens and loaded_cache.metadata["model"] == "tiny"
+    fourth = cache.tokens + [20, 21]
+    a = list(stream_generate(model, tok, fourth, prompt_cache=loaded_cache, max_tokens=5, ignore_eos=True))
+    assert a[-1].stats.prefill_tokens == 2
+    assert tokens_of(a) == tokens_of(stream_generate(model, tok, fourth, max_tokens=5, ignore_eos=True))
+
+
+def test_rotating_prompt_cache_round_trip(loaded, tmp_path):
+    model, tok = loaded
+    cache = PromptCache.for_model(model, max_kv_size=12)
+    list(stream_generate(model, tok, PROMPT * 2, prompt_cache=cache, max_tokens=4, ignore_eos=True))
+    save_prompt_cache(tmp_path / "r.safetensors", cache)
+    again = load_prompt_cache(tmp_path / "r.safetensors")
+    nxt = cache.tokens + [33, 34]
+    a = tokens_of(stream_generate(model, tok, nxt, prompt_cache=cache, max_tokens=6, ignore_eos=True))
+    b = tokens_of(stream_generate(model, tok, nxt, prompt_cache=again, max_tokens=6, ignore_eos=True))
+    assert a == b
+
+
+@pytest.mark.parametrize(
+    "kwargs,fact",
+    [
+        (dict(prompt=""), "empty"),
+        (dict(prompt=[]), "empty"),
+        (dict(prompt=PROMPT, temperature=-1), "temperature"),
+        (dict(prompt=PROMPT, top_p=2.0), "top_p"),
+        (dict(prompt=PROMPT, max_tokens=-1), "max_tokens"),
+        (dict(prompt=PROMPT, bogus=1), "bogus"),
+        (dict(prompt=PROMPT, kv_bits=3), "kv_bits"),
+    ],
+)
+def test_bad_input(loaded, kwargs, fact):
+    model, tok = loaded
+    with pytest.raises(InvalidOptionError) as e:
+        list(stream_generate(model, tok, **kwargs))
+    assert fact in str(e.value) and "\n" not in str(e.value)
+
+
+def test_prompt_longer_than_context(hf_checkpoint):
+    model, tok = mlxinfer.load(hf_checkpoint("llama", max_position_embeddings=16))
+    with pytest.raises(InvalidOptionError) as e:
+        list(stream_generate(model, tok, list(range(1, 30)), max_tokens=2))
+    msg = str(e.value)
+    assert "29" in msg and "16" in msg and "--max-kv-size" in msg
+    out = list(stream_generate(model, tok, list(range(1, 30)), max_tokens=2, max_kv_size=8, ignore_eos=True))
+    assert out[-1].stats.generated_tokens == 2
