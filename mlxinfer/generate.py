@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 import warnings
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from typing import Any, Iterator, Sequence
 
 import mlx.core as mx
@@ -130,6 +131,12 @@ def wired_limit(model):
             mx.set_wired_limit(previous)
 
 
+@functools.cache
+def _generation_stream() -> mx.Stream:
+    """A stream of our own, so generation is not queued behind other work on the default one."""
+    return mx.new_stream(mx.default_device())
+
+
 class StopMatcher:
     """Holds back text that might be the start of a stop string, so neither a
     stop string nor a prefix of one that turns out to be one is ever emitted."""
@@ -164,7 +171,7 @@ class _Step:
 
     token: mx.array
     logprobs: mx.array
-    extra: dict[str, Any] = field(default_factory=dict)
+    logprob: mx.array
 
 
 class Generator:
@@ -180,7 +187,7 @@ class Generator:
         )
         check_context(model, self.cache, len(self.prompt))
         self.sampler = Sampler(self.sampling)
-        self.history = list(self.prompt[-self.sampling.penalty_window :])
+        self.history = mx.array(self.prompt[-self.sampling.penalty_window :])
         self.stats = Stats(prompt_tokens=len(self.prompt))
 
     def forward(self, tokens: Sequence[int] | mx.array) -> mx.array:
@@ -206,10 +213,13 @@ class Generator:
     def sample(self, logits: mx.array) -> _Step:
         history = None
         if self.sampling.penalised:
-            history = mx.array(self.history[-self.sampling.penalty_window :])[None]
+            history = self.history[None]
         token = self.sampler(logits, history)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        return _Step(token, logprobs)
+        chosen = mx.take_along_axis(logprobs, token[:, None], axis=-1)[0, 0]
+        if self.sampling.penalised:
+            self.history = mx.concatenate([self.history, token])[-self.sampling.penalty_window :]
+        return _Step(token, logprobs, chosen)
 
     def top_logprobs(self, logprobs: mx.array) -> list[tuple[int, float]] | None:
         k = self.options.logprobs
@@ -220,6 +230,8 @@ class Generator:
         return [(t, row[t].item()) for t in best]
 
     def run(self) -> Iterator[Chunk]:
+        """Decode pipelined as mlx-lm does: the next step's graph is queued before
+        the current token is read, so the device never waits on Python."""
         o, stats = self.options, self.stats
         detok = self.tokenizer.detokenizer()
         stop = StopMatcher(o.stop)
@@ -236,35 +248,33 @@ class Generator:
             yield Chunk("", None, None, "length", stats)
             return
         step = self.sample(self.prefill(todo))
-        mx.async_eval(step.token, step.logprobs)
-        n = 0
-        while True:
-            token = int(step.token.item())
-            n += 1
-            if n == 1:
-                stats.ttft = time.perf_counter() - start
-                stats.prefill_tps = len(todo) / stats.ttft
-                first_token_at = time.perf_counter()
-            stopped_by_eos = token in eos
-            done = stopped_by_eos or n >= limit
+        mx.async_eval(step.token, step.logprob)
+        first_token_at = 0.0
+        for n in range(1, limit + 1):
             nxt = None
-            if not done:
-                self.history.append(token)
+            if n < limit:
                 nxt = self.sample(self.forward(step.token))
+                mx.async_eval(nxt.token, nxt.logprob)
+            token = int(step.token.item())
+            if nxt is not None:
                 self.cache.feed([token])
-                mx.async_eval(nxt.token, nxt.logprobs)
+            if n == 1:
+                first_token_at = time.perf_counter()
+                stats.ttft = first_token_at - start
+                stats.prefill_tps = len(todo) / stats.ttft
+            else:
+                stats.decode_tps = (n - 1) / max(time.perf_counter() - first_token_at, 1e-9)
+            stopped_by_eos = token in eos
             text, hit = ("", False) if stopped_by_eos else stop.push(detok.add(token))
-            finish = "stop" if (stopped_by_eos or hit) else ("length" if n >= limit else None)
+            finish = "stop" if (stopped_by_eos or hit) else ("length" if n == limit else None)
             if finish and not hit:
                 text += stop.push(detok.finalize())[0] + stop.flush()
             stats.generated_tokens = n
-            if n > 1:
-                stats.decode_tps = (n - 1) / max(time.perf_counter() - first_token_at, 1e-9)
-            stats.cache_bytes = self.cache.nbytes
-            stats.peak_memory = mx.get_peak_memory()
             stats.finish_reason = finish
-            logprob = step.logprobs[0, token].item()
-            yield Chunk(text, token, logprob, finish, stats, self.top_logprobs(step.logprobs))
+            if finish:
+                stats.cache_bytes = self.cache.nbytes
+                stats.peak_memory = mx.get_peak_memory()
+            yield Chunk(text, token, step.logprob.item(), finish, stats, self.top_logprobs(step.logprobs))
             if finish:
                 return
             step = nxt
@@ -281,7 +291,7 @@ def stream_generate(
     Pass a `PromptCache` to reuse the longest common prefix across calls.
     """
     gen = Generator(model, tokenizer, prompt, prompt_cache, options)
-    with wired_limit(model):
+    with wired_limit(model), mx.stream(_generation_stream()):
         yield from gen.run()
 
 

@@ -21,3 +21,39 @@ def test_next_token_example(hf_checkpoint):
 def test_cli_help():
     out = subprocess.run([sys.executable, "-m", "mlxinfer.cli", "--help"], capture_output=True, text=True, check=True)
     assert "On-device LLM inference" in out.stdout
+
+
+def test_stream_example(hf_checkpoint):
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "stream.py"), str(hf_checkpoint("llama")), "hello there"],
+        capture_output=True, text=True, check=True, timeout=120,
+    ).stdout
+    stats = out.strip().splitlines()[-1]
+    assert stats.startswith("[") and "prompt tokens" in stats and "finish:" in stats
+
+
+def test_bench_command_json(hf_checkpoint):
+    import json
+
+    from click.testing import CliRunner
+
+    from mlxinfer.cli import main
+
+    result = CliRunner().invoke(main, ["bench", str(hf_checkpoint("llama")), "--prompt-tokens", "16",
+                                       "--gen-tokens", "4", "--repeat", "2", "--json"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.output)
+    assert data["runs"] == 2 and data["decode_tps"][0] > 0 and data["prefill_tps"][1] <= data["prefill_tps"][2]
+    text = CliRunner().invoke(main, ["bench", str(hf_checkpoint("llama")), "--prompt-tokens", "16",
+                                     "--gen-tokens", "4", "--repeat", "1"])
+    assert text.exit_code == 0 and "decode tok/s" in text.output
+
+
+def test_cli_error_is_one_line(tmp_path):
+    from click.testing import CliRunner
+
+    from mlxinfer.cli import main
+
+    result = CliRunner().invoke(main, ["bench", str(tmp_path)])
+    assert result.exit_code == 1
+    assert result.output.strip().startswith("error:") and len(result.output.strip().splitlines()) == 1

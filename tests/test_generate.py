@@ -184,3 +184,19 @@ def test_prompt_longer_than_context(hf_checkpoint):
     assert "29" in msg and "16" in msg and "--max-kv-size" in msg
     out = list(stream_generate(model, tok, list(range(1, 30)), max_tokens=2, max_kv_size=8, ignore_eos=True))
     assert out[-1].stats.generated_tokens == 2
+
+
+def test_greedy_with_penalties_equals_numpy_recomputation(loaded):
+    model, tok = loaded
+    rep, pres, freq, window = 1.5, 0.3, 0.2, 6
+    seq = list(PROMPT)
+    for _ in range(12):
+        logits = np.array(model(mx.array([seq]))[0, -1], dtype=np.float64)
+        counts = np.bincount(seq[-window:], minlength=logits.size)
+        seen = counts > 0
+        logits[seen] = np.where(logits[seen] > 0, logits[seen] / rep, logits[seen] * rep)
+        logits -= pres * seen + freq * counts
+        seq.append(int(logits.argmax()))
+    out = tokens_of(stream_generate(model, tok, PROMPT, max_tokens=12, ignore_eos=True, repetition_penalty=rep,
+                                    presence_penalty=pres, frequency_penalty=freq, penalty_window=window))
+    assert out == seq[len(PROMPT):]
