@@ -33,6 +33,19 @@ class Stats:
     peak_memory: int = 0
     cache_bytes: int = 0
     finish_reason: str | None = None
+    drafted: int = 0
+    accepted: int = 0
+    rounds: int = 0
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Share of drafted tokens the target accepted (speculative decoding)."""
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def mean_accepted(self) -> float:
+        """Drafted tokens accepted per verification round."""
+        return self.accepted / self.rounds if self.rounds else 0.0
 
 
 @dataclass
@@ -56,8 +69,15 @@ class GenerationOptions:
     kv_group_size: int | None = None
     prefill_step: int = 512
     logprobs: int = 0
+    draft_model: Any = None
+    num_draft_tokens: int = 4
+    prompt_lookup: bool = False
 
     def __post_init__(self) -> None:
+        if self.num_draft_tokens < 1:
+            raise InvalidOptionError(f"num_draft_tokens must be >= 1, got {self.num_draft_tokens}")
+        if self.draft_model is not None and self.prompt_lookup:
+            raise InvalidOptionError("choose one drafter: a draft model or prompt lookup, not both")
         if self.max_tokens < 0:
             raise InvalidOptionError(f"max_tokens must be >= 0, got {self.max_tokens}")
         if self.prefill_step < 1:
@@ -196,18 +216,21 @@ class Generator:
         logits = self.model(x[None], cache=self.cache.caches)
         return logits[:, -1, :]
 
-    def prefill(self, todo: list[int]) -> mx.array:
-        """All but the last prompt token in bounded chunks (only cache state is
-        evaluated, so the LM head never runs on them); logits for the last."""
+    def prefill_body(self, tokens: list[int]) -> None:
+        """Prompt tokens in bounded chunks; only cache state is evaluated, so the
+        LM head never runs on them."""
         step = self.options.prefill_step
-        body, last = todo[:-1], todo[-1:]
-        for i in range(0, len(body), step):
-            chunk = body[i : i + step]
+        for i in range(0, len(tokens), step):
+            chunk = tokens[i : i + step]
             self.forward(chunk)
             self.cache.feed(chunk)
             mx.eval([c.keys for c in self.cache.caches])
-        logits = self.forward(last)
-        self.cache.feed(last)
+
+    def prefill(self, todo: list[int]) -> mx.array:
+        """The whole remaining prompt; logits for its last token."""
+        self.prefill_body(todo[:-1])
+        logits = self.forward(todo[-1:])
+        self.cache.feed(todo[-1:])
         return logits
 
     def sample(self, logits: mx.array) -> _Step:
@@ -225,57 +248,78 @@ class Generator:
         k = self.options.logprobs
         if not k:
             return None
-        row = logprobs[0]
+        row = logprobs.reshape(-1)
         best = mx.argsort(-row)[:k].tolist()
         return [(t, row[t].item()) for t in best]
+
+    @property
+    def limit(self) -> int:
+        """max_tokens, capped by the context a non-rotating cache can hold."""
+        if all(isinstance(c, RotatingKVCache) for c in self.cache.caches):
+            return self.options.max_tokens
+        return min(self.options.max_tokens, self.model.config.max_position_embeddings - len(self.prompt))
+
+    def begin(self) -> list[int]:
+        """Start the clock; the prompt tokens the cache still needs."""
+        o = self.options
+        self.detok = self.tokenizer.detokenizer()
+        self.stop = StopMatcher(o.stop)
+        self.eos = set() if o.ignore_eos else set(self.tokenizer.eos_token_ids)
+        self.generated: list[int] = []
+        mx.reset_peak_memory()
+        self.start = time.perf_counter()
+        todo = self.cache.prepare(self.prompt)
+        self.stats.prefill_tokens = len(todo)
+        return todo
+
+    def emit(self, token: int, logprob: float, logprobs: mx.array, drafted: bool = False) -> Chunk:
+        """One generated token → a chunk: streamed text, stop strings, EOS, limits, stats."""
+        stats = self.stats
+        self.generated.append(token)
+        n = len(self.generated)
+        if n == 1:
+            self.first_token_at = time.perf_counter()
+            stats.ttft = self.first_token_at - self.start
+            stats.prefill_tps = stats.prefill_tokens / stats.ttft
+        else:
+            stats.decode_tps = (n - 1) / max(time.perf_counter() - self.first_token_at, 1e-9)
+        stopped_by_eos = token in self.eos
+        text, hit = ("", False) if stopped_by_eos else self.stop.push(self.detok.add(token))
+        finish = "stop" if (stopped_by_eos or hit) else ("length" if n >= self.limit else None)
+        if finish and not hit:
+            text += self.stop.push(self.detok.finalize())[0] + self.stop.flush()
+        stats.generated_tokens = n
+        stats.finish_reason = finish
+        if finish:
+            stats.cache_bytes = self.cache.nbytes
+            stats.peak_memory = mx.get_peak_memory()
+        return Chunk(text, token, logprob, finish, stats, self.top_logprobs(logprobs), drafted)
+
+    def emit_nothing(self) -> Chunk:
+        """The only chunk when no token may be generated (max_tokens=0 or a full context)."""
+        self.stats.finish_reason = "length"
+        return Chunk("", None, None, "length", self.stats)
 
     def run(self) -> Iterator[Chunk]:
         """Decode pipelined as mlx-lm does: the next step's graph is queued before
         the current token is read, so the device never waits on Python."""
-        o, stats = self.options, self.stats
-        detok = self.tokenizer.detokenizer()
-        stop = StopMatcher(o.stop)
-        eos = set() if o.ignore_eos else set(self.tokenizer.eos_token_ids)
-        limit = o.max_tokens
-        if not all(isinstance(c, RotatingKVCache) for c in self.cache.caches):
-            limit = min(limit, self.model.config.max_position_embeddings - len(self.prompt))
-        mx.reset_peak_memory()
-        start = time.perf_counter()
-        todo = self.cache.prepare(self.prompt)
-        stats.prefill_tokens = len(todo)
-        if limit <= 0:
-            stats.finish_reason = "length"
-            yield Chunk("", None, None, "length", stats)
+        todo = self.begin()
+        if self.limit <= 0:
+            yield self.emit_nothing()
             return
         step = self.sample(self.prefill(todo))
         mx.async_eval(step.token, step.logprob)
-        first_token_at = 0.0
-        for n in range(1, limit + 1):
+        while True:
             nxt = None
-            if n < limit:
+            if len(self.generated) + 1 < self.limit:
                 nxt = self.sample(self.forward(step.token))
                 mx.async_eval(nxt.token, nxt.logprob)
             token = int(step.token.item())
             if nxt is not None:
                 self.cache.feed([token])
-            if n == 1:
-                first_token_at = time.perf_counter()
-                stats.ttft = first_token_at - start
-                stats.prefill_tps = len(todo) / stats.ttft
-            else:
-                stats.decode_tps = (n - 1) / max(time.perf_counter() - first_token_at, 1e-9)
-            stopped_by_eos = token in eos
-            text, hit = ("", False) if stopped_by_eos else stop.push(detok.add(token))
-            finish = "stop" if (stopped_by_eos or hit) else ("length" if n == limit else None)
-            if finish and not hit:
-                text += stop.push(detok.finalize())[0] + stop.flush()
-            stats.generated_tokens = n
-            stats.finish_reason = finish
-            if finish:
-                stats.cache_bytes = self.cache.nbytes
-                stats.peak_memory = mx.get_peak_memory()
-            yield Chunk(text, token, step.logprob.item(), finish, stats, self.top_logprobs(step.logprobs))
-            if finish:
+            chunk = self.emit(token, step.logprob.item(), step.logprobs)
+            yield chunk
+            if chunk.finish_reason:
                 return
             step = nxt
 
@@ -287,12 +331,18 @@ def stream_generate(
 
     Options: max_tokens, temperature, top_p, top_k, min_p, repetition_penalty,
     presence_penalty, frequency_penalty, penalty_window, logit_bias, seed, stop,
-    ignore_eos, max_kv_size, kv_bits, kv_group_size, prefill_step, logprobs.
+    ignore_eos, max_kv_size, kv_bits, kv_group_size, prefill_step, logprobs, and
+    for speculative decoding draft_model, num_draft_tokens, prompt_lookup.
     Pass a `PromptCache` to reuse the longest common prefix across calls.
     """
     gen = Generator(model, tokenizer, prompt, prompt_cache, options)
     with wired_limit(model), mx.stream(_generation_stream()):
-        yield from gen.run()
+        if gen.options.draft_model is not None or gen.options.prompt_lookup:
+            from .speculative import speculative_run
+
+            yield from speculative_run(gen)
+        else:
+            yield from gen.run()
 
 
 def generate(model, tokenizer: Tokenizer, prompt: Prompt, **options: Any) -> str:
