@@ -35,3 +35,7 @@ class InvalidOptionError(MlxinferError, ValueError):
 
 class ConversionError(MlxinferError):
     """A conversion that cannot go ahead: output in the way, disk full, tensor type we cannot read."""
+
+
+class SessionFileError(MlxinferError):
+    """A saved chat session that cannot be written or read back."""

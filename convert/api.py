@@ -1,0 +1,125 @@
+"""`convert.convert`: any supported checkpoint in, an MLX (optionally quantized) folder out."""
+
+from __future__ import annotations
+
+import os
+import resource
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import mlx.core as mx
+
+from mlxinfer.loading import check_weights
+from mlxinfer.models import build_model
+
+from . import perplexity
+from .plan import Job, parameter_count, plan, quantization_config
+from .quantize import Options, dtype_name
+from .report import Progress, Report
+from .sources import Source, open_source
+from .writer import (
+    INDEX_FILE,
+    check_not_source,
+    check_output,
+    check_space,
+    folder_size,
+    index,
+    staged,
+    verify,
+    write_json,
+    write_weights,
+)
+
+_DROP_KEYS = ("quantization", "quantization_config", "_name_or_path")
+
+
+def convert(
+    source: str | os.PathLike,
+    output_dir: str | os.PathLike,
+    *,
+    quantize: bool = False,
+    bits: int = 4,
+    group_size: int = 64,
+    recipe: str | None = None,
+    dtype: str | None = None,
+    dequantize: bool = False,
+    force: bool = False,
+    shard_size: int = 5 << 30,
+    eval_ppl: str | os.PathLike | None = None,
+    revision: str | None = None,
+    progress: bool | None = None,
+) -> Report:
+    """Convert a Hugging Face folder or hub id, an MLX folder or a GGUF file into an MLX folder
+    that mlxinfer and mlx-lm both load.
+
+    Without `quantize`/`recipe` every tensor keeps its source precision (GGUF K-quants become
+    the nearest MLX width); with them, layers are quantized at `bits`/`group_size` or by the
+    recipe. `dequantize` writes floats. Nothing is written unless the whole conversion succeeds;
+    `progress` (default: stderr is a TTY) shows a bar.
+    """
+    options = Options(quantize, bits, group_size, recipe, dtype, dequantize, shard_size)
+    output = Path(output_dir).expanduser()
+    started = time.perf_counter()
+    mx.reset_peak_memory()
+    check_output(output, force)
+    text = perplexity.read_text(eval_ppl) if eval_ppl is not None else None
+    src = open_source(source, revision)
+    try:
+        check_not_source(output, src.location)
+        model = build_model(src.config)
+        check_weights(model, src.tensors, src.origin, src.location)
+        jobs = plan(model, src, options)
+        total = sum(job.nbytes for job in jobs)
+        check_space(output, total)
+        bar = Progress(len(jobs), total, progress)
+        with staged(output) as tmp:
+            try:
+                weight_map = write_weights(tmp, jobs, options.shard_size, bar.advance)
+            finally:
+                bar.close()
+            write_json(tmp / INDEX_FILE, index(jobs, weight_map, parameter_count(jobs)))
+            src.write_extras(tmp)
+            write_json(tmp / "config.json", output_config(src, jobs, options))
+            verify(tmp, jobs, weight_map)
+        report = _report(str(source), src, output, jobs, len(set(weight_map.values())), started)
+        if text is not None:
+            report.perplexity = perplexity.compare(src, output, text)
+        return report
+    finally:
+        src.close()
+
+
+def output_config(source: Source, jobs: list[Job], options: Options) -> dict:
+    """The source's config.json with its quantization replaced, keys sorted as mlx-lm saves them."""
+    config = {k: v for k, v in source.config.items() if k not in _DROP_KEYS}
+    floats = dtype_name(options.float_dtype(source.dtype))
+    for key in ("torch_dtype", "dtype"):
+        if key in config:
+            config[key] = floats
+    quant = quantization_config(jobs, options)
+    if quant:
+        config["quantization"] = config["quantization_config"] = quant
+    return dict(sorted(config.items()))
+
+
+def _report(name: str, src: Source, output: Path, jobs: list[Job], n_shards: int, started: float) -> Report:
+    kept = {job.path: job.kept_float for job in jobs if job.kept_float}
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+    return Report(
+        source=name,
+        source_kind=src.kind,
+        output=output,
+        source_bytes=src.nbytes,
+        output_bytes=folder_size(output),
+        weight_bytes=sum(job.nbytes for job in jobs),
+        parameters=parameter_count(jobs),
+        precisions=Counter(job.precision for job in jobs),
+        kept_float=kept,
+        shards=n_shards,
+        seconds=time.perf_counter() - started,
+        peak_memory=mx.get_peak_memory(),
+        peak_rss=rss,
+        source_precisions=Counter(job.source.stored for job in jobs),
+    )

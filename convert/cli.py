@@ -1,0 +1,62 @@
+"""`mlxinfer convert`: the command-line face of `convert.convert`."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import click
+
+from mlxinfer.errors import InvalidOptionError
+
+from .api import convert
+from .quantize import BITS, DTYPES, GROUP_SIZES, RECIPES
+
+_UNITS = {"": 1, "B": 1, "KB": 1 << 10, "MB": 1 << 20, "GB": 1 << 30}
+_SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([KMG]?B?)\s*", re.IGNORECASE)
+
+
+def parse_size(text: str) -> int:
+    """'5GB', '500MB', '1.5gb' or a byte count; units are binary, as mlx-lm's shard limit is."""
+    match = _SIZE.fullmatch(text)
+    if not match:
+        raise InvalidOptionError(f"--shard-size '{text}' is not a size; write e.g. 5GB, 500MB or a byte count")
+    number, unit = match.groups()
+    return int(float(number) * _UNITS[unit.upper()])
+
+
+def _choices(values) -> str:
+    return "|".join(str(v) for v in values)
+
+
+@click.command("convert")
+@click.argument("source")
+@click.option("-o", "--output", required=True, type=click.Path(path_type=Path), help="Folder to write.")
+@click.option("-q", "--quantize", is_flag=True, help="Quantize (implied by --bits, --group-size, --recipe).")
+@click.option("--bits", type=int, help=f"Bits per weight ({_choices(BITS)}; default 4).")
+@click.option("--group-size", type=int, help=f"Weights per scale/bias ({_choices(GROUP_SIZES)}; default 64).")
+@click.option("--recipe", help=f"Mixed precision: {_choices(RECIPES)}.")
+@click.option("--dtype", help=f"Float type of unquantized tensors and scales ({_choices(DTYPES)}).")
+@click.option("--dequantize", is_flag=True, help="Write floats from a quantized source.")
+@click.option("--force", is_flag=True, help="Replace a non-empty output folder.")
+@click.option("--shard-size", default="5GB", show_default=True, help="Largest safetensors file.")
+@click.option("--eval-ppl", type=click.Path(path_type=Path), help="Text file: compare perplexity with the source.")
+@click.option("--revision", help="Hub revision (branch, tag or commit) for a hub id.")
+def convert_command(source, output, quantize, bits, group_size, recipe, dtype, dequantize, force, shard_size,
+                    eval_ppl, revision) -> None:
+    """Convert SOURCE (Hugging Face/MLX folder, hub id or .gguf file) into an MLX folder."""
+    report = convert(
+        source,
+        output,
+        quantize=quantize or any(v is not None for v in (bits, group_size, recipe)),
+        bits=4 if bits is None else bits,
+        group_size=64 if group_size is None else group_size,
+        recipe=recipe,
+        dtype=dtype,
+        dequantize=dequantize,
+        force=force,
+        shard_size=parse_size(shard_size),
+        eval_ppl=eval_ppl,
+        revision=revision,
+    )
+    click.echo("\n".join(report.lines()))

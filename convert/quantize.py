@@ -1,0 +1,119 @@
+"""What precision each tensor gets: uniform affine quantization, mixed recipes, or none.
+
+The recipes follow mlx-lm's `mixed_*` predicates (llama.cpp's Q4_K_M idea): the
+tensors the output is most sensitive to keep more bits.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from mlxinfer.errors import InvalidOptionError
+from mlxinfer.loading import parse_dtype
+
+BITS = (2, 3, 4, 5, 6, 8)
+GROUP_SIZES = (32, 64, 128)
+DTYPES = ("float16", "bfloat16", "float32")
+_LAYER = re.compile(r"\.layers\.(\d+)\.")
+
+
+@dataclass(frozen=True)
+class QuantSpec:
+    """MLX affine quantization of one layer: `bits` per weight, one scale and bias per `group_size`."""
+
+    bits: int
+    group_size: int
+
+    def as_config(self) -> dict[str, int | str]:
+        """The per-layer entry mlx-lm writes into config.json."""
+        return {"group_size": self.group_size, "bits": self.bits, "mode": "affine"}
+
+    def packed_shape(self, shape: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """Shapes of the packed uint32 weight and of its scales (= biases) for a float `shape`."""
+        *rows, cols = shape
+        return (*rows, cols * self.bits // 32), (*rows, cols // self.group_size)
+
+    def fits(self, shape: tuple[int, ...]) -> bool:
+        return shape[-1] % self.group_size == 0
+
+    def __str__(self) -> str:
+        return f"{self.bits}-bit g{self.group_size}"
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """Mixed precision: `high` bits for the embedding, LM head and the sensitive v/down projections."""
+
+    low: int
+    high: int
+
+    def bits(self, path: str, num_layers: int) -> int:
+        if "embed_tokens" in path or "lm_head" in path:
+            return self.high
+        if ("v_proj" in path or "down_proj" in path) and sensitive_layer(path, num_layers):
+            return self.high
+        return self.low
+
+
+RECIPES = {"mixed-3-6": Recipe(3, 6), "mixed-4-6": Recipe(4, 6), "mixed-4-8": Recipe(4, 8)}
+
+
+def sensitive_layer(path: str, num_layers: int) -> bool:
+    """The first and last eighth of the layers and every third one between (mlx-lm's rule)."""
+    match = _LAYER.search(path)
+    index = int(match.group(1)) if match else 0
+    eighth = num_layers // 8
+    return index < eighth or index >= 7 * num_layers // 8 or (index - eighth) % 3 == 2
+
+
+@dataclass(frozen=True)
+class Options:
+    """Validated conversion settings."""
+
+    quantize: bool = False
+    bits: int = 4
+    group_size: int = 64
+    recipe: str | None = None
+    dtype: str | None = None
+    dequantize: bool = False
+    shard_size: int = 5 << 30
+
+    def __post_init__(self) -> None:
+        if self.bits not in BITS:
+            raise InvalidOptionError(f"--bits {self.bits} is not supported by MLX; choose one of {_list(BITS)}")
+        if self.group_size not in GROUP_SIZES:
+            raise InvalidOptionError(
+                f"--group-size {self.group_size} is not supported by MLX; choose one of {_list(GROUP_SIZES)}"
+            )
+        if self.recipe is not None and self.recipe not in RECIPES:
+            raise InvalidOptionError(f"unknown recipe '{self.recipe}'; choose one of {_list(RECIPES)}")
+        parse_dtype(self.dtype)
+        if self.dequantize and (self.quantize or self.recipe):
+            raise InvalidOptionError("--dequantize cannot be combined with -q/--recipe; choose one")
+        if self.shard_size <= 0:
+            raise InvalidOptionError(f"--shard-size must be positive, got {self.shard_size} bytes")
+
+    @property
+    def quantizing(self) -> bool:
+        return self.quantize or self.recipe is not None
+
+    def target(self, path: str, num_layers: int) -> QuantSpec:
+        """The precision a quantizable layer at `path` should get when quantizing."""
+        bits = RECIPES[self.recipe].bits(path, num_layers) if self.recipe else self.bits
+        return QuantSpec(bits, self.group_size)
+
+    def float_dtype(self, default: mx.Dtype) -> mx.Dtype:
+        """--dtype when given, else the source's own float dtype."""
+        return parse_dtype(self.dtype) or default
+
+
+def dtype_name(dtype: mx.Dtype) -> str:
+    """'float16' for mx.float16, as config.json and the report spell it."""
+    return str(dtype).removeprefix("mlx.core.")
+
+
+def _list(values) -> str:
+    return ", ".join(str(v) for v in values)

@@ -1,0 +1,155 @@
+"""What a conversion reads: a Hugging Face or MLX folder (local or hub id) or a GGUF file,
+presented as one `Source` whose tensors carry Hugging Face names and load one at a time."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+
+from mlxinfer.errors import ConversionError, ModelNotFoundError
+from mlxinfer.loading import (
+    TOKENIZER_FILES,
+    _quant_params,
+    read_config,
+    read_weights,
+    resolve,
+    weight_files,
+)
+from mlxinfer.models import build_model
+
+from .gguf_file import MAGIC, Packed
+from .quantize import DTYPES, QuantSpec, dtype_name
+
+Tensor = mx.array | Packed
+PACKED = ("weight", "scales", "biases")
+
+
+@dataclass(frozen=True)
+class SourceTensor:
+    """One parameter of the source under its Hugging Face name; `read` loads it afresh each call,
+    so nothing stays in memory after the caller drops the result."""
+
+    name: str
+    shape: tuple[int, ...]  # the float (unquantized) shape
+    stored: str  # how the source holds it, for the report: "float16", "Q4_1", "4-bit g64"
+    precision: QuantSpec | None  # the MLX quantization that best keeps the source's own; None for floats
+    read: Callable[[], Tensor]
+
+
+@dataclass
+class Source:
+    kind: str  # "Hugging Face folder", "MLX folder" or "GGUF file"
+    location: Path
+    config: dict[str, Any]  # config.json contents, without any quantization entries
+    tensors: dict[str, SourceTensor]
+    origin: dict[str, str]  # tensor name -> file it is stored in, for error messages
+    dtype: mx.Dtype  # the float dtype the source is in; the output keeps it unless --dtype says otherwise
+    nbytes: int  # size of the weights on disk
+    write_extras: Callable[[Path], None]  # tokenizer, chat template and generation settings
+    close: Callable[[], None] = lambda: None
+
+
+def open_source(source: str | os.PathLike, revision: str | None = None) -> Source:
+    path = Path(source).expanduser()
+    if path.is_file():
+        if not is_gguf(path):
+            raise ModelNotFoundError(
+                f"'{source}' is a file but not a GGUF file; pass a model folder, a hub id or a .gguf file"
+            )
+        from .gguf_source import open_gguf
+
+        return open_gguf(path)
+    if path.suffix == ".gguf":
+        raise ModelNotFoundError(f"no GGUF file at '{source}'; check the path")
+    return open_folder(resolve(source, revision))
+
+
+def is_gguf(path: Path) -> bool:
+    with open(path, "rb") as f:
+        return f.read(4) == MAGIC
+
+
+def open_folder(folder: Path) -> Source:
+    """A Hugging Face checkpoint or an MLX one (quantized layers are read as `Packed`)."""
+    config = read_config(folder)
+    quant = config.get("quantization") or {}
+    if config.get("quantization_config") and not quant:
+        method = config["quantization_config"].get("quant_method", "an unknown method")
+        raise ConversionError(
+            f"'{folder}' is quantized with {method}, which cannot be converted; use the unquantized original"
+        )
+    files = weight_files(folder)
+    stored, origin = read_weights(files)  # lazy: only shapes and dtypes are looked at here
+    model = build_model(config)
+    stored = model.sanitize(stored)
+    params = dict(tree_flatten(model.parameters()))
+    modules = dict(model.named_modules())
+    tensors: dict[str, SourceTensor] = {}
+    for name, array in stored.items():
+        path, _, leaf = name.rpartition(".")
+        if f"{path}.scales" not in stored:
+            file = folder / origin[name]
+            read = partial(_lazy, file, name)
+            tensors[name] = SourceTensor(name, tuple(array.shape), dtype_name(array.dtype), None, read)
+        elif leaf == "weight":
+            spec = _packed_spec(path, modules[path], quant, stored)
+            read = partial(_lazy_packed, {p: folder / origin[f"{path}.{p}"] for p in PACKED}, path, spec)
+            tensors[name] = SourceTensor(name, tuple(params[name].shape), str(spec), spec, read)
+    return Source(
+        kind="MLX folder" if quant else "Hugging Face folder",
+        location=folder,
+        config={k: v for k, v in config.items() if k not in ("quantization", "quantization_config")},
+        tensors=tensors,
+        origin=origin,
+        dtype=_folder_dtype(config, stored),
+        nbytes=sum(f.stat().st_size for f in files),
+        write_extras=partial(copy_tokenizer_files, folder),
+    )
+
+
+def _packed_spec(path: str, module: nn.Module, quant: dict[str, Any], stored: dict[str, mx.array]) -> QuantSpec:
+    """A quantized layer's settings: config.json's per-layer entry, else read off the tensor shapes."""
+    params = quant.get(path) or _quant_params(path, module, stored)
+    mode = params.get("mode", quant.get("mode", "affine"))
+    if mode != "affine":
+        raise ConversionError(f"layer '{path}' uses {mode} quantization; only affine MLX checkpoints can be converted")
+    return QuantSpec(params["bits"], params["group_size"])
+
+
+def _lazy_packed(files: dict[str, Path], path: str, spec: QuantSpec) -> Packed:
+    return Packed(*(_lazy(files[p], f"{path}.{p}") for p in PACKED), spec)
+
+
+def _lazy(file: Path, name: str) -> mx.array:
+    """A fresh lazily loaded tensor: once evaluated and dropped, its memory is freed again."""
+    return mx.load(str(file))[name]
+
+
+def _folder_dtype(config: dict[str, Any], shapes: dict[str, mx.array]) -> mx.Dtype:
+    """config.json's torch_dtype/dtype when it names a float type (mlx-lm casts to it too),
+    else the float dtype holding most of the values."""
+    named = config.get("torch_dtype") or config.get("dtype")
+    if named in DTYPES:
+        return getattr(mx, named)
+    sizes = Counter()
+    for array in shapes.values():
+        if mx.issubdtype(array.dtype, mx.floating):
+            sizes[array.dtype] += array.size
+    return sizes.most_common(1)[0][0] if sizes else mx.float16
+
+
+def copy_tokenizer_files(folder: Path, out: Path) -> None:
+    """The tokenizer, chat template and generation settings, as mlx-lm's converter copies them."""
+    for name in TOKENIZER_FILES:
+        if name != "config.json" and (folder / name).is_file():
+            shutil.copyfile(folder / name, out / name)
