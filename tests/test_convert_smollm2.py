@@ -132,8 +132,9 @@ def test_mlx_lm_loads_it_with_the_same_logits(smollm2):
     theirs, _ = mlx_lm.load(str(out))
     theirs.update(tree_map(lambda p: p.astype(mx.float32) if p.dtype == mx.float16 else p, theirs.parameters()))
     ours, _ = mlxinfer.load(out, dtype="float32")
-    # 8 rows take our CPU dequantize-then-BLAS path: float32 sums reassociate over 30 layers.
-    np.testing.assert_allclose(np.array(ours(ids)), np.array(theirs(ids)), atol=1e-4, rtol=2e-5)
+    # 8 rows take our CPU dequantize-then-BLAS path: float32 sums reassociate over 30 layers
+    # (logits span about 40; the largest difference seen is 1.7e-4).
+    np.testing.assert_allclose(np.array(ours(ids)), np.array(theirs(ids)), atol=5e-4, rtol=0)
 
 
 @pytest.mark.skipif(not SHARED.is_dir(), reason="../shared (real tokenizer fixtures) is not available")
