@@ -73,16 +73,21 @@ def weight_bytes(model) -> int:
     return sum(p.nbytes for _, p in tree_flatten(model.parameters()))
 
 
-def memory_bandwidth(nbytes: int = 1 << 29, repeat: int = 5) -> float:
-    """Bytes per second a float32 matrix-vector product streams: the operation decode
-    is made of, so its rate is the roofline's denominator."""
-    cols = 4096
-    w = mx.random.normal((nbytes // 4 // cols, cols))
+def _matvec_rate(rows: int, cols: int, count: int, repeat: int) -> float:
+    ws = [mx.random.normal((rows, cols)) for _ in range(count)]
     x = mx.random.normal((1, cols))
-    mx.eval(w, x)
+    mx.eval(ws, x)
     best = float("inf")
     for _ in range(repeat):
         t = time.perf_counter()
-        mx.eval(x @ w.T)
+        mx.eval([x @ w.T for w in ws])
         best = min(best, time.perf_counter() - t)
-    return w.nbytes / best
+    return sum(w.nbytes for w in ws) / best
+
+
+def memory_bandwidth(repeat: int = 5) -> float:
+    """Bytes per second streamed by float32 matrix-vector products (the operation
+    decode is made of), best over shapes from 1 MB to 512 MB, 256 MB in all or
+    more so caches cannot hold them: the roofline's denominator."""
+    shapes = [(32768, 4096, 1), (4096, 4096, 4), (2048, 2048, 16), (1024, 1024, 64)]
+    return max(_matvec_rate(rows, cols, count, repeat) for rows, cols, count in shapes)
