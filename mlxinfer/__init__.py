@@ -1,6 +1,7 @@
 """mlxinfer: on-device LLM inference on Apple Silicon, built on MLX."""
 
 from .cache import PromptCache, load_prompt_cache, make_cache, save_prompt_cache
+from .chat import ChatSession
 from .errors import MlxinferError
 from .generate import Chunk, Stats, generate, stream_generate
 from .loading import load, load_tokenizer
@@ -8,6 +9,7 @@ from .sample import SamplingConfig
 
 __version__ = "0.1.0"
 __all__ = [
+    "ChatSession",
     "Chunk",
     "MlxinferError",
     "PromptCache",

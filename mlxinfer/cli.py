@@ -2,29 +2,256 @@
 
 from __future__ import annotations
 
+import json
 import sys
+import traceback
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
 
 import click
 
 from . import __version__
-from .errors import MlxinferError
+from .errors import InvalidOptionError, MlxinferError
 
 
 class Group(click.Group):
-    """Turns any MlxinferError raised by a command into one line on stderr and exit code 1."""
+    """Turns any MlxinferError raised by a command into one line on stderr and exit code 1
+    (with the traceback first under --verbose)."""
 
     def invoke(self, ctx: click.Context):
         try:
             return super().invoke(ctx)
         except MlxinferError as e:
+            if ctx.obj:
+                traceback.print_exc()
             click.echo(f"error: {e}", err=True)
             sys.exit(1)
 
 
 @click.group(cls=Group)
 @click.version_option(__version__, prog_name="mlxinfer")
-def main() -> None:
+@click.option("--verbose", is_flag=True, help="Show the traceback of an error, not just its one-line message.")
+@click.pass_context
+def main(ctx: click.Context, verbose: bool) -> None:
     """On-device LLM inference for Apple Silicon, built on MLX."""
+    ctx.obj = verbose
+
+
+MODEL_HELP = "Local folder, hub id, .gguf file or a name from `mlxinfer models` (default: the demo model)."
+MODEL_OPTIONS = [
+    click.option("--model", "-m", help=MODEL_HELP),
+    click.option("--dtype", type=click.Choice(["float16", "bfloat16", "float32"]),
+                 help="Compute dtype (default: as stored; half precision becomes float32 off Apple GPUs)."),
+]
+GENERATION_OPTIONS = [
+    *MODEL_OPTIONS,
+    click.option("--draft-model", help="A small model of the same family that drafts tokens (speculative decoding)."),
+    click.option("--prompt-lookup", is_flag=True, help="Draft tokens by copying from the context (no draft model)."),
+    click.option("--num-draft-tokens", type=int, help="Most tokens drafted per step."),
+    click.option("--system", help="System prompt."),
+    click.option("--temp", type=float, default=0.3, show_default=True, help="Temperature (0: greedy)."),
+    click.option("--top-p", type=float, default=0.9, show_default=True, help="Nucleus sampling mass."),
+    click.option("--top-k", type=int, default=0, show_default=True, help="Keep the K most likely tokens (0: off)."),
+    click.option("--min-p", type=float, default=0.0, show_default=True, help="Drop tokens below MIN_P x the top one."),
+    click.option("--seed", type=int, help="Random seed, for repeatable sampling."),
+    click.option("--max-kv-size", type=int, help="Rotating KV cache of this many tokens: memory stays flat."),
+    click.option("--kv-bits", type=click.Choice(["4", "8"]), help="Quantize the KV cache."),
+    click.option("--max-tokens", type=int, default=512, show_default=True, help="Longest reply, in tokens."),
+]
+# CLI parameter -> stream_generate option
+OPTION_NAMES = {
+    "temp": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p", "seed": "seed",
+    "max_kv_size": "max_kv_size", "max_tokens": "max_tokens", "num_draft_tokens": "num_draft_tokens",
+}
+
+
+def with_options(options: list[Callable]) -> Callable:
+    def decorate(f: Callable) -> Callable:
+        for option in reversed(options):
+            f = option(f)
+        return f
+
+    return decorate
+
+
+@dataclass(frozen=True)
+class Run:
+    """What the generation options of `chat` and `generate` ask for."""
+
+    model: str | None
+    dtype: str | None
+    draft_model: str | None
+    system: str | None
+    options: dict[str, Any]
+
+    @classmethod
+    def from_params(cls, params: dict[str, Any]) -> Run:
+        options = {name: params[key] for key, name in OPTION_NAMES.items() if params.get(key) is not None}
+        if params.get("kv_bits"):
+            options["kv_bits"] = int(params["kv_bits"])
+        if params.get("prompt_lookup"):
+            options["prompt_lookup"] = True
+        return cls(params["model"], params["dtype"], params["draft_model"], params["system"], options)
+
+    def load(self):
+        """(model, tokenizer, where it came from, draft model or None)."""
+        from .store import open_model
+
+        model, tokenizer, where = open_model(self.model, self.dtype)
+        draft = open_model(self.draft_model, self.dtype)[0] if self.draft_model else None
+        return model, tokenizer, where, draft
+
+
+@main.command()
+@with_options(GENERATION_OPTIONS)
+@click.pass_obj
+def chat(verbose: bool, **params) -> None:
+    """Chat with a model in the terminal (multi-turn, streaming, /help for commands)."""
+    from .chat import ChatSession
+    from .repl import run_repl
+    from .store import home
+    from .terminal import use_color
+
+    run = Run.from_params(params)
+    model, tokenizer, where, draft = run.load()
+    session = ChatSession(model, tokenizer, system=run.system, draft_model=draft, **run.options)
+    click.echo(f"mlxinfer chat: {model_name(where)}", err=True)
+    run_repl(session, home() / "chat_history", color=use_color(sys.stdout), verbose=verbose)
+
+
+def model_name(where: Path | str) -> str:
+    """A folder's name, or the hub id."""
+    return where.name if isinstance(where, Path) else where
+
+
+def chat_prompt(tokenizer, text: str, system: str | None, raw: bool) -> str | list[dict]:
+    """Chat messages for the template, or the text as it is with --raw (or no template)."""
+    if raw or tokenizer.chat_template is None:
+        if system:
+            raise InvalidOptionError("--system needs the model's chat template; drop --raw or --system")
+        return text
+    return ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
+
+
+@main.command()
+@with_options(GENERATION_OPTIONS)
+@click.option("--prompt", "-p", required=True, help="The prompt; - reads it from stdin.")
+@click.option("--raw", is_flag=True, help="Send the prompt as it is, without the chat template.")
+@click.option("--json", "as_json", is_flag=True, help="Print the text and stats as one JSON object.")
+@click.option("--no-stream", is_flag=True, help="Print the text once it is complete.")
+def generate(prompt: str, raw: bool, as_json: bool, no_stream: bool, **params) -> None:
+    """Complete one prompt: text on stdout (streamed), stats on stderr."""
+    from .generate import stream_generate
+    from .terminal import stats_line
+
+    run = Run.from_params(params)
+    text = sys.stdin.read().rstrip("\n") if prompt == "-" else prompt
+    if not text.strip():
+        raise InvalidOptionError("the prompt is empty; pass --prompt TEXT, or --prompt - and text on stdin")
+    model, tokenizer, where, draft = run.load()
+    options = {**run.options, "draft_model": draft} if draft else run.options
+    stream = not (no_stream or as_json)
+    pieces, stats = [], None
+    for chunk in stream_generate(model, tokenizer, chat_prompt(tokenizer, text, run.system, raw), **options):
+        pieces.append(chunk.text)
+        stats = chunk.stats
+        if stream:
+            click.echo(chunk.text, nl=False)
+            sys.stdout.flush()
+    if as_json:
+        click.echo(json.dumps({"model": str(where), "prompt": text, "text": "".join(pieces),
+                               "finish_reason": stats.finish_reason, "stats": asdict(stats)}))
+        return
+    click.echo("" if stream else "".join(pieces))
+    click.echo(stats_line(stats), err=True)
+
+
+@main.command("models")
+@click.argument("folders", nargs=-1, type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+def models_command(folders: tuple[Path, ...], as_json: bool) -> None:
+    """Models on this machine: mlxinfer's cache, the Hugging Face cache, and model folders
+    in FOLDERS (default: the current directory). The NAME column is what --model accepts."""
+    from .store import local_models
+    from .terminal import size
+
+    found = local_models(folders or (Path.cwd(),))
+    if as_json:
+        click.echo(json.dumps([m.as_dict() for m in found]))
+        return
+    if not found:
+        click.echo("no local models yet: `mlxinfer chat` fetches the demo model; `mlxinfer convert` makes others")
+        return
+    rows = [("NAME", "FAMILY", "PARAMS", "QUANTIZATION", "SIZE", "WHERE")]
+    rows += [(m.name, m.family, _count(m.parameters), m.quantization, size(m.size), m.where) for m in found]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for r in rows:
+        click.echo("  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip())
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
+
+
+@main.command("inspect")
+@click.argument("prompt")
+@with_options(MODEL_OPTIONS)
+@click.option("--steps", type=click.IntRange(1), default=5, show_default=True, help="Tokens to generate.")
+@click.option("--top", type=click.IntRange(1), default=5, show_default=True, help="Candidates shown per step.")
+@click.option("--temp", type=click.FloatRange(0), default=0.7, show_default=True,
+              help="Temperature whose effect is shown.")
+@click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), default=0.9, show_default=True,
+              help="Top-p whose effect is shown.")
+@click.option("--system", help="System prompt.")
+@click.option("--raw", is_flag=True, help="Use the prompt as it is, without the chat template.")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+def inspect_command(prompt, model, dtype, steps, top, temp, top_p, system, raw, as_json) -> None:
+    """Show the pipeline for PROMPT stage by stage: tokens, embedding, layers, KV cache,
+    prefill and decode time, and each step's next-token distribution."""
+    from .generate import prompt_tokens
+    from .inspection import inspect_pipeline, render
+    from .store import open_model
+
+    m, tokenizer, where = open_model(model, dtype)
+    ids = prompt_tokens(tokenizer, chat_prompt(tokenizer, prompt, system, raw))
+    report = inspect_pipeline(m, tokenizer, ids, steps=steps, top=top, temperature=temp, top_p=top_p)
+    if as_json:
+        click.echo(json.dumps({"model": str(where), "prompt": prompt, **report}))
+    else:
+        click.echo(render(report, f"mlxinfer inspect: {model_name(where)}, prompt {prompt!r}"))
+
+
+@main.command()
+@click.argument("model")
+@click.option("--prompt-tokens", default=512, show_default=True, help="Random prompt length.")
+@click.option("--gen-tokens", default=128, show_default=True, help="Tokens to generate (EOS ignored).")
+@click.option("--repeat", default=5, show_default=True, help="Measured runs (after one warm-up).")
+@click.option("--max-kv-size", type=int, default=None, help="Rotating cache size.")
+@click.option("--kv-bits", type=click.Choice(["4", "8"]), default=None, help="Quantize the KV cache.")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+def bench(model, prompt_tokens, gen_tokens, repeat, max_kv_size, kv_bits, as_json):
+    """Prefill and decode speed, time to first token and peak memory for MODEL."""
+    from .bench import bench as run_bench
+    from .loading import load
+
+    m, tok = load(model)
+    s = run_bench(m, tok, prompt_tokens, gen_tokens, repeat, max_kv_size=max_kv_size,
+                  kv_bits=int(kv_bits) if kv_bits else None)
+    if as_json:
+        click.echo(json.dumps({"model": model, "prompt_tokens": prompt_tokens, "gen_tokens": gen_tokens,
+                               **s.as_dict()}))
+        return
+    click.echo(f"model {model}: {prompt_tokens} prompt tokens, {gen_tokens} generated, {s.runs} runs (median [min-max])")
+    rows = [("prefill tok/s", s.prefill_tps, 1, ".1f"), ("decode tok/s", s.decode_tps, 1, ".1f"),
+            ("TTFT ms", s.ttft, 1000, ".1f"), ("peak memory MiB", s.peak_memory, 1 / 2**20, ".1f")]
+    for name, (med, lo, hi), scale, fmt in rows:
+        click.echo(f"  {name:<16} {med * scale:{fmt}} [{lo * scale:{fmt}}-{hi * scale:{fmt}}]")
+
+from convert.cli import convert_command  # noqa: E402  (top-level package beside mlxinfer)
+
+main.add_command(convert_command, "convert")
 
 
 if __name__ == "__main__":

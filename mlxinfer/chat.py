@@ -1,0 +1,344 @@
+"""ChatSession: a conversation with a model, what the REPL and on-device apps share.
+
+It owns the messages, renders them with the model's chat template, and keeps one
+KV cache for the whole conversation. Each turn renders the full conversation and
+hands the same `PromptCache` to `stream_generate`, whose `prepare` keeps the
+longest common prefix, so a turn prefills only what is new: the reply's last
+token (never fed back), the template's end-of-turn tokens and the new message.
+
+Replies stay as the token ids the model generated (a `Transcript`): encoding a
+reply's text again can give other ids (a model may spell " Paris" as " Par" + "is"),
+and everything after the first difference would then be prefilled again each turn.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+from mlx.utils import tree_flatten
+
+from .cache import PromptCache, load_prompt_cache, save_prompt_cache
+from .errors import InvalidOptionError, MlxinferError, SessionFileError, TokenizerError
+from .generate import Chunk, Stats, split_options, stream_generate
+from .tokenizer import Tokenizer
+
+CACHE_OPTIONS = ("max_kv_size", "kv_bits", "kv_group_size")
+FORMAT = "mlxinfer-chat"
+VERSION = 1
+Message = dict[str, str]
+Mark = tuple[int, int] | None
+
+
+@dataclass
+class Transcript:
+    """The conversation as the model saw it, up to the end of the last reply: token ids,
+    the text they stand for, and where each exchange ended as (ids, characters), or None
+    where that point is not a prefix of `tokens` (ids unknown: Nones always come first)."""
+
+    tokens: list[int] = field(default_factory=list)
+    text: str = ""
+    ends: list[Mark] = field(default_factory=list)
+
+    def undo(self) -> Transcript:
+        """Back to the end of the exchange before the last."""
+        ends = self.ends[:-1]
+        mark = ends[-1] if ends else (0, 0)
+        if mark is None:
+            return Transcript(ends=ends)
+        return Transcript(self.tokens[: mark[0]], self.text[: mark[1]], ends)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"tokens": self.tokens, "text": self.text, "ends": self.ends}
+
+
+class ChatSession:
+    """A multi-turn chat over one model and one reused KV cache.
+
+    `send(text)` streams the reply as `Chunk`s and keeps it in `messages`; stopping
+    early (closing the iterator, Ctrl-C) keeps what was said so far. Options are
+    those of `stream_generate` (temperature, top_p, max_tokens, max_kv_size, ...);
+    the cache options are fixed when the session starts.
+    """
+
+    def __init__(self, model, tokenizer: Tokenizer, system: str | None = None, draft_model=None, **options: Any):
+        if tokenizer.chat_template is None:
+            raise TokenizerError("this model has no chat template, so it cannot chat; use a chat (instruct) model")
+        self.model, self.tokenizer = model, tokenizer
+        self.system = system
+        self.draft_model = draft_model
+        self._options = _checked(options, draft_model)
+        self.cache = PromptCache.for_model(model, **self.cache_options)
+        self.stats: Stats | None = None
+        self.cache_restored = False
+        self._turns: list[Message] = []
+        self._transcript = Transcript()
+        self._streaming: Iterator[Chunk] | None = None
+
+    @property
+    def options(self) -> dict[str, Any]:
+        return dict(self._options)
+
+    @property
+    def cache_options(self) -> dict[str, Any]:
+        return {k: self._options[k] for k in CACHE_OPTIONS if k in self._options}
+
+    @property
+    def messages(self) -> list[Message]:
+        """The conversation as chat messages, the system prompt first when there is one."""
+        system = [{"role": "system", "content": self.system}] if self.system else []
+        return system + [dict(m) for m in self._turns]
+
+    @property
+    def reply(self) -> str | None:
+        """The last assistant reply (partial if it was interrupted)."""
+        return self._turns[-1]["content"] if self._turns else None
+
+    def set_option(self, name: str, value: Any) -> None:
+        """Change a generation option for the next turns (validated now, not at the next send)."""
+        if name in CACHE_OPTIONS:
+            raise InvalidOptionError(f"{name} is fixed when the session starts; start a new session to change it")
+        self._options = _checked({**self._options, name: value}, self.draft_model)
+
+    def send(self, text: str) -> Iterator[Chunk]:
+        """Stream the reply to `text`. Consume the iterator; the reply is kept when it ends or
+        stops early. A turn that fails or stops before its first token (the context is full,
+        Ctrl-C during the prefill) leaves no trace."""
+        self._close_stream()
+        self._streaming = self._turn(text)
+        return self._streaming
+
+    def _turn(self, text: str) -> Iterator[Chunk]:
+        user = {"role": "user", "content": text}
+        self._turns.append(user)
+        pieces: list[str] = []
+        ids: list[int] = []
+        prompt: list[int] = []
+        rendered = ""
+        started = False
+        try:
+            rendered = self._render(add_generation_prompt=True)
+            prompt = self._tokens_for(rendered)
+            options = {**self._options, "draft_model": self.draft_model} if self.draft_model else self._options
+            eos = set(self.tokenizer.eos_token_ids)
+            for chunk in stream_generate(self.model, self.tokenizer, prompt, prompt_cache=self.cache, **options):
+                pieces.append(chunk.text)
+                if chunk.token is not None and not (chunk.finish_reason == "stop" and chunk.token in eos):
+                    ids.append(chunk.token)
+                self.stats = chunk.stats
+                started = True
+                yield chunk
+        finally:  # errors, KeyboardInterrupt and GeneratorExit too: keep what was said, if anything
+            if not started:
+                self._turns.remove(user)
+            else:
+                self._keep_reply(prompt, rendered, ids, "".join(pieces))
+            self._settle_cache()
+            self._streaming = None
+
+    def _keep_reply(self, prompt: list[int], rendered: str, ids: list[int], reply: str) -> None:
+        self._turns.append({"role": "assistant", "content": reply})
+        t = self._transcript
+        ends = t.ends if prompt[: len(t.tokens)] == t.tokens else [None] * len(t.ends)
+        if self.tokenizer.decode(ids) != reply:  # cut at a stop string, or a character held back
+            self._transcript = Transcript(ends=[None] * (len(ends) + 1))
+            return
+        tokens, text = prompt + ids, rendered + reply
+        self._transcript = Transcript(tokens, text, [*ends, (len(tokens), len(text))])
+
+    def undo(self) -> bool:
+        """Drop the last exchange and roll the cache back to exactly the rest of the
+        conversation; False when there is nothing to undo."""
+        self._close_stream()
+        if not self._turns:
+            return False
+        del self._turns[-2:]
+        self.stats = None
+        self._transcript = self._transcript.undo()
+        self._sync_cache(self._tokens_for(self._render(add_generation_prompt=False)))
+        return True
+
+    def reset(self) -> None:
+        """Forget the conversation (the system prompt stays) and empty the cache."""
+        self._close_stream()
+        self._turns.clear()
+        self._transcript = Transcript()
+        self.cache.reset()
+        self.stats = None
+
+    def save(self, path: str | os.PathLike) -> Path:
+        """Write the conversation as JSON at `path` and the KV cache beside it
+        (`<name>.kv.safetensors`), so `load` resumes without prefilling again."""
+        self._close_stream()
+        path = Path(path).expanduser()
+        kv_path = path.with_suffix(".kv.safetensors")
+        data = {
+            "format": FORMAT,
+            "version": VERSION,
+            "system": self.system,
+            "messages": self._turns,
+            "transcript": self._transcript.as_dict(),
+            "options": _jsonable(self._options),
+            "kv_cache": kv_path.name,
+        }
+        meta = {"model": model_fingerprint(self.model), "cache_options": json.dumps(self.cache_options, sort_keys=True)}
+        try:
+            save_prompt_cache(kv_path, self.cache, meta)
+            tmp = path.with_name(path.name + ".tmp")
+            tmp.write_text(json.dumps(data, ensure_ascii=False), encoding="utf-8")
+            tmp.replace(path)
+        except (OSError, RuntimeError) as e:
+            raise SessionFileError(f"cannot write the session to '{path}' ({_reason(e)}); choose a writable path") from None
+        return path
+
+    @classmethod
+    def load(cls, path: str | os.PathLike, model, tokenizer: Tokenizer, draft_model=None, **options: Any) -> ChatSession:
+        """A session saved by `save`, continued with `model`. Its KV cache is reused when it
+        was made by the same model with the same cache options (`cache_restored`); otherwise
+        the conversation is prefilled again on the next turn. `options` override the saved ones."""
+        path = Path(path).expanduser()
+        data = _read_session(path)
+        session = cls(model, tokenizer, data["system"], draft_model, **{**_from_json(data["options"]), **options})
+        session._turns = data["messages"]
+        session._transcript = _read_transcript(data.get("transcript"), len(session._turns) // 2)
+        cache = _read_cache(path.parent / data["kv_cache"])
+        fits = {"model": model_fingerprint(model), "cache_options": json.dumps(session.cache_options, sort_keys=True)}
+        if cache is not None and all(cache.metadata.get(k) == v for k, v in fits.items()):
+            session.cache = cache
+            session.cache_restored = True
+        return session
+
+    def _render(self, add_generation_prompt: bool) -> str:
+        messages = self.messages
+        if not messages:
+            return ""
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+
+    def _tokens_for(self, rendered: str) -> list[int]:
+        """Ids for a render of the conversation: the transcript's ids for the part it covers,
+        then the rest encoded, provided the rest encodes alone as it does in context (it
+        starts at a special token such as end-of-turn)."""
+        whole = self.tokenizer.encode(rendered, add_special_tokens=False) if rendered else []
+        t = self._transcript
+        if t.text and rendered.startswith(t.text):
+            rest = self.tokenizer.encode(rendered[len(t.text) :], add_special_tokens=False)
+            if whole[len(whole) - len(rest) :] == rest:
+                return t.tokens + rest
+        return whole
+
+    def _sync_cache(self, tokens: list[int]) -> None:
+        """Make the cache hold exactly `tokens`: keep the common prefix, prefill the rest."""
+        if not tokens:
+            self.cache.reset()
+            return
+        todo = self.cache.prepare(tokens)
+        step = self._options.get("prefill_step", 512)
+        try:
+            for i in range(0, len(todo), step):
+                chunk = todo[i : i + step]
+                self.model(mx.array(chunk)[None], cache=self.cache.caches)  # logits never evaluated: cache only
+                self.cache.feed(chunk)
+                mx.eval([(c.keys, c.values) for c in self.cache.caches])
+        finally:
+            self._settle_cache()
+
+    def _settle_cache(self) -> None:
+        """After an interrupt the per-layer caches may hold tokens their token list does not
+        (stopped mid-forward): trim them back to it, or start over when that is impossible."""
+        n = len(self.cache.tokens)
+        caches = self.cache.caches
+        if all(c.offset == n for c in caches):
+            return
+        if all(c.offset >= n and c.can_trim_to(n) for c in caches):
+            for c in caches:
+                c.trim(c.offset - n)
+        else:
+            self.cache.reset()
+
+    def _close_stream(self) -> None:
+        if self._streaming is not None:
+            self._streaming.close()
+
+
+def model_fingerprint(model) -> str:
+    """Identifies a model's config, dtypes and weights well enough to refuse a cache made by another."""
+    params = tree_flatten(model.parameters())
+    h = hashlib.sha256(json.dumps(model.config.raw, sort_keys=True, default=str).encode())
+    h.update(",".join(sorted({str(p.dtype) for _, p in params})).encode())
+    for _, p in params[:4]:
+        h.update(np.array(p.reshape(-1)[:64].astype(mx.float32)).tobytes())
+    return h.hexdigest()[:16]
+
+
+def _checked(options: dict[str, Any], draft_model) -> dict[str, Any]:
+    """Validate options the way `stream_generate` will, so a bad value fails when it is set."""
+    split_options({**options, "draft_model": draft_model} if draft_model is not None else options)
+    return dict(options)
+
+
+def _jsonable(options: dict[str, Any]) -> dict[str, Any]:
+    out = dict(options)
+    if "stop" in out:
+        out["stop"] = [out["stop"]] if isinstance(out["stop"], str) else list(out["stop"])
+    return out
+
+
+def _from_json(options: dict[str, Any]) -> dict[str, Any]:
+    out = dict(options)
+    if "logit_bias" in out:  # JSON object keys are strings; token ids are ints
+        out["logit_bias"] = {int(k): float(v) for k, v in out["logit_bias"].items()}
+    return out
+
+
+def _reason(e: Exception) -> str:
+    return getattr(e, "strerror", None) or str(e).splitlines()[0]
+
+
+def _read_session(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise SessionFileError(f"no saved chat at '{path}'; check the path")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise SessionFileError(f"cannot read '{path}' ({_reason(e)}); is it a chat saved with /save?") from None
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        raise SessionFileError(f"'{path}' is not a chat saved by mlxinfer; save one with /save FILE")
+    if data.get("version") != VERSION:
+        raise SessionFileError(f"'{path}' has session format version {data.get('version')}; this mlxinfer reads {VERSION}")
+    messages = data.get("messages")
+    ok = isinstance(messages, list) and all(
+        isinstance(m, dict) and m.get("role") == ("user", "assistant")[i % 2] and isinstance(m.get("content"), str)
+        for i, m in enumerate(messages)
+    ) and len(messages) % 2 == 0
+    if not ok or not isinstance(data.get("options"), dict) or not isinstance(data.get("kv_cache"), str):
+        raise SessionFileError(f"'{path}' is damaged (messages, options or kv_cache missing); save the chat again")
+    return data
+
+
+def _read_transcript(data: Any, exchanges: int) -> Transcript:
+    """The saved transcript; a damaged one only costs a prefill (the conversation is encoded afresh)."""
+    try:
+        ends: list[Mark] = [None if e is None else (int(e[0]), int(e[1])) for e in data["ends"]]
+        transcript = Transcript([int(t) for t in data["tokens"]], str(data["text"]), ends)
+    except (TypeError, KeyError, ValueError, IndexError):
+        return Transcript(ends=[None] * exchanges)
+    return transcript if len(ends) == exchanges else Transcript(ends=[None] * exchanges)
+
+
+def _read_cache(path: Path) -> PromptCache | None:
+    """The saved cache, or None when it is missing or unreadable (the conversation alone still resumes)."""
+    if not path.is_file():
+        return None
+    try:
+        cache = load_prompt_cache(path)
+    except MlxinferError:
+        return None
+    consistent = all(c.offset == len(cache.tokens) for c in cache.caches)
+    return cache if consistent else None

@@ -1,0 +1,181 @@
+"""`mlxinfer inspect`: the pipeline made visible, stage by stage, for one prompt.
+
+tokens → embedding → transformer layers → KV cache → prefill and decode → next-token
+distribution, and how temperature and top-p reshape it. `inspect_pipeline` returns
+plain data (what `--json` prints); `render` turns it into text for a terminal.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .cache import PromptCache
+from .models.config import SLIDING
+from .sample import SamplingConfig, filtered_probs
+from .terminal import size
+from .tokenizer import Tokenizer
+
+
+def inspect_pipeline(
+    model, tokenizer: Tokenizer, prompt: list[int], steps: int = 5, top: int = 5,
+    temperature: float = 0.7, top_p: float = 0.9,
+) -> dict[str, Any]:
+    """Run `prompt` through the model, recording each stage; decode `steps` tokens greedily,
+    showing the `top` most likely next tokens and their probability after `temperature`
+    and after `top_p` on top of it."""
+    cache = PromptCache.for_model(model)
+    start = time.perf_counter()
+    logits = model(mx.array(prompt)[None], cache=cache.caches)[0, -1]
+    mx.eval(logits)
+    prefill_s = time.perf_counter() - start
+    cache.feed(prompt)
+    prompt_bytes = cache.nbytes
+    per_token = sum(c.bytes_per_token for c in cache.caches)
+    eos = set(tokenizer.eos_token_ids)
+    decoded: list[dict[str, Any]] = []
+    decode_s = 0.0
+    for _ in range(steps):
+        step = next_token_view(tokenizer, logits, top, temperature, top_p)
+        decoded.append(step)
+        token = step["chosen"]["id"]
+        if token in eos or len(decoded) == steps:
+            break
+        start = time.perf_counter()
+        logits = model(mx.array([[token]]), cache=cache.caches)[0, -1]
+        mx.eval(logits)
+        decode_s += time.perf_counter() - start
+    decode_tokens = len(decoded) - 1  # the first token came out of the prefill
+    return {
+        "tokens": [{"id": t, "text": tokenizer.decode([t])} for t in prompt],
+        "embedding": embedding_view(model, len(prompt)),
+        "layers": layers_view(model),
+        "kv_cache": {"bytes_per_token": per_token, "prompt_bytes": prompt_bytes, "prompt_tokens": len(prompt),
+                     "dtype": str(cache.caches[0].keys[0].dtype).removeprefix("mlx.core.")},
+        "timing": {
+            "prefill_tokens": len(prompt), "prefill_s": prefill_s, "prefill_tps": len(prompt) / prefill_s,
+            "decode_tokens": decode_tokens, "decode_s": decode_s,
+            "decode_tps": decode_tokens / decode_s if decode_s else 0.0,
+        },
+        "sampling": {"temperature": temperature, "top_p": top_p, "choice": "greedy (the most likely token)"},
+        "steps": decoded,
+        "generated": tokenizer.decode([step["chosen"]["id"] for step in decoded]),
+    }
+
+
+def next_token_view(tokenizer: Tokenizer, logits: mx.array, top: int, temperature: float, top_p: float) -> dict:
+    """The model's next-token distribution, reshaped by temperature and by temperature plus top-p."""
+    row = logits.astype(mx.float32)[None]
+    raw = mx.softmax(row, axis=-1, precise=True)[0]
+    warmed = filtered_probs(row, SamplingConfig(temperature=temperature))[0]
+    nucleus = filtered_probs(row, SamplingConfig(temperature=temperature, top_p=top_p))[0]
+    best = mx.argsort(-raw)[:top].tolist()
+    chosen = best[0]
+
+    def entry(t: int) -> dict[str, Any]:
+        return {"id": t, "text": tokenizer.decode([t]), "p": raw[t].item(), "p_temperature": warmed[t].item(),
+                "p_top_p": nucleus[t].item()}
+
+    return {"chosen": entry(chosen), "top": [entry(t) for t in best], "top_p_keeps": int((nucleus > 0).sum().item())}
+
+
+def embedding_view(model, tokens: int) -> dict[str, Any]:
+    cfg = model.config
+    embed = model.model.embed_tokens
+    if isinstance(embed, nn.QuantizedEmbedding):
+        stored = f"{embed.bits}-bit g{embed.group_size}, {str(embed.scales.dtype).removeprefix('mlx.core.')} scales"
+    else:
+        stored = str(embed.weight.dtype).removeprefix("mlx.core.")
+    return {"shape": [cfg.vocab_size, cfg.hidden_size], "stored": stored, "output_shape": [1, tokens, cfg.hidden_size]}
+
+
+def layers_view(model) -> dict[str, Any]:
+    cfg = model.config
+    heads, kv = cfg.num_attention_heads, cfg.num_key_value_heads
+    if kv == heads:
+        kind = "multi-head (one KV head per query head)"
+    elif kv == 1:
+        kind = "multi-query (all query heads share one KV head)"
+    else:
+        kind = f"grouped-query ({heads // kv} query heads share each KV head)"
+    sliding = sum(1 for t in cfg.layer_types if t == SLIDING)
+    return {
+        "count": cfg.num_hidden_layers, "hidden_size": cfg.hidden_size, "heads": heads, "kv_heads": kv,
+        "head_dim": cfg.head_dim, "attention": kind, "sliding_window_layers": sliding,
+        "sliding_window": cfg.sliding_window if sliding else None, "mlp": f"{cfg.hidden_act} gated (SwiGLU)",
+        "intermediate_size": cfg.intermediate_size, "norm": f"RMSNorm (eps {cfg.rms_norm_eps:g})",
+        "rope": {"theta": cfg.rope.theta, "scaling": cfg.rope.kind},
+        "qk_norm": cfg.qk_norm, "lm_head": "tied to the embedding" if cfg.tie_word_embeddings else "own matrix",
+    }
+
+
+def render(report: dict[str, Any], title: str, width: int = 100) -> str:
+    """The report as text that reads well in a terminal."""
+    sections = [title, _tokens_text(report["tokens"], width), _embedding_text(report["embedding"]),
+                _layers_text(report["layers"], report["embedding"]["shape"]),
+                _cache_text(report["kv_cache"], report["layers"]), _timing_text(report["timing"]),
+                _steps_text(report["steps"], report["sampling"]), f"   generated: {report['generated']!r}"]
+    return "\n\n".join(sections)
+
+
+def _tokens_text(tokens: list[dict[str, Any]], width: int) -> str:
+    lines, line = [f"1. Tokens: {len(tokens)} (id:text)"], "  "
+    for tok in tokens:
+        cell = f" {tok['id']}:{tok['text']!r}"
+        if len(line) + len(cell) > width:
+            lines.append(line)
+            line = "  "
+        line += cell
+    return "\n".join([*lines, line])
+
+
+def _embedding_text(emb: dict[str, Any]) -> str:
+    v, h = emb["shape"]
+    shape = " x ".join(map(str, emb["output_shape"]))
+    return f"2. Embedding: a {v} x {h} matrix ({emb['stored']}) turns the ids into a {shape} array"
+
+
+def _layers_text(lay: dict[str, Any], shape: list[int]) -> str:
+    v, h = shape
+    window = ""
+    if lay["sliding_window_layers"]:
+        window = f"; {lay['sliding_window_layers']} layers see a sliding window of {lay['sliding_window']}"
+    qk = "q/k RMSNorm; " if lay["qk_norm"] else ""
+    stack = (f"3. Transformer: {lay['count']} layers, each RMSNorm -> attention -> RMSNorm -> {lay['mlp']} MLP "
+             f"({h} -> {lay['intermediate_size']} -> {h})")
+    attention = (f"   attention: {lay['heads']} query heads, {lay['kv_heads']} KV heads, head dim {lay['head_dim']}: "
+                 f"{lay['attention']}{window}")
+    positions = (f"   positions: RoPE theta {lay['rope']['theta']:g} ({lay['rope']['scaling']}); {qk}"
+                 f"final {lay['norm']}, LM head {lay['lm_head']} -> {v} logits")
+    return f"{stack}\n{attention}\n{positions}"
+
+
+def _cache_text(kv: dict[str, Any], lay: dict[str, Any]) -> str:
+    return (f"4. KV cache: {kv['bytes_per_token']:,} bytes per token (keys and values, {kv['dtype']}, "
+            f"{lay['count']} layers x {lay['kv_heads']} KV heads x {lay['head_dim']} dims); "
+            f"{size(kv['prompt_bytes'])} for the {kv['prompt_tokens']}-token prompt")
+
+
+def _timing_text(t: dict[str, Any]) -> str:
+    decode = "no decode step"
+    if t["decode_tokens"]:
+        decode = (f"decode {t['decode_tokens']} tokens in {t['decode_s'] * 1000:.0f} ms "
+                  f"({t['decode_tps']:.1f} tok/s, one token per step)")
+    return (f"5. Time: prefill {t['prefill_tokens']} tokens in {t['prefill_s'] * 1000:.0f} ms "
+            f"({t['prefill_tps']:.0f} tok/s, all at once); {decode}")
+
+
+def _steps_text(steps: list[dict[str, Any]], sampling: dict[str, Any]) -> str:
+    header = (f"6. Next token, step by step: {sampling['choice']} is marked ->; columns: probability, "
+              f"after temperature {sampling['temperature']:g}, after top-p {sampling['top_p']:g} on top of it")
+    lines = [header]
+    for i, step in enumerate(steps, 1):
+        lines.append(f"   step {i}: top-p keeps {step['top_p_keeps']} token(s)")
+        for e in step["top"]:
+            mark = "->" if e["id"] == step["chosen"]["id"] else "  "
+            lines.append(f"   {mark} {e['text']!r:<18} {e['id']:>7}  {e['p']:7.1%}  {e['p_temperature']:7.1%}  "
+                         f"{e['p_top_p']:7.1%}")
+    return "\n".join(lines)

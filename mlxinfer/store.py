@@ -1,0 +1,227 @@
+"""Where models live on this machine and what `--model` means.
+
+mlxinfer's own cache is `$MLXINFER_HOME` (default `~/.cache/mlxinfer`): converted GGUF
+files and the demo model live in its `models/` folder, under names `--model` accepts.
+Listing also covers the Hugging Face cache and converted folders elsewhere.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+from collections import Counter
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from convert.sources import is_gguf
+
+from .errors import ConversionError, ModelNotFoundError
+from .models import FAMILIES
+from .terminal import spinner
+
+HOME_ENV = "MLXINFER_HOME"
+Notify = Callable[[str], None]
+
+
+def stderr_line(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def home() -> Path:
+    return Path(os.environ.get(HOME_ENV) or Path.home() / ".cache" / "mlxinfer").expanduser()
+
+
+def models_dir() -> Path:
+    return home() / "models"
+
+
+def is_model_folder(path: Path) -> bool:
+    return (path / "config.json").is_file() and any(path.glob("*.safetensors"))
+
+
+def resolve_model(spec: str | None, notify: Notify = stderr_line) -> Path | str:
+    """A model folder for `spec`: the demo model when None, a folder as is, a `.gguf` file
+    converted once into the cache, a name from `mlxinfer models`; otherwise `spec` itself
+    (a hub id, which `mlxinfer.load` resolves or rejects)."""
+    if spec is None:
+        from .demo import demo_model
+
+        return demo_model(notify)
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        return path
+    if path.is_file():
+        if not is_gguf(path):
+            raise ModelNotFoundError(
+                f"'{spec}' is a file but not a GGUF file; pass a model folder, a hub id, a .gguf file "
+                "or a name from `mlxinfer models`"
+            )
+        return gguf_in_cache(path, notify)
+    if path.suffix == ".gguf":
+        raise ModelNotFoundError(f"no GGUF file at '{spec}'; check the path")
+    named = models_dir() / spec
+    if "/" not in spec and is_model_folder(named):
+        return named
+    return spec
+
+
+def gguf_key(path: Path) -> str:
+    """Identifies a GGUF file by its size and first and last MiB (its header holds the
+    metadata), so a copy elsewhere reuses the conversion without hashing gigabytes."""
+    h = hashlib.sha256(str(path.stat().st_size).encode())
+    with open(path, "rb") as f:
+        h.update(f.read(1 << 20))
+        f.seek(max(path.stat().st_size - (1 << 20), 0))
+        h.update(f.read(1 << 20))
+    return h.hexdigest()[:8]
+
+
+def gguf_in_cache(path: Path, notify: Notify) -> Path:
+    """The MLX folder converted from `path`: made on first use, reused afterwards."""
+    out = models_dir() / f"{path.stem}-{gguf_key(path)}"
+    if not is_model_folder(out):
+        notify(f"mlxinfer: converting {path.name} into {out} (once; later runs reuse it)")
+        convert_into(path, out)
+    return out
+
+
+def convert_into(source: Path, out: Path, progress: bool | None = None) -> None:
+    """Convert `source` into `out` (written atomically by the converter); a concurrent run
+    that finished first is as good as ours."""
+    from convert import convert
+
+    try:
+        convert(source, out, progress=progress)
+    except ConversionError:
+        if not is_model_folder(out):
+            raise
+
+
+def open_model(spec: str | None, dtype: str | None = None, notify: Notify = stderr_line):
+    """(model, tokenizer, folder or hub id) for a `--model` value, with a spinner while loading."""
+    from .loading import load
+
+    where = resolve_model(spec, notify)
+    with spinner(f"loading {spec or Path(where).name}"):
+        model, tokenizer = load(where, dtype=dtype)
+    return model, tokenizer, where
+
+
+@dataclass(frozen=True)
+class LocalModel:
+    """One model found on this machine, as `mlxinfer models` lists it."""
+
+    name: str  # what --model accepts
+    where: str  # "mlxinfer" (our cache), "huggingface" (the HF cache) or "folder"
+    path: Path
+    family: str
+    parameters: int
+    quantization: str
+    size: int
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**self.__dict__, "path": str(self.path)}
+
+
+def local_models(folders: Iterable[Path] = ()) -> list[LocalModel]:
+    """Models in our cache, the Hugging Face cache, and in (or directly under) `folders`."""
+    found: list[tuple[str, str, Path]] = []
+    if models_dir().is_dir():
+        found += [(p.name, "mlxinfer", p) for p in sorted(models_dir().iterdir()) if is_model_folder(p)]
+    found += [(repo, "huggingface", p) for repo, p in huggingface_models()]
+    for folder in folders:
+        candidates = [folder] if is_model_folder(folder) else sorted(p for p in folder.iterdir() if p.is_dir())
+        found += [(str(p), "folder", p) for p in candidates if is_model_folder(p)]
+    seen: set[Path] = set()
+    out = []
+    for name, where, path in found:
+        if path.resolve() in seen:
+            continue
+        seen.add(path.resolve())
+        try:
+            out.append(describe(name, where, path))
+        except (OSError, ValueError, KeyError, TypeError):  # a damaged folder is not a model to offer
+            continue
+    return out
+
+
+def huggingface_models() -> list[tuple[str, Path]]:
+    """(repo id, snapshot folder) for every cached hub model that has weights."""
+    from huggingface_hub import scan_cache_dir
+    from huggingface_hub.errors import CacheNotFound
+
+    cache = os.environ.get("HF_HUB_CACHE") or (
+        os.path.join(os.environ["HF_HOME"], "hub") if os.environ.get("HF_HOME") else None
+    )
+    try:
+        info = scan_cache_dir(cache)
+    except CacheNotFound:
+        return []
+    out = []
+    for repo in sorted(info.repos, key=lambda r: r.repo_id):
+        if repo.repo_type != "model":
+            continue
+        revisions = sorted(repo.revisions, key=lambda r: (bool(r.refs), r.last_modified), reverse=True)
+        snapshot = next((r.snapshot_path for r in revisions if is_model_folder(r.snapshot_path)), None)
+        if snapshot is not None:
+            out.append((repo.repo_id, snapshot))
+    return out
+
+
+def describe(name: str, where: str, path: Path) -> LocalModel:
+    config = json.loads((path / "config.json").read_text())
+    headers = [_safetensors_header(f) for f in sorted(path.glob("*.safetensors"))]
+    tensors = {k: v for h in headers for k, v in h.items() if k != "__metadata__"}
+    model_type = config.get("model_type", "?")
+    family = model_type if model_type in FAMILIES else f"{model_type} (unsupported)"
+    size = sum(p.stat().st_size for p in path.iterdir() if p.is_file())
+    return LocalModel(name, where, path, family, parameter_count(tensors, config), quantization(tensors, config), size)
+
+
+def _safetensors_header(file: Path) -> dict[str, Any]:
+    with open(file, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        return json.loads(f.read(n))
+
+
+def _layer_quant(config: dict[str, Any], layer: str) -> dict[str, Any]:
+    q = config.get("quantization") or {}
+    own = q.get(layer)
+    return own if isinstance(own, dict) else q
+
+
+def parameter_count(tensors: dict[str, Any], config: dict[str, Any]) -> int:
+    """Parameters as the unquantized model has them (tied embeddings counted once); a
+    quantized weight packs 32/bits values per uint32."""
+    total = 0
+    for name, info in tensors.items():
+        base = name.rsplit(".", 1)[0]
+        quantized = f"{base}.scales" in tensors
+        if quantized and name.endswith((".scales", ".biases")):
+            continue
+        n = 1
+        for d in info["shape"]:
+            n *= d
+        if quantized and name.endswith(".weight"):
+            n = n * 32 // _layer_quant(config, base)["bits"]
+        total += n
+    return total
+
+
+def quantization(tensors: dict[str, Any], config: dict[str, Any]) -> str:
+    """'4-bit g64', with '(mixed)' when some layers differ; else the float dtype."""
+    q = config.get("quantization")
+    if q:
+        label = f"{q['bits']}-bit g{q['group_size']}"
+        layers = [v for v in q.values() if isinstance(v, (dict, bool))]
+        if any(v is False or (isinstance(v, dict) and (v["bits"], v["group_size"]) != (q["bits"], q["group_size"]))
+               for v in layers):
+            label += " (mixed)"
+        return label
+    dtypes = Counter(info["dtype"] for info in tensors.values())
+    names = {"F16": "float16", "BF16": "bfloat16", "F32": "float32"}
+    return names.get(dtypes.most_common(1)[0][0], "?") if dtypes else "?"

