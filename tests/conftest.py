@@ -121,6 +121,20 @@ def hf_checkpoint(tmp_path_factory) -> Callable[..., Path]:
     return make
 
 
+@pytest.fixture(scope="module")
+def tiny(hf_checkpoint) -> Path:
+    """The tiny Llama the engine, chat and CLI tests share (head_dim 32, so KV quantization applies)."""
+    return hf_checkpoint("llama", head_dim=32)
+
+
+@pytest.fixture(scope="module")
+def loaded(tiny):
+    """`tiny` loaded in float32: (model, tokenizer)."""
+    import mlxinfer
+
+    return mlxinfer.load(tiny, dtype="float32")
+
+
 @pytest.fixture(scope="session")
 def mlx_lm_quantized(tmp_path_factory) -> Callable[..., Path]:
     """`mlx_lm_quantized(hf_folder, bits, group_size, recipe)` -> folder written by mlx-lm's converter."""

@@ -18,16 +18,6 @@ from mlxinfer.generate import stream_generate
 GREEDY = {"temperature": 0.0, "max_tokens": 6}
 
 
-@pytest.fixture(scope="module")
-def tiny_folder(hf_checkpoint) -> Path:
-    return hf_checkpoint("llama", head_dim=32)
-
-
-@pytest.fixture(scope="module")
-def loaded(tiny_folder):
-    return mlxinfer.load(tiny_folder, dtype="float32")
-
-
 def encode(tok, text: str) -> list[int]:
     return tok.encode(text, add_special_tokens=False)
 
@@ -310,7 +300,7 @@ def test_context_overflow_leaves_no_trace(loaded):
     assert list(session.send("short"))[-1].stats.generated_tokens > 0
 
 
-def test_bad_options(loaded, copy_checkpoint, hf_checkpoint):
+def test_bad_options(loaded, copy_checkpoint, tiny):
     model, tok = loaded
     with pytest.raises(InvalidOptionError, match="bogus"):
         ChatSession(model, tok, bogus=1)
@@ -321,7 +311,7 @@ def test_bad_options(loaded, copy_checkpoint, hf_checkpoint):
         session.set_option("max_kv_size", 32)
     session.set_option("top_p", 0.5)
     assert session.options["top_p"] == 0.5 and session.cache_options == {"max_kv_size": 64}
-    folder = copy_checkpoint(hf_checkpoint("llama", head_dim=32))
+    folder = copy_checkpoint(tiny)
     config = json.loads((folder / "tokenizer_config.json").read_text())
     del config["chat_template"]
     (folder / "tokenizer_config.json").write_text(json.dumps(config))
@@ -346,11 +336,11 @@ def test_speculative_chat_equals_plain_greedy(loaded, drafter):
     assert fast.stats.drafted > 0 and any(c.drafted for c in b)
 
 
-def test_readme_example_runs(tiny_folder, tmp_path, monkeypatch):
+def test_readme_example_runs(tiny, tmp_path, monkeypatch):
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     block = readme[readme.index("**In an app: `mlxinfer.ChatSession`.**"):]
     code = block[block.index("```python") + len("```python"):]
-    code = code[: code.index("```")].replace('"path/to/model"', repr(str(tiny_folder)))
+    code = code[: code.index("```")].replace('"path/to/model"', repr(str(tiny)))
     code = code.replace("max_tokens=256", "max_tokens=8")  # two replies must fit the tiny model's context
     monkeypatch.chdir(tmp_path)
     exec(compile(code, "README.md", "exec"), {})

@@ -40,16 +40,6 @@ def isolated_home(tmp_path, monkeypatch) -> Path:
     return tmp_path / "home"
 
 
-@pytest.fixture(scope="module")
-def tiny(hf_checkpoint) -> Path:
-    return hf_checkpoint("llama", head_dim=32)
-
-
-@pytest.fixture(scope="module")
-def loaded(tiny):
-    return mlxinfer.load(tiny, dtype="float32")
-
-
 def invoke(*args: str, input: str | None = None):
     return CliRunner().invoke(main, list(args), input=input)
 

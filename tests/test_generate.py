@@ -15,11 +15,6 @@ from mlxinfer.generate import StopMatcher, stream_generate
 from test_cache import SinkWindowOracle
 
 
-@pytest.fixture(scope="module")
-def loaded(hf_checkpoint):
-    return mlxinfer.load(hf_checkpoint("llama", head_dim=32), dtype="float32")
-
-
 def tokens_of(chunks) -> list[int]:
     return [c.token for c in chunks if c.token is not None]
 
@@ -61,12 +56,12 @@ def test_quantized_cache_tokens_and_logprobs_close(loaded):
     assert abs(f[0].logprob - q[0].logprob) < 0.05
 
 
-def test_greedy_equals_mlx_lm(hf_checkpoint, loaded):
+def test_greedy_equals_mlx_lm(tiny, loaded):
     import mlx_lm
     from mlx_lm.sample_utils import make_sampler
 
     model, tok = loaded
-    ref_model, ref_tok = mlx_lm.load(str(hf_checkpoint("llama", head_dim=32)))
+    ref_model, ref_tok = mlx_lm.load(str(tiny))
     ref = [r.token for r in mlx_lm.stream_generate(ref_model, ref_tok, mx.array(PROMPT), max_tokens=24,
                                                    sampler=make_sampler(0.0))]
     ours = tokens_of(stream_generate(model, tok, PROMPT, max_tokens=24, ignore_eos=True))

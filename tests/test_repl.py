@@ -30,16 +30,6 @@ MAX_TOKENS = 8
 
 
 @pytest.fixture(scope="module")
-def tiny(hf_checkpoint) -> Path:
-    return hf_checkpoint("llama", head_dim=32)
-
-
-@pytest.fixture(scope="module")
-def loaded(tiny):
-    return mlxinfer.load(tiny, dtype="float32")
-
-
-@pytest.fixture(scope="module")
 def endless(tiny, tmp_path_factory) -> Path:
     """The tiny model with its end-of-turn logits pinned to 0: greedy replies never end by themselves."""
     folder = tmp_path_factory.mktemp("endless") / "model"

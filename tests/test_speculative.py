@@ -24,8 +24,8 @@ def tokens_of(chunks):
 
 
 @pytest.fixture(scope="module")
-def target(hf_checkpoint):
-    return mlxinfer.load(hf_checkpoint("llama", head_dim=32), dtype="float32")
+def target(loaded):
+    return loaded
 
 
 @pytest.fixture(scope="module")
