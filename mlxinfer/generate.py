@@ -207,7 +207,6 @@ class Generator:
         )
         check_context(model, self.cache, len(self.prompt))
         self.sampler = Sampler(self.sampling)
-        self.history = mx.array(self.prompt[-self.sampling.penalty_window :])
         self.stats = Stats(prompt_tokens=len(self.prompt))
 
     def forward(self, tokens: Sequence[int] | mx.array) -> mx.array:
@@ -225,13 +224,6 @@ class Generator:
             self.forward(chunk)
             self.cache.feed(chunk)
             mx.eval([c.keys for c in self.cache.caches])
-
-    def prefill(self, todo: list[int]) -> mx.array:
-        """The whole remaining prompt; logits for its last token."""
-        self.prefill_body(todo[:-1])
-        logits = self.forward(todo[-1:])
-        self.cache.feed(todo[-1:])
-        return logits
 
     def sample(self, logits: mx.array) -> _Step:
         history = None
@@ -300,18 +292,19 @@ class Generator:
         self.stats.finish_reason = "length"
         return Chunk("", None, None, "length", self.stats)
 
-    def run(self) -> Iterator[Chunk]:
-        """Decode pipelined as mlx-lm does: the next step's graph is queued before
-        the current token is read, so the device never waits on Python."""
-        todo = self.begin()
-        if self.limit <= 0:
-            yield self.emit_nothing()
-            return
-        step = self.sample(self.prefill(todo))
+    def plain_tokens(self, count: int) -> Iterator[Chunk]:
+        """Up to `count` tokens decoded one at a time, pipelined as mlx-lm does:
+        the next step's graph is queued before the current token is read, so the
+        device never waits on Python. The cache holds the context but its last
+        token before and after."""
+        context = self.prompt + self.generated
+        self.history = mx.array(context[-self.sampling.penalty_window :])
+        step = self.sample(self.forward(context[-1:]))
+        self.cache.feed(context[-1:])
         mx.async_eval(step.token, step.logprob)
-        while True:
+        for i in range(count):
             nxt = None
-            if len(self.generated) + 1 < self.limit:
+            if i + 1 < count and len(self.generated) + 1 < self.limit:
                 nxt = self.sample(self.forward(step.token))
                 mx.async_eval(nxt.token, nxt.logprob)
             token = int(step.token.item())
@@ -319,9 +312,17 @@ class Generator:
                 self.cache.feed([token])
             chunk = self.emit(token, step.logprob.item(), step.logprobs)
             yield chunk
-            if chunk.finish_reason:
+            if chunk.finish_reason or nxt is None:
                 return
             step = nxt
+
+    def run(self) -> Iterator[Chunk]:
+        todo = self.begin()
+        if self.limit <= 0:
+            yield self.emit_nothing()
+            return
+        self.prefill_body(todo[:-1])
+        yield from self.plain_tokens(self.limit)
 
 
 def stream_generate(

@@ -11,6 +11,7 @@ are one-hot, and a deterministic drafter (prompt lookup) has one-hot q.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Iterator, Protocol, Sequence
 
@@ -163,38 +164,80 @@ def make_drafter(gen) -> Drafter:
     return DraftModel(o.draft_model, gen.model, gen.sampling, gen.sampler, cache_options)
 
 
-def speculative_run(gen) -> Iterator:
-    """The generation loop with drafting. Every token, the first included, comes
-    out of a verification round; the cache always holds the context but its last
-    token, which each round feeds together with the drafts."""
+class ModeChooser:
+    """Speculate only while it beats plain decoding. Both throughputs are measured
+    on this very generation (a verification pass over k+1 tokens is far from free
+    on a CPU, and a drafter's luck changes with the text): after a probe of each,
+    the faster mode runs for `period` tokens, then the other is probed again."""
+
+    def __init__(self, probe: int = 8, period: int = 48):
+        self.probe, self.period = probe, period
+        self.rates: dict[str, float] = {}
+        self._queue = ["speculate", "plain"]
+
+    def next_phase(self) -> tuple[str, int]:
+        if self._queue:
+            return self._queue[0], self.probe
+        best = max(self.rates, key=self.rates.get)
+        other = "plain" if best == "speculate" else "speculate"
+        self._queue = [other]
+        return best, self.period
+
+    def record(self, mode: str, tokens: int, seconds: float) -> None:
+        if self._queue and self._queue[0] == mode:
+            self._queue.pop(0)
+        rate = tokens / max(seconds, 1e-9)
+        self.rates[mode] = rate if mode not in self.rates else 0.5 * (self.rates[mode] + rate)
+
+
+def speculate_once(gen, drafter: Drafter, length: DraftLength) -> list:
+    """One round: draft, verify in a single forward pass, roll back, emit. The
+    cache holds the context but its last token before and after."""
+    config, stats = gen.sampling, gen.stats
+    context = gen.prompt + gen.generated
+    k = min(length.next(), gen.limit - len(gen.generated) - 1)
+    drafts, q = drafter.propose(context, k) if k > 0 else ([], None)
+    fed = [context[-1], *drafts]
+    logits = gen.model(mx.array(fed)[None], cache=gen.cache.caches)[0]
+    gen.cache.feed(fed)
+    p = position_probs(logits, config, context[-config.penalty_window :], drafts)
+    n, token = verify(p, drafts, q, gen.sampler)
+    gen.cache.trim(len(drafts) - n)
+    if drafts:
+        stats.drafted += len(drafts)
+        stats.accepted += n
+        stats.rounds += 1
+        length.update(len(drafts), n)
+    logprobs = logits[: n + 1] - mx.logsumexp(logits[: n + 1], axis=-1, keepdims=True)
+    chosen = [*drafts[:n], token]
+    values = mx.take_along_axis(logprobs, mx.array(chosen)[:, None], axis=-1)[:, 0].tolist()
+    chunks = []
+    for i, (t, lp) in enumerate(zip(chosen, values)):
+        chunks.append(gen.emit(t, lp, logprobs[i], drafted=i < n))
+        if chunks[-1].finish_reason:
+            break
+    return chunks
+
+
+def speculative_run(gen, chooser: ModeChooser | None = None) -> Iterator:
+    """The generation loop with drafting, switching to plain pipelined decoding
+    whenever that measures faster."""
     drafter = make_drafter(gen)
     length = DraftLength(gen.options.num_draft_tokens)
-    config, stats = gen.sampling, gen.stats
+    chooser = chooser or ModeChooser()
     todo = gen.begin()
     if gen.limit <= 0:
         yield gen.emit_nothing()
         return
     gen.prefill_body(todo[:-1])
     while True:
-        context = gen.prompt + gen.generated
-        k = min(length.next(), gen.limit - len(gen.generated) - 1)
-        drafts, q = drafter.propose(context, k) if k > 0 else ([], None)
-        fed = [context[-1], *drafts]
-        logits = gen.model(mx.array(fed)[None], cache=gen.cache.caches)[0]
-        gen.cache.feed(fed)
-        p = position_probs(logits, config, context[-config.penalty_window :], drafts)
-        n, token = verify(p, drafts, q, gen.sampler)
-        gen.cache.trim(len(drafts) - n)
-        if drafts:
-            stats.drafted += len(drafts)
-            stats.accepted += n
-            stats.rounds += 1
-            length.update(len(drafts), n)
-        logprobs = logits[: n + 1] - mx.logsumexp(logits[: n + 1], axis=-1, keepdims=True)
-        chosen = [*drafts[:n], token]
-        values = mx.take_along_axis(logprobs, mx.array(chosen)[:, None], axis=-1)[:, 0].tolist()
-        for i, (t, lp) in enumerate(zip(chosen, values)):
-            chunk = gen.emit(t, lp, logprobs[i], drafted=i < n)
-            yield chunk
-            if chunk.finish_reason:
-                return
+        mode, budget = chooser.next_phase()
+        start, produced = time.perf_counter(), 0
+        while produced < budget:
+            batch = gen.plain_tokens(budget) if mode == "plain" else speculate_once(gen, drafter, length)
+            for chunk in batch:
+                produced += 1
+                yield chunk
+                if chunk.finish_reason:
+                    return
+        chooser.record(mode, produced, time.perf_counter() - start)

@@ -179,3 +179,18 @@ def test_bad_input(target, hf_checkpoint):
     assert "300" in str(e.value) and "512" in str(e.value)
     with pytest.raises(InvalidOptionError):
         list(stream_generate(model, tok, REPETITIVE, draft_model=small, prompt_lookup=True))
+
+
+def test_mode_chooser_runs_the_faster_mode_and_reprobes():
+    from mlxinfer.speculative import ModeChooser
+
+    chooser = ModeChooser(probe=8, period=48)
+    assert chooser.next_phase() == ("speculate", 8)
+    chooser.record("speculate", 8, 2.0)  # 4 tok/s
+    assert chooser.next_phase() == ("plain", 8)
+    chooser.record("plain", 8, 1.0)  # 8 tok/s
+    assert chooser.next_phase() == ("plain", 48)
+    chooser.record("plain", 48, 6.0)
+    assert chooser.next_phase() == ("speculate", 8)
+    chooser.record("speculate", 8, 0.25)  # now 32 tok/s: averages to 18
+    assert chooser.next_phase() == ("speculate", 48)
