@@ -168,19 +168,23 @@ class ModeChooser:
     """Speculate only while it beats plain decoding. Both throughputs are measured
     on this very generation (a verification pass over k+1 tokens is far from free
     on a CPU, and a drafter's luck changes with the text): after a probe of each,
-    the faster mode runs for `period` tokens, then the other is probed again."""
+    the faster mode runs for `period` tokens, then the other is probed again; each
+    time the same mode wins again its period doubles, so a loser costs ever less."""
 
-    def __init__(self, probe: int = 8, period: int = 48):
-        self.probe, self.period = probe, period
+    def __init__(self, probe: int = 6, period: int = 32, max_period: int = 512):
+        self.probe, self.period, self.max_period = probe, period, max_period
         self.rates: dict[str, float] = {}
         self._queue = ["speculate", "plain"]
+        self._last_best: str | None = None
 
     def next_phase(self) -> tuple[str, int]:
         if self._queue:
             return self._queue[0], self.probe
         best = max(self.rates, key=self.rates.get)
-        other = "plain" if best == "speculate" else "speculate"
-        self._queue = [other]
+        if best == self._last_best:
+            self.period = min(2 * self.period, self.max_period)
+        self._last_best = best
+        self._queue = ["plain" if best == "speculate" else "speculate"]
         return best, self.period
 
     def record(self, mode: str, tokens: int, seconds: float) -> None:

@@ -184,13 +184,17 @@ def test_bad_input(target, hf_checkpoint):
 def test_mode_chooser_runs_the_faster_mode_and_reprobes():
     from mlxinfer.speculative import ModeChooser
 
-    chooser = ModeChooser(probe=8, period=48)
+    chooser = ModeChooser(probe=8, period=32)
     assert chooser.next_phase() == ("speculate", 8)
     chooser.record("speculate", 8, 2.0)  # 4 tok/s
     assert chooser.next_phase() == ("plain", 8)
     chooser.record("plain", 8, 1.0)  # 8 tok/s
-    assert chooser.next_phase() == ("plain", 48)
-    chooser.record("plain", 48, 6.0)
+    assert chooser.next_phase() == ("plain", 32)
+    chooser.record("plain", 32, 4.0)
     assert chooser.next_phase() == ("speculate", 8)
-    chooser.record("speculate", 8, 0.25)  # now 32 tok/s: averages to 18
-    assert chooser.next_phase() == ("speculate", 48)
+    chooser.record("speculate", 8, 2.0)  # loses again: plain's period doubles
+    assert chooser.next_phase() == ("plain", 64)
+    chooser.record("plain", 64, 8.0)
+    assert chooser.next_phase() == ("speculate", 8)
+    chooser.record("speculate", 8, 0.125)  # 64 tok/s: averages to 34, now the faster
+    assert chooser.next_phase() == ("speculate", 64)
