@@ -76,6 +76,7 @@ class ChatSession:
         self.draft_model = draft_model
         self._options = _checked(options, draft_model)
         self.cache = PromptCache.for_model(model, **self.cache_options)
+        self.draft_cache = PromptCache.for_model(draft_model, **self.cache_options) if draft_model else None
         self.stats: Stats | None = None
         self.cache_restored = False
         self._turns: list[Message] = []
@@ -126,7 +127,9 @@ class ChatSession:
         try:
             rendered = self._render(add_generation_prompt=True)
             prompt = self._tokens_for(rendered)
-            options = {**self._options, "draft_model": self.draft_model} if self.draft_model else self._options
+            options = self._options
+            if self.draft_model is not None:
+                options = {**options, "draft_model": self.draft_model, "draft_cache": self.draft_cache}
             eos = set(self.tokenizer.eos_token_ids)
             for chunk in stream_generate(self.model, self.tokenizer, prompt, prompt_cache=self.cache, **options):
                 pieces.append(chunk.text)

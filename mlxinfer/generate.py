@@ -70,6 +70,7 @@ class GenerationOptions:
     prefill_step: int = 512
     logprobs: int = 0
     draft_model: Any = None
+    draft_cache: PromptCache | None = None
     num_draft_tokens: int = 4
     prompt_lookup: bool = False
 
@@ -333,7 +334,8 @@ def stream_generate(
     Options: max_tokens, temperature, top_p, top_k, min_p, repetition_penalty,
     presence_penalty, frequency_penalty, penalty_window, logit_bias, seed, stop,
     ignore_eos, max_kv_size, kv_bits, kv_group_size, prefill_step, logprobs, and
-    for speculative decoding draft_model, num_draft_tokens, prompt_lookup.
+    for speculative decoding draft_model, draft_cache (the draft's PromptCache, to
+    reuse across calls), num_draft_tokens, prompt_lookup.
     Pass a `PromptCache` to reuse the longest common prefix across calls.
     """
     gen = Generator(model, tokenizer, prompt, prompt_cache, options)

@@ -92,14 +92,14 @@ class DraftModel:
     """A small model sharing the target's vocabulary, with its own cache kept in
     step with the accepted tokens (trimmed back on rejection)."""
 
-    def __init__(self, model, target, config: SamplingConfig, sampler: Sampler, cache_options: dict):
+    def __init__(self, model, target, config: SamplingConfig, sampler: Sampler, cache: PromptCache):
         if model.config.vocab_size != target.config.vocab_size:
             raise InvalidOptionError(
                 f"the draft model's vocabulary ({model.config.vocab_size} tokens) differs from the target's "
                 f"({target.config.vocab_size}); use a draft from the same model family and tokenizer"
             )
         self.model, self.config, self.sampler = model, config, sampler
-        self.cache = PromptCache.for_model(model, **cache_options)
+        self.cache = cache
 
     def _logits(self, tokens: mx.array) -> mx.array:
         return self.model(tokens[None], cache=self.cache.caches)[0, -1:]
@@ -160,8 +160,10 @@ def make_drafter(gen) -> Drafter:
     o = gen.options
     if o.prompt_lookup:
         return PromptLookup()
-    cache_options = dict(max_kv_size=o.max_kv_size, kv_bits=o.kv_bits, kv_group_size=o.kv_group_size)
-    return DraftModel(o.draft_model, gen.model, gen.sampling, gen.sampler, cache_options)
+    cache = o.draft_cache or PromptCache.for_model(
+        o.draft_model, max_kv_size=o.max_kv_size, kv_bits=o.kv_bits, kv_group_size=o.kv_group_size
+    )
+    return DraftModel(o.draft_model, gen.model, gen.sampling, gen.sampler, cache)
 
 
 class ModeChooser:

@@ -345,3 +345,27 @@ def test_readme_example_runs(tiny, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     exec(compile(code, "README.md", "exec"), {})
     assert (tmp_path / "chat.json").is_file() and (tmp_path / "chat.kv.safetensors").is_file()
+
+
+class CountingModel:
+    """Wraps a model and counts the tokens it is fed: the draft's prefill work."""
+
+    def __init__(self, model):
+        self.model, self.config, self.layers, self.fed = model, model.config, model.layers, 0
+
+    def __call__(self, tokens, cache=None):
+        self.fed += tokens.shape[1]
+        return self.model(tokens, cache=cache)
+
+
+def test_draft_model_cache_is_reused_across_turns(loaded):
+    model, tok = loaded
+    draft = CountingModel(model)
+    session = ChatSession(model, tok, draft_model=draft, temperature=0.0, max_tokens=6, num_draft_tokens=2)
+    list(session.send("hello there"))
+    draft.fed = 0
+    second = list(session.send("and again"))
+    prompt = tok.apply_chat_template(session.messages[:-1], add_generation_prompt=True, tokenize=True)
+    assert second[-1].stats.drafted > 0
+    # the draft reads the new turn and its own proposals, not the whole conversation again
+    assert draft.fed < len(prompt), (draft.fed, len(prompt))
