@@ -245,9 +245,9 @@ class Generator:
         best = mx.argsort(-row)[:k].tolist()
         return [(t, row[t].item()) for t in best]
 
-    @property
+    @functools.cached_property
     def limit(self) -> int:
-        """max_tokens, capped by the context a non-rotating cache can hold."""
+        """max_tokens, capped by the context a non-rotating cache can hold (read per token, computed once)."""
         if all(isinstance(c, RotatingKVCache) for c in self.cache.caches):
             return self.options.max_tokens
         return min(self.options.max_tokens, self.model.config.max_position_embeddings - len(self.prompt))
