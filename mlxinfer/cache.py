@@ -346,6 +346,11 @@ class PromptCache:
     def nbytes(self) -> int:
         return sum(c.nbytes for c in self.caches)
 
+    @property
+    def bounded(self) -> bool:
+        """Every layer rotates, so the context may grow past the model's window."""
+        return all(isinstance(c, RotatingKVCache) for c in self.caches)
+
     def feed(self, tokens: Sequence[int]) -> None:
         """Record tokens the model has just processed through these caches."""
         self.tokens.extend(int(t) for t in tokens)

@@ -12,7 +12,7 @@ from typing import Any, Iterator, Sequence
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from .cache import PromptCache, RotatingKVCache
+from .cache import PromptCache
 from .errors import InvalidOptionError
 from .sample import Sampler, SamplingConfig
 from .tokenizer import Tokenizer
@@ -121,8 +121,7 @@ def prompt_tokens(tokenizer: Tokenizer, prompt: Prompt) -> list[int]:
 
 def check_context(model, cache: PromptCache, n_prompt: int) -> None:
     limit = model.config.max_position_embeddings
-    bounded = all(isinstance(c, RotatingKVCache) for c in cache.caches)
-    if n_prompt > limit and not bounded:
+    if n_prompt > limit and not cache.bounded:
         raise InvalidOptionError(
             f"the prompt has {n_prompt} tokens but the model's context is {limit}; "
             "shorten it or pass --max-kv-size to use a rotating cache"
@@ -242,13 +241,13 @@ class Generator:
         if not k:
             return None
         row = logprobs.reshape(-1)
-        best = mx.argsort(-row)[:k].tolist()
-        return [(t, row[t].item()) for t in best]
+        best = mx.argsort(-row)[:k]
+        return list(zip(best.tolist(), row[best].tolist()))
 
     @functools.cached_property
     def limit(self) -> int:
         """max_tokens, capped by the context a non-rotating cache can hold (read per token, computed once)."""
-        if all(isinstance(c, RotatingKVCache) for c in self.cache.caches):
+        if self.cache.bounded:
             return self.options.max_tokens
         return min(self.options.max_tokens, self.model.config.max_position_embeddings - len(self.prompt))
 
