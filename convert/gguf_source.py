@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -18,11 +20,51 @@ from .gguf_tokenizer import generation_config, tokenizer_config, tokenizer_json
 from .quantize import BITS, QuantSpec
 from .sources import Source, SourceTensor, Tensor
 
-# GGUF `general.architecture` -> (config.json model_type, architectures entry, Q/K rows permuted by llama.cpp)
+Getter = Callable[..., Any]
+
+
+def _gemma3_config(get: Getter) -> dict[str, Any]:
+    """What a Gemma 3 GGUF leaves to llama.cpp's code: a global layer every 6th, local
+    RoPE base 10000, attention scaled by head_dim**-0.5 except in the 62-layer 27B,
+    which uses hidden / heads (llama.cpp's llama-model.cpp, LLM_ARCH_GEMMA3)."""
+    layers, heads, hidden = get("block_count"), get("attention.head_count"), get("embedding_length")
+    return {
+        "hidden_activation": "gelu_pytorch_tanh",
+        "query_pre_attn_scalar": hidden // heads if layers == 62 else get("attention.key_length"),
+        "sliding_window": get("attention.sliding_window"),
+        "sliding_window_pattern": 6,
+        "layer_types": ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(layers)],
+        "rope_local_base_freq": 10000.0,
+    }
+
+
+@dataclass(frozen=True)
+class Arch:
+    """How a GGUF `general.architecture` maps back onto a Hugging Face family."""
+
+    model_type: str
+    cls: str  # the config's `architectures` entry
+    permuted_qk: bool = False  # llama.cpp interleaved the rotary halves of Q/K rows
+    names: dict[str, str] = field(default_factory=dict)  # block tensors named unlike Llama's
+    norm_shift: float = 0.0  # llama.cpp stores norm weights plus this (Gemma's 1 + w, pre-added)
+    config: Callable[[Getter], dict[str, Any]] | None = None  # family keys beyond the common ones
+
+
 ARCHITECTURES = {
-    "llama": ("llama", "LlamaForCausalLM", True),
-    "qwen2": ("qwen2", "Qwen2ForCausalLM", False),
-    "qwen3": ("qwen3", "Qwen3ForCausalLM", False),
+    "llama": Arch("llama", "LlamaForCausalLM", permuted_qk=True),
+    "qwen2": Arch("qwen2", "Qwen2ForCausalLM"),
+    "qwen3": Arch("qwen3", "Qwen3ForCausalLM"),
+    "gemma3": Arch(
+        "gemma3_text",
+        "Gemma3ForCausalLM",
+        names={
+            "post_attention_norm": "post_attention_layernorm",
+            "ffn_norm": "pre_feedforward_layernorm",
+            "post_ffw_norm": "post_feedforward_layernorm",
+        },
+        norm_shift=1.0,
+        config=_gemma3_config,
+    ),
 }
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _BLOCK_NAMES = {
@@ -49,12 +91,13 @@ def open_gguf(path: Path) -> Source:
         config = hf_config(meta, {t.name for t in gguf.tensors})
         gguf.check_dequantizable()
         heads = {"q_proj": config["num_attention_heads"], "k_proj": config["num_key_value_heads"]}
-        permuted = ARCHITECTURES[arch][2]
+        spec = ARCHITECTURES[arch]
         tensors = {}
         for info in gguf.tensors:
-            name = hf_name(info.name)
-            rows = heads.get(name.rpartition(".")[0].rpartition(".")[2]) if permuted else None
-            read = partial(_read, gguf, info, rows)
+            name = hf_name(info.name, spec.names)
+            rows = heads.get(name.rpartition(".")[0].rpartition(".")[2]) if spec.permuted_qk else None
+            shift = spec.norm_shift if name.endswith("norm.weight") else 0.0
+            read = partial(_read, gguf, info, rows, shift)
             tensors[name] = SourceTensor(name, info.shape, info.type_name, _precision(info), read)
         files = {
             "tokenizer.json": tokenizer_json(meta).to_str(pretty=True),
@@ -77,12 +120,14 @@ def open_gguf(path: Path) -> Source:
     )
 
 
-def hf_name(name: str) -> str:
-    """llama.cpp's tensor name as Hugging Face's; unknown names pass through to be reported as unused."""
+def hf_name(name: str, overrides: dict[str, str] | None = None) -> str:
+    """llama.cpp's tensor name as Hugging Face's (`overrides`: an architecture's own block
+    names); unknown names pass through to be reported as unused."""
+    names = {**_BLOCK_NAMES, **(overrides or {})}
     if match := _BLOCK_TENSOR.fullmatch(name):
         layer, part, leaf = match.groups()
-        if part in _BLOCK_NAMES:
-            return f"model.layers.{layer}.{_BLOCK_NAMES[part]}.{leaf}"
+        if part in names:
+            return f"model.layers.{layer}.{names[part]}.{leaf}"
     base, _, leaf = name.rpartition(".")
     return f"{_GLOBAL_NAMES[base]}.{leaf}" if base in _GLOBAL_NAMES else name
 
@@ -99,7 +144,7 @@ def hf_config(meta: dict[str, Any], names: set[str]) -> dict[str, Any]:
             "this GGUF stores Llama 3.1-style rope scaling as a rope_freqs tensor, which cannot be converted "
             "back; convert the original Hugging Face checkpoint instead"
         )
-    model_type, cls, _ = ARCHITECTURES[arch]
+    spec = ARCHITECTURES[arch]
 
     def get(key: str, default: Any = ...) -> Any:
         value = meta.get(f"{arch}.{key}", default)
@@ -113,8 +158,8 @@ def hf_config(meta: dict[str, Any], names: set[str]) -> dict[str, Any]:
         raise UnsupportedArchitectureError("GGUF models with a different head count per layer are not supported")
     head_dim = get("attention.key_length", hidden // heads)
     config = {
-        "architectures": [cls],
-        "model_type": model_type,
+        "architectures": [spec.cls],
+        "model_type": spec.model_type,
         "hidden_size": hidden,
         "intermediate_size": get("feed_forward_length"),
         "num_hidden_layers": get("block_count"),
@@ -135,6 +180,9 @@ def hf_config(meta: dict[str, Any], names: set[str]) -> dict[str, Any]:
         config["partial_rotary_factor"] = rope_dims / head_dim
     if scaling := _rope_scaling(meta, arch):
         config["rope_scaling"] = scaling
+    if spec.config:
+        del config["hidden_act"]
+        config.update(spec.config(get))
     for key in ("bos_token_id", "eos_token_id"):
         if f"tokenizer.ggml.{key}" in meta:
             config[key] = meta[f"tokenizer.ggml.{key}"]
@@ -169,8 +217,10 @@ def _precision(info: TensorInfo) -> QuantSpec | None:
     return QuantSpec(next((b for b in BITS if b + 1 >= source_bits), BITS[-1]), 32)
 
 
-def _read(gguf: GGUFFile, info: TensorInfo, heads: int | None) -> Tensor:
+def _read(gguf: GGUFFile, info: TensorInfo, heads: int | None, shift: float) -> Tensor:
     tensor = gguf.read(info)
+    if shift:
+        tensor = tensor - shift
     return tensor if heads is None else unpermute(tensor, heads)
 
 

@@ -98,8 +98,7 @@ def open_folder(folder: Path) -> Source:
     for name, array in stored.items():
         path, _, leaf = name.rpartition(".")
         if f"{path}.scales" not in stored:
-            file = folder / origin[name]
-            read = partial(_lazy, file, name)
+            read = partial(_lazy, folder / origin[name], name) if name in origin else partial(_built, files, model, name)
             tensors[name] = SourceTensor(name, tuple(array.shape), dtype_name(array.dtype), None, read)
         elif leaf == "weight":
             spec = _packed_spec(path, modules[path], quant, stored)
@@ -128,6 +127,12 @@ def _packed_spec(path: str, module: nn.Module, quant: dict[str, Any], stored: di
 
 def _lazy_packed(files: dict[str, Path], path: str, spec: QuantSpec) -> Packed:
     return Packed(*(_lazy(files[p], f"{path}.{p}") for p in PACKED), spec)
+
+
+def _built(files: list[Path], model: nn.Module, name: str) -> mx.array:
+    """A tensor the model's `sanitize` builds from several stored ones (stacked experts),
+    rebuilt from fresh lazy loads, so, like `_lazy`, nothing stays in memory."""
+    return model.sanitize(read_weights(files)[0])[name]
 
 
 def _lazy(file: Path, name: str) -> mx.array:

