@@ -21,6 +21,7 @@ import mlx.core as mx
 import numpy as np
 
 from .errors import InvalidOptionError
+from .kernels import quantized_attention
 from .models.layers import attention_mask
 
 Parts = tuple[mx.array, ...]
@@ -55,30 +56,6 @@ def _grown(buf: Parts | None, used: int, like: Parts, capacity: int) -> Parts:
     if buf is not None and used:
         _write(new, _slice(buf, 0, used), 0)
     return new
-
-
-def _as_array_mask(mask: mx.array | str | None, queries: int, keys: int) -> mx.array | None:
-    if isinstance(mask, str):
-        return mx.arange(keys)[None] <= mx.arange(keys - queries, keys)[:, None]
-    return mask
-
-
-def quantized_attention(
-    q: mx.array, keys: Parts, values: Parts, scale: float, mask, group_size: int, bits: int
-) -> mx.array:
-    """Attention straight on quantized K/V (no dequantized copy), grouped-query aware."""
-    B, H, T, D = q.shape
-    kv_heads = keys[0].shape[1]
-    q = (q * scale).reshape(B, kv_heads, H // kv_heads, T, D)
-    keys = tuple(mx.expand_dims(p, 2) for p in keys)
-    values = tuple(mx.expand_dims(p, 2) for p in values)
-    scores = mx.quantized_matmul(q, *keys, transpose=True, group_size=group_size, bits=bits)
-    mask = _as_array_mask(mask, T, scores.shape[-1])
-    if mask is not None:
-        scores = mx.where(mask, scores, mx.finfo(scores.dtype).min)
-    probs = mx.softmax(scores, axis=-1, precise=True)
-    out = mx.quantized_matmul(probs, *values, transpose=False, group_size=group_size, bits=bits)
-    return out.reshape(B, H, T, D)
 
 
 class KVCache:
@@ -118,7 +95,7 @@ class KVCache:
         keys, values = self.update_and_fetch(k, v)
         if self.bits is None:
             return mx.fast.scaled_dot_product_attention(q, keys[0], values[0], scale=scale, mask=mask)
-        return quantized_attention(q, keys, values, scale, mask, self.group_size, self.bits)
+        return quantized_attention(q, self.keys, self.values, scale, mask, self.group_size, self.bits, self.size)
 
     def make_mask(self, queries: int, window: int | None):
         return attention_mask(queries, self.offset, window)

@@ -249,6 +249,24 @@ def bench(model, prompt_tokens, gen_tokens, repeat, max_kv_size, kv_bits, as_jso
     for name, (med, lo, hi), scale, fmt in rows:
         click.echo(f"  {name:<16} {med * scale:{fmt}} [{lo * scale:{fmt}}-{hi * scale:{fmt}}]")
 
+@main.command()
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+def doctor(as_json: bool) -> None:
+    """The environment (MLX, device, memory) and, on Metal, every custom kernel checked against its reference;
+    a kernel that disagrees is disabled for the session and the reference runs instead."""
+    from . import doctor as checks
+    from . import kernels
+
+    if not as_json:
+        for line in checks.report():
+            click.echo(line)
+        return
+    ran = kernels.mode() == "auto" and kernels.metal_available()
+    click.echo(json.dumps({"environment": dict(checks.environment()),
+                           "checks": [{**asdict(c), "ok": c.ok} for c in checks.run_checks()] if ran else [],
+                           "disabled": kernels.disabled(), "in_use": kernels.selection()}))
+
+
 from convert.cli import convert_command  # noqa: E402  (top-level package beside mlxinfer)
 
 main.add_command(convert_command, "convert")

@@ -8,15 +8,14 @@ top-p, min-p.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
 
 import mlx.core as mx
 
+from . import kernels
 from .errors import InvalidOptionError
-
-NEG_INF = float("-inf")
-Filter = Callable[[mx.array], mx.array]
+from .kernels.sampling import Filter, SamplingParams, warp_chain
 
 
 @dataclass(frozen=True)
@@ -50,49 +49,13 @@ class SamplingConfig:
         return self.temperature == 0
 
     @property
+    def warp(self) -> SamplingParams:
+        """What the fused sampling kernel applies after penalties and bias."""
+        return SamplingParams(self.temperature, self.top_k, self.top_p, self.min_p)
+
+    @property
     def penalised(self) -> bool:
         return (self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0)
-
-
-def temperature(t: float) -> Filter:
-    return lambda logits: logits / t
-
-
-def top_k(k: int) -> Filter:
-    """Keep the k most likely tokens (ties at the boundary all kept); a partition, not a sort."""
-
-    def apply(logits: mx.array) -> mx.array:
-        if k >= logits.shape[-1]:
-            return logits
-        kth = -mx.partition(-logits, k - 1, axis=-1)[..., k - 1 : k]
-        return mx.where(logits >= kth, logits, NEG_INF)
-
-    return apply
-
-
-def top_p(p: float) -> Filter:
-    """Keep the smallest most-likely set whose probability reaches p: one value
-    sort finds the cut-off logit (ties with it are kept)."""
-
-    def apply(logits: mx.array) -> mx.array:
-        ordered = -mx.sort(-logits, axis=-1)
-        probs = mx.softmax(ordered, axis=-1, precise=True)
-        before = mx.cumsum(probs, axis=-1) - probs
-        kept = (before < p).sum(axis=-1, keepdims=True)
-        cutoff = mx.take_along_axis(ordered, kept - 1, axis=-1)
-        return mx.where(logits >= cutoff, logits, NEG_INF)
-
-    return apply
-
-
-def min_p(m: float) -> Filter:
-    """Keep tokens at least m times as likely as the most likely one."""
-
-    def apply(logits: mx.array) -> mx.array:
-        threshold = logits.max(axis=-1, keepdims=True) + mx.log(mx.array(m, logits.dtype))
-        return mx.where(logits >= threshold, logits, NEG_INF)
-
-    return apply
 
 
 def penalties(history: mx.array, repetition: float, presence: float, frequency: float) -> Filter:
@@ -130,18 +93,7 @@ def adjustments(config: SamplingConfig, history: mx.array | None = None) -> list
 
 def warpers(config: SamplingConfig) -> list[Filter]:
     """Temperature and the truncation filters (none when greedy)."""
-    if config.greedy:
-        return []
-    chain: list[Filter] = []
-    if config.temperature != 1:
-        chain.append(temperature(config.temperature))
-    if config.top_k:
-        chain.append(top_k(config.top_k))
-    if config.top_p < 1:
-        chain.append(top_p(config.top_p))
-    if config.min_p > 0:
-        chain.append(min_p(config.min_p))
-    return chain
+    return [] if config.greedy else warp_chain(config.warp)
 
 
 def filters(config: SamplingConfig, history: mx.array | None = None) -> list[Filter]:
@@ -167,14 +119,13 @@ def filtered_probs(logits: mx.array, config: SamplingConfig, history: mx.array |
 class Sampler:
     """Draws next tokens from logits under a config; the same seed gives the same tokens.
 
-    The warpers are compiled once per sampler (about 10% off their cost on CPU);
-    penalties change with the history every step, so they stay eager."""
+    Penalties and bias change with the history every step and stay eager ops;
+    temperature, the truncation filters and the draw are one fused step
+    (`kernels.sample`: a Metal kernel, or its compiled reference)."""
 
     def __init__(self, config: SamplingConfig):
         self.config = config
         self._key = mx.random.key(config.seed) if config.seed is not None else None
-        chain = warpers(config)
-        self._warp = mx.compile(lambda logits: apply_filters(logits, chain)) if chain else None
 
     def next_key(self) -> mx.array | None:
         if self._key is None:
@@ -186,4 +137,5 @@ class Sampler:
         logits = apply_filters(logits, adjustments(self.config, history))
         if self.config.greedy:
             return logits.argmax(axis=-1)
-        return mx.random.categorical(self._warp(logits) if self._warp else logits, key=self.next_key())
+        u = mx.random.uniform(shape=logits.shape[:1], key=self.next_key())
+        return kernels.sample(logits, u, self.config.warp)
