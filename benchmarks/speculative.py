@@ -19,16 +19,19 @@ import statistics
 
 import mlxinfer
 
-CODE = '''def moving_average(values, window):
-    result = []
-    for i in range(len(values)):
-        start = max(0, i - window + 1)
-        chunk = values[start:i + 1]
-        result.append(sum(chunk) / len(chunk))
-    return result
-'''
+NAV = """<nav class="site-menu">
+  <ul>
+    <li><a href="/">Home</a></li>
+    <li><a href="/about">About us</a></li>
+    <li><a href="/blog">Blog</a></li>
+    <li><a href="/projects">Projects</a></li>
+    <li><a href="/careers">Careers</a></li>
+    <li><a href="/contact">Contact</a></li>
+  </ul>
+</nav>"""
 PROMPTS = {
-    "code-edit": "Add type hints to this Python function. Reply with the full function only.\n\n" + CODE,
+    "code-edit": "Add a new item <li><a href=\"/shop\">Shop</a></li> after Blog in this HTML menu "
+    "and reply with the whole menu:\n\n```html\n" + NAV + "\n```",
     "open-chat": "Tell me a short story about a lighthouse keeper who befriends a seagull.",
 }
 

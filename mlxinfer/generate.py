@@ -36,6 +36,7 @@ class Stats:
     drafted: int = 0
     accepted: int = 0
     rounds: int = 0
+    plain_tps: float = 0.0
 
     @property
     def acceptance_rate(self) -> float:
@@ -46,6 +47,12 @@ class Stats:
     def mean_accepted(self) -> float:
         """Drafted tokens accepted per verification round."""
         return self.accepted / self.rounds if self.rounds else 0.0
+
+    @property
+    def speedup(self) -> float:
+        """decode_tps over the plain decoding rate measured during this same
+        generation (speculative decoding times both); 0 when not measured."""
+        return self.decode_tps / self.plain_tps if self.plain_tps else 0.0
 
 
 @dataclass

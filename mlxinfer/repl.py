@@ -226,7 +226,8 @@ class Repl:
                  f"peak memory {size(s.peak_memory)}")
         if getattr(s, "drafted", 0):
             self.say(f"  speculation: {s.accepted} of {s.drafted} drafted tokens accepted "
-                     f"({s.accepted / s.drafted:.0%}) in {s.rounds} rounds")
+                     f"({s.accepted / s.drafted:.0%}) in {s.rounds} rounds"
+                     + (f", {s.speedup:.2f}x plain decoding measured alongside" if s.speedup else ""))
 
     def undo(self, _: str) -> None:
         if self.session.undo():

@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Iterator, Protocol, Sequence
+from typing import Iterable, Iterator, Protocol, Sequence
 
 import mlx.core as mx
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
+from . import kernels
 from .cache import PromptCache
 from .errors import InvalidOptionError
 from .sample import Sampler, SamplingConfig, filtered_probs
@@ -49,21 +50,9 @@ def verify(p: mx.array, drafts: Sequence[int], q: mx.array | None, sampler: Samp
     p: target distributions [k+1, V] (position i scores draft i; row k is the
     bonus); q: draft distributions [k, V], or None for one-hot drafts.
     """
-    k = len(drafts)
-    x = mx.array(list(drafts), mx.int32)
-    px = mx.take_along_axis(p[:k], x[:, None], axis=-1)[:, 0]
-    qx = mx.ones_like(px) if q is None else mx.take_along_axis(q, x[:, None], axis=-1)[:, 0]
-    u = mx.random.uniform(shape=(k,), key=sampler.next_key())
-    accepted = mx.cumprod((u < px / qx).astype(mx.int32))
-    n = int(accepted.sum().item())
-    if n == k:
-        residual = p[k]
-    else:
-        draft_row = mx.zeros_like(p[n]).at[drafts[n]].add(1.0) if q is None else q[n]
-        residual = mx.maximum(p[n] - draft_row, 0.0)
-        residual = mx.where(residual.sum() > 0, residual, p[n])
-    token = mx.random.categorical(mx.log(residual), key=sampler.next_key())
-    return n, int(token.item())
+    u = mx.random.uniform(shape=(len(drafts) + 1,), key=sampler.next_key())
+    n, token = kernels.verify(p, drafts, q, u).tolist()
+    return n, token
 
 
 @dataclass
@@ -128,32 +117,43 @@ class DraftModel:
 
 
 class DraftLength:
-    """Adapts k to the running acceptance: grow after a fully accepted round,
-    shrink after a poor one, and pause drafting while even k=1 mostly fails, so a
-    bad drafter costs little more than plain decoding."""
+    """Adapts k to the drafter's luck: a fully accepted round doubles k, a round
+    with nothing accepted halves it (verifying k+1 tokens costs far less than
+    k+1 steps, so long drafts are cheap to try and shrink fast when they fail),
+    and after two empty rounds in a row drafting pauses for a number of tokens
+    that doubles with each failed retry, so a useless drafter costs almost
+    nothing over plain decoding."""
 
-    def __init__(self, k_max: int, k_min: int = 1, pause: int = 8):
-        self.k_max, self.k_min, self.pause = k_max, k_min, pause
+    def __init__(self, k_max: int, k_min: int = 1, pause: int = 8, max_pause: int = 256):
+        self.k_max, self.k_min = k_max, k_min
+        self.min_pause, self.max_pause = pause, max_pause
         self.k = min(4, k_max)
-        self.rate = 1.0
+        self.pause = pause
         self.paused = 0
+        self.misses = 0
 
     def next(self) -> int:
-        if self.paused:
-            self.paused -= 1
-            return 0
-        return self.k
+        """The draft length for the next round; 0 while paused."""
+        return 0 if self.paused else self.k
+
+    def skip(self, tokens: int) -> None:
+        """`tokens` were decoded without drafting."""
+        self.paused = max(0, self.paused - tokens)
 
     def update(self, proposed: int, accepted: int) -> None:
         if not proposed:
             return
-        self.rate = 0.8 * self.rate + 0.2 * accepted / proposed
         if accepted == proposed:
-            self.k = min(self.k + 1, self.k_max)
-        elif accepted < proposed / 2:
-            self.k = max(self.k - 1, self.k_min)
-        if self.k == self.k_min and self.rate < 0.25:
-            self.paused, self.rate = self.pause, 0.5
+            self.k = min(2 * self.k, self.k_max)
+        elif not accepted:
+            self.k = max(self.k // 2, self.k_min)
+        if accepted:
+            self.misses, self.pause = 0, self.min_pause
+            return
+        self.misses += 1
+        if self.misses >= 2:
+            self.paused, self.misses = self.pause, 0
+            self.pause = min(2 * self.pause, self.max_pause)
 
 
 def make_drafter(gen) -> Drafter:
@@ -196,13 +196,21 @@ class ModeChooser:
         self.rates[mode] = rate if mode not in self.rates else 0.5 * (self.rates[mode] + rate)
 
 
-def speculate_once(gen, drafter: Drafter, length: DraftLength) -> list:
-    """One round: draft, verify in a single forward pass, roll back, emit. The
+PLAIN_BURST = 4
+
+
+def speculate_once(gen, drafter: Drafter, length: DraftLength) -> Iterable:
+    """One round: draft, verify in a single forward pass, roll back, emit; with
+    nothing to draft, a short burst of pipelined plain decoding instead. The
     cache holds the context but its last token before and after."""
     config, stats = gen.sampling, gen.stats
     context = gen.prompt + gen.generated
     k = min(length.next(), gen.limit - len(gen.generated) - 1)
     drafts, q = drafter.propose(context, k) if k > 0 else ([], None)
+    if not drafts:
+        burst = max(length.paused, PLAIN_BURST)
+        length.skip(burst)
+        return gen.plain_tokens(burst)
     fed = [context[-1], *drafts]
     logits = gen.model(mx.array(fed)[None], cache=gen.cache.caches)[0]
     gen.cache.feed(fed)
@@ -247,3 +255,4 @@ def speculative_run(gen, chooser: ModeChooser | None = None) -> Iterator:
                 if chunk.finish_reason:
                     return
         chooser.record(mode, produced, time.perf_counter() - start)
+        gen.stats.plain_tps = chooser.rates.get("plain", 0.0)

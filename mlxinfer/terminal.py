@@ -47,6 +47,8 @@ def stats_line(stats: Stats, cache_tokens: int | None = None, cache_bytes: int |
     ]
     if getattr(stats, "drafted", 0):
         parts.append(f"accepted {stats.accepted}/{stats.drafted} drafted ({stats.accepted / stats.drafted:.0%})")
+    if getattr(stats, "speedup", 0):
+        parts.append(f"{stats.speedup:.2f}x plain")
     return "[" + " | ".join(parts) + "]"
 
 

@@ -50,6 +50,7 @@ def test_greedy_speculation_is_exact(target, other_draft, drafter, cache):
     assert tokens_of(chunks) == plain
     s = chunks[-1].stats
     assert s.drafted > 0 and s.rounds > 0
+    assert s.plain_tps > 0 and s.speedup == s.decode_tps / s.plain_tps  # plain decoding was timed alongside
     assert sum(c.drafted for c in chunks) == s.accepted
     if drafter == "self":
         assert s.acceptance_rate == 1.0
@@ -157,15 +158,27 @@ def test_prompt_lookup_proposals():
     assert lookup.propose([7, 1, 7, 2, 7], 2)[0] == [2, 7]  # most recent occurrence wins
 
 
-def test_adaptive_length_backs_off_and_pauses():
+def test_adaptive_length_follows_acceptance_and_pauses():
     length = DraftLength(8)
-    for _ in range(6):
-        length.update(length.next(), length.k)
-    assert length.k == 8
-    for _ in range(12):
-        k = length.next()
-        length.update(k, 0)
-    assert length.k == 1 and length.paused > 0 and length.next() == 0
+    length.update(4, 4)
+    assert length.next() == 8  # a fully accepted round doubles k
+    length.update(8, 8)
+    assert length.next() == 8  # up to k_max
+    length.update(8, 3)
+    assert length.next() == 8  # a partly accepted round keeps it
+    length.update(8, 0)
+    assert length.next() == 4  # an empty one halves it
+    length.update(4, 0)
+    assert length.next() == 0 and length.paused == 8  # two in a row pause drafting
+    length.skip(8)
+    length.update(2, 0)
+    length.update(1, 0)
+    assert length.paused == 16  # a failed retry doubles the pause
+    length.skip(16)
+    length.update(1, 1)
+    length.update(2, 0)
+    length.update(1, 0)
+    assert length.paused == 8  # an accepted token resets it
 
 
 def test_bad_input(target, hf_checkpoint):
