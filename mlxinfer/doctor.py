@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import statistics
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -122,6 +123,8 @@ def timed(fn: Callable, cases: list[tuple], repeat: int) -> tuple[list[mx.array]
     """Outputs for every case, and the median milliseconds of one pass over them."""
     outputs = [fn(*c) for c in cases]
     mx.eval(outputs)
+    if not repeat:
+        return outputs, 0.0
     times = []
     for _ in range(repeat):
         start = time.perf_counter()
@@ -141,6 +144,16 @@ def check(case: Case, sizes: Sizes = Sizes(), repeat: int = 5, seed: int = 0) ->
     if not result.ok:
         kernels.disable(case.name, f"{case.metric} {error:.3g} > {case.tolerance:.3g} against the reference")
     return result
+
+
+def self_check(name: str) -> None:
+    """Kernel `name` against its reference on small inputs, untimed: what every
+    process does before first running a kernel. A disagreeing kernel is disabled
+    (by `check`) and a warning says so."""
+    result = check(next(c for c in CASES if c.name == name), SMALL, repeat=0)
+    if not result.ok:
+        warnings.warn(f"mlxinfer: kernel '{name}' disagrees with its reference ({result.metric} "
+                      f"{result.error:.3g}); the reference runs instead", RuntimeWarning, stacklevel=2)
 
 
 def run_checks(sizes: Sizes = Sizes(), repeat: int = 5) -> list[Check]:

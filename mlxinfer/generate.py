@@ -78,11 +78,11 @@ class GenerationOptions:
     logprobs: int = 0
     draft_model: Any = None
     draft_cache: PromptCache | None = None
-    num_draft_tokens: int = 4
+    num_draft_tokens: int | None = None  # most tokens per draft; default 8 for prompt lookup, 4 for a draft model
     prompt_lookup: bool = False
 
     def __post_init__(self) -> None:
-        if self.num_draft_tokens < 1:
+        if self.num_draft_tokens is not None and self.num_draft_tokens < 1:
             raise InvalidOptionError(f"num_draft_tokens must be >= 1, got {self.num_draft_tokens}")
         if self.draft_model is not None and self.prompt_lookup:
             raise InvalidOptionError("choose one drafter: a draft model or prompt lookup, not both")

@@ -170,24 +170,35 @@ class ModeChooser:
     """Speculate only while it beats plain decoding. Both throughputs are measured
     on this very generation (a verification pass over k+1 tokens is far from free
     on a CPU, and a drafter's luck changes with the text): after a probe of each,
-    the faster mode runs for `period` tokens, then the other is probed again; each
-    time the same mode wins again its period doubles, so a loser costs ever less."""
+    the faster mode runs for a period, then the other is probed again. Each time
+    the same mode wins again its period doubles, and the period is at least long
+    enough that re-probing the loser costs under `overhead` of the time, so a
+    drafter far slower than plain decoding is barely tried again."""
 
-    def __init__(self, probe: int = 6, period: int = 32, max_period: int = 512):
-        self.probe, self.period, self.max_period = probe, period, max_period
+    def __init__(self, probe: int = 6, period: int = 32, max_period: int = 1024, overhead: float = 0.05):
+        self.probe, self.period, self.max_period, self.overhead = probe, period, max_period, overhead
         self.rates: dict[str, float] = {}
         self._queue = ["speculate", "plain"]
         self._last_best: str | None = None
+        self.plain_only = False
+
+    def give_up(self) -> None:
+        """Decode plainly from now on (speculation cannot win)."""
+        self.plain_only, self._queue = True, []
 
     def next_phase(self) -> tuple[str, int]:
+        if self.plain_only:
+            return "plain", self.max_period
         if self._queue:
             return self._queue[0], self.probe
         best = max(self.rates, key=self.rates.get)
+        other = "plain" if best == "speculate" else "speculate"
         if best == self._last_best:
             self.period = min(2 * self.period, self.max_period)
         self._last_best = best
-        self._queue = ["plain" if best == "speculate" else "speculate"]
-        return best, self.period
+        self._queue = [other]
+        probe_cost = self.probe * (self.rates[best] / self.rates[other] - 1)  # in best-mode token times
+        return best, max(self.period, min(round(probe_cost / self.overhead), self.max_period))
 
     def record(self, mode: str, tokens: int, seconds: float) -> None:
         if self._queue and self._queue[0] == mode:
@@ -196,7 +207,43 @@ class ModeChooser:
         self.rates[mode] = rate if mode not in self.rates else 0.5 * (self.rates[mode] + rate)
 
 
+def step_seconds(model, x: mx.array) -> float:
+    """Wall time of one forward pass over `x`."""
+    start = time.perf_counter()
+    mx.eval(model(x))
+    return time.perf_counter() - start
+
+
+HOPELESS_DRAFT = 1.5
+MIN_JUDGED_STEP = 0.005
+
+
+def draft_can_win(draft, target, min_seconds: float = 0.01, max_rounds: int = 20) -> bool:
+    """A round of k drafts costs k draft steps plus a verification that costs at
+    least one target step, and yields at most k+1 tokens: if a draft step is no
+    cheaper than a target step, speculation cannot beat plain decoding (e.g. a
+    4-bit draft of an f32 target on MLX's CPU backend, whose quantized matmuls are
+    slower than BLAS). Single-token steps of both are timed interleaved, best of
+    at least three and of `min_seconds` (the first is a warm-up). Only a draft
+    clearly slower (by `HOPELESS_DRAFT`) than a target step long enough to time
+    reliably (`MIN_JUDGED_STEP`; shorter ones are at the scale of scheduler noise
+    and cheap to probe anyway) is ruled out; the chooser judges the rest."""
+    x = mx.array([[0]])
+    draft_s = target_s = float("inf")
+    start = time.perf_counter()
+    for i in range(max_rounds):
+        draft_s = min(draft_s, step_seconds(draft, x))
+        target_s = min(target_s, step_seconds(target, x))
+        if i >= 2 and time.perf_counter() - start >= min_seconds:
+            break
+    return target_s < MIN_JUDGED_STEP or draft_s < HOPELESS_DRAFT * target_s
+
+
 PLAIN_BURST = 4
+# Default most tokens per draft. A lookup draft is free, and verifying 8 tokens
+# costs under twice one decode step (memory-bound on every backend); a model
+# draft pays per token, so it starts shorter.
+LOOKUP_DRAFT, MODEL_DRAFT = 8, 4
 
 
 def speculate_once(gen, drafter: Drafter, length: DraftLength) -> Iterable:
@@ -217,11 +264,10 @@ def speculate_once(gen, drafter: Drafter, length: DraftLength) -> Iterable:
     p = position_probs(logits, config, context[-config.penalty_window :], drafts)
     n, token = verify(p, drafts, q, gen.sampler)
     gen.cache.trim(len(drafts) - n)
-    if drafts:
-        stats.drafted += len(drafts)
-        stats.accepted += n
-        stats.rounds += 1
-        length.update(len(drafts), n)
+    stats.drafted += len(drafts)
+    stats.accepted += n
+    stats.rounds += 1
+    length.update(len(drafts), n)
     logprobs = logits[: n + 1] - mx.logsumexp(logits[: n + 1], axis=-1, keepdims=True)
     chosen = [*drafts[:n], token]
     values = mx.take_along_axis(logprobs, mx.array(chosen)[:, None], axis=-1)[:, 0].tolist()
@@ -237,22 +283,28 @@ def speculative_run(gen, chooser: ModeChooser | None = None) -> Iterator:
     """The generation loop with drafting, switching to plain pipelined decoding
     whenever that measures faster."""
     drafter = make_drafter(gen)
-    length = DraftLength(gen.options.num_draft_tokens)
+    length = DraftLength(gen.options.num_draft_tokens or (LOOKUP_DRAFT if gen.options.prompt_lookup else MODEL_DRAFT))
     chooser = chooser or ModeChooser()
     todo = gen.begin()
     if gen.limit <= 0:
         yield gen.emit_nothing()
         return
     gen.prefill_body(todo[:-1])
+    if isinstance(drafter, DraftModel) and not draft_can_win(drafter.model, gen.model):
+        chooser.give_up()
     while True:
         mode, budget = chooser.next_phase()
-        start, produced = time.perf_counter(), 0
-        while produced < budget:
+        start, produced, finished = time.perf_counter(), 0, False
+        while produced < budget and not finished:
             batch = gen.plain_tokens(budget) if mode == "plain" else speculate_once(gen, drafter, length)
             for chunk in batch:
                 produced += 1
+                if chunk.finish_reason:  # measured before the last chunk leaves, so its stats include it
+                    finished = True
+                    break
                 yield chunk
-                if chunk.finish_reason:
-                    return
         chooser.record(mode, produced, time.perf_counter() - start)
         gen.stats.plain_tps = chooser.rates.get("plain", 0.0)
+        if finished:
+            yield chunk
+            return

@@ -192,6 +192,7 @@ def test_selection_honours_setting_metal_and_disabling(monkeypatch):
 def test_dispatchers_call_the_kernel_when_selected(monkeypatch):
     """With Metal 'available', each dispatcher routes to the kernel (stubbed here), except shapes it does not take."""
     monkeypatch.setattr(kernels, "metal_available", lambda: True)
+    monkeypatch.setattr(kernels, "_checked", set(kernels.NAMES))  # self-checks done: count only real calls
     called = []
     for module in (attention, sampling, verification):
         monkeypatch.setattr(module, "metal", lambda *a, m=module: called.append(m.__name__) or m.reference(*a))
@@ -202,6 +203,27 @@ def test_dispatchers_call_the_kernel_when_selected(monkeypatch):
     kernels.sample(*sampling_rows(rng), SAMPLING[0])
     kernels.verify(mx.array(rng.dirichlet(np.ones(9), 2).astype(np.float32)), [3], None, mx.array([0.5, 0.5]))
     assert [c.rsplit(".", 1)[1] for c in called] == ["attention", "sampling", "verification"]
+
+
+def test_first_use_self_check_disables_a_wrong_kernel(monkeypatch):
+    """Before a process first runs a kernel it is checked against the reference; a wrong one (stubbed
+    'Metal' sampling kernel off by one token) is disabled with a warning and the reference answers."""
+    monkeypatch.setattr(kernels, "metal_available", lambda: True)
+    monkeypatch.setattr(kernels, "_checked", set())
+    monkeypatch.setattr(sampling, "metal", lambda *a: (sampling.reference(*a) + 1) % a[0].shape[-1])
+    monkeypatch.setattr(verification, "metal", lambda *a: verification.reference(*a))
+    rng = np.random.default_rng(6)
+    logits, u = sampling_rows(rng)
+    try:
+        with pytest.warns(RuntimeWarning, match="kernel 'sampling' disagrees"):
+            tokens = kernels.sample(logits, u, SAMPLING[0])
+        assert np.array_equal(np.array(tokens), np.array(sampling.reference(logits, u, SAMPLING[0])))
+        p = mx.array(rng.dirichlet(np.ones(9), 2).astype(np.float32))
+        kernels.verify(p, [3], None, mx.array([0.5, 0.5]))  # a right kernel passes its check silently
+        assert kernels.selection() == {"attention": "metal", "sampling": "reference", "verify": "metal"}
+        assert kernels._checked == {"sampling", "verify"}
+    finally:
+        kernels.enable_all()
 
 
 # ---- the Metal sources: assembled as MLX does, compiled and run on the CPU -----------------------------------

@@ -14,6 +14,7 @@ from test_parity import (
     assert_decode_matches_full,
     assert_matches_mlx_lm,
     assert_matches_transformers,
+    hf_logits,
     tokens,
 )
 
@@ -127,6 +128,21 @@ def test_cache_holds_only_the_latent(hf_checkpoint, capsys):
     with capsys.disabled():
         print(f"\nKV bytes/token: tiny MLA {per_token['deepseek_v2']} vs tiny llama GQA {per_token['llama']}; "
               f"DeepSeek-V2-Lite MLA {lite} vs 16x192 MHA {mha} ({mha / lite:.1f}x)")
+
+
+def test_quantized_latent_cache(hf_checkpoint):
+    """kv_bits quantizes the latent and the rotary key (dims 64 and 32 here, so groups of 32 fit):
+    the cache shrinks to the packed size and decoding stays close to transformers' logits."""
+    folder = checkpoint(hf_checkpoint, "deepseek_v2", {"q_lora_rank": None, "kv_lora_rank": 64, "qk_rope_head_dim": 32})
+    model, _ = mlxinfer.load(folder, dtype="float32")
+    ids = tokens()[:1]
+    full = hf_logits(folder, ids)[0]
+    cache = PromptCache.for_model(model, kv_bits=8)
+    model(mx.array(ids[:, :24]), cache=cache.caches)
+    steps = [np.array(model(mx.array(ids[:, t : t + 1]), cache=cache.caches))[0, 0] for t in range(24, ids.shape[1])]
+    assert np.abs(np.stack(steps) - full[24:]).max() < 0.05
+    packed = (64 + 32) * 8 // 8 + 2 * 4 * (64 + 32) // 32  # 8-bit values plus a float32 scale and bias per group of 32
+    assert sum(c.bytes_per_token for c in cache.caches) == 2 * packed
 
 
 def test_latent_cache_trims_rotates_and_saves(hf_checkpoint, tmp_path):

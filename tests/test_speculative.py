@@ -4,6 +4,8 @@ independent numpy computation), exact cache rollback for every cache type."""
 
 from __future__ import annotations
 
+import time
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -197,17 +199,51 @@ def test_bad_input(target, hf_checkpoint):
 def test_mode_chooser_runs_the_faster_mode_and_reprobes():
     from mlxinfer.speculative import ModeChooser
 
-    chooser = ModeChooser(probe=8, period=32)
+    chooser = ModeChooser(probe=8, period=32, overhead=0.25)
     assert chooser.next_phase() == ("speculate", 8)
-    chooser.record("speculate", 8, 2.0)  # 4 tok/s
+    chooser.record("speculate", 8, 1.0)  # 8 tok/s
     assert chooser.next_phase() == ("plain", 8)
-    chooser.record("plain", 8, 1.0)  # 8 tok/s
+    chooser.record("plain", 8, 0.8)  # 10 tok/s: a probe of speculation costs 8 * 0.25 = 2 token times
     assert chooser.next_phase() == ("plain", 32)
-    chooser.record("plain", 32, 4.0)
+    chooser.record("plain", 32, 3.2)
     assert chooser.next_phase() == ("speculate", 8)
-    chooser.record("speculate", 8, 2.0)  # loses again: plain's period doubles
+    chooser.record("speculate", 8, 1.0)  # loses again: plain's period doubles
     assert chooser.next_phase() == ("plain", 64)
-    chooser.record("plain", 64, 8.0)
+    chooser.record("plain", 64, 6.4)
     assert chooser.next_phase() == ("speculate", 8)
-    chooser.record("speculate", 8, 0.125)  # 64 tok/s: averages to 34, now the faster
-    assert chooser.next_phase() == ("speculate", 64)
+    chooser.record("speculate", 8, 0.1)  # 80 tok/s: averages to 44, now the faster
+    assert chooser.next_phase() == ("speculate", round(8 * (44 / 10 - 1) / 0.25))  # a plain probe costs 27 token times
+    chooser.record("speculate", 64, 64 / 44)
+    assert chooser.next_phase() == ("plain", 8)
+    chooser.record("plain", 8, 8.0)  # 1 tok/s: averages to 5.5, far slower
+    mode, period = chooser.next_phase()  # a re-probe of plain would cost 8 * (44/5.5 - 1) = 56 token times
+    assert mode == "speculate" and period == round(56 / 0.25)
+    chooser.give_up()
+    assert [chooser.next_phase()[0] for _ in range(3)] == ["plain"] * 3
+
+
+class Slowed:
+    """A model whose every forward pass takes `delay` seconds longer."""
+
+    def __init__(self, model, delay: float):
+        self.inner, self.delay = model, delay
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def __call__(self, *args, **kwargs):
+        time.sleep(self.delay)
+        return self.inner(*args, **kwargs)
+
+
+def test_a_draft_no_cheaper_than_the_target_is_not_used(target, other_draft):
+    from mlxinfer.speculative import draft_can_win
+
+    model, tok = target
+    slow_target, slow_draft = Slowed(model, 0.01), Slowed(other_draft, 0.1)
+    assert not draft_can_win(slow_draft, slow_target) and draft_can_win(other_draft, slow_target)
+    assert draft_can_win(slow_draft, model)  # a sub-5 ms target step is too short to judge by: the chooser decides
+    opts = dict(max_tokens=20, ignore_eos=True)
+    chunks = list(stream_generate(slow_target, tok, REPETITIVE, draft_model=slow_draft, **opts))
+    assert tokens_of(chunks) == tokens_of(stream_generate(model, tok, REPETITIVE, **opts))
+    assert chunks[-1].stats.drafted == 0 and chunks[-1].stats.plain_tps > 0

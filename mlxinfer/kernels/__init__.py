@@ -4,7 +4,10 @@ dispatching function each: the engine and the speculative decoder call only thes
 A dispatcher runs the Metal kernel when Metal is available, the kernel handles
 the shapes, `MLXINFER_KERNELS` is not `reference`, and the kernel has not been
 disabled (by `mlxinfer doctor` after disagreeing with its reference); otherwise
-the reference, whose inputs, outputs and semantics are the same.
+the reference, whose inputs, outputs and semantics are the same. The first time
+a process is about to run a kernel, it is checked against its reference on small
+random inputs (`doctor.self_check`), so a kernel that is wrong on this GPU is
+disabled with a warning before it can touch any output.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from .sampling import SamplingParams
 NAMES = ("attention", "sampling", "verify")
 MODES = ("auto", "reference")
 _disabled: dict[str, str] = {}
+_checked: set[str] = set()
 
 
 def metal_available() -> bool:
@@ -58,25 +62,37 @@ def enable_all() -> None:
     _disabled.clear()
 
 
+def _use_kernel(name: str) -> bool:
+    """Whether dispatcher `name` runs its kernel; the first time, after a self-check."""
+    if implementation(name) != "metal":
+        return False
+    if name not in _checked:
+        _checked.add(name)
+        from ..doctor import self_check
+
+        self_check(name)
+    return name not in _disabled
+
+
 def quantized_attention(q: mx.array, keys: tuple[mx.array, ...], values: tuple[mx.array, ...], scale: float, mask,
                         group_size: int, bits: int, length: int | None = None) -> mx.array:
     """Attention of q [B, H, T, D] over the first `length` slots (default: all) of
     quantized key/value buffers, read in place; see kernels.attention."""
     length = keys[0].shape[2] if length is None else length
-    use_kernel = implementation("attention") == "metal" and attention.supported(q, group_size, bits)
+    use_kernel = attention.supported(q, group_size, bits) and _use_kernel("attention")
     impl = attention.metal if use_kernel else attention.reference
     return impl(q, keys, values, scale, mask, group_size, bits, length)
 
 
 def sample(logits: mx.array, u: mx.array, params: SamplingParams) -> mx.array:
     """Tokens [B] from logits [B, V] after temperature/top-k/top-p/min-p, at uniforms u [B]."""
-    impl = sampling.metal if implementation("sampling") == "metal" else sampling.reference
+    impl = sampling.metal if _use_kernel("sampling") else sampling.reference
     return impl(logits, u, params)
 
 
 def verify(p: mx.array, drafts: Sequence[int], q: mx.array | None, u: mx.array) -> mx.array:
     """(accepted, token) as int32 [2] by exact speculative sampling; see kernels.verification."""
-    impl = verification.metal if implementation("verify") == "metal" else verification.reference
+    impl = verification.metal if _use_kernel("verify") else verification.reference
     return impl(p, drafts, q, u)
 
 
