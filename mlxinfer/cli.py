@@ -171,12 +171,27 @@ def generate(prompt: str, raw: bool, as_json: bool, no_stream: bool, **params) -
 
 @main.command("models")
 @click.argument("folders", nargs=-1, type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("--supported", is_flag=True, help="List the supported model families (config.json model_type).")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
-def models_command(folders: tuple[Path, ...], as_json: bool) -> None:
+def models_command(folders: tuple[Path, ...], supported: bool, as_json: bool) -> None:
     """Models on this machine: mlxinfer's cache, the Hugging Face cache, and model folders
-    in FOLDERS (default: the current directory). The NAME column is what --model accepts."""
+    in FOLDERS (default: the current directory). The NAME column is what --model accepts.
+    With --supported, the model families mlxinfer runs instead."""
     from .store import local_models
     from .terminal import size
+
+    if supported:
+        from .models import supported as families
+
+        table = families()
+        if as_json:
+            click.echo(json.dumps(table))
+            return
+        width = max(map(len, table))
+        click.echo(f"{'MODEL_TYPE':<{width}}  COVERS")
+        for model_type, covers in table.items():
+            click.echo(f"{model_type:<{width}}  {covers}")
+        return
 
     found = local_models(folders or (Path.cwd(),))
     if as_json:

@@ -297,6 +297,19 @@ def make_hf_cache(root: Path, repo: str, src: Path) -> None:
     (base / "refs" / "main").write_text(commit)
 
 
+def test_models_supported_lists_every_family():
+    from mlxinfer.models import FAMILIES
+
+    result = invoke("models", "--supported")
+    assert result.exit_code == 0, result.output
+    rows = result.stdout.splitlines()
+    assert rows[0].split() == ["MODEL_TYPE", "COVERS"]
+    assert sorted(r.split()[0] for r in rows[1:]) == sorted(FAMILIES)
+    assert any(r.startswith("gemma3_text") and "Gemma 3" in r for r in rows)
+    table = json.loads(invoke("models", "--supported", "--json").stdout)
+    assert set(table) == set(FAMILIES) and "DeepSeek-V2" in table["deepseek_v2"]
+
+
 def test_models_lists_cache_huggingface_and_folders(hf_checkpoint, tiny_gguf, isolated_home, tmp_path):
     src = hf_checkpoint("llama")
     invoke("generate", "-m", str(tiny_gguf), "-p", "x", "--max-tokens", "1")  # fills our cache

@@ -39,3 +39,8 @@ def build_model(config: dict[str, Any]) -> CausalLM:
     """An uninitialised model for a config.json dict."""
     fam = family(config.get("model_type", "<missing>"))
     return fam.Model(fam.config(config))
+
+
+def supported() -> dict[str, str]:
+    """Each supported model_type with what it covers (its family module's opening words)."""
+    return {t: family(t).__doc__.split(":")[0].split("\n")[0].rstrip(".") for t in sorted(FAMILIES)}

@@ -1,4 +1,4 @@
-"""DeepSeek-V3 / R1 (and Kimi-K2-style configs): DeepSeek-V2 with sigmoid routing,
+"""DeepSeek-V3 / R1: DeepSeek-V2 with sigmoid routing,
 a load-balancing bias that steers the choice (not the weights), group scores
 from each group's two best experts, optional half-split RoPE, and the latent
 up-projection stored as mlx-lm does (`embed_q` / `unembed_out`)."""
