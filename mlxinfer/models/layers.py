@@ -32,19 +32,21 @@ def _llama3_inv_freq(inv: np.ndarray, p: dict[str, Any]) -> np.ndarray:
     return (1 - smooth) * inv / factor + smooth * inv
 
 
+def yarn_mscale(factor: float, m: float = 1.0) -> float:
+    """YaRN's magnitude correction for a context stretched by `factor`."""
+    return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+
+
 def _yarn_inv_freq(inv: np.ndarray, base: float, dims: int, p: dict[str, Any], max_pos: int):
     """YaRN (arXiv 2309.00071): interpolate low frequencies, extrapolate high ones,
     and return the attention factor that rescales cos/sin."""
     original = p.get("original_max_position_embeddings") or max_pos
     factor = p.get("factor") or max_pos / original
 
-    def mscale(scale: float, m: float = 1.0) -> float:
-        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
-
     attn = p.get("attention_factor")
     if attn is None:
         m, m_all = p.get("mscale"), p.get("mscale_all_dim")
-        attn = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+        attn = yarn_mscale(factor, m) / yarn_mscale(factor, m_all) if m and m_all else yarn_mscale(factor)
 
     def correction_dim(rotations: float) -> float:
         return dims * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))

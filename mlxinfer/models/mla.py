@@ -18,7 +18,6 @@ are; quantized ones are used packed, never requantized.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,7 +26,7 @@ from mlx import nn
 
 from ..errors import ConfigError
 from .config import ModelConfig
-from .layers import Linear, RoPE, stored_kv
+from .layers import Linear, RoPE, stored_kv, yarn_mscale
 
 Parts = tuple[mx.array, ...]  # (weight,) or MLX's (packed, scales, biases)
 
@@ -44,10 +43,6 @@ class MLAConfig:
     scale: float
 
 
-def _mscale(factor: float, m: float) -> float:
-    return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
-
-
 def parse_mla(cfg: ModelConfig) -> MLAConfig:
     """MLA dimensions from config.json. The softmax scale is 1/sqrt(qk head dim), times
     mscale(factor, mscale_all_dim)^2 under scaled RoPE (DeepSeek's YaRN correction;
@@ -59,7 +54,7 @@ def parse_mla(cfg: ModelConfig) -> MLAConfig:
     scale = (d["qk_nope_head_dim"] + d["qk_rope_head_dim"]) ** -0.5
     m_all = cfg.rope.params.get("mscale_all_dim")
     if cfg.rope.kind != "default" and m_all:
-        scale *= _mscale(cfg.rope.params["factor"], m_all) ** 2
+        scale *= yarn_mscale(cfg.rope.params["factor"], m_all) ** 2
     return MLAConfig(
         heads=cfg.num_attention_heads,
         q_lora_rank=d.get("q_lora_rank"),
