@@ -1,5 +1,9 @@
 """mlxinfer: on-device LLM inference on Apple Silicon, built on MLX."""
 
+from . import blas
+
+blas.preload()  # before anything imports mlx.core: a BLAS chosen later would not be used
+
 from .cache import PromptCache, load_prompt_cache, make_cache, save_prompt_cache
 from .chat import ChatSession
 from .errors import MlxinferError

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from . import kernels
+from . import blas, kernels
 from .kernels import attention, sampling, verification
 
 
@@ -180,7 +180,22 @@ def environment() -> list[tuple[str, str]]:
     else:
         pages = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
         rows += [("system memory", _gib(pages))]
-    return rows
+    rows += [("BLAS", blas.describe()), ("float32 matmul", f"{matmul_gflops():.1f} GFLOP/s (1024 x 1024, CPU)")]
+    advice = blas.hint()
+    return rows + [("BLAS advice", advice)] if advice else rows
+
+
+def matmul_gflops(n: int = 1024, repeat: int = 3) -> float:
+    """Best float32 matmul rate on the CPU: the number that tells a fast BLAS from the reference one."""
+    a, b = (mx.random.normal((n, n), key=mx.random.key(i)) for i in range(2))
+    with mx.stream(mx.cpu):
+        mx.eval(a @ b)
+        best = float("inf")
+        for _ in range(repeat):
+            start = time.perf_counter()
+            mx.eval(a @ b)
+            best = min(best, time.perf_counter() - start)
+    return 2 * n**3 / best / 1e9
 
 
 def report(sizes: Sizes = Sizes(), repeat: int = 5) -> list[str]:

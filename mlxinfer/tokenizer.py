@@ -27,9 +27,9 @@ import jinja2
 import jinja2.ext
 import jinja2.nodes
 import tokenizers
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, normalizers, pre_tokenizers
 
+from . import sandbox
 from .errors import ConfigError, ModelNotFoundError, TokenizerError
 
 TOKENIZER_FILE = "tokenizer.json"
@@ -130,14 +130,10 @@ class Tokenizer:
         if not all(isinstance(m, Mapping) for m in messages):
             raise TokenizerError("chat messages must be dicts like {'role': 'user', 'content': '...'}; fix the input")
         variables = {"tools": None, "documents": None, **self._special_tokens, **template_kwargs}
-        try:
-            text = template.render(
-                messages=_alias_reasoning(messages), add_generation_prompt=add_generation_prompt, **variables
-            )
-        except jinja2.TemplateError as exc:
-            raise TokenizerError(
-                f"chat template failed to render: {_one_line(exc)}; check the messages or pass a raw prompt"
-            ) from exc
+        text = sandbox.render(
+            template,
+            {"messages": _alias_reasoning(messages), "add_generation_prompt": add_generation_prompt, **variables},
+        )
         return self.encode(text, add_special_tokens=False) if tokenize else text
 
     @cached_property
@@ -582,12 +578,13 @@ class _GenerationTag(jinja2.ext.Extension):
 
 
 @lru_cache(maxsize=1)
-def _jinja_env() -> ImmutableSandboxedEnvironment:
-    """The sandbox and helpers transformers renders chat templates with (templates are untrusted code)."""
-    env = ImmutableSandboxedEnvironment(
+def _jinja_env() -> sandbox.BoundedEnvironment:
+    """The sandbox and helpers transformers renders chat templates with (templates are untrusted code),
+    bounded in time and size."""
+    env = sandbox.BoundedEnvironment(
         trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols]
     )
-    env.filters["tojson"] = _tojson
+    env.add_filter("tojson", _tojson)
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
     return env

