@@ -10,8 +10,8 @@ types are dequantized with llama.cpp's own `gguf` package (an optional extra).
 from __future__ import annotations
 
 import contextlib
+import math
 import mmap
-import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -74,10 +74,9 @@ class GGUFFile:
                 raise CorruptCheckpointError(f"{path.name} is empty; re-download it") from None
         try:
             self.metadata, self.tensors = _Parser(self._map).parse()
-        except (struct.error, ValueError, UnicodeDecodeError, IndexError, KeyError) as e:
-            raise CorruptCheckpointError(
-                f"{path.name} is not a valid GGUF file ({type(e).__name__}: {e}); re-download it"
-            ) from None
+        except ValueError as e:
+            self.close()
+            raise CorruptCheckpointError(f"{path.name} is not a valid GGUF file: {e}; re-download it") from None
 
     def close(self) -> None:
         # A traceback may still hold a view of the map; it is then closed when collected.
@@ -87,7 +86,7 @@ class GGUFFile:
     def read(self, info: TensorInfo) -> mx.array | Packed:
         """One tensor: floats as they are stored, legacy quants repacked, other types dequantized."""
         if info.type in FLOAT_TYPES:
-            array = mx.array(self._view(info, FLOAT_TYPES[info.type], int(np.prod(info.shape))).reshape(info.shape))
+            array = mx.array(self._view(info, FLOAT_TYPES[info.type], int(math.prod(info.shape))).reshape(info.shape))
             return array.view(mx.bfloat16) if info.type == BF16 else array
         if info.type in BLOCK_TYPES:
             rows, cols = _rows_cols(info)
@@ -130,7 +129,7 @@ class GGUFFile:
 
 
 def _rows_cols(info: TensorInfo) -> tuple[int, int]:
-    return int(np.prod(info.shape[:-1])), info.shape[-1]
+    return int(math.prod(info.shape[:-1])), info.shape[-1]
 
 
 def _repack(blocks: np.ndarray, kind: int, shape: tuple[int, ...]) -> Packed:
@@ -176,8 +175,40 @@ def gguf_type(type_id: int, name: str):
         ) from None
 
 
+MAX_DIMS = 4  # GGML_MAX_DIMS: llama.cpp refuses tensors of more dimensions
+MAX_NESTING = 8  # arrays of arrays deeper than this are no model's metadata
+# The fewest bytes a header record can take, to refuse counts the file cannot hold before
+# looping over them: a key-value pair (key length, value type, a 1-byte value) and a tensor
+# info (name length, dimension count, one dimension, type, offset).
+_MIN_KV, _MIN_TENSOR = 8 + 4 + 1, 8 + 4 + 8 + 4 + 8
+_MIN_ITEM = {_STRING: 8, _ARRAY: 12}
+
+
+def tensor_nbytes(shape: tuple[int, ...], kind: int, name: str) -> int | None:
+    """Bytes a tensor of this type and shape takes; None for a type the `gguf` package
+    is needed to size (it is checked when the tensor is read)."""
+    if kind in FLOAT_TYPES:
+        return int(math.prod(shape)) * FLOAT_TYPES[kind].itemsize
+    if kind in BLOCK_TYPES:
+        block, size = 32, BLOCK_TYPES[kind].itemsize
+    else:
+        try:
+            from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+            block, size = GGML_QUANT_SIZES[GGMLQuantizationType(kind)]
+        except (ImportError, ValueError, KeyError):
+            return None
+    if shape[-1] % block:
+        raise ValueError(f"tensor '{name}' has rows of {shape[-1]} values, not a multiple of its type's {block}")
+    return int(math.prod(shape)) // block * size
+
+
 class _Parser:
-    """Sequential reader of the GGUF header: magic, version, counts, metadata, tensor infos."""
+    """Sequential reader of the GGUF header: magic, version, counts, metadata, tensor infos.
+
+    Every length, count and offset comes from the file, so each is checked against the
+    bytes that remain before it is used: a damaged header is a ValueError naming the field,
+    never a huge allocation, a long loop or a read past the end."""
 
     def __init__(self, buf: mmap.mmap):
         self.buf, self.pos = buf, 0
@@ -186,48 +217,92 @@ class _Parser:
         if self.buf[:4] != MAGIC:
             raise ValueError("it does not start with the GGUF magic bytes")
         self.pos = 4
-        version = self._scalar(4)
+        version = self._scalar(4, "the version")
         if version not in (2, 3):
             raise ValueError(f"GGUF version {version} is not supported (only 2 and 3)")
-        n_tensors, n_kv = self._scalar(10), self._scalar(10)
-        metadata = {}
-        for _ in range(n_kv):
-            key = self._string()
-            metadata[key] = self._value(self._scalar(4))
-        infos = [self._tensor_info() for _ in range(n_tensors)]
-        align = int(metadata.get("general.alignment", 32))
+        n_tensors, n_kv = self._scalar(10, "the tensor count"), self._scalar(10, "the metadata count")
+        self._fits(n_kv, _MIN_KV, f"the metadata count ({n_kv})")
+        metadata: dict[str, Any] = {}
+        for i in range(n_kv):
+            key = self._string(f"metadata key #{i}")
+            if key in metadata:
+                raise ValueError(f"metadata key '{key}' appears twice")
+            metadata[key] = self._value(self._scalar(4, f"metadata '{key}' type"), key)
+        self._fits(n_tensors, _MIN_TENSOR, f"the tensor count ({n_tensors})")
+        infos = [self._tensor_info(i) for i in range(n_tensors)]
+        align = metadata.get("general.alignment", 32)
+        if type(align) is not int or align <= 0 or align & (align - 1):
+            raise ValueError(f"metadata 'general.alignment' is {align!r}, not a power of two")
         start = -(-self.pos // align) * align
         tensors = [TensorInfo(name, shape, kind, start + offset) for name, shape, kind, offset in infos]
+        self._check_tensors(tensors, align)
         return metadata, tensors
 
-    def _scalar(self, kind: int):
+    def _check_tensors(self, tensors: list[TensorInfo], align: int) -> None:
+        """Names unique, offsets aligned, and every tensor's bytes inside the file."""
+        seen: set[str] = set()
+        for t in tensors:
+            if t.name in seen:
+                raise ValueError(f"tensor '{t.name}' appears twice")
+            seen.add(t.name)
+            if t.offset % align:
+                raise ValueError(f"tensor '{t.name}' starts at {t.offset}, not a multiple of the alignment {align}")
+            size = tensor_nbytes(t.shape, t.type, t.name)
+            if size is not None and t.offset + size > len(self.buf):
+                raise ValueError(
+                    f"tensor '{t.name}' ends at byte {t.offset + size} but the file has {len(self.buf)} (truncated)"
+                )
+
+    def _fits(self, count: int, item: int, what: str) -> None:
+        if count * item > len(self.buf) - self.pos:
+            raise ValueError(f"{what} is more than the file's remaining {len(self.buf) - self.pos} bytes can hold")
+
+    def _scalar(self, kind: int, what: str):
         dtype = np.dtype(_SCALARS[kind])
+        self._fits(1, dtype.itemsize, what)
         value = np.frombuffer(self.buf, dtype, 1, self.pos)[0]
         self.pos += dtype.itemsize
         return value.item()
 
-    def _string(self) -> str:
-        n = self._scalar(10)
-        text = self.buf[self.pos : self.pos + n].decode("utf-8")
+    def _string(self, what: str) -> str:
+        n = self._scalar(10, f"{what}'s length")
+        self._fits(n, 1, f"{what}'s length ({n})")
+        try:
+            text = self.buf[self.pos : self.pos + n].decode("utf-8")
+        except UnicodeDecodeError:
+            raise ValueError(f"{what} is not valid UTF-8") from None
         self.pos += n
         return text
 
-    def _value(self, kind: int) -> Any:
+    def _value(self, kind: int, key: str, depth: int = 0) -> Any:
         if kind == _STRING:
-            return self._string()
+            return self._string(f"metadata '{key}'")
+        if kind in _SCALARS:
+            return self._scalar(kind, f"metadata '{key}'")
         if kind != _ARRAY:
-            return self._scalar(kind)
-        item, count = self._scalar(4), self._scalar(10)
+            raise ValueError(f"metadata '{key}' has unknown value type {kind}")
+        if depth >= MAX_NESTING:
+            raise ValueError(f"metadata '{key}' nests arrays more than {MAX_NESTING} deep")
+        item, count = self._scalar(4, f"metadata '{key}' item type"), self._scalar(10, f"metadata '{key}' count")
+        if item not in _SCALARS and item not in _MIN_ITEM:
+            raise ValueError(f"metadata '{key}' has unknown item type {item}")
+        size = _MIN_ITEM.get(item) or np.dtype(_SCALARS[item]).itemsize
+        self._fits(count, size, f"metadata '{key}' item count ({count})")
         if item == _STRING:
-            return [self._string() for _ in range(count)]
+            return [self._string(f"metadata '{key}' item #{i}") for i in range(count)]
         if item == _ARRAY:
-            return [self._value(_ARRAY) for _ in range(count)]
-        dtype = np.dtype(_SCALARS[item])
-        values = np.frombuffer(self.buf, dtype, count, self.pos).tolist()
-        self.pos += dtype.itemsize * count
+            return [self._value(_ARRAY, key, depth + 1) for _ in range(count)]
+        values = np.frombuffer(self.buf, np.dtype(_SCALARS[item]), count, self.pos).tolist()
+        self.pos += size * count
         return values
 
-    def _tensor_info(self) -> tuple[str, tuple[int, ...], int, int]:
-        name = self._string()
-        dims = [self._scalar(10) for _ in range(self._scalar(4))]
-        return name, tuple(reversed(dims)), self._scalar(4), self._scalar(10)
+    def _tensor_info(self, i: int) -> tuple[str, tuple[int, ...], int, int]:
+        name = self._string(f"tensor name #{i}")
+        n_dims = self._scalar(4, f"tensor '{name}' dimension count")
+        if not 1 <= n_dims <= MAX_DIMS:
+            raise ValueError(f"tensor '{name}' has {n_dims} dimensions; GGUF allows 1 to {MAX_DIMS}")
+        dims = [self._scalar(10, f"tensor '{name}' shape") for _ in range(n_dims)]
+        if not all(0 < d <= len(self.buf) * 8 for d in dims):  # no tensor has more values than the file has bits
+            raise ValueError(f"tensor '{name}' has impossible shape {dims}")
+        kind, offset = self._scalar(4, f"tensor '{name}' type"), self._scalar(10, f"tensor '{name}' offset")
+        return name, tuple(reversed(dims)), kind, offset

@@ -4,6 +4,7 @@ rebuilt from llama.cpp's metadata and naming."""
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -12,8 +13,9 @@ from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
+import numpy as np
 
-from mlxinfer.errors import ConfigError, ConversionError, UnsupportedArchitectureError
+from mlxinfer.errors import ConfigError, ConversionError, CorruptCheckpointError, UnsupportedArchitectureError
 
 from .gguf_file import BF16, BLOCK_TYPES, F32, FLOAT_TYPES, Q8_0, GGUFFile, Packed, TensorInfo, gguf_type
 from .gguf_tokenizer import generation_config, tokenizer_config, tokenizer_json
@@ -21,9 +23,10 @@ from .quantize import BITS, QuantSpec
 from .sources import Source, SourceTensor, Tensor
 
 Getter = Callable[..., Any]
+ConfigPart = Callable[[Getter, set[str]], dict[str, Any]]
 
 
-def _gemma3_config(get: Getter) -> dict[str, Any]:
+def _gemma3_config(get: Getter, names: set[str]) -> dict[str, Any]:
     """What a Gemma 3 GGUF leaves to llama.cpp's code: a global layer every 6th, local
     RoPE base 10000, attention scaled by head_dim**-0.5 except in the 62-layer 27B,
     which uses hidden / heads (llama.cpp's llama-model.cpp, LLM_ARCH_GEMMA3)."""
@@ -38,6 +41,90 @@ def _gemma3_config(get: Getter) -> dict[str, Any]:
     }
 
 
+def _gemma2_config(get: Getter, names: set[str]) -> dict[str, Any]:
+    """Gemma 2 as llama.cpp runs it: sliding and global layers alternating (sliding first),
+    attention scaled by head_dim**-0.5 except in the 46-layer 27B, which uses hidden / heads;
+    soft-capping at llama.cpp's defaults (50, 30) where the file does not say."""
+    layers, heads, hidden = get("block_count"), get("attention.head_count"), get("embedding_length")
+    caps = {k: get(k) for k in ("attn_logit_softcapping", "final_logit_softcapping") if get(k, None) is not None}
+    return {
+        "hidden_activation": "gelu_pytorch_tanh",
+        "query_pre_attn_scalar": hidden // heads if layers == 46 else get("attention.key_length"),
+        "sliding_window": get("attention.sliding_window"),
+        "layer_types": ["full_attention" if (i + 1) % 2 == 0 else "sliding_attention" for i in range(layers)],
+        **caps,
+    }
+
+
+def _llama_config(get: Getter, names: set[str]) -> dict[str, Any]:
+    """llama.cpp runs Mistral as `llama`; a sliding window in the metadata makes it Mistral again."""
+    window = get("attention.sliding_window", None)
+    if not window:
+        return {}
+    return {"model_type": "mistral", "architectures": ["MistralForCausalLM"], "sliding_window": window}
+
+
+def _phi3_config(get: Getter, names: set[str]) -> dict[str, Any]:
+    window = get("attention.sliding_window", None)
+    return {"sliding_window": window} if window else {}
+
+
+def _moe_config(norm_topk_prob: bool) -> ConfigPart:
+    """Qwen MoE settings; a layer without stacked experts is one of the dense `mlp_only_layers`.
+    llama.cpp renormalizes the top-k weights for Qwen3-MoE and not for Qwen2-MoE."""
+
+    def config(get: Getter, names: set[str]) -> dict[str, Any]:
+        layers = get("block_count")
+        return {
+            "num_experts": get("expert_count"),
+            "num_experts_per_tok": get("expert_used_count"),
+            "moe_intermediate_size": get("expert_feed_forward_length"),
+            "shared_expert_intermediate_size": get("expert_shared_feed_forward_length", 0),
+            "norm_topk_prob": norm_topk_prob,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [i for i in range(layers) if f"blk.{i}.ffn_gate_exps.weight" not in names],
+        }
+
+    return config
+
+
+def _deepseek2_config(get: Getter, names: set[str]) -> dict[str, Any]:
+    """DeepSeek-V2/V3 as llama.cpp stores them: latent attention written as one shared KV head
+    whose `key_length` is kv_lora_rank + rotary dims (the `_mla` keys hold the per-head sizes;
+    files from before llama.cpp split kv_b have only the per-head ones), sigmoid gating and
+    `exp_probs_b` for V3, expert groups where the file has them."""
+    heads, rope = get("attention.head_count"), get("rope.dimension_count")
+    key, value = get("attention.key_length_mla", None), get("attention.value_length_mla", None)
+    if key is None or value is None:
+        key, value = get("attention.key_length"), get("attention.value_length")
+    v3 = get("expert_gating_func", 1) == 2
+    groups = get("expert_group_count", 1)
+    method = "noaux_tc" if v3 else "group_limited_greedy" if groups > 1 else "greedy"
+    return {
+        "model_type": "deepseek_v3" if v3 else "deepseek_v2",
+        "architectures": ["DeepseekV3ForCausalLM" if v3 else "DeepseekV2ForCausalLM"],
+        "num_key_value_heads": heads,
+        "head_dim": rope,
+        "q_lora_rank": get("attention.q_lora_rank", None),
+        "kv_lora_rank": get("attention.kv_lora_rank"),
+        "qk_rope_head_dim": rope,
+        "qk_nope_head_dim": key - rope,
+        "v_head_dim": value,
+        "n_routed_experts": get("expert_count"),
+        "num_experts_per_tok": get("expert_used_count"),
+        "moe_intermediate_size": get("expert_feed_forward_length"),
+        "n_shared_experts": get("expert_shared_count", 0),
+        "first_k_dense_replace": get("leading_dense_block_count", 0),
+        "moe_layer_freq": 1,
+        "routed_scaling_factor": get("expert_weights_scale", 1.0),
+        "norm_topk_prob": get("expert_weights_norm", False),
+        "n_group": groups,
+        "topk_group": get("expert_group_used_count", 1),
+        "topk_method": method,
+        "scoring_func": "sigmoid" if v3 else "softmax",
+    }
+
+
 @dataclass(frozen=True)
 class Arch:
     """How a GGUF `general.architecture` maps back onto a Hugging Face family."""
@@ -47,25 +134,59 @@ class Arch:
     permuted_qk: bool = False  # llama.cpp interleaved the rotary halves of Q/K rows
     names: dict[str, str] = field(default_factory=dict)  # block tensors named unlike Llama's
     norm_shift: float = 0.0  # llama.cpp stores norm weights plus this (Gemma's 1 + w, pre-added)
-    config: Callable[[Getter], dict[str, Any]] | None = None  # family keys beyond the common ones
+    config: ConfigPart | None = None  # family keys beyond the common ones
 
 
+_GEMMA_NAMES = {
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+# Stacked experts [experts, out, in] are already our `switch_mlp` layout.
+_MOE_NAMES = {
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.switch_mlp.gate_proj",
+    "ffn_up_exps": "mlp.switch_mlp.up_proj",
+    "ffn_down_exps": "mlp.switch_mlp.down_proj",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+}
 ARCHITECTURES = {
-    "llama": Arch("llama", "LlamaForCausalLM", permuted_qk=True),
+    "llama": Arch("llama", "LlamaForCausalLM", permuted_qk=True, config=_llama_config),
     "qwen2": Arch("qwen2", "Qwen2ForCausalLM"),
     "qwen3": Arch("qwen3", "Qwen3ForCausalLM"),
-    "gemma3": Arch(
-        "gemma3_text",
-        "Gemma3ForCausalLM",
+    "qwen2moe": Arch("qwen2_moe", "Qwen2MoeForCausalLM", names=_MOE_NAMES, config=_moe_config(False)),
+    "qwen3moe": Arch("qwen3_moe", "Qwen3MoeForCausalLM", names=_MOE_NAMES, config=_moe_config(True)),
+    "phi3": Arch(
+        "phi3", "Phi3ForCausalLM", names={"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
+        config=_phi3_config,
+    ),
+    "gemma2": Arch("gemma2", "Gemma2ForCausalLM", names=_GEMMA_NAMES, norm_shift=1.0, config=_gemma2_config),
+    "gemma3": Arch("gemma3_text", "Gemma3ForCausalLM", names=_GEMMA_NAMES, norm_shift=1.0, config=_gemma3_config),
+    "deepseek2": Arch(
+        "deepseek_v2",
+        "DeepseekV2ForCausalLM",
         names={
-            "post_attention_norm": "post_attention_layernorm",
-            "ffn_norm": "pre_feedforward_layernorm",
-            "post_ffw_norm": "post_feedforward_layernorm",
+            **_MOE_NAMES,
+            "attn_q_a": "self_attn.q_a_proj",
+            "attn_q_a_norm": "self_attn.q_a_layernorm",
+            "attn_q_b": "self_attn.q_b_proj",
+            "attn_kv_a_mqa": "self_attn.kv_a_proj_with_mqa",
+            "attn_kv_a_norm": "self_attn.kv_a_layernorm",
+            "ffn_gate_shexp": "mlp.shared_experts.gate_proj",
+            "ffn_up_shexp": "mlp.shared_experts.up_proj",
+            "ffn_down_shexp": "mlp.shared_experts.down_proj",
+            "exp_probs_b.bias": "mlp.gate.e_score_correction_bias",
         },
-        norm_shift=1.0,
-        config=_gemma3_config,
+        config=_deepseek2_config,
     ),
 }
+# DeepSeek's K/V up-projection: one attn_kv_b, or (newer llama.cpp) per-head attn_k_b and attn_v_b.
+_KV_B = re.compile(r"blk\.(\d+)\.attn_(kv|k|v)_b\.weight")
+# Tensors llama.cpp derives from the config; they are read back into it, never stored as weights.
+_ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _BLOCK_NAMES = {
     "attn_norm": "input_layernorm",
@@ -86,19 +207,22 @@ _BLOCK_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 def open_gguf(path: Path) -> Source:
     gguf = GGUFFile(path)
     try:
-        meta = gguf.metadata
-        arch = meta.get("general.architecture", "<missing>")
-        config = hf_config(meta, {t.name for t in gguf.tensors})
+        meta = checked_metadata(gguf.metadata, gguf.path.name)
+        config = hf_config(gguf, meta)
         gguf.check_dequantizable()
         heads = {"q_proj": config["num_attention_heads"], "k_proj": config["num_key_value_heads"]}
-        spec = ARCHITECTURES[arch]
-        tensors = {}
+        spec = ARCHITECTURES[meta["general.architecture"]]
+        mla = _mla_tensors(gguf, config) if "kv_lora_rank" in config else {}
+        tensors = dict(mla)
         for info in gguf.tensors:
+            if info.name in _ROPE_TENSORS or (mla and _KV_B.fullmatch(info.name)):
+                continue
             name = hf_name(info.name, spec.names)
             rows = heads.get(name.rpartition(".")[0].rpartition(".")[2]) if spec.permuted_qk else None
             shift = spec.norm_shift if name.endswith("norm.weight") else 0.0
-            read = partial(_read, gguf, info, rows, shift)
-            tensors[name] = SourceTensor(name, info.shape, info.type_name, _precision(info), read)
+            shape = _hf_shape(name, info.shape)
+            read = partial(_read, gguf, info, rows, shift, shape)
+            tensors[name] = SourceTensor(name, shape, info.type_name, _precision(info), read)
         files = {
             "tokenizer.json": tokenizer_json(meta).to_str(pretty=True),
             "tokenizer_config.json": _dumps(tokenizer_config(meta)),
@@ -126,30 +250,87 @@ def hf_name(name: str, overrides: dict[str, str] | None = None) -> str:
     names = {**_BLOCK_NAMES, **(overrides or {})}
     if match := _BLOCK_TENSOR.fullmatch(name):
         layer, part, leaf = match.groups()
+        if f"{part}.{leaf}" in names:  # an entry naming the leaf too maps the whole name
+            return f"model.layers.{layer}.{names[f'{part}.{leaf}']}"
         if part in names:
             return f"model.layers.{layer}.{names[part]}.{leaf}"
     base, _, leaf = name.rpartition(".")
     return f"{_GLOBAL_NAMES[base]}.{leaf}" if base in _GLOBAL_NAMES else name
 
 
-def hf_config(meta: dict[str, Any], names: set[str]) -> dict[str, Any]:
-    """config.json for the model a GGUF file describes."""
-    arch = meta.get("general.architecture", "<missing>")
-    if arch not in ARCHITECTURES:
-        raise UnsupportedArchitectureError(
-            f"GGUF architecture '{arch}' is not supported; supported: {', '.join(sorted(ARCHITECTURES))}"
-        )
-    if "rope_freqs.weight" in names:
-        raise ConversionError(
-            "this GGUF stores Llama 3.1-style rope scaling as a rope_freqs tensor, which cannot be converted "
-            "back; convert the original Hugging Face checkpoint instead"
-        )
+def _mla_tensors(gguf: GGUFFile, config: dict[str, Any]) -> dict[str, SourceTensor]:
+    """DeepSeek's K/V up-projection per layer in the layout the family loads: one `kv_b_proj`
+    (V2) or per-head `embed_q` [heads, rank, nope] and `unembed_out` [heads, v, rank] (V3).
+    llama.cpp stores either one `attn_kv_b` (older files) or exactly V3's halves as
+    `attn_k_b` / `attn_v_b`; halves that must be joined, or a whole that must be split, are
+    read as floats, since k_b's rows run along the other axis."""
+    found: dict[str, dict[str, TensorInfo]] = {}
+    for info in gguf.tensors:
+        if m := _KV_B.fullmatch(info.name):
+            found.setdefault(m[1], {})[m[2]] = info
+    heads, rank = config["num_attention_heads"], config["kv_lora_rank"]
+    nope, v_dim = config["qk_nope_head_dim"], config["v_head_dim"]
+    shapes = {"kv": (heads * (nope + v_dim), rank), "k": (heads, rank, nope), "v": (heads, v_dim, rank)}
+    leaves = {"kv": "kv_b_proj", "k": "embed_q", "v": "unembed_out"}
+    wanted = ("k", "v") if config["model_type"] == "deepseek_v3" else ("kv",)
+    out = {}
+    for layer, parts in found.items():
+        if set(parts) not in ({"kv"}, {"k", "v"}):
+            raise CorruptCheckpointError(
+                f"{gguf.path.name}: layer {layer} has {sorted(parts)} of attn_kv_b / attn_k_b / attn_v_b; "
+                "expected attn_kv_b alone or attn_k_b with attn_v_b"
+            )
+        for kind, info in parts.items():
+            if info.shape != shapes[kind]:
+                raise CorruptCheckpointError(
+                    f"{gguf.path.name}: '{info.name}' has shape {info.shape}, not {shapes[kind]} as the metadata says"
+                )
+        for kind in wanted:
+            name = f"model.layers.{layer}.self_attn.{leaves[kind]}.weight"
+            if kind in parts:  # stored as the family loads it
+                info = parts[kind]
+                out[name] = SourceTensor(name, info.shape, info.type_name, _precision(info), partial(gguf.read, info))
+            elif kind == "kv":
+                read = partial(_join_kv_b, gguf, parts["k"], parts["v"], shapes["kv"])
+                out[name] = SourceTensor(name, shapes[kind], parts["k"].type_name, None, read)
+            else:
+                read = partial(_split_kv_b, gguf, parts["kv"], heads, nope, kind)
+                out[name] = SourceTensor(name, shapes[kind], parts["kv"].type_name, None, read)
+    return out
+
+
+def _join_kv_b(gguf: GGUFFile, k: TensorInfo, v: TensorInfo, shape: tuple[int, ...]) -> mx.array:
+    k_b, v_b = (_as_float(gguf.read(info)) for info in (k, v))
+    return mx.concatenate([k_b.swapaxes(1, 2), v_b], axis=1).reshape(shape)
+
+
+def _split_kv_b(gguf: GGUFFile, kv: TensorInfo, heads: int, nope: int, kind: str) -> mx.array:
+    w = _as_float(gguf.read(kv)).reshape(heads, -1, kv.shape[-1])
+    return mx.contiguous(w[:, :nope].swapaxes(1, 2) if kind == "k" else w[:, nope:])
+
+
+def _as_float(tensor: Tensor) -> mx.array:
+    if isinstance(tensor, Packed):
+        spec = tensor.spec
+        return mx.dequantize(tensor.weight, tensor.scales, tensor.biases, spec.group_size, spec.bits)
+    return tensor
+
+
+def _hf_shape(name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """llama.cpp stores Qwen2-MoE's shared-expert gate [1, hidden] as a vector."""
+    return (1, *shape) if name.endswith("shared_expert_gate.weight") and len(shape) == 1 else shape
+
+
+def hf_config(gguf: GGUFFile, meta: dict[str, Any]) -> dict[str, Any]:
+    """config.json for the model a GGUF file describes (`meta`: its checked metadata)."""
+    names = {t.name for t in gguf.tensors}
+    arch = meta["general.architecture"]
     spec = ARCHITECTURES[arch]
 
     def get(key: str, default: Any = ...) -> Any:
         value = meta.get(f"{arch}.{key}", default)
         if value is ...:
-            raise ConfigError(f"GGUF metadata has no '{arch}.{key}'; the file is incomplete")
+            raise ConfigError(f"{gguf.path.name}: GGUF metadata has no '{arch}.{key}'; the file is incomplete")
         return value
 
     heads, hidden = get("attention.head_count"), get("embedding_length")
@@ -176,20 +357,37 @@ def hf_config(meta: dict[str, Any], names: set[str]) -> dict[str, Any]:
         "mlp_bias": "blk.0.ffn_up.bias" in names,
     }
     rope_dims = get("rope.dimension_count", head_dim)
-    if rope_dims != head_dim:
-        config["partial_rotary_factor"] = rope_dims / head_dim
-    if scaling := _rope_scaling(meta, arch):
+    if scaling := _rope_scaling(gguf, meta, config["rope_theta"], rope_dims):
         config["rope_scaling"] = scaling
     if spec.config:
-        del config["hidden_act"]
-        config.update(spec.config(get))
+        family = spec.config(get, names)
+        if "hidden_activation" in family:
+            del config["hidden_act"]
+        config.update(family)
+    if rope_dims != config["head_dim"]:
+        config["partial_rotary_factor"] = rope_dims / config["head_dim"]
     for key in ("bos_token_id", "eos_token_id"):
         if f"tokenizer.ggml.{key}" in meta:
             config[key] = meta[f"tokenizer.ggml.{key}"]
     return config
 
 
-def _rope_scaling(meta: dict[str, Any], arch: str) -> dict[str, Any] | None:
+def _rope_scaling(gguf: GGUFFile, meta: dict[str, Any], theta: float, dims: int) -> dict[str, Any] | None:
+    """RoPE scaling from the metadata, or from the frequency tensors llama.cpp writes for
+    Llama 3 (`rope_freqs`) and Phi-3 LongRoPE (`rope_factors_long/short`)."""
+    arch, names = meta["general.architecture"], {t.name: t for t in gguf.tensors}
+    if "rope_freqs.weight" in names:
+        if arch != "llama":
+            raise ConversionError(f"{gguf.path.name}: a rope_freqs tensor in a '{arch}' GGUF is not supported")
+        return llama3_scaling(_vector(gguf, names["rope_freqs.weight"]), meta, theta, dims, gguf.path.name)
+    if "rope_factors_long.weight" in names:
+        long = names["rope_factors_long.weight"]
+        return {
+            "rope_type": "longrope",
+            "long_factor": _vector(gguf, long).tolist(),
+            "short_factor": _vector(gguf, names.get("rope_factors_short.weight", long)).tolist(),
+            "original_max_position_embeddings": meta.get(f"{arch}.rope.scaling.original_context_length"),
+        }
     kind = meta.get(f"{arch}.rope.scaling.type", "none")
     factor = meta.get(f"{arch}.rope.scaling.factor")
     if kind == "none" or not factor or factor == 1.0:
@@ -198,8 +396,174 @@ def _rope_scaling(meta: dict[str, Any], arch: str) -> dict[str, Any] | None:
         return {"rope_type": "linear", "factor": factor}
     if kind == "yarn":
         original = meta.get(f"{arch}.rope.scaling.original_context_length")
-        return {"rope_type": "yarn", "factor": factor, "original_max_position_embeddings": original}
+        scaling = {"rope_type": "yarn", "factor": factor, "original_max_position_embeddings": original}
+        if (log_mul := meta.get(f"{arch}.rope.scaling.yarn_log_multiplier")) is not None:
+            # DeepSeek's 0.1 * mscale_all_dim; llama.cpp scales attention as if mscale were the same.
+            scaling["mscale"] = scaling["mscale_all_dim"] = log_mul / 0.1
+        return scaling
     raise ConversionError(f"GGUF rope scaling '{kind}' is not supported; supported: linear, yarn")
+
+
+def _vector(gguf: GGUFFile, info: TensorInfo) -> np.ndarray:
+    tensor = gguf.read(info)
+    if isinstance(tensor, Packed) or len(info.shape) != 1:
+        raise CorruptCheckpointError(f"{gguf.path.name}: tensor '{info.name}' should be a float vector")
+    return np.array(tensor.astype(mx.float32))
+
+
+# Meta's values for Llama 3.1 and 3.2, which llama.cpp's converter also assumes when a config omits them.
+_LLAMA3_DEFAULTS = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+def llama3_scaling(freqs: np.ndarray, meta: dict[str, Any], theta: float, dims: int, file: str) -> dict[str, Any]:
+    """Llama 3's `rope_scaling` behind a `rope_freqs` tensor (one divisor per rotary frequency).
+
+    llama.cpp keeps only the divisors, not the four settings that made them. Low and high
+    frequency factors and the original context come from the metadata where present, else
+    Meta's values; the factor is what the lowest frequency implies. The result is accepted
+    only if it reproduces every divisor, so an unusual model is refused, never run wrong."""
+    arch = meta["general.architecture"]
+    keys = {
+        "low_freq_factor": "low_freq_factor",
+        "high_freq_factor": "high_freq_factor",
+        "original_max_position_embeddings": "original_context_length",
+    }
+    scaling = {"rope_type": "llama3"}
+    scaling.update({hf: meta.get(f"{arch}.rope.scaling.{key}", _LLAMA3_DEFAULTS[hf]) for hf, key in keys.items()})
+    if freqs.shape != (dims // 2,) or not np.all(np.isfinite(freqs)) or np.any(freqs <= 0):
+        raise ConversionError(
+            f"{file}: rope_freqs has shape {freqs.shape} or values unlike Llama 3's for {dims} rotary dims"
+        )
+    factor = meta.get(f"{arch}.rope.scaling.factor")
+    if factor is None:
+        smooth = float(np.clip(_llama3_smooth(theta, dims, scaling)[-1], 0.0, 1.0))
+        # The lowest frequency's divisor d solves 1/d = (1 - s) / factor + s for the factor.
+        factor = 1.0 if smooth == 1 else (1 - smooth) / (1 / float(freqs[-1]) - smooth)
+    scaling["factor"] = float(factor)
+    expected = llama3_divisors(theta, dims, scaling)
+    if not np.allclose(freqs, expected, rtol=1e-4, atol=0):
+        worst = int(np.argmax(np.abs(freqs - expected) / expected))
+        raise ConversionError(
+            f"{file}: the rope_freqs tensor does not match Llama 3 rope scaling (frequency {worst} divided by "
+            f"{freqs[worst]:.6g}, the derived settings give {expected[worst]:.6g}); convert the original checkpoint"
+        )
+    return scaling
+
+
+def _llama3_smooth(theta: float, dims: int, scaling: dict[str, Any]) -> np.ndarray:
+    """Llama 3's interpolation weight per frequency: <= 0 fully scaled, >= 1 untouched."""
+    inv = theta ** -(np.arange(0, dims, 2, dtype=np.float64) / dims)
+    wavelen = 2 * np.pi / inv
+    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    return (scaling["original_max_position_embeddings"] / wavelen - low) / (high - low)
+
+
+def llama3_divisors(theta: float, dims: int, scaling: dict[str, Any]) -> np.ndarray:
+    """What each rotary frequency is divided by under Llama 3 scaling (Meta's formula)."""
+    smooth = np.clip(_llama3_smooth(theta, dims, scaling), 0.0, 1.0)
+    return 1 / ((1 - smooth) / scaling["factor"] + smooth)
+
+
+def _positive_int(v: Any) -> bool:
+    return type(v) is int and v > 0
+
+
+def _positive_number(v: Any) -> bool:
+    return type(v) in (int, float) and math.isfinite(v) and v > 0
+
+
+def _number(v: Any) -> bool:
+    return type(v) in (int, float) and math.isfinite(v)
+
+
+def _list_of(check: Callable[[Any], bool]) -> Callable[[Any], bool]:
+    return lambda v: type(v) is list and all(check(x) for x in v)
+
+
+_INT, _NUMBER = (_positive_int, "a positive integer"), (_positive_number, "a positive number")
+_COUNT = ((lambda v: type(v) is int and v >= 0), "a non-negative integer")
+_TEXT, _FLAG = ((lambda v: type(v) is str), "a string"), ((lambda v: type(v) is bool), "true or false")
+# What each metadata value we read must be; `{arch}.` is dropped from the architecture's keys.
+ARCH_KEYS: dict[str, tuple[Callable[[Any], bool], str]] = {
+    **dict.fromkeys(
+        (
+            "block_count", "context_length", "embedding_length", "feed_forward_length", "attention.head_count",
+            "attention.key_length", "attention.value_length", "rope.dimension_count", "vocab_size", "expert_count",
+            "expert_used_count", "expert_feed_forward_length", "rope.scaling.original_context_length",
+            "attention.q_lora_rank", "attention.kv_lora_rank", "attention.key_length_mla",
+            "attention.value_length_mla", "expert_group_count", "expert_group_used_count", "expert_gating_func",
+        ),
+        _INT,
+    ),
+    **dict.fromkeys(("expert_shared_count", "leading_dense_block_count"), _COUNT),
+    "expert_weights_norm": _FLAG,
+    "attention.head_count_kv": (lambda v: _positive_int(v) or _list_of(_positive_int)(v), "a positive integer"),
+    "attention.sliding_window": _COUNT,
+    "expert_shared_feed_forward_length": _COUNT,
+    "rope.scaling.yarn_log_multiplier": (_number, "a number"),
+    **dict.fromkeys(
+        (
+            "attention.layer_norm_rms_epsilon", "rope.freq_base", "rope.scaling.factor", "attn_logit_softcapping",
+            "final_logit_softcapping", "rope.scaling.low_freq_factor", "rope.scaling.high_freq_factor",
+            "expert_weights_scale",
+        ),
+        _NUMBER,
+    ),
+    "rope.scaling.type": _TEXT,
+}
+TOKENIZER_KEYS: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "tokenizer.ggml.model": _TEXT,
+    "tokenizer.ggml.pre": _TEXT,
+    "tokenizer.chat_template": _TEXT,
+    "tokenizer.ggml.tokens": (_list_of(lambda v: type(v) is str), "a list of strings"),
+    "tokenizer.ggml.merges": (_list_of(lambda v: type(v) is str and " " in v), "a list of 'left right' pairs"),
+    "tokenizer.chat_templates": (_list_of(lambda v: type(v) is str), "a list of strings"),
+    "tokenizer.ggml.token_type": (_list_of(lambda v: type(v) is int), "a list of integers"),
+    "tokenizer.ggml.scores": (_list_of(_number), "a list of numbers"),
+    **{f"tokenizer.ggml.add_{k}_token": _FLAG for k in ("bos", "eos", "sep")},
+    "tokenizer.ggml.add_space_prefix": _FLAG,
+}
+_SPECIAL_ID = re.compile(r"tokenizer\.ggml\.\w+_token_id")
+
+
+def checked_metadata(meta: dict[str, Any], file: str) -> dict[str, Any]:
+    """The metadata once every value this conversion reads has the type and range llama.cpp
+    gives it, so a damaged or hand-edited file is one error naming the field, not a crash or
+    a config that fails later. Like llama.cpp, special token ids beyond the vocabulary are
+    ignored (some converters write -1 for "none"); the copy returned leaves them out."""
+
+    def refuse(key: str, value: Any, expected: str) -> None:
+        shown = repr(value if not isinstance(value, list) else value[:3])[:60]
+        raise CorruptCheckpointError(f"{file}: GGUF metadata '{key}' is {shown}, not {expected}; the file is damaged")
+
+    arch = meta.get("general.architecture", "<missing>")
+    if type(arch) is not str:
+        refuse("general.architecture", arch, "a string")
+    if arch not in ARCHITECTURES:
+        raise UnsupportedArchitectureError(
+            f"GGUF architecture '{arch}' is not supported; supported: {', '.join(sorted(ARCHITECTURES))}"
+        )
+
+    checks = {**{f"{arch}.{k}": c for k, c in ARCH_KEYS.items()}, **TOKENIZER_KEYS}
+    for key, (ok, expected) in checks.items():
+        if key in meta and not ok(meta[key]):
+            refuse(key, meta[key], expected)
+    tokens = meta.get("tokenizer.ggml.tokens")
+    if tokens is None or not tokens:
+        raise CorruptCheckpointError(f"{file}: GGUF metadata has no 'tokenizer.ggml.tokens'; the file is incomplete")
+    for key in ("tokenizer.ggml.token_type", "tokenizer.ggml.scores"):
+        if key in meta and len(meta[key]) != len(tokens):
+            refuse(key, meta[key], f"a list of {len(tokens)} values, one per token")
+    for key in filter(_SPECIAL_ID.fullmatch, meta):
+        if type(meta[key]) is not int:
+            refuse(key, meta[key], "a token id")
+    for name in meta.get("tokenizer.chat_templates", []):
+        if type(meta.get(f"tokenizer.chat_template.{name}")) is not str:
+            refuse(f"tokenizer.chat_template.{name}", meta.get(f"tokenizer.chat_template.{name}"), "a string")
+    for key in (k for k in meta if k.startswith("general.sampling.")):
+        if not _number(meta[key]):
+            refuse(key, meta[key], "a number")
+    return {k: v for k, v in meta.items() if not _SPECIAL_ID.fullmatch(k) or 0 <= v < len(tokens)}
 
 
 def _precision(info: TensorInfo) -> QuantSpec | None:
@@ -217,8 +581,10 @@ def _precision(info: TensorInfo) -> QuantSpec | None:
     return QuantSpec(next((b for b in BITS if b + 1 >= source_bits), BITS[-1]), 32)
 
 
-def _read(gguf: GGUFFile, info: TensorInfo, heads: int | None, shift: float) -> Tensor:
+def _read(gguf: GGUFFile, info: TensorInfo, heads: int | None, shift: float, shape: tuple[int, ...]) -> Tensor:
     tensor = gguf.read(info)
+    if shape != info.shape:
+        tensor = tensor.reshape(shape)
     if shift:
         tensor = tensor - shift
     return tensor if heads is None else unpermute(tensor, heads)

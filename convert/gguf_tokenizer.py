@@ -93,7 +93,11 @@ def _byte_level_bpe(meta: dict[str, Any]) -> Tokenizer:
         )
     pre = PRE_TOKENIZERS[name]
     merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
-    tok = Tokenizer(models.BPE(_vocab(meta), merges, ignore_merges=pre.ignore_merges))
+    try:
+        model = models.BPE(_vocab(meta), merges, ignore_merges=pre.ignore_merges)
+    except Exception as e:  # the tokenizers library raises a bare Exception for a merge of unknown tokens
+        raise TokenizerError(f"the GGUF file's tokenizer.ggml.merges do not fit its vocabulary ({e})") from None
+    tok = Tokenizer(model)
     if pre.normalizer:
         tok.normalizer = pre.normalizer()
     tok.pre_tokenizer = pre.make()

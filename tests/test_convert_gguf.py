@@ -100,6 +100,24 @@ def tokenizer_metadata(tok: dict, pre: str | None) -> dict:
     return meta
 
 
+def model_metadata(w: gguf.GGUFWriter, config: dict) -> None:
+    """The `<arch>.*` keys llama.cpp's converter writes for every family."""
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    rope = config.get("rope_parameters") or {}
+    w.add_block_count(config["num_hidden_layers"])
+    w.add_context_length(config["max_position_embeddings"])
+    w.add_embedding_length(config["hidden_size"])
+    w.add_feed_forward_length(config["intermediate_size"])
+    w.add_head_count(config["num_attention_heads"])
+    w.add_head_count_kv(config["num_key_value_heads"])
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 1.0)))
+    w.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    w.add_rope_freq_base(rope.get("rope_theta", config.get("rope_theta", 10000.0)))
+    w.add_vocab_size(config["vocab_size"])
+
+
 def write_gguf(
     path: Path, hf_folder: Path, kind_of: Callable[[str, np.ndarray], Q], arch: str = "llama", pre: str = "gpt-2"
 ) -> dict[str, np.ndarray]:
@@ -108,24 +126,12 @@ def write_gguf(
     config = json.loads((hf_folder / "config.json").read_text())
     weights = {k: np.array(v.astype(mx.float32)) for k, v in mx.load(str(hf_folder / "model.safetensors")).items()}
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
-    head_dim = config.get("head_dim") or config["hidden_size"] // heads
     w = gguf.GGUFWriter(str(path), arch)
-    w.add_block_count(config["num_hidden_layers"])
-    w.add_context_length(config["max_position_embeddings"])
-    w.add_embedding_length(config["hidden_size"])
-    w.add_feed_forward_length(config["intermediate_size"])
-    w.add_head_count(heads)
-    w.add_head_count_kv(kv_heads)
-    w.add_key_length(head_dim)
-    w.add_value_length(head_dim)
-    w.add_rope_dimension_count(head_dim)
-    w.add_layer_norm_rms_eps(config["rms_norm_eps"])
-    w.add_rope_freq_base(config.get("rope_theta", 10000.0))
+    model_metadata(w, config)
     rope = config.get("rope_scaling") or config.get("rope_parameters") or {}
     if rope.get("rope_type") == "linear":
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(rope["factor"])
-    w.add_vocab_size(config["vocab_size"])
     setters = {
         "tokenizer.ggml.model": w.add_tokenizer_model,
         "tokenizer.ggml.pre": w.add_tokenizer_pre,
