@@ -30,6 +30,7 @@ from .writer import (
     verify,
     write_json,
     write_weights,
+    writing,
 )
 
 _DROP_KEYS = ("quantization", "quantization_config", "_name_or_path")
@@ -72,20 +73,24 @@ def convert(
         check_weights(model, src.tensors, src.origin, src.location)
         jobs = plan(model, src, options)
         total = sum(job.nbytes for job in jobs)
-        check_space(output, total)
-        bar = Progress(len(jobs), total, progress)
-        with staged(output) as tmp:
+        with staged(output, force) as tmp:
+            check_space(output, total)
+            bar = Progress(len(jobs), total, progress)
             try:
                 weight_map = write_weights(tmp, jobs, options.shard_size, bar.advance)
             finally:
                 bar.close()
             write_json(tmp / INDEX_FILE, index(jobs, weight_map, parameter_count(jobs)))
-            src.write_extras(tmp)
+            with writing("the tokenizer files"):
+                src.write_extras(tmp)
             write_json(tmp / "config.json", output_config(src, jobs, options))
             verify(tmp, jobs, weight_map)
         report = _report(str(source), src, output, jobs, len(set(weight_map.values())), started)
         if text is not None:
-            report.perplexity = perplexity.compare(src, output, text)
+            try:
+                report.perplexity = perplexity.compare(src, output, text)
+            except KeyboardInterrupt:  # the output is complete: Ctrl-C only skips the comparison
+                report.perplexity_skipped = True
         return report
     finally:
         src.close()

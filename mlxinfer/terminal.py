@@ -1,5 +1,5 @@
 """How mlxinfer looks in a terminal: colour (only where wanted), a spinner for slow
-steps, and the one-line stats shown after every reply."""
+steps, the one-line stats shown after every reply, and typed text made safe to use."""
 
 from __future__ import annotations
 
@@ -22,6 +22,19 @@ def use_color(stream: TextIO) -> bool:
     if os.environ.get("NO_COLOR") or os.environ.get("TERM") == "dumb":
         return False
     return hasattr(stream, "isatty") and stream.isatty()
+
+
+def typed_text(text: str | bytes) -> str:
+    """What the user typed, as text every tokenizer accepts: bytes that are not UTF-8 become
+    U+FFFD. Python keeps such bytes in argv (and prompt_toolkit in terminal input) as lone
+    surrogates, which the tokenizer would crash on, so they are turned back into the bytes
+    they stood for and replaced the same way."""
+    if isinstance(text, str):
+        try:
+            text = text.encode("utf-8", "surrogateescape")
+        except UnicodeEncodeError:  # surrogates that never were bytes
+            text = text.encode("utf-8", "surrogatepass")
+    return text.decode("utf-8", "replace")
 
 
 def paint(text: str, code: str, color: bool) -> str:

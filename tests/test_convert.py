@@ -328,27 +328,121 @@ def test_disk_full_leaves_nothing(hf_checkpoint, tmp_path, monkeypatch):
     assert not (tmp_path / "deep").exists()
 
 
+def test_disk_full_while_copying_the_tokenizer(hf_checkpoint, tmp_path, monkeypatch):
+    import errno
+
+    import convert.sources as sources
+
+    def full(src, dst, *args, **kwargs):
+        Path(dst).write_bytes(b"{")
+        raise OSError(errno.ENOSPC, "No space left on device", str(dst))
+
+    monkeypatch.setattr(sources.shutil, "copyfile", full)
+    result = run_cli(hf_checkpoint("llama"), "-o", tmp_path / "deep" / "out")
+    assert result.exit_code == 1
+    assert result.output.count("\n") == 1, result.output
+    assert result.output.startswith("error: disk full while writing the tokenizer files")
+    assert not (tmp_path / "deep").exists()
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux /proc, where even root cannot write")
+@pytest.mark.parametrize("out", ["/proc/x", "/proc/x/y"])
+def test_unwritable_output_is_not_reported_as_a_full_disk(hf_checkpoint, out):
+    result = run_cli(hf_checkpoint("llama"), "-o", out)
+    assert result.exit_code == 1
+    assert result.output.count("\n") == 1 and "not writable" in result.output, result.output
+    assert "disk space" not in result.output
+
+
+def test_a_folder_that_appears_during_the_conversion_is_left_alone(hf_checkpoint, tmp_path, monkeypatch):
+    import convert.api as api
+
+    out, verify = tmp_path / "out", api.verify
+
+    def verify_then_someone_writes(*args):
+        verify(*args)
+        out.mkdir()
+        (out / "notes.txt").write_text("mine")
+
+    monkeypatch.setattr(api, "verify", verify_then_someone_writes)
+    result = run_cli(hf_checkpoint("llama"), "-o", out, "-q")
+    assert result.exit_code == 1
+    assert result.output.count("\n") == 1 and "was filled by something else" in result.output, result.output
+    assert [p.name for p in out.iterdir()] == ["notes.txt"] and (out / "notes.txt").read_text() == "mine"
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")], "the stage folder was left behind"
+
+
+def test_ctrl_c_after_the_output_is_in_place_reports_success(hf_checkpoint, tmp_path, monkeypatch):
+    out, rename = tmp_path / "out", os.rename
+
+    def rename_then_ctrl_c(src, dst, *args, **kwargs):
+        rename(src, dst, *args, **kwargs)
+        if Path(dst) == out:
+            signal.raise_signal(signal.SIGINT)
+
+    monkeypatch.setattr(os, "rename", rename_then_ctrl_c)
+    result = run_cli(hf_checkpoint("llama"), "-o", out, "-q")
+    assert result.exit_code == 0, result.output
+    assert "Aborted" not in result.output and result.output.startswith("converted")
+    assert quant_config(out)["bits"] == 4
+
+
+def test_ctrl_c_during_eval_ppl_keeps_the_written_output(hf_checkpoint, tmp_path, monkeypatch):
+    import convert.perplexity as perplexity
+
+    def interrupted(*args):
+        raise KeyboardInterrupt
+
+    text = tmp_path / "text.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog " * 4)
+    monkeypatch.setattr(perplexity, "compare", interrupted)
+    result = run_cli(hf_checkpoint("llama"), "-o", tmp_path / "out", "-q", "--eval-ppl", text)
+    assert result.exit_code == 0, result.output
+    assert "perplexity: not measured (interrupted)" in result.output
+    assert quant_config(tmp_path / "out")["bits"] == 4
+
+
 SLOW_CONVERT = """
 import sys, time
 import convert.writer as writer
 from mlxinfer.cli import main
-run = writer.run
-writer.run = lambda job: (time.sleep(0.05), run(job))[1]
+run, delay = writer.run, float(sys.argv[3]) if len(sys.argv) > 3 else 0.05
+writer.run = lambda job: (time.sleep(delay), run(job))[1]
 main(["convert", sys.argv[1], "-o", sys.argv[2], "-q", "--shard-size", "8KB"])
 """
+
+
+def start_slow_conversion(src: Path, out: Path, delay: float = 0.05) -> subprocess.Popen:
+    """A conversion in another process, returned once it has written its second shard."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", SLOW_CONVERT, str(src), str(out), str(delay)],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    deadline = time.monotonic() + 60
+    while not list(out.parent.glob(f".{out.name}.partial-*/model-00002-of-*.safetensors")):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0]
+        time.sleep(0.02)
+    return proc
+
+
+def test_concurrent_conversions_to_one_output(hf_checkpoint, tmp_path):
+    """Another process converts to the same folder: its live stage folder is not taken for
+    an abandoned one, exactly one result lands, and the later one is refused in one line."""
+    src, out = hf_checkpoint("llama"), tmp_path / "out"
+    other = start_slow_conversion(src, out, delay=0.3)
+    ours = run_cli(src, "-o", out, "--bits", "8")
+    assert ours.exit_code == 0, ours.output
+    output = other.communicate(timeout=120)[0]
+    assert other.returncode == 1, output
+    assert output.count("\n") == 1 and "was filled by something else" in output, output
+    assert quant_config(out)["bits"] == 8
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGKILL])
 def test_killed_conversion_leaves_no_output(hf_checkpoint, tmp_path, sig):
     out = tmp_path / "out"
-    proc = subprocess.Popen(
-        [sys.executable, "-c", SLOW_CONVERT, str(hf_checkpoint("llama")), str(out)],
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )
-    deadline = time.monotonic() + 60
-    while not list(tmp_path.glob(".out.partial-*/model-00002-of-*.safetensors")):
-        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0]
-        time.sleep(0.02)
+    proc = start_slow_conversion(hf_checkpoint("llama"), out)
     proc.send_signal(sig)
     output = proc.communicate(timeout=60)[0]
     assert proc.returncode != 0, output
@@ -357,6 +451,10 @@ def test_killed_conversion_leaves_no_output(hf_checkpoint, tmp_path, sig):
         assert_nothing_written(out)
     if sig == signal.SIGTERM:
         assert "error: conversion stopped by SIGTERM; nothing was written" in output
+    if sig == signal.SIGKILL:  # the next conversion to the folder removes the stage folder left behind
+        assert list(tmp_path.glob(".out.partial-*"))
+        assert run_cli(hf_checkpoint("llama"), "-o", out, "-q").exit_code == 0
+        assert not list(tmp_path.glob(".out.*"))
 
 
 def test_eval_ppl_matches_transformers(hf_checkpoint, tmp_path):

@@ -274,3 +274,41 @@ def test_spinner_shows_only_on_a_terminal_and_cleans_up():
     with spinner("loading model", quiet, delay=0.0):
         time.sleep(0.2)
     assert quiet.getvalue() == ""
+
+
+@pytest.mark.parametrize("stdin_errors", ["strict", "surrogateescape"])
+def test_piped_chat_survives_bad_files_and_bytes_that_are_not_utf8(tiny, tmp_path, stdin_errors):
+    """Piped input: a /load of a broken file, a line that is not UTF-8 and a command that fails are each
+    one `error:` line (or a reply with U+FFFD); the chat goes on to answer the last line."""
+    import subprocess
+
+    bad = tmp_path / "bad.json"
+    bad.write_bytes(b'{"messages": [1, 2], "options": "nope"')
+    not_utf8 = b"caf\xe9 \xff\xfe ok"
+    lines = [f"/load {bad}".encode(), f"/load {tmp_path}".encode(), not_utf8, b"/set top_k -1", b"hello there"]
+    env = {**os.environ, "MLXINFER_HOME": str(tmp_path / "home"), "HF_HUB_OFFLINE": "1", "NO_COLOR": "1",
+           "PYTHONIOENCODING": f"utf-8:{stdin_errors}"}
+    done = subprocess.run([sys.executable, "-m", "mlxinfer.cli", "chat", "-m", str(tiny), "--temp", "0",
+                           "--max-tokens", "4"], input=b"\n".join(lines) + b"\n", env=env, cwd=str(ROOT),
+                          capture_output=True, timeout=120)
+    out = done.stdout.decode("utf-8", "replace") + done.stderr.decode("utf-8", "replace")
+    assert done.returncode == 0, out
+    assert "Traceback" not in out
+    errors = [line for line in out.splitlines() if line.startswith("error:")]
+    assert len(errors) == 3, out  # the two /loads and /set; the undecodable line is a message
+    assert len(STATS.findall(out)) == 2, out  # replies to the U+FFFD line and to "hello there"
+
+
+def test_history_file_is_private(tiny, tmp_path):
+    """The history holds everything typed: created 0600, and an existing one made so."""
+    home = tmp_path / "home"
+    child = spawn(tiny, home, "--max-tokens", "2")
+    say(child, "my secret")
+    reply_stats(child)
+    quit_(child)
+    history = home / "chat_history"
+    assert "my secret" in history.read_text()
+    assert history.stat().st_mode & 0o777 == 0o600
+    history.chmod(0o644)
+    quit_(spawn(tiny, home))
+    assert history.stat().st_mode & 0o777 == 0o600
