@@ -20,12 +20,16 @@ from typing import Any, Sequence
 import mlx.core as mx
 import numpy as np
 
-from .errors import InvalidOptionError
+from .checks import INDEX_MAX, is_integer
+from .errors import CorruptCheckpointError, InvalidOptionError, MlxinferError
+from .files import replacing
 from .kernels import quantized_attention
+from .loading import safetensors_header
 from .models.layers import attention_mask
 
 Parts = tuple[mx.array, ...]
 KV_BITS = (4, 8)
+KV_GROUP_SIZES = (32, 64, 128)  # the group sizes mx.quantize accepts
 
 
 def _encode(x: mx.array, bits: int | None, group_size: int) -> Parts:
@@ -310,6 +314,38 @@ class PromptCache:
         self.caches = caches
         self.tokens = list(tokens)
         self.metadata = dict(metadata or {})
+        self._fits: int | None = None  # id() of the model `check_fits` last accepted
+
+    def check_fits(self, model) -> None:
+        """Refuse (CorruptCheckpointError) a cache that another model made, or a loaded file
+        that lies: a layer count, K/V shape or dtype the model does not produce, or a token
+        id outside its vocabulary would otherwise crash inside MLX or read out of bounds.
+        Checked once per model; K/V layouts are learned by running the model on one token."""
+        if self._fits == id(model):
+            return
+        problem = self._misfit(model)
+        if problem:
+            raise CorruptCheckpointError(f"this prompt cache does not fit the model: {problem}; start a new cache")
+        self._fits = id(model)
+
+    def _misfit(self, model) -> str | None:
+        if len(self.caches) != len(model.layers):
+            return f"it has {len(self.caches)} layers, the model {len(model.layers)}"
+        vocab = model.config.vocab_size
+        if any(not 0 <= t < vocab for t in self.tokens):
+            return f"it holds token ids outside the vocabulary of {vocab}"
+        if all(c.keys is None for c in self.caches):
+            return None
+        probe = make_cache(model)
+        model(mx.array([[0]]), cache=probe)
+        for i, (c, fresh) in enumerate(zip(self.caches, probe)):
+            for name, have, want in (("keys", c.keys, fresh.keys), ("values", c.values, fresh.values)):
+                if have is None:
+                    continue
+                got, made = _layout(have, c.bits, c.group_size), _layout(want, None, 0)
+                if got != made:
+                    return f"layer {i}'s {name} are (heads, dims, dtype) {got}, the model makes {made}"
+        return None
 
     @classmethod
     def for_model(cls, model, **options: Any) -> "PromptCache":
@@ -359,6 +395,13 @@ class PromptCache:
         self.tokens.clear()
 
 
+def _layout(parts: Parts, bits: int | None, group_size: int) -> tuple[int, int, str]:
+    """(heads, dims per head, float dtype) of cached keys or values, quantized or not."""
+    if bits is None:
+        return parts[0].shape[1], parts[0].shape[3], str(parts[0].dtype)
+    return parts[1].shape[1], parts[1].shape[3] * group_size, str(parts[1].dtype)
+
+
 def save_prompt_cache(path: str | Path, cache: PromptCache, metadata: dict[str, str] | None = None) -> None:
     """Write caches, their token ids and metadata as one safetensors file (atomically)."""
     arrays: dict[str, mx.array] = {"tokens": mx.array(np.array(cache.tokens, dtype=np.int32))}
@@ -370,31 +413,99 @@ def save_prompt_cache(path: str | Path, cache: PromptCache, metadata: dict[str, 
         arrays[f"{i}.positions"] = mx.array(np.sort(c.positions()).astype(np.int32))
         layers.append({**c.meta(), "parts": len(keys)})
     meta = {"mlxinfer.layers": json.dumps(layers), "mlxinfer.metadata": json.dumps({**cache.metadata, **(metadata or {})})}
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp.safetensors")
-    mx.save_safetensors(str(tmp), arrays, metadata=meta)
-    tmp.replace(path)
+    with replacing(Path(path), suffix=".safetensors") as tmp:
+        mx.save_safetensors(str(tmp), arrays, metadata=meta)
 
 
 def load_prompt_cache(path: str | Path) -> PromptCache:
-    """Read a file written by `save_prompt_cache`."""
-    from .errors import CorruptCheckpointError
-
+    """Read a file written by `save_prompt_cache`. The file is untrusted: its header, layer
+    descriptions, array shapes and dtypes, positions and offsets must agree with each other
+    (a CorruptCheckpointError otherwise); whether it fits a model is `PromptCache.check_fits`."""
+    path = Path(path)
     try:
+        safetensors_header(path)  # bounds checked before MLX maps the file
         arrays, meta = mx.load(str(path), return_metadata=True)
         layers = json.loads(meta["mlxinfer.layers"])
         user = json.loads(meta["mlxinfer.metadata"])
-    except (OSError, RuntimeError, ValueError, KeyError) as e:
+    except (MlxinferError, OSError, RuntimeError, ValueError, KeyError, RecursionError) as e:
         raise CorruptCheckpointError(f"'{path}' is not a prompt cache written by mlxinfer ({e})") from None
-    caches: list[KVCache] = []
-    for i, m in enumerate(layers):
-        c: KVCache
-        if m["kind"] == "RotatingKVCache":
-            c = RotatingKVCache(m["max_size"], m["keep"], m["bits"], m["group_size"])
-        else:
-            c = KVCache(m["bits"], m["group_size"])
-        keys = tuple(arrays[f"{i}.keys.{j}"] for j in range(m["parts"]))
-        values = tuple(arrays[f"{i}.values.{j}"] for j in range(m["parts"]))
-        c.restore(keys, values, m["offset"], np.array(arrays[f"{i}.positions"]).astype(np.int64))
-        caches.append(c)
-    return PromptCache(caches, np.array(arrays["tokens"]).tolist(), user)
+    if not isinstance(user, dict) or not all(isinstance(v, str) for v in user.values()):
+        raise _unusable(path, "its metadata is not an object of strings")
+    if not isinstance(layers, list) or not all(isinstance(m, dict) for m in layers):
+        raise _unusable(path, "its layer list is not a list of objects")
+    tokens = _int_vector(path, arrays, "tokens")
+    if tokens.size and tokens.min() < 0:
+        raise _unusable(path, f"it holds token id {tokens.min()}")
+    caches = [_read_layer(path, i, m, arrays, len(tokens)) for i, m in enumerate(layers)]
+    return PromptCache(caches, tokens.tolist(), user)
+
+
+def _unusable(path: Path, why: str) -> CorruptCheckpointError:
+    return CorruptCheckpointError(f"'{path}' is not a usable prompt cache: {why}; save it again")
+
+
+def _int_vector(path: Path, arrays: dict[str, mx.array], name: str) -> np.ndarray:
+    a = arrays.get(name)
+    if a is None or a.ndim != 1 or not mx.issubdtype(a.dtype, mx.integer):
+        raise _unusable(path, f"'{name}' is missing or not a vector of integers")
+    return np.array(a).astype(np.int64)
+
+
+def _setting(path: Path, i: int, m: dict[str, Any], key: str, allowed: Any) -> Any:
+    """Layer `i`'s `key`, which must be an int in `allowed` (a range or a tuple), or None where allowed has it."""
+    value = m.get(key)
+    if value is None:
+        ok = isinstance(allowed, tuple) and None in allowed
+    else:  # checked as an integer first: `in range` scans linearly for anything else
+        ok = is_integer(value) and value in allowed
+    if not ok:
+        raise _unusable(path, f"layer {i} has {key} {value!r:.40}")
+    return value
+
+
+def _read_layer(path: Path, i: int, m: dict[str, Any], arrays: dict[str, mx.array], n_tokens: int) -> KVCache:
+    """One layer's cache from its description and arrays, each checked against the others."""
+    kind = m.get("kind")
+    if kind not in ("KVCache", "RotatingKVCache"):
+        raise _unusable(path, f"layer {i} has unknown kind {kind!r:.40}")
+    bits = _setting(path, i, m, "bits", (None, *KV_BITS))
+    group = _setting(path, i, m, "group_size", KV_GROUP_SIZES)
+    offset = _setting(path, i, m, "offset", range(INDEX_MAX))
+    parts = _setting(path, i, m, "parts", (0, 1 if bits is None else 3))
+    if n_tokens and offset != n_tokens:  # no tokens: caches driven by the model directly, never `feed`
+        raise _unusable(path, f"layer {i} covers {offset} tokens but the file lists {n_tokens}")
+    keys = _parts(path, arrays, f"{i}.keys", parts, bits, group)
+    values = _parts(path, arrays, f"{i}.values", parts, bits, group)
+    positions = _int_vector(path, arrays, f"{i}.positions")
+    stored = keys[0].shape[2] if keys else 0
+    if (values and values[0].shape[2] != stored) or len(positions) != stored:
+        raise _unusable(path, f"layer {i}'s keys, values and positions disagree in length")
+    if len(positions) and (positions[0] < 0 or positions[-1] >= offset or np.any(np.diff(positions) <= 0)):
+        raise _unusable(path, f"layer {i}'s positions are not increasing token positions below {offset}")
+    c: KVCache
+    if kind == "RotatingKVCache":
+        size = _setting(path, i, m, "max_size", range(2, INDEX_MAX))
+        c = RotatingKVCache(size, _setting(path, i, m, "keep", range(size)), bits, group)
+    else:
+        if stored != offset:
+            raise _unusable(path, f"layer {i} keeps {stored} entries for {offset} tokens")
+        c = KVCache(bits, group)
+    c.restore(keys, values, offset, positions)
+    return c
+
+
+def _parts(path: Path, arrays: dict[str, mx.array], name: str, count: int, bits: int | None, group: int) -> Parts:
+    """`count` arrays [1, heads, tokens, dims]: floats, or MLX's (packed uint32, scales, biases)."""
+    parts = tuple(arrays.get(f"{name}.{j}") for j in range(count))
+    if any(p is None or p.ndim != 4 or p.shape[0] != 1 for p in parts):
+        raise _unusable(path, f"'{name}' is missing or not shaped [1, heads, tokens, dims]")
+    if len({p.shape[:3] for p in parts}) > 1:
+        raise _unusable(path, f"the parts of '{name}' disagree in shape")
+    if bits is None and parts and not mx.issubdtype(parts[0].dtype, mx.floating):
+        raise _unusable(path, f"'{name}' is not floating point")
+    if bits is not None and parts:
+        packed, scales, biases = parts
+        ok = packed.dtype == mx.uint32 and scales.shape == biases.shape and mx.issubdtype(scales.dtype, mx.floating)
+        if not ok or packed.shape[3] * 32 // bits != scales.shape[3] * group:
+            raise _unusable(path, f"'{name}' is not {bits}-bit data in groups of {group}")
+    return parts

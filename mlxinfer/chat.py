@@ -26,7 +26,9 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from .cache import PromptCache, load_prompt_cache, save_prompt_cache
+from .checks import is_integer
 from .errors import InvalidOptionError, MlxinferError, SessionFileError, TokenizerError
+from .files import replacing, write_problem
 from .generate import Chunk, Stats, split_options, stream_generate
 from .tokenizer import Tokenizer
 
@@ -74,7 +76,7 @@ class ChatSession:
         self.model, self.tokenizer = model, tokenizer
         self.system = system
         self.draft_model = draft_model
-        self._options = _checked(options, draft_model)
+        self._options = _checked(options, model, draft_model)
         self.cache = PromptCache.for_model(model, **self.cache_options)
         self.draft_cache = PromptCache.for_model(draft_model, **self.cache_options) if draft_model else None
         self.stats: Stats | None = None
@@ -106,7 +108,7 @@ class ChatSession:
         """Change a generation option for the next turns (validated now, not at the next send)."""
         if name in CACHE_OPTIONS:
             raise InvalidOptionError(f"{name} is fixed when the session starts; start a new session to change it")
-        self._options = _checked({**self._options, name: value}, self.draft_model)
+        self._options = _checked({**self._options, name: value}, self.model, self.draft_model)
 
     def send(self, text: str) -> Iterator[Chunk]:
         """Stream the reply to `text`. Consume the iterator; the reply is kept when it ends or
@@ -192,13 +194,13 @@ class ChatSession:
             "kv_cache": kv_path.name,
         }
         meta = {"model": model_fingerprint(self.model), "cache_options": json.dumps(self.cache_options, sort_keys=True)}
-        try:
-            save_prompt_cache(kv_path, self.cache, meta)
-            tmp = path.with_name(path.name + ".tmp")
-            tmp.write_text(json.dumps(data, ensure_ascii=False), encoding="utf-8")
-            tmp.replace(path)
+        try:  # both files are written under temporary names first: a failure leaves neither
+            with replacing(path) as tmp, replacing(kv_path, suffix=".safetensors") as kv_tmp:
+                save_prompt_cache(kv_tmp, self.cache, meta)
+                tmp.write_text(json.dumps(data, ensure_ascii=False), encoding="utf-8")
         except (OSError, RuntimeError) as e:
-            raise SessionFileError(f"cannot write the session to '{path}' ({_reason(e)}); choose a writable path") from None
+            why = write_problem(e) if isinstance(e, OSError) else _reason(e)
+            raise SessionFileError(f"cannot write the session to '{path}' ({why}); choose a writable path") from None
         return path
 
     @classmethod
@@ -208,10 +210,11 @@ class ChatSession:
         the conversation is prefilled again on the next turn. `options` override the saved ones."""
         path = Path(path).expanduser()
         data = _read_session(path)
-        session = cls(model, tokenizer, data["system"], draft_model, **{**_from_json(data["options"]), **options})
+        session = cls(model, tokenizer, data.get("system"), draft_model, **{**_from_json(data["options"]), **options})
         session._turns = data["messages"]
-        session._transcript = _read_transcript(data.get("transcript"), len(session._turns) // 2)
-        cache = _read_cache(path.parent / data["kv_cache"])
+        exchanges = len(session._turns) // 2
+        session._transcript = _read_transcript(data.get("transcript"), exchanges, model.config.vocab_size)
+        cache = _read_cache(path.parent / data["kv_cache"], model)
         fits = {"model": model_fingerprint(model), "cache_options": json.dumps(session.cache_options, sort_keys=True)}
         if cache is not None and all(cache.metadata.get(k) == v for k, v in fits.items()):
             session.cache = cache
@@ -280,9 +283,10 @@ def model_fingerprint(model) -> str:
     return h.hexdigest()[:16]
 
 
-def _checked(options: dict[str, Any], draft_model) -> dict[str, Any]:
+def _checked(options: dict[str, Any], model, draft_model) -> dict[str, Any]:
     """Validate options the way `stream_generate` will, so a bad value fails when it is set."""
-    split_options({**options, "draft_model": draft_model} if draft_model is not None else options)
+    split_options({**options, "draft_model": draft_model} if draft_model is not None else options,
+                  model.config.vocab_size)
     return dict(options)
 
 
@@ -294,9 +298,12 @@ def _jsonable(options: dict[str, Any]) -> dict[str, Any]:
 
 
 def _from_json(options: dict[str, Any]) -> dict[str, Any]:
+    """Options as saved, with `logit_bias` keys back to ints (JSON object keys are strings);
+    anything else wrong is left for the options' own validation to name."""
     out = dict(options)
-    if "logit_bias" in out:  # JSON object keys are strings; token ids are ints
-        out["logit_bias"] = {int(k): float(v) for k, v in out["logit_bias"].items()}
+    bias = out.get("logit_bias")
+    if isinstance(bias, dict):
+        out["logit_bias"] = {int(k) if k.isascii() and k.isdigit() else k: v for k, v in bias.items()}
     return out
 
 
@@ -309,7 +316,7 @@ def _read_session(path: Path) -> dict[str, Any]:
         raise SessionFileError(f"no saved chat at '{path}'; check the path")
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (OSError, ValueError, RecursionError) as e:  # ValueError: bad JSON or UTF-8
         raise SessionFileError(f"cannot read '{path}' ({_reason(e)}); is it a chat saved with /save?") from None
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise SessionFileError(f"'{path}' is not a chat saved by mlxinfer; save one with /save FILE")
@@ -322,26 +329,45 @@ def _read_session(path: Path) -> dict[str, Any]:
     ) and len(messages) % 2 == 0
     if not ok or not isinstance(data.get("options"), dict) or not isinstance(data.get("kv_cache"), str):
         raise SessionFileError(f"'{path}' is damaged (messages, options or kv_cache missing); save the chat again")
+    if not isinstance(data.get("system", 0), (str, type(None))):
+        raise SessionFileError(f"'{path}' is damaged (its system prompt is missing or not a string); save the chat again")
+    kv = data["kv_cache"]
+    if Path(kv).name != kv or kv in ("", ".", ".."):  # only a file beside the session, never a path elsewhere
+        raise SessionFileError(f"'{path}' names kv_cache '{kv[:80]}', not a file beside it; save the chat again")
     return data
 
 
-def _read_transcript(data: Any, exchanges: int) -> Transcript:
-    """The saved transcript; a damaged one only costs a prefill (the conversation is encoded afresh)."""
-    try:
-        ends: list[Mark] = [None if e is None else (int(e[0]), int(e[1])) for e in data["ends"]]
-        transcript = Transcript([int(t) for t in data["tokens"]], str(data["text"]), ends)
-    except (TypeError, KeyError, ValueError, IndexError):
-        return Transcript(ends=[None] * exchanges)
-    return transcript if len(ends) == exchanges else Transcript(ends=[None] * exchanges)
+def _read_transcript(data: Any, exchanges: int, vocab_size: int) -> Transcript:
+    """The saved transcript if it holds together: token ids of this model's vocabulary (they
+    are fed to it), and per exchange an (ids, characters) end inside them, unknown ones (None)
+    first, the last at the very end. A damaged one only costs a prefill (the conversation is
+    encoded afresh), so it is dropped rather than refused."""
+    fresh = Transcript(ends=[None] * exchanges)
+    if not isinstance(data, dict) or not isinstance(data.get("text"), str):
+        return fresh
+    tokens, text, ends = data.get("tokens"), data["text"], data.get("ends")
+    if not isinstance(tokens, list) or not all(is_integer(t) and 0 <= t < vocab_size for t in tokens):
+        return fresh
+    if not isinstance(ends, list) or len(ends) != exchanges:
+        return fresh
+    marks = [e for e in ends if e is not None]
+    pairs = [tuple(e) for e in marks if isinstance(e, list) and len(e) == 2 and all(is_integer(x) for x in e)]
+    if len(pairs) != len(marks) or ends[len(ends) - len(marks) :] != marks:
+        return fresh
+    bounded = all(0 <= a[0] <= b[0] and 0 <= a[1] <= b[1] for a, b in zip([(0, 0), *pairs], pairs))
+    if not bounded or (pairs[-1] if pairs else (0, 0)) != (len(tokens), len(text)):
+        return fresh
+    return Transcript(tokens, text, [None] * (len(ends) - len(pairs)) + pairs)
 
 
-def _read_cache(path: Path) -> PromptCache | None:
-    """The saved cache, or None when it is missing or unreadable (the conversation alone still resumes)."""
+def _read_cache(path: Path, model) -> PromptCache | None:
+    """The saved cache if it is readable and fits `model`, else None: the conversation alone
+    still resumes, at the cost of a prefill."""
     if not path.is_file():
         return None
     try:
         cache = load_prompt_cache(path)
+        cache.check_fits(model)
     except MlxinferError:
         return None
-    consistent = all(c.offset == len(cache.tokens) for c in cache.caches)
-    return cache if consistent else None
+    return cache if all(c.offset == len(cache.tokens) for c in cache.caches) else None

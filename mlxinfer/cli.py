@@ -37,6 +37,25 @@ class Group(click.Group):
 def main(ctx: click.Context, verbose: bool) -> None:
     """On-device LLM inference for Apple Silicon, built on MLX."""
     ctx.obj = verbose
+    blas_hint_once()
+
+
+def blas_hint_once() -> None:
+    """On a machine whose MLX runs on the reference BLAS, say once (a marker in MLXINFER_HOME)
+    how to get a fast one; `mlxinfer doctor` says it every time."""
+    from .blas import hint
+    from .store import home
+
+    message = hint()
+    marker = home() / "blas-hint-shown"
+    if message is None or marker.exists():
+        return
+    click.echo(f"mlxinfer: {message}", err=True)
+    try:
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        marker.touch()
+    except OSError:
+        pass
 
 
 MODEL_HELP = "Local folder, hub id, .gguf file or a name from `mlxinfer models` (default: the demo model)."
@@ -60,11 +79,21 @@ GENERATION_OPTIONS = [
     click.option("--max-kv-size", type=int, help="Rotating KV cache of this many tokens: memory stays flat."),
     click.option("--kv-bits", type=click.Choice(["4", "8"]), help="Quantize the KV cache."),
     click.option("--max-tokens", type=int, default=512, show_default=True, help="Longest reply, in tokens."),
+    click.option("--stop", multiple=True, help="End the reply before this text (repeatable; not printed)."),
+    click.option("--ignore-eos", is_flag=True, help="Keep generating past end-of-sequence, up to --max-tokens."),
+    click.option("--repetition-penalty", type=float,
+                 help="Shrink the logits of the last 64 tokens by this factor (> 1 discourages repeats; 1: off)."),
+    click.option("--presence-penalty", type=float,
+                 help="Subtract this from the logits of tokens among the last 64 (0: off)."),
+    click.option("--frequency-penalty", type=float,
+                 help="Subtract this times each token's count among the last 64 (0: off)."),
 ]
 # CLI parameter -> stream_generate option
 OPTION_NAMES = {
     "temp": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p", "seed": "seed",
     "max_kv_size": "max_kv_size", "max_tokens": "max_tokens", "num_draft_tokens": "num_draft_tokens",
+    "repetition_penalty": "repetition_penalty", "presence_penalty": "presence_penalty",
+    "frequency_penalty": "frequency_penalty", "logprobs": "logprobs",
 }
 
 
@@ -89,12 +118,21 @@ class Run:
 
     @classmethod
     def from_params(cls, params: dict[str, Any]) -> Run:
+        from .generate import split_options
+        from .terminal import typed_text
+
         options = {name: params[key] for key, name in OPTION_NAMES.items() if params.get(key) is not None}
         if params.get("kv_bits"):
             options["kv_bits"] = int(params["kv_bits"])
         if params.get("prompt_lookup"):
             options["prompt_lookup"] = True
-        return cls(params["model"], params["dtype"], params["draft_model"], params["system"], options)
+        if params.get("ignore_eos"):
+            options["ignore_eos"] = True
+        if params.get("stop"):
+            options["stop"] = list(params["stop"])
+        split_options(options)  # a bad value fails now, before a model is fetched and loaded
+        system = typed_text(params["system"]) if params["system"] is not None else None
+        return cls(params["model"], params["dtype"], params["draft_model"], system, options)
 
     def load(self):
         """(model, tokenizer, where it came from, draft model or None)."""
@@ -141,32 +179,49 @@ def chat_prompt(tokenizer, text: str, system: str | None, raw: bool) -> str | li
 @click.option("--prompt", "-p", required=True, help="The prompt; - reads it from stdin.")
 @click.option("--raw", is_flag=True, help="Send the prompt as it is, without the chat template.")
 @click.option("--json", "as_json", is_flag=True, help="Print the text and stats as one JSON object.")
+@click.option("--logprobs", type=int, metavar="N",
+              help="With --json: each generated token with its log-probability and the N likeliest alternatives.")
 @click.option("--no-stream", is_flag=True, help="Print the text once it is complete.")
 def generate(prompt: str, raw: bool, as_json: bool, no_stream: bool, **params) -> None:
     """Complete one prompt: text on stdout (streamed), stats on stderr."""
     from .generate import stream_generate
-    from .terminal import stats_line
+    from .terminal import stats_line, typed_text
 
+    if params["logprobs"] is not None and not as_json:
+        raise InvalidOptionError("--logprobs needs --json, which prints each token with its log-probabilities")
     run = Run.from_params(params)
-    text = sys.stdin.read().rstrip("\n") if prompt == "-" else prompt
+    text = typed_text(sys.stdin.buffer.read()).rstrip("\n") if prompt == "-" else typed_text(prompt)
     if not text.strip():
         raise InvalidOptionError("the prompt is empty; pass --prompt TEXT, or --prompt - and text on stdin")
     model, tokenizer, where, draft = run.load()
     options = {**run.options, "draft_model": draft} if draft else run.options
     stream = not (no_stream or as_json)
-    pieces, stats = [], None
+    pieces, tokens, stats = [], [], None
     for chunk in stream_generate(model, tokenizer, chat_prompt(tokenizer, text, run.system, raw), **options):
         pieces.append(chunk.text)
         stats = chunk.stats
+        if params["logprobs"] is not None and chunk.token is not None:
+            tokens.append(token_logprobs(tokenizer, chunk))
         if stream:
             click.echo(chunk.text, nl=False)
             sys.stdout.flush()
     if as_json:
+        logprobs = {"tokens": tokens} if params["logprobs"] is not None else {}
         click.echo(json.dumps({"model": str(where), "prompt": text, "text": "".join(pieces),
-                               "finish_reason": stats.finish_reason, "stats": asdict(stats)}))
+                               "finish_reason": stats.finish_reason, "stats": asdict(stats), **logprobs}))
         return
     click.echo("" if stream else "".join(pieces))
     click.echo(stats_line(stats), err=True)
+
+
+def token_logprobs(tokenizer, chunk) -> dict[str, Any]:
+    """One generated token for --json --logprobs: its id, its text alone, its log-probability
+    under the model (before sampling filters) and the likeliest alternatives."""
+    def entry(token: int, logprob: float) -> dict[str, Any]:
+        return {"id": token, "token": tokenizer.decode([token]), "logprob": logprob}
+
+    top = [entry(t, lp) for t, lp in chunk.top_logprobs or []]
+    return {**entry(chunk.token, chunk.logprob), "top_logprobs": top}
 
 
 @main.command("models")
@@ -200,8 +255,11 @@ def models_command(folders: tuple[Path, ...], supported: bool, as_json: bool) ->
     if not found:
         click.echo("no local models yet: `mlxinfer chat` fetches the demo model; `mlxinfer convert` makes others")
         return
-    rows = [("NAME", "FAMILY", "PARAMS", "QUANTIZATION", "SIZE", "WHERE")]
-    rows += [(m.name, m.family, _count(m.parameters), m.quantization, size(m.size), m.where) for m in found]
+    rows = [("NAME", "FAMILY", "PARAMS", "QUANTIZATION", "SIZE", "WHERE", "NOTE")]
+    rows += [(m.name, m.family, _count(m.parameters), m.quantization, size(m.size), m.where, m.error or "")
+             for m in found]
+    if not any(m.error for m in found):  # the NOTE column only says why a folder is broken
+        rows = [r[:-1] for r in rows]
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for r in rows:
         click.echo("  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip())
@@ -229,9 +287,11 @@ def inspect_command(prompt, model, dtype, steps, top, temp, top_p, system, raw, 
     from .generate import prompt_tokens
     from .inspection import inspect_pipeline, render
     from .store import open_model
+    from .terminal import typed_text
 
+    prompt, system = typed_text(prompt), typed_text(system) if system is not None else None
     m, tokenizer, where = open_model(model, dtype)
-    ids = prompt_tokens(tokenizer, chat_prompt(tokenizer, prompt, system, raw))
+    ids = prompt_tokens(tokenizer, chat_prompt(tokenizer, prompt, system, raw), m.config.vocab_size)
     report = inspect_pipeline(m, tokenizer, ids, steps=steps, top=top, temperature=temp, top_p=top_p)
     if as_json:
         click.echo(json.dumps({"model": str(where), "prompt": prompt, **report}))

@@ -12,7 +12,8 @@ from typing import Any, Iterator, Sequence
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from .cache import PromptCache
+from .cache import KV_BITS, KV_GROUP_SIZES, PromptCache
+from .checks import flag, integer, is_integer, token_ids
 from .errors import InvalidOptionError
 from .sample import Sampler, SamplingConfig
 from .tokenizer import Tokenizer
@@ -82,45 +83,57 @@ class GenerationOptions:
     prompt_lookup: bool = False
 
     def __post_init__(self) -> None:
-        if self.num_draft_tokens is not None and self.num_draft_tokens < 1:
-            raise InvalidOptionError(f"num_draft_tokens must be >= 1, got {self.num_draft_tokens}")
+        """Types and ranges, so a bad value fails before any work and not inside MLX."""
+        integer("max_tokens", self.max_tokens, 0)
+        if not isinstance(self.stop, tuple) or not all(isinstance(s, str) and s for s in self.stop):
+            raise InvalidOptionError(f"stop must be a list of non-empty strings, got {self.stop!r}")
+        flag("ignore_eos", self.ignore_eos)
+        if self.max_kv_size is not None:
+            integer("max_kv_size", self.max_kv_size, 2)
+        if self.kv_bits is not None and (not is_integer(self.kv_bits) or self.kv_bits not in KV_BITS):
+            raise InvalidOptionError(f"kv_bits must be one of {KV_BITS}, got {self.kv_bits!r}")
+        if self.kv_group_size is not None and (not is_integer(self.kv_group_size)
+                                               or self.kv_group_size not in KV_GROUP_SIZES):
+            raise InvalidOptionError(f"kv_group_size must be one of {KV_GROUP_SIZES}, got {self.kv_group_size!r}")
+        integer("prefill_step", self.prefill_step, 1)
+        integer("logprobs", self.logprobs, 0)
+        if self.draft_cache is not None and not isinstance(self.draft_cache, PromptCache):
+            raise InvalidOptionError(f"draft_cache must be a PromptCache, got {type(self.draft_cache).__name__}")
+        if self.num_draft_tokens is not None:
+            integer("num_draft_tokens", self.num_draft_tokens, 1)
+        flag("prompt_lookup", self.prompt_lookup)
         if self.draft_model is not None and self.prompt_lookup:
             raise InvalidOptionError("choose one drafter: a draft model or prompt lookup, not both")
-        if self.max_tokens < 0:
-            raise InvalidOptionError(f"max_tokens must be >= 0, got {self.max_tokens}")
-        if self.prefill_step < 1:
-            raise InvalidOptionError(f"prefill_step must be >= 1, got {self.prefill_step}")
-        if self.max_kv_size is not None and self.max_kv_size < 2:
-            raise InvalidOptionError(f"max_kv_size must be >= 2, got {self.max_kv_size}")
-        if any(not s for s in self.stop):
-            raise InvalidOptionError("stop strings must not be empty")
 
 
-def split_options(options: dict[str, Any]) -> tuple[SamplingConfig, GenerationOptions]:
-    """Route keyword options to the sampling and generation configs; reject unknown ones."""
+def split_options(options: dict[str, Any], vocab_size: int | None = None) -> tuple[SamplingConfig, GenerationOptions]:
+    """Route keyword options to the sampling and generation configs, validated (token ids
+    against `vocab_size`, the model's, when it is known); reject unknown ones."""
     sampling = {f.name for f in fields(SamplingConfig)}
     generation = {f.name for f in fields(GenerationOptions)}
     unknown = sorted(set(options) - sampling - generation)
     if unknown:
         raise InvalidOptionError(f"unknown option '{unknown[0]}'; valid: {', '.join(sorted(sampling | generation))}")
     gen = {k: v for k, v in options.items() if k in generation}
-    if isinstance(gen.get("stop"), str):
-        gen["stop"] = (gen["stop"],)
-    gen["stop"] = tuple(gen.get("stop") or ())
-    return (
-        SamplingConfig(**{k: v for k, v in options.items() if k in sampling}),
-        GenerationOptions(**gen),
-    )
+    stop = gen.get("stop") or ()
+    gen["stop"] = (stop,) if isinstance(stop, str) else tuple(stop) if isinstance(stop, (list, tuple)) else stop
+    config = SamplingConfig(**{k: v for k, v in options.items() if k in sampling})
+    if vocab_size is not None:
+        config.check_vocab(vocab_size)
+    return config, GenerationOptions(**gen)
 
 
-def prompt_tokens(tokenizer: Tokenizer, prompt: Prompt) -> list[int]:
-    """A string, token ids, or chat messages (rendered with the chat template)."""
+def prompt_tokens(tokenizer: Tokenizer, prompt: Prompt, vocab_size: int) -> list[int]:
+    """A string, token ids, or chat messages (rendered with the chat template), as ids
+    checked against the model's `vocab_size` (a tokenizer may know more tokens than
+    the model has embedding rows)."""
     if isinstance(prompt, str):
         ids = tokenizer.encode(prompt) if prompt else []
-    elif prompt and isinstance(prompt[0], dict):
+    elif isinstance(prompt, Sequence) and prompt and isinstance(prompt[0], dict):
         ids = tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True, tokenize=True)
     else:
-        ids = [int(t) for t in prompt]
+        ids = prompt
+    ids = token_ids(ids, vocab_size, "the prompt")
     if not ids:
         raise InvalidOptionError("the prompt is empty; give some text, token ids or chat messages")
     return ids
@@ -206,12 +219,13 @@ class Generator:
 
     def __init__(self, model, tokenizer: Tokenizer, prompt: Prompt, prompt_cache: PromptCache | None, options):
         self.model, self.tokenizer = model, tokenizer
-        self.sampling, self.options = split_options(options)
-        self.prompt = prompt_tokens(tokenizer, prompt)
+        self.sampling, self.options = split_options(options, model.config.vocab_size)
+        self.prompt = prompt_tokens(tokenizer, prompt, model.config.vocab_size)
         o = self.options
         self.cache = prompt_cache or PromptCache.for_model(
             model, max_kv_size=o.max_kv_size, kv_bits=o.kv_bits, kv_group_size=o.kv_group_size
         )
+        self.cache.check_fits(model)
         check_context(model, self.cache, len(self.prompt))
         self.sampler = Sampler(self.sampling)
         self.stats = Stats(prompt_tokens=len(self.prompt))

@@ -15,6 +15,7 @@ from mlx.utils import tree_flatten
 
 from .errors import ConfigError, CorruptCheckpointError, InvalidOptionError, ModelNotFoundError
 from .models import CausalLM, build_model
+from .models.config import check_config
 from .tokenizer import Tokenizer, load_tokenizer_from_dir
 
 TOKENIZER_FILES = [
@@ -65,28 +66,39 @@ def _download(repo_id: str, revision: str | None, patterns: list[str]) -> Path:
 
 
 def read_config(path: Path) -> dict[str, Any]:
+    """config.json as a dict whose known keys are checked (`check_config`), errors naming the file."""
     file = path / "config.json"
     if not file.is_file():
         raise ModelNotFoundError(f"no config.json in '{path}'; is this a model folder?")
     try:
-        return json.loads(file.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        data = json.loads(file.read_text(encoding="utf-8"))
+    except (ValueError, RecursionError) as e:  # JSONDecodeError, UnicodeDecodeError, too-long integers
         raise ConfigError(f"{file} is not valid JSON ({e})") from None
+    except OSError as e:
+        raise ConfigError(f"cannot read {file} ({e.strerror or e})") from None
+    return check_config(data, str(file))
 
 
 def weight_files(path: Path) -> list[Path]:
-    """The safetensors files of a checkpoint, as its index lists them when it has one."""
+    """The safetensors files of a checkpoint, as its index lists them when it has one; every one
+    inside the folder (an index or a link must not make us read files elsewhere)."""
     index = path / "model.safetensors.index.json"
     if index.is_file():
-        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        names = _index_shards(index)
         missing = [n for n in names if not (path / n).is_file()]
         if missing:
             raise CorruptCheckpointError(
                 f"shard '{missing[0]}' listed in {index.name} is missing from '{path}'; re-download the checkpoint"
             )
-        return [path / n for n in names]
-    files = sorted(path.glob("model*.safetensors")) or sorted(path.glob("*.safetensors"))
+        files = [path / n for n in names]
+    else:
+        files = sorted(path.glob("model*.safetensors")) or sorted(path.glob("*.safetensors"))
     if files:
+        outside = [f for f in files if not _inside(path, f)]
+        if outside:
+            raise CorruptCheckpointError(
+                f"weights file '{outside[0].name}' in '{path}' links outside the model folder; refusing to read it"
+            )
         return files
     pickles = sorted(p.name for p in path.iterdir() if p.suffix in PICKLE_SUFFIXES)
     if pickles:
@@ -97,8 +109,50 @@ def weight_files(path: Path) -> list[Path]:
     raise CorruptCheckpointError(f"no .safetensors weights in '{path}'")
 
 
-def check_safetensors(file: Path) -> None:
-    """Fail with the tensor's name if the file ends before its header says it should."""
+def _index_shards(index: Path) -> list[str]:
+    """The shard names in a `model.safetensors.index.json`: plain .safetensors names inside its folder."""
+    try:
+        data = json.loads(index.read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError) as e:
+        raise CorruptCheckpointError(f"cannot read {index} ({e}); re-download the checkpoint") from None
+    weight_map = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise CorruptCheckpointError(
+            f"{index} has no 'weight_map' object of tensor -> file names; re-download the checkpoint"
+        )
+    names = sorted(set(weight_map.values()))
+    for name in names:
+        parts = Path(name).parts
+        if not name.endswith(".safetensors") or Path(name).is_absolute() or ".." in parts or "\\" in name:
+            raise CorruptCheckpointError(
+                f"{index} lists shard '{name[:80]}', which is not a .safetensors file inside the model folder; "
+                "refusing to read it"
+            )
+    return names
+
+
+def _inside(folder: Path, file: Path) -> bool:
+    """Whether `file`, links followed, is in `folder` or, for a Hugging Face cache snapshot
+    (whose files link into the repo's `blobs`), in that repo's blobs."""
+    target = file.resolve()
+    homes = [folder.resolve()]
+    if folder.parent.name == "snapshots":
+        homes.append((folder.parent.parent / "blobs").resolve())
+    return any(target.is_relative_to(home) for home in homes)
+
+
+# safetensors dtypes and their element sizes in bytes (the format's spec); others are refused.
+SAFETENSORS_DTYPES = {
+    "BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
+    "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8,
+}
+MAX_HEADER = 100_000_000  # the format's own limit on the JSON header
+
+
+def safetensors_header(file: Path) -> dict[str, Any]:
+    """The tensor entries of a safetensors file, checked against the format before MLX maps it:
+    an object of {dtype, shape, data_offsets} entries whose byte ranges match their shapes, lie
+    inside the file and do not overlap. A file that fails is a CorruptCheckpointError naming it."""
     size = file.stat().st_size
     with open(file, "rb") as f:
         head = f.read(8)
@@ -109,19 +163,61 @@ def check_safetensors(file: Path) -> None:
             raise CorruptCheckpointError(
                 f"{file.name} is truncated inside its header ({size} bytes, header needs {8 + n}); re-download it"
             )
+        if n > MAX_HEADER:
+            raise CorruptCheckpointError(f"{file.name} has a {n}-byte header, over the format's limit; re-download it")
         try:
             header = json.loads(f.read(n))
-        except (json.JSONDecodeError, UnicodeDecodeError):
+        except (ValueError, RecursionError):
             raise CorruptCheckpointError(f"{file.name} has a corrupt safetensors header; re-download it") from None
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        end = 8 + n + info["data_offsets"][1]
-        if end > size:
-            raise CorruptCheckpointError(
-                f"{file.name} is truncated: tensor '{name}' needs {end} bytes but the file has {size}; "
-                "re-download or re-convert it"
-            )
+    if not isinstance(header, dict):
+        raise CorruptCheckpointError(f"{file.name}'s safetensors header is not a JSON object; re-download it")
+    meta = header.pop("__metadata__", None) or {}  # MLX writes null when there is none
+    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+        raise CorruptCheckpointError(f"{file.name}'s __metadata__ is not an object of strings; re-download it")
+    spans = sorted((_tensor_span(file, name, info, 8 + n, size), name) for name, info in header.items())
+    for (prev, a), (cur, b) in zip(spans, spans[1:]):
+        if cur[0] < prev[1]:
+            raise CorruptCheckpointError(f"{file.name}: tensors '{a}' and '{b}' overlap; re-download or re-convert it")
+    return header
+
+
+def _tensor_span(file: Path, name: str, info: Any, start: int, size: int) -> tuple[int, int]:
+    """The (begin, end) byte range of one header entry (its data begins at `start` in a file
+    of `size` bytes), after checking its fields."""
+
+    def bad(what: str) -> CorruptCheckpointError:
+        return CorruptCheckpointError(f"{file.name}: tensor '{name[:80]}' {what}; re-download or re-convert it")
+
+    if not isinstance(info, dict):
+        raise bad("has no {dtype, shape, data_offsets} entry")
+    dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+    if not isinstance(dtype, str) or dtype not in SAFETENSORS_DTYPES:
+        raise bad(f"has unknown dtype {dtype!r:.40}")
+    if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
+        raise bad(f"has an invalid shape {shape!r:.60}")
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_int(o) for o in offsets)
+            and 0 <= offsets[0] <= offsets[1]):
+        raise bad(f"has invalid data_offsets {offsets!r:.60}")
+    if start + offsets[1] > size:
+        raise CorruptCheckpointError(
+            f"{file.name} is truncated: tensor '{name[:80]}' needs {start + offsets[1]} bytes but the file has "
+            f"{size}; re-download or re-convert it"
+        )
+    count = 1
+    for d in shape:
+        count *= d
+    if count * SAFETENSORS_DTYPES[dtype] != offsets[1] - offsets[0]:
+        raise bad(f"has {offsets[1] - offsets[0]} bytes for shape {shape} of {dtype}")
+    return offsets[0], offsets[1]
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_safetensors(file: Path) -> None:
+    """Fail with a one-line error naming the file (and tensor) if it does not hold what its header says."""
+    safetensors_header(file)
 
 
 def read_weights(files: list[Path]) -> tuple[dict[str, mx.array], dict[str, str]]:
@@ -157,13 +253,16 @@ def quantize_like_checkpoint(model: nn.Module, quant: dict[str, Any], weights: d
             return False
         return _quant_params(path, module, weights)
 
-    nn.quantize(
-        model,
-        group_size=quant.get("group_size", 64),
-        bits=quant.get("bits", 4),
-        mode=quant.get("mode", "affine"),
-        class_predicate=predicate,
-    )
+    try:
+        nn.quantize(
+            model,
+            group_size=quant.get("group_size", 64),
+            bits=quant.get("bits", 4),
+            mode=quant.get("mode", "affine"),
+            class_predicate=predicate,
+        )
+    except ValueError as e:  # MLX refuses a bits/group size/mode the config (or tensor shapes) gave
+        raise CorruptCheckpointError(f"config.json's quantization cannot be applied ({str(e).splitlines()[0]})") from None
 
 
 def check_weights(model: nn.Module, weights: dict[str, mx.array], origin: dict[str, str], folder: Path) -> None:

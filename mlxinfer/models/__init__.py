@@ -7,6 +7,7 @@ from types import ModuleType
 from typing import Any
 
 from ..errors import UnsupportedArchitectureError
+from .config import ModelConfig, check_config
 from .layers import CausalLM
 
 FAMILIES: dict[str, str] = {
@@ -35,10 +36,15 @@ def family(model_type: str) -> ModuleType:
     return importlib.import_module(f"{__name__}.{FAMILIES[model_type]}")
 
 
+def model_config(config: dict[str, Any]) -> ModelConfig:
+    """The typed config of a config.json dict, checked key by key before any family reads it."""
+    check_config(config)
+    return family(config.get("model_type", "<missing>")).config(config)
+
+
 def build_model(config: dict[str, Any]) -> CausalLM:
     """An uninitialised model for a config.json dict."""
-    fam = family(config.get("model_type", "<missing>"))
-    return fam.Model(fam.config(config))
+    return family(config.get("model_type", "<missing>")).Model(model_config(config))
 
 
 def supported() -> dict[str, str]:

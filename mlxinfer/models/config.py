@@ -6,6 +6,7 @@ which layers slide); everything else is read here once.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -38,6 +39,13 @@ class MoEConfig:
     norm_topk_prob: bool = False
     shared_intermediate_size: int = 0
     dense_layers: frozenset[int] = frozenset()
+
+    def __post_init__(self) -> None:
+        if self.experts_per_token > self.num_experts:
+            raise ConfigError(
+                f"config.json routes each token to {self.experts_per_token} experts but has only "
+                f"{self.num_experts}; fix num_experts_per_tok"
+            )
 
     def sparse(self, layer: int) -> bool:
         return layer not in self.dense_layers
@@ -92,9 +100,219 @@ class ModelConfig:
 
 
 def _require(d: dict[str, Any], key: str) -> Any:
-    if key not in d:
+    if d.get(key) is None:
         raise ConfigError(f"config.json has no '{key}'; the checkpoint's config is incomplete")
     return d[key]
+
+
+# --- what each key may hold ---------------------------------------------------------------------
+# config.json is untrusted input: a wrong type or an impossible value must be one ConfigError
+# naming the key, not a TypeError or a giant allocation deep inside model building. Every key a
+# family reads is described here once and checked before any family looks at the dict.
+
+INT_MAX = 2**31 - 1
+
+
+@dataclass(frozen=True)
+class Field:
+    """The JSON type one key must have, its allowed range (`low` excluded when `strict`),
+    and whether null is allowed (families read null as "absent")."""
+
+    kind: type
+    low: float | None = None
+    high: float | None = None
+    strict: bool = False
+    item: type | None = None  # element type of a list
+    nullable: bool = True
+
+    def accepts(self, value: Any) -> bool:
+        if value is None:
+            return self.nullable
+        if self.item is not None:
+            return isinstance(value, list) and all(_is(v, self.item) and self._in_range(v) for v in value)
+        return _is(value, self.kind) and self._in_range(value)
+
+    def _in_range(self, value: Any) -> bool:
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            return True
+        above = self.low is None or value > self.low or (value == self.low and not self.strict)
+        return above and (self.high is None or value <= self.high)
+
+    def describe(self) -> str:
+        text = f"a list of {_PLURAL[self.item]}" if self.item is not None else _SINGULAR[self.kind]
+        if self.low is not None and self.high is not None and self.high < INT_MAX:
+            text += f" from {self.low:g} to {self.high:.0f}"
+        elif self.low is not None:
+            text += f" {'>' if self.strict else '>='} {self.low:g}"
+        return text + (" or null" if self.nullable else "")
+
+
+_SINGULAR = {int: "an integer", float: "a number", bool: "true or false", str: "a string", dict: "an object"}
+_PLURAL = {int: "integers", float: "numbers", str: "strings"}
+
+
+def _is(value: Any, kind: type) -> bool:
+    """JSON's types as Python reads them: true is not an integer, an integer is a number."""
+    if kind is bool or isinstance(value, bool):
+        return kind is bool and isinstance(value, bool)
+    if kind is int:
+        return isinstance(value, int)
+    if kind is float:
+        try:
+            return isinstance(value, (int, float)) and math.isfinite(value)
+        except OverflowError:  # an integer beyond any float
+            return False
+    return isinstance(value, kind)
+
+
+COUNT = Field(int, 1, INT_MAX, nullable=False)  # sizes every model has
+# Widths: real models stay below 2**15; the bound keeps RoPE's per-dimension tables small.
+DIM_MAX = 2**20
+WIDTH = Field(int, 1, DIM_MAX, nullable=False)
+SIZE = Field(int, 1, INT_MAX)
+AT_LEAST_0 = Field(int, 0, INT_MAX)
+POSITIVE = Field(float, 0, strict=True)
+# Keys families read as `d.get(key, default)`, where a null would pass through as the value.
+SIZE_SET = Field(int, 1, INT_MAX, nullable=False)
+AT_LEAST_0_SET = Field(int, 0, INT_MAX, nullable=False)
+POSITIVE_SET = Field(float, 0, strict=True, nullable=False)
+NUMBER_SET = Field(float, nullable=False)
+NUMBER = Field(float)
+FLAG = Field(bool)
+NAME = Field(str)
+
+CONFIG_FIELDS: dict[str, Field] = {
+    "model_type": Field(str, nullable=False),
+    "vocab_size": COUNT,
+    "hidden_size": WIDTH,
+    "intermediate_size": COUNT,
+    "num_hidden_layers": Field(int, 1, 1024, nullable=False),  # real models have < 200; bounds the layer list
+    "num_attention_heads": COUNT,
+    "num_key_value_heads": SIZE,
+    "head_dim": Field(int, 1, DIM_MAX),
+    "max_position_embeddings": COUNT,
+    "rms_norm_eps": Field(float, 0, nullable=False),
+    "rope_theta": POSITIVE_SET,
+    "rope_local_base_freq": POSITIVE_SET,
+    "partial_rotary_factor": Field(float, 0, 1, strict=True, nullable=False),
+    "tie_word_embeddings": Field(bool, nullable=False),
+    "attention_bias": FLAG,
+    "mlp_bias": FLAG,
+    "hidden_act": Field(str, nullable=False),
+    "hidden_activation": Field(str, nullable=False),
+    "layer_types": Field(list, item=str),
+    "sliding_window": AT_LEAST_0,
+    "use_sliding_window": FLAG,
+    "max_window_layers": AT_LEAST_0_SET,
+    "sliding_window_pattern": SIZE_SET,
+    "original_max_position_embeddings": SIZE,
+    "query_pre_attn_scalar": POSITIVE,
+    "attn_logit_softcapping": POSITIVE,
+    "final_logit_softcapping": POSITIVE,
+    "rope_scaling": Field(dict),
+    "rope_parameters": Field(dict),
+    "quantization": Field(dict),
+    "quantization_config": Field(dict),
+    "text_config": Field(dict),
+    # mixtures of experts
+    "num_experts": SIZE,
+    "num_local_experts": SIZE,
+    "num_experts_per_tok": SIZE,
+    "moe_intermediate_size": SIZE_SET,
+    "shared_expert_intermediate_size": AT_LEAST_0,
+    "decoder_sparse_step": AT_LEAST_0,
+    "mlp_only_layers": Field(list, 0, item=int),
+    "norm_topk_prob": FLAG,
+    # DeepSeek latent attention and routing
+    "kv_lora_rank": WIDTH,
+    "q_lora_rank": Field(int, 1, DIM_MAX),
+    "qk_nope_head_dim": WIDTH,
+    "qk_rope_head_dim": WIDTH,
+    "v_head_dim": WIDTH,
+    "n_routed_experts": AT_LEAST_0,
+    "n_shared_experts": AT_LEAST_0,
+    "n_group": SIZE,
+    "topk_group": SIZE,
+    "topk_method": NAME,
+    "routed_scaling_factor": NUMBER_SET,
+    "first_k_dense_replace": AT_LEAST_0_SET,
+    "moe_layer_freq": SIZE_SET,
+    "rope_interleave": FLAG,
+}
+
+ROPE_FIELDS: dict[str, Field] = {
+    "rope_theta": POSITIVE_SET,
+    "rope_type": NAME,
+    "type": NAME,
+    "factor": POSITIVE,
+    "original_max_position_embeddings": SIZE,
+    "low_freq_factor": NUMBER_SET,
+    "high_freq_factor": NUMBER_SET,
+    "beta_fast": POSITIVE,
+    "beta_slow": POSITIVE,
+    "mscale": NUMBER,
+    "mscale_all_dim": NUMBER,
+    "attention_factor": POSITIVE,
+    "short_factor": Field(list, 0, strict=True, item=float),
+    "long_factor": Field(list, 0, strict=True, item=float),
+    "partial_rotary_factor": Field(float, 0, 1, strict=True, nullable=False),
+    "truncate": FLAG,
+}
+
+QUANT_FIELDS: dict[str, Field] = {
+    "bits": Field(int, 1, 8),
+    "group_size": Field(int, 1, INT_MAX),
+    "mode": NAME,
+}
+
+# What each RoPE scaling kind cannot do without (longrope: phi3.py, which also takes the top-level keys).
+ROPE_NEEDS = {"linear": ("factor",), "dynamic": ("factor",), "llama3": ("factor", "original_max_position_embeddings")}
+
+
+def _check_fields(d: dict[str, Any], fields: dict[str, Field], where: str) -> None:
+    for key, spec in fields.items():
+        if key in d and not spec.accepts(d[key]):
+            shown = repr(d[key])
+            shown = shown if len(shown) <= 40 else shown[:37] + "..."
+            raise ConfigError(f"{where}: '{key}' must be {spec.describe()}, got {shown}; fix the file")
+
+
+def _check_rope(params: dict[str, Any], where: str) -> None:
+    """A RoPE dict, or transformers 5's per-layer-type dict of them."""
+    for kind in (FULL, SLIDING):
+        if kind in params:
+            _check_fields(params, {kind: Field(dict)}, where)
+            _check_rope(params[kind] or {}, f"{where}[{kind}]")
+    _check_fields(params, ROPE_FIELDS, where)
+
+
+def _check_quantization(q: dict[str, Any], where: str) -> None:
+    """mlx-lm's `quantization`: defaults, then per-layer overrides (an object, or false for "not quantized")."""
+    _check_fields(q, QUANT_FIELDS, where)
+    for key, value in q.items():
+        if key in QUANT_FIELDS:
+            continue
+        if isinstance(value, dict):
+            _check_fields(value, QUANT_FIELDS, f"{where}[{key}]")
+        elif not isinstance(value, bool):
+            raise ConfigError(f"{where}: layer '{key}' must be an object or true/false, got {value!r:.40}")
+
+
+def check_config(d: Any, source: str = "config.json") -> dict[str, Any]:
+    """`d` if it is a config.json object whose known keys all hold values of their type and
+    range; otherwise a ConfigError naming `source` and the key. Cross-key rules (divisibility,
+    layer counts) are checked where the config is parsed (`parse_config`)."""
+    if not isinstance(d, dict):
+        raise ConfigError(f"{source} must hold a JSON object, not {type(d).__name__}; fix or re-download it")
+    _check_fields(d, CONFIG_FIELDS, source)
+    for key in ("rope_scaling", "rope_parameters"):
+        if d.get(key):
+            _check_rope(d[key], f"{source} {key}")
+    if d.get("quantization"):
+        _check_quantization(d["quantization"], f"{source} quantization")
+    if d.get("text_config"):
+        check_config({"model_type": "text", **d["text_config"]}, f"{source} text_config")
+    return d
 
 
 def parse_rope(d: dict[str, Any]) -> RopeConfig:
@@ -103,6 +321,9 @@ def parse_rope(d: dict[str, Any]) -> RopeConfig:
     theta = params.pop("rope_theta", d.get("rope_theta", 10000.0))
     kind = params.pop("rope_type", params.pop("type", "default")) or "default"
     factor = params.pop("partial_rotary_factor", d.get("partial_rotary_factor", 1.0))
+    missing = [k for k in ROPE_NEEDS.get(kind, ()) if params.get(k) is None]
+    if missing:
+        raise ConfigError(f"config.json's {kind} rope scaling has no '{missing[0]}'; the config is incomplete")
     return RopeConfig(float(theta), kind, params, float(factor))
 
 
@@ -118,10 +339,15 @@ def parse_layer_ropes(d: dict[str, Any]) -> tuple[RopeConfig, dict[str, RopeConf
 
 
 def parse_config(d: dict[str, Any], **family: Any) -> ModelConfig:
-    """Build a ModelConfig from config.json; `family` overrides per-family fields."""
+    """Build a ModelConfig from a checked config.json (`check_config`); `family` overrides per-family fields."""
     heads = _require(d, "num_attention_heads")
     hidden = _require(d, "hidden_size")
     layers = _require(d, "num_hidden_layers")
+    if not d.get("head_dim") and hidden % heads:
+        raise ConfigError(
+            f"config.json's hidden_size ({hidden}) is not divisible by num_attention_heads ({heads}) "
+            "and there is no head_dim; fix the file"
+        )
     window = d.get("sliding_window")
     layer_types = tuple(d.get("layer_types") or (FULL,) * layers)
     if len(layer_types) != layers:
@@ -155,4 +381,9 @@ def parse_config(d: dict[str, Any], **family: Any) -> ModelConfig:
         )
     if SLIDING in cfg.layer_types and not cfg.sliding_window:
         raise ConfigError("config.json has sliding-attention layers but no sliding_window size")
+    if cfg.rotary_dims < 2 or cfg.rotary_dims % 2:
+        raise ConfigError(
+            f"config.json gives {cfg.rotary_dims} rotary dimensions (head_dim {cfg.head_dim} x "
+            f"partial_rotary_factor {cfg.rope.partial_rotary_factor}); RoPE needs a positive even number"
+        )
     return cfg

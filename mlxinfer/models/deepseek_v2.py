@@ -62,6 +62,13 @@ class Routing:
             every=d.get("moe_layer_freq", 1),
         )
 
+    def __post_init__(self) -> None:
+        if self.experts and (self.k > self.experts or self.experts % self.n_group):
+            raise ConfigError(
+                f"config.json's routing is impossible: {self.k} experts per token from {self.experts} "
+                f"in {self.n_group} groups; fix num_experts_per_tok / n_routed_experts / n_group"
+            )
+
     def is_moe(self, layer: int) -> bool:
         return bool(self.experts) and layer >= self.first_dense and layer % self.every == 0
 

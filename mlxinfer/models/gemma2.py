@@ -4,7 +4,7 @@ scores and logits, sliding-window and global layers alternating."""
 
 from typing import Any
 
-from .config import FULL, SLIDING, ModelConfig, parse_config
+from .config import FULL, SLIDING, ModelConfig, _require, parse_config
 from .layers import CausalLM as Model
 
 __all__ = ["Model", "config", "gemma_fields"]
@@ -22,7 +22,7 @@ def gemma_fields(d: dict[str, Any], period: int) -> dict[str, Any]:
     return {
         "hidden_act": d.get("hidden_activation", "gelu_pytorch_tanh"),
         "norm_offset": 1.0,
-        "embed_scale": d["hidden_size"] ** 0.5,
+        "embed_scale": _require(d, "hidden_size") ** 0.5,
         "query_pre_attn_scalar": d.get("query_pre_attn_scalar", 256),
         "sandwich_norms": True,
         "tie_word_embeddings": d.get("tie_word_embeddings", True),

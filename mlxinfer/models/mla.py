@@ -52,9 +52,9 @@ def parse_mla(cfg: ModelConfig) -> MLAConfig:
     if missing:
         raise ConfigError(f"config.json has no '{missing[0]}', which latent attention needs; the config is incomplete")
     scale = (d["qk_nope_head_dim"] + d["qk_rope_head_dim"]) ** -0.5
-    m_all = cfg.rope.params.get("mscale_all_dim")
-    if cfg.rope.kind != "default" and m_all:
-        scale *= yarn_mscale(cfg.rope.params["factor"], m_all) ** 2
+    m_all, factor = cfg.rope.params.get("mscale_all_dim"), cfg.rope.params.get("factor")
+    if cfg.rope.kind != "default" and m_all and factor:
+        scale *= yarn_mscale(factor, m_all) ** 2
     return MLAConfig(
         heads=cfg.num_attention_heads,
         q_lora_rank=d.get("q_lora_rank"),
