@@ -119,6 +119,9 @@ def open_folder(folder: Path) -> Source:
 def _packed_spec(path: str, module: nn.Module, quant: dict[str, Any], stored: dict[str, mx.array]) -> QuantSpec:
     """A quantized layer's settings: config.json's per-layer entry, else read off the tensor shapes."""
     params = quant.get(path) or _quant_params(path, module, stored)
+    if not isinstance(params, dict) or not all(type(params.get(k)) is int for k in ("bits", "group_size")):
+        raise ConversionError(f"config.json's quantization entry for '{path}' needs integer bits and group_size, "
+                              f"got {params!r:.80}; fix config.json")
     mode = params.get("mode", quant.get("mode", "affine"))
     if mode != "affine":
         raise ConversionError(f"layer '{path}' uses {mode} quantization; only affine MLX checkpoints can be converted")

@@ -480,3 +480,19 @@ def test_eval_ppl_matches_transformers(hf_checkpoint, tmp_path):
             nll, count = nll + loss * (chunk.shape[1] - 1), count + chunk.shape[1] - 1
     assert source_ppl == pytest.approx(float(np.exp(nll / count)), rel=1e-3)
     assert converted_ppl == pytest.approx(source_ppl, rel=0.05)
+
+
+@pytest.mark.parametrize("entry", [{"group_size": 32}, {"bits": "4", "group_size": 32}, "four"])
+def test_per_layer_quantization_entry_without_integer_bits_is_one_line(hf_checkpoint, tmp_path, entry):
+    """A mixed-precision folder whose config.json lost a layer's bits: one line naming the layer."""
+    from mlxinfer.errors import MlxinferError
+
+    src = tmp_path / "src"
+    convert(hf_checkpoint("llama", num_hidden_layers=4), src, recipe="mixed-4-6", group_size=32)
+    config = json.loads((src / "config.json").read_text())
+    for key in ("quantization", "quantization_config"):
+        config[key]["model.layers.0.self_attn.q_proj"] = entry
+    (src / "config.json").write_text(json.dumps(config))
+    with pytest.raises(MlxinferError, match=r"model\.layers\.0\.self_attn\.q_proj") as e:
+        convert(src, tmp_path / "out", dequantize=True)
+    assert "\n" not in str(e.value)
