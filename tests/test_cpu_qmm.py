@@ -176,3 +176,15 @@ def test_smollm2_greedy_tokens_equal_the_pure_mlx_path(smollm2_gguf, tmp_path, m
     fast = greedy_tokens(out, monkeypatch, "auto", question, 16)
     slow = greedy_tokens(out, monkeypatch, "off", question, 16)
     assert fast == slow
+
+
+def test_doctor_reports_the_active_path():
+    from click.testing import CliRunner
+
+    from mlxinfer.cli import main
+
+    result = CliRunner().invoke(main, ["doctor"])
+    assert result.exit_code == 0, result.output
+    line = next(line for line in result.output.splitlines() if line.startswith("quantized matmul:"))
+    assert ("CPU extension (" in line) == (ext is not None)
+    assert "4-bit matvec:" in result.output
