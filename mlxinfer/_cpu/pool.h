@@ -13,6 +13,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <mutex>
 #include <thread>
 #include <vector>
@@ -61,17 +62,15 @@ class Pool {
       }
       return;
     }
-    job_ = &fn;
-    chunks_.store(chunks, std::memory_order_relaxed);
-    done_.store(0, std::memory_order_relaxed);
-    uint64_t generation = (state_.load(std::memory_order_relaxed) >> 32) + 1;
+    auto job = std::make_shared<Job>(fn, chunks);
     {
       std::lock_guard<std::mutex> lock(mutex_);
-      state_.store(generation << 32, std::memory_order_release);
+      job_ = job;
+      generation_.fetch_add(1, std::memory_order_release);
     }
     wake_.notify_all();
-    work_on(generation);
-    for (int i = 0; done_.load(std::memory_order_acquire) != chunks; ++i) {
+    job->work();
+    for (int i = 0; job->done.load(std::memory_order_acquire) != chunks; ++i) {
       if (i < 4096) {
         MLXINFER_PAUSE();
       } else {
@@ -83,20 +82,25 @@ class Pool {
  private:
   static constexpr auto kSpin = std::chrono::microseconds(100);
 
-  // Claim and run chunks of job `generation` until none is left (or a newer job began).
-  void work_on(uint64_t generation) {
-    uint64_t s = state_.load(std::memory_order_acquire);
-    while ((s >> 32) == generation && static_cast<int>(s & 0xffffffff) < chunks_.load(std::memory_order_relaxed)) {
-      if (state_.compare_exchange_weak(s, s + 1, std::memory_order_acq_rel)) {
-        (*job_)(static_cast<int>(s & 0xffffffff));
-        done_.fetch_add(1, std::memory_order_acq_rel);
-        s = state_.load(std::memory_order_acquire);
+  // One call's chunks. Shared with the workers, so one that picks it up late finds
+  // nothing left to claim (and never runs `fn` after run() returned).
+  struct Job {
+    Job(const std::function<void(int)>& f, int n) : fn(f), chunks(n) {}
+    const std::function<void(int)>& fn;
+    const int chunks;
+    std::atomic<int> next{0};
+    std::atomic<int> done{0};
+
+    void work() {
+      for (int c = next.fetch_add(1); c < chunks; c = next.fetch_add(1)) {
+        fn(c);
+        done.fetch_add(1, std::memory_order_acq_rel);
       }
     }
-  }
+  };
 
   void start(int threads) {
-    stopping_.store(false);
+    stopping_ = false;
     for (int t = 1; t < threads; ++t) {
       workers_.emplace_back([this] { work(); });
     }
@@ -105,7 +109,8 @@ class Pool {
   void stop() {
     {
       std::lock_guard<std::mutex> lock(mutex_);
-      stopping_.store(true);
+      stopping_ = true;
+      generation_.fetch_add(1, std::memory_order_release);
     }
     wake_.notify_all();
     for (auto& t : workers_) {
@@ -114,38 +119,36 @@ class Pool {
     workers_.clear();
   }
 
-  // The generation of the next job after `seen` (or `seen` when stopping): spin, then sleep.
-  uint64_t await(uint64_t seen) {
-    auto changed = [&] { return stopping_.load() || (state_.load(std::memory_order_acquire) >> 32) != seen; };
+  // The next job after generation `seen` (nullptr when stopping): spin, then sleep.
+  std::shared_ptr<Job> await(uint64_t& seen) {
     auto until = std::chrono::steady_clock::now() + kSpin;
-    for (int i = 0; !changed(); ++i) {
+    for (int i = 0; generation_.load(std::memory_order_acquire) == seen; ++i) {
       MLXINFER_PAUSE();
       if ((i & 63) == 63 && std::chrono::steady_clock::now() > until) {
-        std::unique_lock<std::mutex> lock(mutex_);
-        wake_.wait(lock, changed);
         break;
       }
     }
-    return state_.load(std::memory_order_acquire) >> 32;
+    std::unique_lock<std::mutex> lock(mutex_);
+    wake_.wait(lock, [&] { return generation_.load(std::memory_order_relaxed) != seen; });
+    seen = generation_.load(std::memory_order_relaxed);
+    return stopping_ ? nullptr : job_;
   }
 
   void work() {
-    uint64_t seen = state_.load(std::memory_order_acquire) >> 32;
-    while (true) {
-      seen = await(seen);
-      if (stopping_.load()) {
-        return;
-      }
-      work_on(seen);
+    uint64_t seen = 0;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      seen = generation_.load(std::memory_order_relaxed);
+    }
+    while (auto job = await(seen)) {
+      job->work();
     }
   }
 
   std::vector<std::thread> workers_;
-  const std::function<void(int)>* job_ = nullptr;
-  std::atomic<int> chunks_{0};
-  std::atomic<uint64_t> state_{0}; // job generation << 32 | next unclaimed chunk
-  std::atomic<int> done_{0};
-  std::atomic<bool> stopping_{false};
+  std::shared_ptr<Job> job_;  // guarded by mutex_
+  bool stopping_ = false;      // guarded by mutex_
+  std::atomic<uint64_t> generation_{0};
   std::mutex mutex_;
   std::mutex run_mutex_;
   std::condition_variable wake_;
