@@ -70,6 +70,15 @@ def test_matches_numpy_and_mlx(bits, group_size):
 
 
 @needs_extension
+def test_prompt_sized_products_match_numpy():
+    """Prefill sends up to EXTENSION_ROWS rows at once (in blocks of 4 rows inside)."""
+    x, packed, scales, biases = random_case(4, 32, mx.float16, rows=37, seed=5, out=300)
+    got = np.array(ext.affine_quantized_matmul(x, packed, scales, biases, 32, 4))
+    w = dequantize_numpy(packed, scales, biases, 32, 4)
+    assert np.all(np.abs(got - np.array(x, dtype=np.float64) @ w.T) <= tolerance(x, w))
+
+
+@needs_extension
 @pytest.mark.parametrize("bits", [4, 8, 3])
 def test_each_row_is_the_same_whatever_the_batch(bits):
     """Bitwise: row r of an R-row product equals the product of row r alone, for R = 1..8,
@@ -132,9 +141,11 @@ def test_bad_arguments_raise_value_errors():
 
 
 def test_dispatch_by_rows_and_switch(monkeypatch):
-    fast = "cpu-extension" if ext is not None else "mlx"
-    assert [qmm.implementation(r) for r in (1, 8, 9)] == [fast, "dequantize+blas" if ext is None else fast,
-                                                          "dequantize+blas"]
+    limit = qmm.EXTENSION_ROWS
+    if ext is not None:
+        assert [qmm.implementation(r) for r in (1, 8, limit, limit + 1)] == ["cpu-extension"] * 3 + ["dequantize+blas"]
+    else:
+        assert [qmm.implementation(r) for r in (1, 7, 8)] == ["mlx", "mlx", "dequantize+blas"]
     monkeypatch.setenv("MLXINFER_CPU_QMM", "off")
     assert [qmm.implementation(r) for r in (1, 7, 8)] == ["mlx", "mlx", "dequantize+blas"]
     assert "MLXINFER_CPU_QMM=off" in qmm.describe() or ext is None
