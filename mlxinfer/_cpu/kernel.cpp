@@ -1,13 +1,14 @@
 // The quantized matmul loops: an AVX2/FMA one chosen at run time on x86-64, and a
 // scalar one everywhere. Both compute the same float32 operations in the same order:
 // per group, w = q * s + b (one fused multiply-add), then 16 running sums per row
-// (two vectors of 8 lanes, alternating every 8 inputs) of x * w, added up at the end
-// in a fixed tree. So the scalar loop is a bit-exact model of the vector one.
+// (two vectors of 8 lanes; which input feeds which sum: sum_of) of x * w, added up at
+// the end in a fixed tree. So the scalar loop is a bit-exact model of the vector one.
 #include "kernel.h"
 
 #include <atomic>
 #include <cmath>
 #include <cstring>
+#include <vector>
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -87,6 +88,14 @@ inline float tree_sum(const float a0[kLanes], const float a1[kLanes]) {
   return (h[0] + h[2]) + (h[1] + h[3]);
 }
 
+// Which of the 16 running sums (vector, lane) input i of a 16-input chunk feeds. 4-bit
+// weights are read a byte at a time, two per byte, so even inputs go to the first
+// vector and odd ones to the second; other widths fill the vectors in input order.
+template <int BITS>
+constexpr int sum_of(int i) {
+  return BITS == 4 ? (i % 2) * kLanes + i / 2 : i;
+}
+
 template <int BITS>
 void rows_scalar(const QuantizedMatrix& m, const float* x, int rows, float* y, int n0, int n1) {
   const size_t row_bytes = static_cast<size_t>(m.in) * BITS / 8;
@@ -95,20 +104,21 @@ void rows_scalar(const QuantizedMatrix& m, const float* x, int rows, float* y, i
     const uint8_t* w = m.packed + n * row_bytes;
     for (int r = 0; r < rows; ++r) {
       const float* xr = x + static_cast<size_t>(r) * m.in;
-      float acc[2][kLanes] = {};
+      float acc[2 * kLanes] = {};
       for (int g = 0; g < groups; ++g) {
         float s = scale_at(m.scales, m.scale_type, static_cast<size_t>(n) * groups + g);
         float b = scale_at(m.biases, m.scale_type, static_cast<size_t>(n) * groups + g);
-        for (int k = g * m.group; k < (g + 1) * m.group; k += kLanes) {
-          uint32_t q[kLanes];
+        for (int k = g * m.group; k < (g + 1) * m.group; k += 2 * kLanes) {
+          uint32_t q[2 * kLanes];
           unpack_scalar<BITS>(w + k * BITS / 8, q);
-          float* a = acc[(k / kLanes) & 1];
-          for (int j = 0; j < kLanes; ++j) {
-            a[j] = std::fma(xr[k + j], std::fma(static_cast<float>(q[j]), s, b), a[j]);
+          unpack_scalar<BITS>(w + (k + kLanes) * BITS / 8, q + kLanes);
+          for (int i = 0; i < 2 * kLanes; ++i) {
+            float& a = acc[sum_of<BITS>(i)];
+            a = std::fma(xr[k + i], std::fma(static_cast<float>(q[i]), s, b), a);
           }
         }
       }
-      y[static_cast<size_t>(r) * m.out + n] = tree_sum(acc[0], acc[1]);
+      y[static_cast<size_t>(r) * m.out + n] = tree_sum(acc, acc + kLanes);
     }
   }
 }
@@ -171,8 +181,17 @@ MLXINFER_AVX2 void block_avx2(const QuantizedMatrix& m, const float* x, float* y
       const __m256 s = _mm256_set1_ps(scale_at_avx2(m.scales, m.scale_type, static_cast<size_t>(n) * groups + g));
       const __m256 b = _mm256_set1_ps(scale_at_avx2(m.biases, m.scale_type, static_cast<size_t>(n) * groups + g));
       for (int k = g * m.group; k < (g + 1) * m.group; k += 2 * kLanes) {
-        const __m256 w0 = _mm256_fmadd_ps(unpack_avx2<BITS>(w + k * BITS / 8), s, b);
-        const __m256 w1 = _mm256_fmadd_ps(unpack_avx2<BITS>(w + (k + kLanes) * BITS / 8), s, b);
+        __m256 q0, q1;
+        if constexpr (BITS == 4) { // 16 inputs from 8 bytes: low nibbles (even inputs), high nibbles (odd)
+          const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + k / 2)));
+          q0 = _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(0xf)));
+          q1 = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));
+        } else {
+          q0 = unpack_avx2<BITS>(w + k * BITS / 8);
+          q1 = unpack_avx2<BITS>(w + (k + kLanes) * BITS / 8);
+        }
+        const __m256 w0 = _mm256_fmadd_ps(q0, s, b);
+        const __m256 w1 = _mm256_fmadd_ps(q1, s, b);
         for (int r = 0; r < R; ++r) {
           const float* xr = x + static_cast<size_t>(r) * m.in + k;
           acc[r][0] = _mm256_fmadd_ps(_mm256_loadu_ps(xr), w0, acc[r][0]);
@@ -186,8 +205,23 @@ MLXINFER_AVX2 void block_avx2(const QuantizedMatrix& m, const float* x, float* y
   }
 }
 
+// x with each 16-input chunk reordered as the 4-bit loop reads it (see sum_of).
+const float* deinterleaved(const float* x, int rows, int in) {
+  thread_local std::vector<float> buffer;
+  buffer.resize(static_cast<size_t>(rows) * in);
+  for (size_t k = 0; k < buffer.size(); k += 2 * kLanes) {
+    for (int i = 0; i < 2 * kLanes; ++i) {
+      buffer[k + sum_of<4>(i)] = x[k + i];
+    }
+  }
+  return buffer.data();
+}
+
 template <int BITS>
 MLXINFER_AVX2 void rows_avx2(const QuantizedMatrix& m, const float* x, int rows, float* y, int n0, int n1) {
+  if constexpr (BITS == 4) {
+    x = deinterleaved(x, rows, m.in);
+  }
   for (int r0 = 0; r0 < rows; r0 += kMaxBlockRows) {
     const float* xb = x + static_cast<size_t>(r0) * m.in;
     float* yb = y + static_cast<size_t>(r0) * m.out;

@@ -101,8 +101,9 @@ class Pool {
 
   void start(int threads) {
     stopping_ = false;
+    const uint64_t now = generation_.load();  // a worker's first job is the next one published
     for (int t = 1; t < threads; ++t) {
-      workers_.emplace_back([this] { work(); });
+      workers_.emplace_back([this, now] { work(now); });
     }
   }
 
@@ -129,17 +130,12 @@ class Pool {
       }
     }
     std::unique_lock<std::mutex> lock(mutex_);
-    wake_.wait(lock, [&] { return generation_.load(std::memory_order_relaxed) != seen; });
+    wake_.wait(lock, [&] { return stopping_ || generation_.load(std::memory_order_relaxed) != seen; });
     seen = generation_.load(std::memory_order_relaxed);
     return stopping_ ? nullptr : job_;
   }
 
-  void work() {
-    uint64_t seen = 0;
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      seen = generation_.load(std::memory_order_relaxed);
-    }
+  void work(uint64_t seen) {
     while (auto job = await(seen)) {
       job->work();
     }
