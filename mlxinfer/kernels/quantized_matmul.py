@@ -9,7 +9,7 @@ reads ~0.5 GB/s), and costs as much per extra row as for the first. So off Metal
   where a C++ compiler is found): AVX2 and all cores, every row accumulated in float32
   in the same order whatever the number of rows, so a sequence's result never depends
   on its batch. On SmolLM2-135M (2 cores) it prefills 41 tokens 3.5x faster than
-  dequantize + BLAS, 256 tokens 1.6x faster, and is even at 512;
+  dequantize + BLAS, 256 tokens 1.6x faster, but 512 tokens 1.2x slower;
 - beyond that (or from `DEQUANTIZE_ROWS` rows without the extension) the weights are
   dequantized once and the product goes to BLAS (a 512-token prefill through a
   1536x576 4-bit layer: 36 ms, against 679 ms for MLX's quantized matmul);
@@ -73,8 +73,10 @@ def extension() -> ModuleType | None:
         ext, why = None, None
         try:
             from .. import _cpu_qmm as ext
-        except ImportError as e:
-            why = f"not built ({e})" if "_cpu_qmm" not in str(e) else "not built"
+        except ModuleNotFoundError:
+            why = "not built"
+        except ImportError as e:  # built, but does not load against this MLX
+            why = f"built but unloadable ({e})"
         if ext is not None and _release(ext.mlx_version) != _release(mx.__version__):
             why = f"built for MLX {ext.mlx_version}, but MLX {mx.__version__} is installed"
         if ext is not None and why is None:
@@ -102,7 +104,7 @@ def implementation(rows: int = 1) -> str:
 def quantized_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array | None, group_size: int,
                      bits: int, mode: str = "affine") -> mx.array:
     """x [..., in] @ dequantize(w).T -> [..., out] by the fastest way this device has."""
-    if mode != "affine" or bits not in BITS or group_size not in GROUP_SIZES:
+    if mode != "affine" or biases is None or bits not in BITS or group_size not in GROUP_SIZES:
         return mx.quantized_matmul(x, w, scales, biases, transpose=True, group_size=group_size, bits=bits, mode=mode)
     impl = implementation(x.size // x.shape[-1])
     if impl == "cpu-extension":
@@ -118,8 +120,8 @@ def describe() -> str:
         return "MLX's kernels (GPU); the CPU extension is not used"
     ext = extension()
     if ext is None:
-        return (f"MLX's quantized_matmul (slow on CPU): the CPU extension is {reason()}; install a C++ compiler "
-                "and CMake, then reinstall mlxinfer (pip install -e .) to build it")
+        return (f"MLX's quantized_matmul (slow on CPU): the CPU extension is {reason()}; for the fast path "
+                "reinstall mlxinfer (pip install -e .) where a C++ compiler and CMake are installed")
     if mode() == "off":
         return f"MLX's quantized_matmul: MLXINFER_CPU_QMM=off (the CPU extension, {ext.simd()}, is built)"
     return (f"CPU extension ({ext.simd()}, {ext.threads()} threads) for 1-{EXTENSION_ROWS} rows, "
