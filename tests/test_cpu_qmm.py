@@ -140,6 +140,25 @@ def test_bad_arguments_raise_value_errors():
         ext.affine_quantized_matmul(x, packed, scales, biases, 16, 4)
 
 
+@needs_extension
+def test_gather_matches_mlx_gather_qmm_and_the_plain_product():
+    """MoE decode: x [batch, 1, 1, in] against k experts each (gate/up), then x [batch, k, 1, in] (down)."""
+    rng = np.random.default_rng(1)
+    w = mx.array(rng.standard_normal((6, 200, 96)).astype(np.float32)).astype(mx.bfloat16)
+    packed, scales, biases = mx.quantize(w, group_size=32, bits=4)
+    indices = mx.array([[3, 0], [5, 3], [1, 1]])
+    for x in (mx.array(rng.standard_normal((3, 1, 1, 96)).astype(np.float32)),
+              mx.array(rng.standard_normal((3, 2, 1, 96)).astype(np.float32))):
+        got = qmm.gather_quantized_matmul(x, packed, scales, biases, indices, 32, 4)
+        with mx.stream(mx.cpu):
+            theirs = mx.gather_qmm(x, packed, scales, biases, rhs_indices=indices, transpose=True, group_size=32, bits=4)
+        assert got.shape == theirs.shape == (3, 2, 1, 200)
+        np.testing.assert_allclose(np.array(got), np.array(theirs.astype(mx.float32)), rtol=0, atol=1e-4)
+        row = x[1, -1]  # batch 1, expert slot 1 (expert 3): the plain product of that row, bit for bit
+        alone = ext.affine_quantized_matmul(row, packed[3], scales[3], biases[3], 32, 4)
+        assert mx.array_equal(got[1, 1], alone).item()
+
+
 def test_dispatch_by_rows_and_switch(monkeypatch):
     limit = qmm.EXTENSION_ROWS
     if ext is not None:
@@ -177,6 +196,17 @@ def test_greedy_tokens_equal_the_pure_mlx_path(hf_checkpoint, tmp_path, monkeypa
     fast = greedy_tokens(out, monkeypatch, "auto", "def add(a, b):", 24)
     slow = greedy_tokens(out, monkeypatch, "off", "def add(a, b):", 24)
     assert fast == slow and len(fast) == 24
+
+
+@needs_extension
+def test_moe_greedy_tokens_equal_the_pure_mlx_path(hf_checkpoint, tmp_path, monkeypatch):
+    src = hf_checkpoint("qwen3_moe", intermediate_size=128, moe_intermediate_size=32, num_experts=4,
+                        num_experts_per_tok=2, head_dim=32, norm_topk_prob=True)
+    out = tmp_path / "moe-q4"
+    convert(src, out, quantize=True, bits=4, group_size=32)
+    fast = greedy_tokens(out, monkeypatch, "auto", "def add(a, b):", 16)
+    slow = greedy_tokens(out, monkeypatch, "off", "def add(a, b):", 16)
+    assert fast == slow
 
 
 @needs_extension

@@ -15,6 +15,9 @@ NB_MODULE(_cpu_qmm, m) {
   m.def("affine_quantized_matmul", &mlxinfer::affine_quantized_matmul, "x"_a, "w"_a, "scales"_a, "biases"_a,
         "group_size"_a, "bits"_a,
         "x [..., in] @ dequantize(w, scales, biases).T, accumulated in float32 in a fixed order per row.");
+  m.def("affine_gather_quantized_matmul", &mlxinfer::affine_gather_quantized_matmul, "x"_a, "w"_a, "scales"_a,
+        "biases"_a, "indices"_a, "group_size"_a, "bits"_a,
+        "Row m of x [rows, in] @ dequantize(w[indices[m]]).T: one row per routed token (MoE experts).");
   m.def("threads", &mlxinfer::threads, "Threads a matmul is split across (the calling one included).");
   m.def("set_threads", &mlxinfer::set_threads, "n"_a);
   m.def("simd", &mlxinfer::simd_name, "The loop in use on this CPU: 'avx2+fma' or 'scalar'.");

@@ -81,8 +81,9 @@ const void* row_major(const mx::array& a, std::vector<uint8_t>& keep) {
   return keep.data();
 }
 
+// `experts`: 1 when w, scales and biases are stacked per expert (gather), else 0.
 void check_arguments(const mx::array& x, const mx::array& w, const mx::array& scales, const mx::array& biases,
-                     int group_size, int bits) {
+                     int group_size, int bits, int experts = 0) {
   std::ostringstream err;
   if (bits != 2 && bits != 3 && bits != 4 && bits != 5 && bits != 6 && bits != 8) {
     err << "bits must be 2, 3, 4, 5, 6 or 8, got " << bits;
@@ -90,17 +91,17 @@ void check_arguments(const mx::array& x, const mx::array& w, const mx::array& sc
     err << "group_size must be 32, 64 or 128, got " << group_size;
   } else if (!mx::issubdtype(x.dtype(), mx::floating) || x.ndim() < 1) {
     err << "x must be a floating-point array";
-  } else if (w.dtype() != mx::uint32 || w.ndim() != 2) {
-    err << "w must be a 2-D uint32 array";
+  } else if (w.dtype() != mx::uint32 || w.ndim() != 2 + experts) {
+    err << "w must be a " << 2 + experts << "-D uint32 array";
   } else if (scales.dtype() != biases.dtype() || scales.shape() != biases.shape()) {
     err << "scales and biases must have the same shape and dtype";
   } else {
     const int in = x.shape(-1);
-    if (in % group_size != 0 || static_cast<int64_t>(w.shape(1)) * 32 != static_cast<int64_t>(in) * bits ||
-        scales.ndim() != 2 || scales.shape(0) != w.shape(0) || scales.shape(1) != in / group_size) {
-      err << "shapes do not match: x " << in << " inputs, w " << w.shape(0) << "x" << w.shape(1) << ", scales "
-          << scales.shape(0) << "x" << (scales.ndim() > 1 ? scales.shape(1) : 0) << " for " << bits
-          << " bits, group " << group_size;
+    if (in % group_size != 0 || static_cast<int64_t>(w.shape(-1)) * 32 != static_cast<int64_t>(in) * bits ||
+        scales.ndim() != w.ndim() || scales.shape(-2) != w.shape(-2) || scales.shape(-1) != in / group_size ||
+        (experts && scales.shape(0) != w.shape(0))) {
+      err << "shapes do not match: x " << in << " inputs, w " << w.shape(-2) << "x" << w.shape(-1) << ", scales "
+          << scales.shape(-2) << "x" << scales.shape(-1) << " for " << bits << " bits, group " << group_size;
     }
   }
   if (!err.str().empty()) {
@@ -123,6 +124,22 @@ mx::array affine_quantized_matmul(const mx::array& x, const mx::array& w, const 
   return dtype == mx::float32 ? y : mx::astype(y, dtype, cpu);
 }
 
+mx::array affine_gather_quantized_matmul(const mx::array& x, const mx::array& w, const mx::array& scales,
+                                         const mx::array& biases, const mx::array& indices, int group_size,
+                                         int bits) {
+  check_arguments(x, w, scales, biases, group_size, bits, 1);
+  if (x.ndim() != 2 || indices.ndim() != 1 || indices.shape(0) != x.shape(0) ||
+      !mx::issubdtype(indices.dtype(), mx::integer)) {
+    throw std::invalid_argument("x must be [rows, in] and indices integer [rows]");
+  }
+  const mx::Stream cpu = mx::default_stream(mx::Device::cpu);
+  mx::array y({x.shape(0), w.shape(1)}, mx::float32,
+              std::make_shared<AffineQuantizedMatmul>(cpu, group_size, bits, true),
+              {mx::astype(x, mx::float32, cpu), w, scales, biases, mx::astype(indices, mx::uint32, cpu)});
+  const mx::Dtype dtype = mx::promote_types(x.dtype(), scales.dtype());
+  return dtype == mx::float32 ? y : mx::astype(y, dtype, cpu);
+}
+
 void AffineQuantizedMatmul::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
   mx::array& out = outputs[0];
   out.set_data(mx::allocator::malloc(out.nbytes()));
@@ -131,28 +148,43 @@ void AffineQuantizedMatmul::eval_cpu(const std::vector<mx::array>& inputs, std::
     encoder.set_input_array(a);
   }
   encoder.set_output_array(out);
-  encoder.dispatch([inputs, y = out.data<float>(), group = group_size_, bits = bits_]() {
+  encoder.dispatch([inputs, y = out.data<float>(), group = group_size_, bits = bits_, gather = gather_]() {
     const mx::array &x = inputs[0], &w = inputs[1], &scales = inputs[2], &biases = inputs[3];
-    std::vector<uint8_t> keep[4];
+    std::vector<uint8_t> keep[5];
     QuantizedMatrix m{static_cast<const uint8_t*>(row_major(w, keep[1])),
                       row_major(scales, keep[2]),
                       row_major(biases, keep[3]),
                       scale_type(scales.dtype()),
-                      w.shape(0),
+                      w.shape(-2),
                       x.shape(-1),
                       bits,
                       group};
     const auto* xs = static_cast<const float*>(row_major(x, keep[0]));
     const int rows = static_cast<int>(x.size() / m.in);
     const size_t weights = static_cast<size_t>(m.out) * m.in;
-    if (weights < kSplitFrom) {
-      quantized_matmul_range(m, xs, rows, y, 0, m.out);
+    const int chunk = weights < kSplitFrom
+        ? m.out
+        : std::max(kOutputAlign, m.out / (kChunksPerThread * pool().size()) / kOutputAlign * kOutputAlign);
+    const int per_matrix = (m.out + chunk - 1) / chunk;
+    if (!gather) {
+      pool().run(per_matrix, [&](int c) {
+        quantized_matmul_range(m, xs, rows, y, c * chunk, std::min(m.out, (c + 1) * chunk));
+      });
       return;
     }
-    const int chunk = std::max(kOutputAlign, m.out / (kChunksPerThread * pool().size()) / kOutputAlign * kOutputAlign);
-    const int chunks = (m.out + chunk - 1) / chunk;
-    pool().run(chunks, [&](int c) {
-      quantized_matmul_range(m, xs, rows, y, c * chunk, std::min(m.out, (c + 1) * chunk));
+    // One row per routed token, against its expert's matrix: chunks over (row, outputs).
+    const auto* experts = static_cast<const uint32_t*>(row_major(inputs[4], keep[4]));
+    const size_t packed_size = static_cast<size_t>(m.out) * m.in * bits / 8;
+    const size_t scales_size = static_cast<size_t>(m.out) * (m.in / group) * scales.itemsize();
+    pool().run(rows * per_matrix, [&](int c) {
+      const int r = c / per_matrix, n0 = (c % per_matrix) * chunk;
+      const size_t e = std::min<size_t>(experts[r], w.shape(0) - 1);
+      QuantizedMatrix expert = m;
+      expert.packed = m.packed + e * packed_size;
+      expert.scales = static_cast<const uint8_t*>(m.scales) + e * scales_size;
+      expert.biases = static_cast<const uint8_t*>(m.biases) + e * scales_size;
+      quantized_matmul_range(expert, xs + static_cast<size_t>(r) * m.in, 1, y + static_cast<size_t>(r) * m.out, n0,
+                             std::min(m.out, n0 + chunk));
     });
   });
 }
@@ -163,7 +195,7 @@ void AffineQuantizedMatmul::eval_gpu(const std::vector<mx::array>&, std::vector<
 
 bool AffineQuantizedMatmul::is_equivalent(const mx::Primitive& other) const {
   const auto& o = static_cast<const AffineQuantizedMatmul&>(other);
-  return group_size_ == o.group_size_ && bits_ == o.bits_;
+  return group_size_ == o.group_size_ && bits_ == o.bits_ && gather_ == o.gather_;
 }
 
 int threads() {

@@ -20,10 +20,23 @@ mx::array affine_quantized_matmul(
     int group_size,
     int bits);
 
+// Row m of x [rows, in] @ dequantize(w[indices[m]]).T -> [rows, out] for stacked experts
+// (`w` [experts, out, in * bits / 32], scales and biases [experts, out, in / group_size]):
+// mx.gather_qmm for one row per routed token, with each row computed as above.
+mx::array affine_gather_quantized_matmul(
+    const mx::array& x,
+    const mx::array& w,
+    const mx::array& scales,
+    const mx::array& biases,
+    const mx::array& indices,
+    int group_size,
+    int bits);
+
 class AffineQuantizedMatmul : public mx::Primitive {
  public:
-  AffineQuantizedMatmul(mx::Stream stream, int group_size, int bits)
-      : mx::Primitive(stream), group_size_(group_size), bits_(bits) {}
+  // With `gather`, a fifth input holds each row's expert.
+  AffineQuantizedMatmul(mx::Stream stream, int group_size, int bits, bool gather = false)
+      : mx::Primitive(stream), group_size_(group_size), bits_(bits), gather_(gather) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
   void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
@@ -36,6 +49,7 @@ class AffineQuantizedMatmul : public mx::Primitive {
  private:
   int group_size_;
   int bits_;
+  bool gather_;
 };
 
 // Threads the matmuls split across (the calling thread included).

@@ -114,6 +114,25 @@ def quantized_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.arra
     return mx.quantized_matmul(x, w, scales, biases, transpose=True, group_size=group_size, bits=bits)
 
 
+def gather_quantized_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array | None,
+                            indices: mx.array, group_size: int, bits: int, mode: str = "affine",
+                            sorted_indices: bool = False) -> mx.array:
+    """mx.gather_qmm with transposed stacked experts w [experts, out, ...]: x [..., 1, in]
+    broadcast against indices [...] -> [..., 1, out]. Off Metal with the extension, up to
+    `EXTENSION_ROWS` routed rows (MoE decode) run it, one row per token and expert."""
+    rows = indices.size
+    fast = (mode == "affine" and biases is not None and bits in BITS and group_size in GROUP_SIZES
+            and x.shape[-2] == 1 and implementation(rows) == "cpu-extension")
+    if not fast:
+        return mx.gather_qmm(x, w, scales, biases, rhs_indices=indices, transpose=True, group_size=group_size,
+                             bits=bits, mode=mode, sorted_indices=sorted_indices)
+    batch = mx.broadcast_shapes(x.shape[:-2], indices.shape)
+    flat_x = mx.broadcast_to(x, (*batch, 1, x.shape[-1])).reshape(-1, x.shape[-1])
+    flat_indices = mx.broadcast_to(indices, batch).reshape(-1)
+    y = extension().affine_gather_quantized_matmul(flat_x, w, scales, biases, flat_indices, group_size, bits)
+    return y.reshape(*batch, 1, w.shape[-2])
+
+
 def describe() -> str:
     """One line for `mlxinfer doctor`: which path quantized matmuls take, and how to get the fast one."""
     if mx.default_device().type != mx.DeviceType.cpu:

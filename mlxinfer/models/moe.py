@@ -17,7 +17,7 @@ import mlx.nn as nn
 import numpy as np
 
 from ..errors import ConfigError, CorruptCheckpointError
-from ..kernels.quantized_matmul import quantized_matmul
+from ..kernels.quantized_matmul import gather_quantized_matmul, quantized_matmul
 from .config import ModelConfig
 from .layers import Block, CausalLM, Linear, SwiGLU
 
@@ -77,18 +77,8 @@ class QuantizedSwitchLinear(nn.Module):
         return y + self.bias[expert] if "bias" in self else y
 
     def __call__(self, x: mx.array, indices: mx.array, sorted_indices: bool = False) -> mx.array:
-        y = mx.gather_qmm(
-            x,
-            self.weight,
-            self.scales,
-            self.get("biases"),
-            rhs_indices=indices,
-            transpose=True,
-            group_size=self.group_size,
-            bits=self.bits,
-            mode=self.mode,
-            sorted_indices=sorted_indices,
-        )
+        y = gather_quantized_matmul(x, self.weight, self.scales, self.get("biases"), indices, self.group_size,
+                                    self.bits, self.mode, sorted_indices)
         return _add_bias(self, y, indices)
 
 
