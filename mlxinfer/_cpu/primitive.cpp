@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <memory>
 #include <sstream>
+#include <string>
 #include <stdexcept>
 #include <thread>
 #include <vector>
@@ -81,6 +82,14 @@ const void* row_major(const mx::array& a, std::vector<uint8_t>& keep) {
   return keep.data();
 }
 
+std::string shape_text(const mx::array& a) {
+  std::string text;
+  for (int d : a.shape()) {
+    text += (text.empty() ? "" : "x") + std::to_string(d);
+  }
+  return text;
+}
+
 // `experts`: 1 when w, scales and biases are stacked per expert (gather), else 0.
 void check_arguments(const mx::array& x, const mx::array& w, const mx::array& scales, const mx::array& biases,
                      int group_size, int bits, int experts = 0) {
@@ -100,8 +109,8 @@ void check_arguments(const mx::array& x, const mx::array& w, const mx::array& sc
     if (in % group_size != 0 || static_cast<int64_t>(w.shape(-1)) * 32 != static_cast<int64_t>(in) * bits ||
         scales.ndim() != w.ndim() || scales.shape(-2) != w.shape(-2) || scales.shape(-1) != in / group_size ||
         (experts && scales.shape(0) != w.shape(0))) {
-      err << "shapes do not match: x " << in << " inputs, w " << w.shape(-2) << "x" << w.shape(-1) << ", scales "
-          << scales.shape(-2) << "x" << scales.shape(-1) << " for " << bits << " bits, group " << group_size;
+      err << "shapes do not match: x " << in << " inputs, w " << shape_text(w) << ", scales " << shape_text(scales)
+          << " for " << bits << " bits, group " << group_size;
     }
   }
   if (!err.str().empty()) {
