@@ -18,10 +18,9 @@ import tempfile
 import time
 from pathlib import Path
 
-import mlx.core as mx
-from mlx.utils import tree_flatten
-
-import mlxinfer
+import mlxinfer  # first: it binds a fast BLAS before mlx.core loads (see mlxinfer.blas)
+import mlx.core as mx  # noqa: E402, I001
+from mlx.utils import tree_flatten  # noqa: E402
 from mlxinfer.bench import Run, memory_bandwidth, random_prompt, run_once, summarize, weight_bytes
 
 LLAMA_50M = dict(

@@ -16,7 +16,7 @@ import mlx.core as mx
 import numpy as np
 
 from . import blas, kernels
-from .kernels import attention, sampling, verification
+from .kernels import attention, quantized_matmul, sampling, verification
 
 
 @dataclass(frozen=True)
@@ -182,7 +182,25 @@ def environment() -> list[tuple[str, str]]:
         rows += [("system memory", _gib(pages))]
     rows += [("BLAS", blas.describe()), ("float32 matmul", f"{matmul_gflops():.1f} GFLOP/s (1024 x 1024, CPU)")]
     advice = blas.hint()
-    return rows + [("BLAS advice", advice)] if advice else rows
+    rows += [("BLAS advice", advice)] if advice else []
+    return rows + [("quantized matmul", quantized_matmul.describe()),
+                   ("4-bit matvec", f"{quantized_matvec_rate():.2f} GB/s of weights read (4096 x 4096, group 64)")]
+
+
+def quantized_matvec_rate(n: int = 4096, repeat: int = 5) -> float:
+    """Bytes of packed weights, scales and biases per second read by a one-row 4-bit
+    product through the path decode uses here: the number the CPU extension moves."""
+    packed, scales, biases = mx.quantize(mx.random.normal((n, n), key=mx.random.key(0)), group_size=64, bits=4)
+    x = mx.random.normal((1, n), key=mx.random.key(1))
+    mx.eval(packed, scales, biases, x)
+    nbytes = packed.nbytes + scales.nbytes + biases.nbytes
+    with mx.stream(mx.cpu):
+        best = float("inf")
+        for _ in range(repeat + 1):
+            start = time.perf_counter()
+            mx.eval(quantized_matmul.quantized_matmul(x, packed, scales, biases, 64, 4))
+            best = min(best, time.perf_counter() - start)
+    return nbytes / best / 1e9
 
 
 def matmul_gflops(n: int = 1024, repeat: int = 3) -> float:

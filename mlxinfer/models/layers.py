@@ -14,6 +14,7 @@ import mlx.nn as nn
 import numpy as np
 
 from ..errors import ConfigError
+from ..kernels.quantized_matmul import quantized_matmul
 from .config import ModelConfig, RopeConfig
 
 ROPE_KINDS = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
@@ -145,21 +146,12 @@ def attention_mask(queries: int, offset: int, window: int | None) -> mx.array | 
     return (k <= q) & (k > q - window)
 
 
-DEQUANTIZE_ROWS = 8
-
-
 class QuantizedLinear(nn.QuantizedLinear):
-    """On MLX's CPU backend a quantized matmul costs about as much per input row
-    as a whole matrix-vector product (a 512-token prefill through a 1536x576
-    4-bit layer: 679 ms, against 36 ms to dequantize once and use BLAS), so from
-    `DEQUANTIZE_ROWS` rows on the CPU path dequantizes. Metal keeps MLX's kernel."""
+    """nn.QuantizedLinear whose product is chosen per device and row count by
+    kernels.quantized_matmul (a compiled CPU primitive or dequantize + BLAS off Metal)."""
 
     def __call__(self, x: mx.array) -> mx.array:
-        rows = x.size // x.shape[-1]
-        if rows < DEQUANTIZE_ROWS or self.mode != "affine" or mx.default_device().type != mx.DeviceType.cpu:
-            return super().__call__(x)
-        w = mx.dequantize(self.weight, self.scales, self.biases, group_size=self.group_size, bits=self.bits)
-        y = x @ w.T
+        y = quantized_matmul(x, self.weight, self.scales, self.get("biases"), self.group_size, self.bits, self.mode)
         return y + self.bias if "bias" in self else y
 
 
@@ -168,6 +160,20 @@ class Linear(nn.Linear):
 
     def to_quantized(self, group_size: int | None = None, bits: int | None = None, mode: str = "affine", **_):
         return QuantizedLinear.from_linear(self, group_size, bits, mode)
+
+
+class QuantizedEmbedding(nn.QuantizedEmbedding):
+    """nn.QuantizedEmbedding whose use as the (tied) LM head goes through kernels.quantized_matmul."""
+
+    def as_linear(self, x: mx.array) -> mx.array:
+        return quantized_matmul(x, self.weight, self.scales, self.get("biases"), self.group_size, self.bits, self.mode)
+
+
+class Embedding(nn.Embedding):
+    """nn.Embedding whose quantized form is the QuantizedEmbedding above."""
+
+    def to_quantized(self, group_size: int | None = None, bits: int | None = None, mode: str = "affine", **_):
+        return QuantizedEmbedding.from_embedding(self, group_size, bits, mode)
 
 
 class OffsetRMSNorm(nn.RMSNorm):
@@ -348,7 +354,7 @@ class Block(nn.Module):
 class Backbone(nn.Module):
     def __init__(self, cfg: ModelConfig, block: type[Block] = Block):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = [block(cfg, i) for i in range(cfg.num_hidden_layers)]
         self.norm = rms_norm(cfg)
         self.embed_scale = cfg.embed_scale

@@ -17,8 +17,9 @@ import mlx.nn as nn
 import numpy as np
 
 from ..errors import ConfigError, CorruptCheckpointError
+from ..kernels.quantized_matmul import gather_quantized_matmul, quantized_matmul
 from .config import ModelConfig
-from .layers import DEQUANTIZE_ROWS, Block, CausalLM, Linear, SwiGLU
+from .layers import Block, CausalLM, Linear, SwiGLU
 
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 SORT_FROM = 64  # routed rows from which sorting by expert pays for itself
@@ -70,30 +71,14 @@ class QuantizedSwitchLinear(nn.Module):
         return self.weight.shape[0]
 
     def dense(self, x: mx.array, expert: int) -> mx.array:
-        """Expert `expert` applied to x [rows, in]: dequantized for a BLAS matmul from
-        DEQUANTIZE_ROWS rows on (see layers.QuantizedLinear), else a quantized matmul."""
-        w, s = self.weight[expert], self.scales[expert]
+        """Expert `expert` applied to x [rows, in], by kernels.quantized_matmul."""
         b = self.biases[expert] if "biases" in self else None
-        q = {"group_size": self.group_size, "bits": self.bits, "mode": self.mode}
-        if x.shape[0] >= DEQUANTIZE_ROWS and self.mode == "affine":
-            y = x @ mx.dequantize(w, s, b, **q).T
-        else:
-            y = mx.quantized_matmul(x, w, s, b, transpose=True, **q)
+        y = quantized_matmul(x, self.weight[expert], self.scales[expert], b, self.group_size, self.bits, self.mode)
         return y + self.bias[expert] if "bias" in self else y
 
     def __call__(self, x: mx.array, indices: mx.array, sorted_indices: bool = False) -> mx.array:
-        y = mx.gather_qmm(
-            x,
-            self.weight,
-            self.scales,
-            self.get("biases"),
-            rhs_indices=indices,
-            transpose=True,
-            group_size=self.group_size,
-            bits=self.bits,
-            mode=self.mode,
-            sorted_indices=sorted_indices,
-        )
+        y = gather_quantized_matmul(x, self.weight, self.scales, self.get("biases"), indices, self.group_size,
+                                    self.bits, self.mode, sorted_indices)
         return _add_bias(self, y, indices)
 
 

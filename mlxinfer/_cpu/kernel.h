@@ -1,0 +1,39 @@
+// y = x @ dequantize(W).T for MLX's affine quantized format, on the CPU, for a few rows.
+//
+// Independent of MLX so it can be read (and tested) as plain C++: the primitive in
+// primitive.cpp hands it raw pointers.
+#pragma once
+
+#include <cstdint>
+
+namespace mlxinfer {
+
+enum class ScaleType { float32, float16, bfloat16 };
+
+// A quantized matrix [out, in] as mx.quantize lays it out: each row a little-endian
+// bit stream of `bits`-bit integers q, and per group of `group` consecutive inputs a
+// scale s and a bias b, so that the weight is q * s + b.
+struct QuantizedMatrix {
+  const uint8_t* packed;
+  const void* scales;
+  const void* biases;
+  ScaleType scale_type;
+  int out;
+  int in;
+  int bits;
+  int group;
+};
+
+// y[r, n] = sum_k x[r, k] * (q[n, k] * s[n, k / group] + b[n, k / group]) for rows r
+// in [0, rows) and outputs n in [n0, n1); x is [rows, in] and y [rows, out], row major.
+// Every output is accumulated in float32 in one fixed order that depends neither on
+// `rows` nor on [n0, n1), so a row's result is the same whatever shares its batch.
+void quantized_matmul_range(const QuantizedMatrix& m, const float* x, int rows, float* y, int n0, int n1);
+
+// "avx2+fma" or "scalar": the loop quantized_matmul_range runs on this CPU.
+const char* simd_name();
+
+// Force the scalar loop (true) or let the CPU decide (false); for tests and doctor.
+void force_scalar(bool on);
+
+} // namespace mlxinfer

@@ -1,0 +1,221 @@
+#include "primitive.h"
+
+#include <algorithm>
+#include <memory>
+#include <sstream>
+#include <string>
+#include <stdexcept>
+#include <thread>
+#include <vector>
+
+#if defined(__linux__)
+#include <sched.h>
+#endif
+
+#include "mlx/backend/cpu/encoder.h"
+
+#include "kernel.h"
+#include "pool.h"
+
+namespace mlxinfer {
+
+namespace {
+
+// Below this many weights one thread is quicker than waking another.
+constexpr size_t kSplitFrom = 1 << 16;
+// Outputs per chunk are a multiple of this, so two threads never share a cache line of y.
+constexpr int kOutputAlign = 16;
+// Chunks per thread: enough that a late or slow thread leaves little for the others to wait on.
+constexpr int kChunksPerThread = 4;
+
+int default_threads() {
+#if defined(__linux__)
+  cpu_set_t set;
+  if (sched_getaffinity(0, sizeof set, &set) == 0) {
+    return std::max(1, CPU_COUNT(&set));
+  }
+#endif
+  return std::max(1u, std::thread::hardware_concurrency());
+}
+
+Pool& pool() {
+  static Pool p(default_threads());
+  return p;
+}
+
+ScaleType scale_type(mx::Dtype dtype) {
+  if (dtype == mx::float32) {
+    return ScaleType::float32;
+  }
+  if (dtype == mx::float16) {
+    return ScaleType::float16;
+  }
+  if (dtype == mx::bfloat16) {
+    return ScaleType::bfloat16;
+  }
+  throw std::invalid_argument("scales and biases must be float32, float16 or bfloat16");
+}
+
+// A row-major copy of a strided view (a transposed or broadcast array); rare, so simple.
+std::vector<uint8_t> row_major_copy(const mx::array& a) {
+  const size_t item = a.itemsize();
+  std::vector<uint8_t> out(a.size() * item);
+  const auto* src = static_cast<const uint8_t*>(a.data<void>());
+  for (size_t i = 0; i < a.size(); ++i) {
+    int64_t loc = 0;
+    size_t rest = i;
+    for (int d = a.ndim() - 1; d >= 0; --d) {
+      loc += static_cast<int64_t>(rest % a.shape(d)) * a.strides()[d];
+      rest /= a.shape(d);
+    }
+    std::copy_n(src + loc * item, item, out.data() + i * item);
+  }
+  return out;
+}
+
+// The array's data as a row-major buffer, copied into `keep` only if it is strided.
+const void* row_major(const mx::array& a, std::vector<uint8_t>& keep) {
+  if (a.flags().row_contiguous) {
+    return a.data<void>();
+  }
+  keep = row_major_copy(a);
+  return keep.data();
+}
+
+std::string shape_text(const mx::array& a) {
+  std::string text;
+  for (int d : a.shape()) {
+    text += (text.empty() ? "" : "x") + std::to_string(d);
+  }
+  return text;
+}
+
+// `experts`: 1 when w, scales and biases are stacked per expert (gather), else 0.
+void check_arguments(const mx::array& x, const mx::array& w, const mx::array& scales, const mx::array& biases,
+                     int group_size, int bits, int experts = 0) {
+  std::ostringstream err;
+  if (bits != 2 && bits != 3 && bits != 4 && bits != 5 && bits != 6 && bits != 8) {
+    err << "bits must be 2, 3, 4, 5, 6 or 8, got " << bits;
+  } else if (group_size != 32 && group_size != 64 && group_size != 128) {
+    err << "group_size must be 32, 64 or 128, got " << group_size;
+  } else if (!mx::issubdtype(x.dtype(), mx::floating) || x.ndim() < 1) {
+    err << "x must be a floating-point array";
+  } else if (w.dtype() != mx::uint32 || w.ndim() != 2 + experts) {
+    err << "w must be a " << 2 + experts << "-D uint32 array";
+  } else if (scales.dtype() != biases.dtype() || scales.shape() != biases.shape()) {
+    err << "scales and biases must have the same shape and dtype";
+  } else {
+    const int in = x.shape(-1);
+    if (in % group_size != 0 || static_cast<int64_t>(w.shape(-1)) * 32 != static_cast<int64_t>(in) * bits ||
+        scales.ndim() != w.ndim() || scales.shape(-2) != w.shape(-2) || scales.shape(-1) != in / group_size ||
+        (experts && scales.shape(0) != w.shape(0))) {
+      err << "shapes do not match: x " << in << " inputs, w " << shape_text(w) << ", scales " << shape_text(scales)
+          << " for " << bits << " bits, group " << group_size;
+    }
+  }
+  if (!err.str().empty()) {
+    throw std::invalid_argument(err.str());
+  }
+  scale_type(scales.dtype());
+}
+
+} // namespace
+
+mx::array affine_quantized_matmul(const mx::array& x, const mx::array& w, const mx::array& scales,
+                                  const mx::array& biases, int group_size, int bits) {
+  check_arguments(x, w, scales, biases, group_size, bits);
+  const mx::Stream cpu = mx::default_stream(mx::Device::cpu);
+  auto shape = x.shape();
+  shape.back() = w.shape(0);
+  mx::array y(shape, mx::float32, std::make_shared<AffineQuantizedMatmul>(cpu, group_size, bits),
+              {mx::astype(x, mx::float32, cpu), w, scales, biases});
+  const mx::Dtype dtype = mx::promote_types(x.dtype(), scales.dtype());
+  return dtype == mx::float32 ? y : mx::astype(y, dtype, cpu);
+}
+
+mx::array affine_gather_quantized_matmul(const mx::array& x, const mx::array& w, const mx::array& scales,
+                                         const mx::array& biases, const mx::array& indices, int group_size,
+                                         int bits) {
+  check_arguments(x, w, scales, biases, group_size, bits, 1);
+  if (x.ndim() != 2 || indices.ndim() != 1 || indices.shape(0) != x.shape(0) ||
+      !mx::issubdtype(indices.dtype(), mx::integer)) {
+    throw std::invalid_argument("x must be [rows, in] and indices integer [rows]");
+  }
+  const mx::Stream cpu = mx::default_stream(mx::Device::cpu);
+  mx::array y({x.shape(0), w.shape(1)}, mx::float32,
+              std::make_shared<AffineQuantizedMatmul>(cpu, group_size, bits, true),
+              {mx::astype(x, mx::float32, cpu), w, scales, biases, mx::astype(indices, mx::uint32, cpu)});
+  const mx::Dtype dtype = mx::promote_types(x.dtype(), scales.dtype());
+  return dtype == mx::float32 ? y : mx::astype(y, dtype, cpu);
+}
+
+void AffineQuantizedMatmul::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
+  mx::array& out = outputs[0];
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+  auto& encoder = mx::cpu::get_command_encoder(stream());
+  for (const auto& a : inputs) {
+    encoder.set_input_array(a);
+  }
+  encoder.set_output_array(out);
+  encoder.dispatch([inputs, y = out.data<float>(), group = group_size_, bits = bits_, gather = gather_]() {
+    const mx::array &x = inputs[0], &w = inputs[1], &scales = inputs[2], &biases = inputs[3];
+    std::vector<uint8_t> keep[5];
+    QuantizedMatrix m{static_cast<const uint8_t*>(row_major(w, keep[1])),
+                      row_major(scales, keep[2]),
+                      row_major(biases, keep[3]),
+                      scale_type(scales.dtype()),
+                      w.shape(-2),
+                      x.shape(-1),
+                      bits,
+                      group};
+    const auto* xs = static_cast<const float*>(row_major(x, keep[0]));
+    const int rows = static_cast<int>(x.size() / m.in);
+    const size_t weights = static_cast<size_t>(m.out) * m.in;
+    const int chunk = weights < kSplitFrom
+        ? m.out
+        : std::max(kOutputAlign, m.out / (kChunksPerThread * pool().size()) / kOutputAlign * kOutputAlign);
+    const int per_matrix = (m.out + chunk - 1) / chunk;
+    if (!gather) {
+      pool().run(per_matrix, [&](int c) {
+        quantized_matmul_range(m, xs, rows, y, c * chunk, std::min(m.out, (c + 1) * chunk));
+      });
+      return;
+    }
+    // One row per routed token, against its expert's matrix: chunks over (row, outputs).
+    const auto* experts = static_cast<const uint32_t*>(row_major(inputs[4], keep[4]));
+    const size_t packed_size = static_cast<size_t>(m.out) * m.in * bits / 8;
+    const size_t scales_size = static_cast<size_t>(m.out) * (m.in / group) * scales.itemsize();
+    pool().run(rows * per_matrix, [&](int c) {
+      const int r = c / per_matrix, n0 = (c % per_matrix) * chunk;
+      const size_t e = std::min<size_t>(experts[r], w.shape(0) - 1);
+      QuantizedMatrix expert = m;
+      expert.packed = m.packed + e * packed_size;
+      expert.scales = static_cast<const uint8_t*>(m.scales) + e * scales_size;
+      expert.biases = static_cast<const uint8_t*>(m.biases) + e * scales_size;
+      quantized_matmul_range(expert, xs + static_cast<size_t>(r) * m.in, 1, y + static_cast<size_t>(r) * m.out, n0,
+                             std::min(m.out, n0 + chunk));
+    });
+  });
+}
+
+void AffineQuantizedMatmul::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
+  throw std::runtime_error("MlxinferAffineQuantizedMatmul runs on the CPU only");
+}
+
+bool AffineQuantizedMatmul::is_equivalent(const mx::Primitive& other) const {
+  const auto& o = static_cast<const AffineQuantizedMatmul&>(other);
+  return group_size_ == o.group_size_ && bits_ == o.bits_ && gather_ == o.gather_;
+}
+
+int threads() {
+  return pool().size();
+}
+
+void set_threads(int n) {
+  if (n < 1) {
+    throw std::invalid_argument("threads must be at least 1");
+  }
+  pool().resize(n);
+}
+
+} // namespace mlxinfer

@@ -1,0 +1,59 @@
+// The MLX side: an op that puts the quantized matmul of kernel.h into MLX's lazy graph
+// as a custom Primitive, evaluated on the CPU stream.
+#pragma once
+
+#include "mlx/ops.h"
+#include "mlx/primitives.h"
+
+namespace mlxinfer {
+
+namespace mx = mlx::core;
+
+// x [..., in] @ dequantize(w, scales, biases).T -> [..., out], for MLX's affine format
+// (`w` uint32 [out, in * bits / 32], `scales` and `biases` [out, in / group_size]).
+// Computed in float32; the result has the dtype mx.quantized_matmul would give.
+mx::array affine_quantized_matmul(
+    const mx::array& x,
+    const mx::array& w,
+    const mx::array& scales,
+    const mx::array& biases,
+    int group_size,
+    int bits);
+
+// Row m of x [rows, in] @ dequantize(w[indices[m]]).T -> [rows, out] for stacked experts
+// (`w` [experts, out, in * bits / 32], scales and biases [experts, out, in / group_size]):
+// mx.gather_qmm for one row per routed token, with each row computed as above.
+mx::array affine_gather_quantized_matmul(
+    const mx::array& x,
+    const mx::array& w,
+    const mx::array& scales,
+    const mx::array& biases,
+    const mx::array& indices,
+    int group_size,
+    int bits);
+
+class AffineQuantizedMatmul : public mx::Primitive {
+ public:
+  // With `gather`, a fifth input holds each row's expert.
+  AffineQuantizedMatmul(mx::Stream stream, int group_size, int bits, bool gather = false)
+      : mx::Primitive(stream), group_size_(group_size), bits_(bits), gather_(gather) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+
+  const char* name() const override {
+    return "MlxinferAffineQuantizedMatmul";
+  }
+  bool is_equivalent(const mx::Primitive& other) const override;
+
+ private:
+  int group_size_;
+  int bits_;
+  bool gather_;
+};
+
+// Threads the matmuls split across (the calling thread included).
+int threads();
+void set_threads(int n);
+
+} // namespace mlxinfer
