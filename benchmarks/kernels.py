@@ -14,7 +14,7 @@ from dataclasses import replace
 import numpy as np
 
 from mlxinfer import kernels
-from mlxinfer.doctor import CASES, Sizes, timed
+from mlxinfer.kernels.selfcheck import CASES, Sizes, timed
 
 SWEEPS = {
     "attention": [replace(Sizes(), keys=n) for n in (1024, 4096, 16384)],

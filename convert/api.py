@@ -11,14 +11,16 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from mlxinfer.loading import check_weights
+from mlxinfer.errors import ModelNotFoundError
+from mlxinfer.loading import check_weights, resolve
 from mlxinfer.models import build_model
 
 from . import perplexity
+from .gguf_source import open_gguf
 from .plan import Job, parameter_count, plan, quantization_config
 from .quantize import Options, dtype_name
 from .report import Progress, Report
-from .sources import Source, open_source
+from .sources import Source, is_gguf, open_folder
 from .writer import (
     INDEX_FILE,
     check_not_source,
@@ -34,6 +36,21 @@ from .writer import (
 )
 
 _DROP_KEYS = ("quantization", "quantization_config", "_name_or_path")
+
+
+def open_source(source: str | os.PathLike, revision: str | None = None) -> Source:
+    """The checkpoint `source` names: a GGUF file, or a folder or hub id. Here, above both
+    readers, so neither needs the other."""
+    path = Path(source).expanduser()
+    if path.is_file():
+        if not is_gguf(path):
+            raise ModelNotFoundError(
+                f"'{source}' is a file but not a GGUF file; pass a model folder, a hub id or a .gguf file"
+            )
+        return open_gguf(path)
+    if path.suffix == ".gguf":
+        raise ModelNotFoundError(f"no GGUF file at '{source}'; check the path")
+    return open_folder(resolve(source, revision))
 
 
 def convert(

@@ -1,9 +1,9 @@
-"""What a conversion reads: a Hugging Face or MLX folder (local or hub id) or a GGUF file,
-presented as one `Source` whose tensors carry Hugging Face names and load one at a time."""
+"""What a conversion reads, presented as one `Source` whose tensors carry Hugging Face names
+and load one at a time; this module reads folders (local or hub id), `gguf_source` reads GGUF
+files, and `api.open_source` chooses between them."""
 
 from __future__ import annotations
 
-import os
 import shutil
 from collections import Counter
 from collections.abc import Callable
@@ -16,13 +16,12 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from mlxinfer.errors import ConversionError, ModelNotFoundError
+from mlxinfer.errors import ConversionError
 from mlxinfer.loading import (
     TOKENIZER_FILES,
     _quant_params,
     read_config,
     read_weights,
-    resolve,
     weight_files,
 )
 from mlxinfer.models import build_model
@@ -57,21 +56,6 @@ class Source:
     nbytes: int  # size of the weights on disk
     write_extras: Callable[[Path], None]  # tokenizer, chat template and generation settings
     close: Callable[[], None] = lambda: None
-
-
-def open_source(source: str | os.PathLike, revision: str | None = None) -> Source:
-    path = Path(source).expanduser()
-    if path.is_file():
-        if not is_gguf(path):
-            raise ModelNotFoundError(
-                f"'{source}' is a file but not a GGUF file; pass a model folder, a hub id or a .gguf file"
-            )
-        from .gguf_source import open_gguf
-
-        return open_gguf(path)
-    if path.suffix == ".gguf":
-        raise ModelNotFoundError(f"no GGUF file at '{source}'; check the path")
-    return open_folder(resolve(source, revision))
 
 
 def is_gguf(path: Path) -> bool:

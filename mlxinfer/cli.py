@@ -44,7 +44,7 @@ def blas_hint_once() -> None:
     """On a machine whose MLX runs on the reference BLAS, say once (a marker in MLXINFER_HOME)
     how to get a fast one; `mlxinfer doctor` says it every time."""
     from .blas import hint
-    from .store import home
+    from .cachedir import home
 
     message = hint()
     marker = home() / "blas-hint-shown"
@@ -148,9 +148,9 @@ class Run:
 @click.pass_obj
 def chat(verbose: bool, **params) -> None:
     """Chat with a model in the terminal (multi-turn, streaming, /help for commands)."""
+    from .cachedir import home
     from .chat import ChatSession
     from .repl import run_repl
-    from .store import home
     from .terminal import use_color
 
     run = Run.from_params(params)
@@ -300,26 +300,31 @@ def inspect_command(prompt, model, dtype, steps, top, temp, top_p, system, raw, 
 
 
 @main.command()
-@click.argument("model")
+@click.argument("model_argument", metavar="[MODEL]", required=False)
+@with_options(MODEL_OPTIONS)
 @click.option("--prompt-tokens", default=512, show_default=True, help="Random prompt length.")
 @click.option("--gen-tokens", default=128, show_default=True, help="Tokens to generate (EOS ignored).")
 @click.option("--repeat", default=5, show_default=True, help="Measured runs (after one warm-up).")
 @click.option("--max-kv-size", type=int, default=None, help="Rotating cache size.")
 @click.option("--kv-bits", type=click.Choice(["4", "8"]), default=None, help="Quantize the KV cache.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
-def bench(model, prompt_tokens, gen_tokens, repeat, max_kv_size, kv_bits, as_json):
-    """Prefill and decode speed, time to first token and peak memory for MODEL."""
+def bench(model_argument, model, dtype, prompt_tokens, gen_tokens, repeat, max_kv_size, kv_bits, as_json):
+    """Prefill and decode speed, time to first token and peak memory for MODEL (or --model:
+    anything --model accepts; default: the demo model)."""
     from .bench import bench as run_bench
-    from .loading import load
+    from .store import open_model
 
-    m, tok = load(model)
+    if model_argument is not None and model is not None:
+        raise click.UsageError("give the model once: as MODEL or as --model")
+    m, tok, where = open_model(model if model is not None else model_argument, dtype)
     s = run_bench(m, tok, prompt_tokens, gen_tokens, repeat, max_kv_size=max_kv_size,
                   kv_bits=int(kv_bits) if kv_bits else None)
     if as_json:
-        click.echo(json.dumps({"model": model, "prompt_tokens": prompt_tokens, "gen_tokens": gen_tokens,
+        click.echo(json.dumps({"model": str(where), "prompt_tokens": prompt_tokens, "gen_tokens": gen_tokens,
                                **s.as_dict()}))
         return
-    click.echo(f"model {model}: {prompt_tokens} prompt tokens, {gen_tokens} generated, {s.runs} runs (median [min-max])")
+    click.echo(f"model {model_name(where)}: {prompt_tokens} prompt tokens, {gen_tokens} generated, "
+               f"{s.runs} runs (median [min-max])")
     rows = [("prefill tok/s", s.prefill_tps, 1, ".1f"), ("decode tok/s", s.decode_tps, 1, ".1f"),
             ("TTFT ms", s.ttft, 1000, ".1f"), ("peak memory MiB", s.peak_memory, 1 / 2**20, ".1f")]
     for name, (med, lo, hi), scale, fmt in rows:

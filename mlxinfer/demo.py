@@ -22,9 +22,9 @@ from pathlib import Path
 
 from convert.sources import is_gguf
 
+from .cachedir import HOME_ENV, Notify, convert_into, home, is_model_folder, models_dir
 from .errors import CorruptCheckpointError, ModelNotFoundError
 from .files import disk_full, write_problem
-from .store import HOME_ENV, Notify, convert_into, home, is_model_folder, models_dir
 from .terminal import spinner
 
 NAME = "SmolLM2-135M-Instruct"

@@ -1,46 +1,28 @@
-"""Where models live on this machine and what `--model` means.
+"""What `--model` means, and which models this machine has.
 
-mlxinfer's own cache is `$MLXINFER_HOME` (default `~/.cache/mlxinfer`): converted GGUF
-files and the demo model live in its `models/` folder, under names `--model` accepts.
-Listing also covers the Hugging Face cache and converted folders elsewhere.
+Converted GGUF files and the demo model live in mlxinfer's own cache (`cachedir`), under
+names `--model` accepts. Listing also covers the Hugging Face cache and converted folders
+elsewhere.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
-import sys
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from convert.sources import is_gguf
 
-from .errors import ConversionError, MlxinferError, ModelNotFoundError
-from .loading import read_config, safetensors_header
+from .cachedir import Notify, convert_into, is_model_folder, models_dir, stderr_line
+from .demo import demo_model
+from .errors import MlxinferError, ModelNotFoundError
+from .loading import load, read_config, safetensors_header
 from .models import FAMILIES
 from .terminal import spinner
-
-HOME_ENV = "MLXINFER_HOME"
-Notify = Callable[[str], None]
-
-
-def stderr_line(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
-
-
-def home() -> Path:
-    return Path(os.environ.get(HOME_ENV) or Path.home() / ".cache" / "mlxinfer").expanduser()
-
-
-def models_dir() -> Path:
-    return home() / "models"
-
-
-def is_model_folder(path: Path) -> bool:
-    return (path / "config.json").is_file() and any(path.glob("*.safetensors"))
 
 
 def resolve_model(spec: str | None, notify: Notify = stderr_line) -> Path | str:
@@ -48,8 +30,6 @@ def resolve_model(spec: str | None, notify: Notify = stderr_line) -> Path | str:
     converted once into the cache, a name from `mlxinfer models`; otherwise `spec` itself
     (a hub id, which `mlxinfer.load` resolves or rejects)."""
     if spec is None:
-        from .demo import demo_model
-
         return demo_model(notify)
     path = Path(spec).expanduser()
     if path.is_dir():
@@ -89,22 +69,8 @@ def gguf_in_cache(path: Path, notify: Notify) -> Path:
     return out
 
 
-def convert_into(source: Path, out: Path, progress: bool | None = None) -> None:
-    """Convert `source` into `out` (written atomically by the converter); a concurrent run
-    that finished first is as good as ours."""
-    from convert import convert
-
-    try:
-        convert(source, out, progress=progress)
-    except ConversionError:
-        if not is_model_folder(out):
-            raise
-
-
 def open_model(spec: str | None, dtype: str | None = None, notify: Notify = stderr_line):
     """(model, tokenizer, folder or hub id) for a `--model` value, with a spinner while loading."""
-    from .loading import load
-
     where = resolve_model(spec, notify)
     with spinner(f"loading {spec or Path(where).name}"):
         model, tokenizer = load(where, dtype=dtype)

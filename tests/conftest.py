@@ -22,6 +22,14 @@ import pytest
 # Nothing in the suite may download weights; set before huggingface_hub is imported.
 os.environ["HF_HUB_OFFLINE"] = "1"
 
+from hypothesis import settings  # noqa: E402
+
+# In CI the fuzz tests draw the same examples every run (a failure is a bug, never a flaky run);
+# on a developer's machine they draw new ones and keep what failed.
+settings.register_profile("ci", derandomize=True, database=None, print_blob=True)
+if os.environ.get("CI"):
+    settings.load_profile("ci")
+
 import mlxinfer  # noqa: E402,F401  (first: it picks MLX's BLAS, which must happen before mlx.core loads)
 
 SHARED = Path(__file__).resolve().parents[2] / "shared"

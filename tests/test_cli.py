@@ -418,6 +418,37 @@ def test_gguf_model_is_converted_once_then_reused(tiny_gguf, isolated_home):
     one_line_error(invoke("generate", "-m", str(not_gguf), "-p", "x"), "not a GGUF file")
 
 
+MODEL_USERS = {"bench": ["--prompt-tokens", "8", "--gen-tokens", "2", "--repeat", "1", "--json"],
+               "inspect": ["hi", "--steps", "1", "--json"]}
+
+
+@pytest.mark.parametrize("command", sorted(MODEL_USERS))
+def test_bench_and_inspect_accept_what_generate_accepts(command, tiny, tiny_gguf, isolated_home):
+    """A folder, a .gguf file (converted into the cache) and a name from `mlxinfer models` each
+    name the model they name for `generate`: the JSON says which folder was loaded."""
+    args = MODEL_USERS[command]
+    folder = invoke(command, "-m", str(tiny), *args)
+    assert folder.exit_code == 0, folder.output
+    assert json.loads(folder.stdout)["model"] == str(tiny)
+    from_gguf = invoke(command, "-m", str(tiny_gguf), *args)
+    assert from_gguf.exit_code == 0, from_gguf.output
+    cached = [m for m in json.loads(invoke("models", "--json").stdout) if m["where"] == "mlxinfer"]
+    assert len(cached) == 1 and cached[0]["name"].startswith("tiny.Q4_1-")
+    assert json.loads(from_gguf.stdout)["model"] == cached[0]["path"]
+    by_name = invoke(command, "-m", cached[0]["name"], *args)
+    assert by_name.exit_code == 0 and "converting" not in by_name.stderr, by_name.output
+    assert json.loads(by_name.stdout)["model"] == cached[0]["path"]
+
+
+def test_bench_takes_the_model_as_argument_or_option_not_both(tiny, tiny_gguf):
+    args = MODEL_USERS["bench"]
+    positional, option = invoke("bench", str(tiny_gguf), *args), invoke("bench", "-m", str(tiny_gguf), *args)
+    assert positional.exit_code == 0 and option.exit_code == 0, positional.output + option.output
+    assert json.loads(positional.stdout)["model"] == json.loads(option.stdout)["model"]
+    both = invoke("bench", str(tiny), "-m", str(tiny), *args)
+    assert both.exit_code == 2 and "give the model once" in both.output
+
+
 def make_hf_cache(root: Path, repo: str, src: Path) -> None:
     """The Hugging Face cache layout, as huggingface_hub writes it."""
     base = root / f"models--{repo.replace('/', '--')}"

@@ -118,6 +118,7 @@ def llama_config(llama) -> dict[str, Any]:
         ({"vocab_size": 1.5}, "vocab_size"),
         ({"num_key_value_heads": True}, "num_key_value_heads"),
         ({"rms_norm_eps": None}, "rms_norm_eps"),
+        ({"rms_norm_eps": 0}, "rms_norm_eps"),
         ({"rope_scaling": "yarn"}, "rope_scaling"),
         ({"rope_parameters": {"rope_type": "linear", "rope_theta": 1e4}}, "factor"),
         ({"rope_theta": "10000"}, "rope_theta"),

@@ -6,20 +6,22 @@ the shapes, `MLXINFER_KERNELS` is not `reference`, and the kernel has not been
 disabled (by `mlxinfer doctor` after disagreeing with its reference); otherwise
 the reference, whose inputs, outputs and semantics are the same. The first time
 a process is about to run a kernel, it is checked against its reference on small
-random inputs (`doctor.self_check`), so a kernel that is wrong on this GPU is
+random inputs (`check`, cases in `selfcheck`), so a kernel that is wrong on this GPU is
 disabled with a warning before it can touch any output.
 """
 
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Sequence
 
 import mlx.core as mx
 
 from ..errors import InvalidOptionError
-from . import attention, sampling, verification
+from . import attention, sampling, selfcheck, verification
 from .sampling import SamplingParams
+from .selfcheck import Check, Sizes
 
 NAMES = ("attention", "sampling", "verify")
 MODES = ("auto", "reference")
@@ -68,10 +70,20 @@ def _use_kernel(name: str) -> bool:
         return False
     if name not in _checked:
         _checked.add(name)
-        from ..doctor import self_check
-
-        self_check(name)
+        result = check(name, selfcheck.SMALL, repeat=0)
+        if not result.ok:
+            warnings.warn(f"mlxinfer: kernel '{name}' disagrees with its reference ({result.metric} "
+                          f"{result.error:.3g}); the reference runs instead", RuntimeWarning, stacklevel=3)
     return name not in _disabled
+
+
+def check(name: str, sizes: Sizes = Sizes(), repeat: int = 5, seed: int = 0) -> Check:
+    """Kernel `name` against its reference on random inputs; disabled for the rest of this
+    process if they disagree beyond the tolerance, so a wrong kernel never touches output."""
+    result = selfcheck.compare(selfcheck.case(name), sizes, repeat, seed)
+    if not result.ok:
+        disable(name, f"{result.metric} {result.error:.3g} > {result.tolerance:.3g} against the reference")
+    return result
 
 
 def quantized_attention(q: mx.array, keys: tuple[mx.array, ...], values: tuple[mx.array, ...], scale: float, mask,
@@ -96,5 +108,5 @@ def verify(p: mx.array, drafts: Sequence[int], q: mx.array | None, u: mx.array) 
     return impl(p, drafts, q, u)
 
 
-__all__ = ["NAMES", "SamplingParams", "disable", "disabled", "enable_all", "implementation", "metal_available",
-           "mode", "quantized_attention", "sample", "selection", "verify"]
+__all__ = ["NAMES", "SamplingParams", "check", "disable", "disabled", "enable_all", "implementation",
+           "metal_available", "mode", "quantized_attention", "sample", "selection", "verify"]

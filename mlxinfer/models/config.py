@@ -191,7 +191,7 @@ CONFIG_FIELDS: dict[str, Field] = {
     "num_key_value_heads": SIZE,
     "head_dim": Field(int, 1, DIM_MAX),
     "max_position_embeddings": COUNT,
-    "rms_norm_eps": Field(float, 0, nullable=False),
+    "rms_norm_eps": POSITIVE_SET,  # MLX refuses an RMSNorm eps of 0
     "rope_theta": POSITIVE_SET,
     "rope_local_base_freq": POSITIVE_SET,
     "partial_rotary_factor": Field(float, 0, 1, strict=True, nullable=False),

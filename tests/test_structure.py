@@ -1,0 +1,116 @@
+"""The shape of the code, read from the source files with `ast` (nothing is imported):
+no import cycles in `mlxinfer/` and `convert/`, counting the imports inside functions too
+(a lazy import that climbs back up is still a cycle), and `mlxinfer.blas` free of MLX."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("mlxinfer", "convert")
+
+
+def source_modules() -> dict[str, Path | None]:
+    """Dotted module name -> source file, for every module of our packages; compiled
+    extensions that setup.py declares map to None (they import nothing of ours)."""
+    modules: dict[str, Path | None] = {}
+    for package in PACKAGES:
+        for path in (ROOT / package).rglob("*.py"):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    for node in ast.walk(ast.parse((ROOT / "setup.py").read_text())):
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "Extension":
+            modules[node.args[0].value] = None
+    return modules
+
+
+def imported(path: Path, module: str, modules: dict[str, Path | None]) -> set[str]:
+    """Our modules that `module` imports anywhere in its file. `from p import x` is an edge to
+    `p.x` when that is a module, else to `p` (x is a name defined there)."""
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+
+    def ours(name: str) -> str | None:
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    found: set[str | None] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {ours(alias.name) for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([node.module] if node.module else []))
+            found |= {ours(f"{base}.{alias.name}") for alias in node.names}
+    return {m for m in found if m is not None and m != module}
+
+
+def import_graph() -> dict[str, set[str]]:
+    modules = source_modules()
+    return {m: imported(p, m, modules) if p else set() for m, p in modules.items()}
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components with more than one module (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while (w := stack.pop()) != v:
+                component.append(w)
+            if component:
+                found.append(sorted([v, *component]))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_the_graph_sees_imports_inside_functions():
+    """The oracle itself: a lazy import inside a function is an edge, and a known edge is found."""
+    graph = import_graph()
+    assert "mlxinfer.kernels.quantized_matmul" in graph and "mlxinfer._cpu_qmm" in graph
+    assert "mlxinfer._cpu_qmm" in graph["mlxinfer.kernels.quantized_matmul"]  # imported inside a function
+    assert "mlxinfer.store" in graph["mlxinfer.cli"]  # likewise, only inside commands
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_no_import_cycles():
+    graph = import_graph()
+    assert cycles(graph) == [], "modules that import each other (directly or round a loop)"
+
+
+def mlx_imports(path: Path) -> list[str]:
+    tree = ast.parse(path.read_text())
+    names = [alias.name for n in ast.walk(tree) if isinstance(n, ast.Import) for alias in n.names]
+    names += [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and not n.level]
+    return [n for n in names if n == "mlx" or n.startswith("mlx.")]
+
+
+def test_blas_does_not_import_mlx():
+    """`mlxinfer.blas` chooses MLX's BLAS before mlx.core loads, so neither it nor anything
+    of ours it imports may import MLX."""
+    graph, modules = import_graph(), source_modules()
+    reached, todo = set(), ["mlxinfer.blas"]
+    while todo:
+        module = todo.pop()
+        if module not in reached:
+            reached.add(module)
+            todo += graph[module]
+    assert {m: mlx_imports(modules[m]) for m in reached if modules[m] and mlx_imports(modules[m])} == {}
