@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 
 import mlx.core as mx
 
@@ -53,26 +54,26 @@ def quantized_matvec_rate(n: int = 4096, repeat: int = 5) -> float:
     x = mx.random.normal((1, n), key=mx.random.key(1))
     mx.eval(packed, scales, biases, x)
     nbytes = packed.nbytes + scales.nbytes + biases.nbytes
-    with mx.stream(mx.cpu):
-        best = float("inf")
-        for _ in range(repeat + 1):
-            start = time.perf_counter()
-            mx.eval(quantized_matmul.quantized_matmul(x, packed, scales, biases, 64, 4))
-            best = min(best, time.perf_counter() - start)
-    return nbytes / best / 1e9
+    return nbytes / _best_cpu_seconds(lambda: quantized_matmul.quantized_matmul(x, packed, scales, biases, 64, 4),
+                                      repeat) / 1e9
 
 
 def matmul_gflops(n: int = 1024, repeat: int = 3) -> float:
     """Best float32 matmul rate on the CPU: the number that tells a fast BLAS from the reference one."""
     a, b = (mx.random.normal((n, n), key=mx.random.key(i)) for i in range(2))
+    return 2 * n**3 / _best_cpu_seconds(lambda: a @ b, repeat) / 1e9
+
+
+def _best_cpu_seconds(product: Callable[[], mx.array], repeat: int) -> float:
+    """The fastest of `repeat` evaluations of `product()` on the CPU, after one warm-up."""
     with mx.stream(mx.cpu):
-        mx.eval(a @ b)
+        mx.eval(product())
         best = float("inf")
         for _ in range(repeat):
             start = time.perf_counter()
-            mx.eval(a @ b)
+            mx.eval(product())
             best = min(best, time.perf_counter() - start)
-    return 2 * n**3 / best / 1e9
+    return best
 
 
 def report(sizes: Sizes = Sizes(), repeat: int = 5) -> list[str]:

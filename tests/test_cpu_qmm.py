@@ -12,6 +12,7 @@ float64 product by a few float32 roundings of the sum of |x_k * w_k|; we allow
 from __future__ import annotations
 
 import itertools
+import sys
 
 import mlx.core as mx
 import numpy as np
@@ -178,6 +179,19 @@ def test_without_the_extension_doctor_says_how_to_build_it(monkeypatch):
     monkeypatch.setattr(qmm, "_why_not", ["not built"])
     assert qmm.implementation(1) == "mlx"
     assert "pip install -e ." in qmm.describe() and "not built" in qmm.describe()
+
+
+def test_a_missing_extension_is_called_not_built(monkeypatch, tmp_path):
+    """An install without a compiler has no module file at all: 'not built', not 'built but unloadable'."""
+    import importlib.machinery
+
+    monkeypatch.setattr(mlxinfer, "__path__", [str(tmp_path)])  # a package folder without the .so,
+    monkeypatch.setattr(sys, "meta_path", [importlib.machinery.PathFinder])  # and no editable-install finder
+    monkeypatch.delitem(sys.modules, "mlxinfer._cpu_qmm", raising=False)
+    monkeypatch.delattr(mlxinfer, "_cpu_qmm", raising=False)
+    monkeypatch.setattr(qmm, "_loaded", [])
+    monkeypatch.setattr(qmm, "_why_not", [])
+    assert qmm.extension() is None and qmm.reason() == "not built"
 
 
 def greedy_tokens(folder, monkeypatch, mode: str, prompt: str, n: int) -> list[int]:

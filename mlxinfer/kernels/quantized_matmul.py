@@ -22,6 +22,7 @@ small product, or it stays unused and `reason()` says why.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from types import ModuleType
 
@@ -73,10 +74,9 @@ def extension() -> ModuleType | None:
         ext, why = None, None
         try:
             from .. import _cpu_qmm as ext
-        except ModuleNotFoundError:
-            why = "not built"
-        except ImportError as e:  # built, but does not load against this MLX
-            why = f"built but unloadable ({e})"
+        except ImportError as e:  # `from` says "cannot import name" whether the file is missing or broken
+            missing = importlib.util.find_spec(f"{__package__.rpartition('.')[0]}._cpu_qmm") is None
+            why = "not built" if missing else f"built but unloadable ({e})"
         if ext is not None and _release(ext.mlx_version) != _release(mx.__version__):
             why = f"built for MLX {ext.mlx_version}, but MLX {mx.__version__} is installed"
         if ext is not None and why is None:
