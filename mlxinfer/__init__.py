@@ -4,22 +4,27 @@ from . import blas
 
 blas.preload()  # before anything imports mlx.core: a BLAS chosen later would not be used
 
+from .batch import BatchGenerator, batch_generate
 from .cache import PromptCache, load_prompt_cache, make_cache, save_prompt_cache
 from .chat import ChatSession
 from .errors import MlxinferError
 from .generate import Chunk, Stats, generate, stream_generate
 from .loading import load, load_tokenizer
+from .pool import PromptCachePool
 from .sample import SamplingConfig
 
 __version__ = "0.1.0"
 __all__ = [
+    "BatchGenerator",
     "ChatSession",
     "Chunk",
     "MlxinferError",
     "PromptCache",
+    "PromptCachePool",
     "SamplingConfig",
     "Stats",
     "__version__",
+    "batch_generate",
     "generate",
     "load",
     "load_prompt_cache",

@@ -2,9 +2,11 @@
 
 The protocol the models rely on: `offset` (tokens seen), `make_mask(queries,
 window)` (called before the update, for the keys the update will return), and
-`attend(q, k, v, scale, mask)` (store the new keys/values, then attend over all
-kept ones). `trim(n)` rolls back the newest tokens for speculative decoding and
-prompt reuse; `nbytes` is what the live entries occupy.
+`update_and_fetch(keys, values)` (store the new keys/values, return all kept ones);
+attention itself is computed in `models.attention`. `trim(n)` rolls back the newest
+tokens for speculative decoding and prompt reuse; `nbytes` is what the live entries
+occupy. `PromptCache` is the one place that runs a model over tokens through the
+per-layer caches and keeps its token list in step with them.
 
 Keys and values are kept as tuples of arrays with the sequence on axis 2: one
 float array, or MLX's (packed, scales, biases) triple when quantized, so the
@@ -23,9 +25,8 @@ import numpy as np
 from .checks import INDEX_MAX, is_integer
 from .errors import CorruptCheckpointError, InvalidOptionError, MlxinferError
 from .files import replacing
-from .kernels import quantized_attention
 from .loading import safetensors_header
-from .models.layers import attention_mask
+from .models.attention import attention_mask
 
 Parts = tuple[mx.array, ...]
 KV_BITS = (4, 8)
@@ -94,12 +95,6 @@ class KVCache:
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[Parts, Parts]:
         """Store a [B, kv_heads, T, head_dim] chunk; return every kept key and value."""
         return self._store(_encode(keys, self.bits, self.group_size), _encode(values, self.bits, self.group_size))
-
-    def attend(self, q: mx.array, k: mx.array, v: mx.array, scale: float, mask) -> mx.array:
-        keys, values = self.update_and_fetch(k, v)
-        if self.bits is None:
-            return mx.fast.scaled_dot_product_attention(q, keys[0], values[0], scale=scale, mask=mask)
-        return quantized_attention(q, self.keys, self.values, scale, mask, self.group_size, self.bits, self.size)
 
     def make_mask(self, queries: int, window: int | None):
         return attention_mask(queries, self.offset, window)
@@ -306,15 +301,79 @@ def make_cache(
     return caches
 
 
+class LayerRows:
+    """One layer's caches for a batch of sequences, one cache per sequence, as a model
+    layer sees them: masks are per row, and attention runs row by row
+    (`models.attention.per_row`), so each sequence keeps its own length and cache kind."""
+
+    def __init__(self, rows: Sequence[KVCache]):
+        self.rows = list(rows)
+
+    def make_mask(self, queries: int, window: int | None) -> list:
+        return [c.make_mask(queries, window) for c in self.rows]
+
+
 class PromptCache:
     """Per-layer caches plus the token ids they cover, so a new prompt only
-    prefills what differs from the last one (multi-turn chat, shared prefixes)."""
+    prefills what differs from the last one (multi-turn chat, shared prefixes).
+
+    It is also the one place that runs a model over tokens (`run`, `prefill`, and
+    `run_rows` for a batch): the per-layer caches and the token list advance together,
+    and a run interrupted while its graph is being built is rolled back, so the two
+    never disagree whatever stops a generation."""
 
     def __init__(self, caches: list[KVCache], tokens: Sequence[int] = (), metadata: dict[str, str] | None = None):
         self.caches = caches
-        self.tokens = list(tokens)
+        self._tokens = list(tokens)
+        self._pending: list[mx.array] = []  # ids run as arrays whose values were not read yet
         self.metadata = dict(metadata or {})
         self._fits: int | None = None  # id() of the model `check_fits` last accepted
+
+    @property
+    def tokens(self) -> list[int]:
+        """The token ids the caches cover (ids still being computed are read here, once)."""
+        if self._pending:
+            self._tokens.extend(t for ids in self._pending for t in ids.tolist())
+            self._pending.clear()
+        return self._tokens
+
+    def run(self, model, tokens: Sequence[int] | mx.array) -> mx.array:
+        """Run `tokens` through `model` and these caches; their logits [T, V], lazily.
+        `tokens` may be a 1-D array not computed yet (pipelined decoding: the next step
+        is queued before this one's token is read); its ids join `tokens` when read."""
+        ids = tokens if isinstance(tokens, mx.array) else mx.array([int(t) for t in tokens])
+        try:
+            logits = model(ids[None], cache=self.caches)
+        except BaseException:
+            self._settle()
+            raise
+        if isinstance(tokens, mx.array):
+            self._pending.append(tokens)
+        else:
+            self._tokens.extend(int(t) for t in tokens)
+        return logits[0]
+
+    def prefill(self, model, tokens: Sequence[int], step: int = 512) -> None:
+        """Run prompt tokens in chunks of at most `step` (bounded memory), evaluating
+        only the caches: the LM head's logits for these positions are never computed."""
+        for i in range(0, len(tokens), step):
+            self.run(model, tokens[i : i + step])
+            mx.eval([(c.keys, c.values) for c in self.caches])
+
+    def _length(self) -> int:
+        return len(self._tokens) + sum(ids.size for ids in self._pending)
+
+    def _settle(self) -> None:
+        """After a run stopped mid-graph some layers may hold tokens the list does not:
+        trim them back, or start over where a layer cannot (a rotation overwrote)."""
+        n = self._length()
+        if all(c.offset == n for c in self.caches):
+            return
+        if all(c.offset >= n and c.can_trim_to(n) for c in self.caches):
+            for c in self.caches:
+                c.trim(c.offset - n)
+        else:
+            self.reset()
 
     def check_fits(self, model) -> None:
         """Refuse (CorruptCheckpointError) a cache that another model made, or a loaded file
@@ -336,9 +395,9 @@ class PromptCache:
             return f"it holds token ids outside the vocabulary of {vocab}"
         if all(c.keys is None for c in self.caches):
             return None
-        probe = make_cache(model)
-        model(mx.array([[0]]), cache=probe)
-        for i, (c, fresh) in enumerate(zip(self.caches, probe)):
+        probe = PromptCache.for_model(model)
+        probe.run(model, [0])
+        for i, (c, fresh) in enumerate(zip(self.caches, probe.caches)):
             for name, have, want in (("keys", c.keys, fresh.keys), ("values", c.values, fresh.values)):
                 if have is None:
                     continue
@@ -364,26 +423,23 @@ class PromptCache:
         """Every layer rotates, so the context may grow past the model's window."""
         return all(isinstance(c, RotatingKVCache) for c in self.caches)
 
-    def feed(self, tokens: Sequence[int]) -> None:
-        """Record tokens the model has just processed through these caches."""
-        self.tokens.extend(int(t) for t in tokens)
-
     def trim(self, n: int) -> None:
+        """Forget the newest `n` tokens (speculative rollback, prefix reuse)."""
+        tokens = self.tokens
         for c in self.caches:
             c.trim(n)
-        del self.tokens[len(self.tokens) - n :]
+        del tokens[len(tokens) - n :]
+
+    def can_trim_to(self, length: int) -> bool:
+        """Whether every layer still holds what a context of the first `length` tokens needs."""
+        return all(c.can_trim_to(length) for c in self.caches)
 
     def prepare(self, prompt: Sequence[int]) -> list[int]:
         """Reuse the longest common prefix with what is cached and return the
         tokens still to prefill (always at least one, to get next-token logits)."""
         prompt = list(prompt)
-        common = 0
-        for a, b in zip(self.tokens, prompt):
-            if a != b:
-                break
-            common += 1
-        common = min(common, len(prompt) - 1)
-        if all(c.can_trim_to(common) for c in self.caches):
+        common = min(common_prefix(self.tokens, prompt), len(prompt) - 1)
+        if self.can_trim_to(common):
             self.trim(len(self.tokens) - common)
             return prompt[common:]
         self.reset()
@@ -392,7 +448,33 @@ class PromptCache:
     def reset(self) -> None:
         for c in self.caches:
             c.trim(c.offset)
-        self.tokens.clear()
+        self._tokens.clear()
+        self._pending.clear()
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens `a` and `b` share (same ids at the same positions)."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def run_rows(model, caches: Sequence[PromptCache], tokens: mx.array) -> mx.array:
+    """One decode step for a batch: token `tokens[i]` runs through `caches[i]`, all in one
+    forward pass; next-token logits [B, V], lazily (ids are read back as in `run`)."""
+    layers = [LayerRows([c.caches[i] for c in caches]) for i in range(len(model.layers))]
+    try:
+        logits = model(tokens[:, None], cache=layers)
+    except BaseException:
+        for c in caches:
+            c._settle()
+        raise
+    for i, c in enumerate(caches):
+        c._pending.append(tokens[i : i + 1])
+    return logits[:, -1]
 
 
 def _layout(parts: Parts, bits: int | None, group_size: int) -> tuple[int, int, str]:
@@ -472,7 +554,7 @@ def _read_layer(path: Path, i: int, m: dict[str, Any], arrays: dict[str, mx.arra
     group = _setting(path, i, m, "group_size", KV_GROUP_SIZES)
     offset = _setting(path, i, m, "offset", range(INDEX_MAX))
     parts = _setting(path, i, m, "parts", (0, 1 if bits is None else 3))
-    if n_tokens and offset != n_tokens:  # no tokens: caches driven by the model directly, never `feed`
+    if n_tokens and offset != n_tokens:  # no tokens: an older file whose caches were filled without a token list
         raise _unusable(path, f"layer {i} covers {offset} tokens but the file lists {n_tokens}")
     keys = _parts(path, arrays, f"{i}.keys", parts, bits, group)
     values = _parts(path, arrays, f"{i}.values", parts, bits, group)

@@ -145,7 +145,6 @@ class ChatSession:
                 self._turns.remove(user)
             else:
                 self._keep_reply(prompt, rendered, ids, "".join(pieces))
-            self._settle_cache()
             self._streaming = None
 
     def _keep_reply(self, prompt: list[int], rendered: str, ids: list[int], reply: str) -> None:
@@ -245,28 +244,7 @@ class ChatSession:
             self.cache.reset()
             return
         todo = self.cache.prepare(tokens)
-        step = self._options.get("prefill_step", 512)
-        try:
-            for i in range(0, len(todo), step):
-                chunk = todo[i : i + step]
-                self.model(mx.array(chunk)[None], cache=self.cache.caches)  # logits never evaluated: cache only
-                self.cache.feed(chunk)
-                mx.eval([(c.keys, c.values) for c in self.cache.caches])
-        finally:
-            self._settle_cache()
-
-    def _settle_cache(self) -> None:
-        """After an interrupt the per-layer caches may hold tokens their token list does not
-        (stopped mid-forward): trim them back to it, or start over when that is impossible."""
-        n = len(self.cache.tokens)
-        caches = self.cache.caches
-        if all(c.offset == n for c in caches):
-            return
-        if all(c.offset >= n and c.can_trim_to(n) for c in caches):
-            for c in caches:
-                c.trim(c.offset - n)
-        else:
-            self.cache.reset()
+        self.cache.prefill(self.model, todo, self._options.get("prefill_step", 512))
 
     def _close_stream(self) -> None:
         if self._streaming is not None:

@@ -1,4 +1,8 @@
-"""The generation loop: prompt → chunked prefill → pipelined decode → streamed text."""
+"""The text layer: prompt → chunked prefill → a token source → streamed text.
+
+Whatever produces the tokens (plain, speculative or batched decoding: `decode`,
+`speculative`, `batch`), `TextStream` turns one sequence's tokens into `Chunk`s the
+same way: streaming detokenizer, stop strings, EOS, limits and timing stats."""
 
 from __future__ import annotations
 
@@ -14,46 +18,13 @@ from mlx.utils import tree_flatten
 
 from .cache import KV_BITS, KV_GROUP_SIZES, PromptCache
 from .checks import flag, integer, is_integer, token_ids
+from .decode import PlainDecoder, Stats, Token, TokenSource
 from .errors import InvalidOptionError
 from .sample import Sampler, SamplingConfig
+from .speculative import LOOKUP_DRAFT, MODEL_DRAFT, SpeculativeDecoder, make_drafter
 from .tokenizer import Tokenizer
 
 Prompt = str | Sequence[int] | Sequence[dict]
-
-
-@dataclass
-class Stats:
-    """Numbers for one generation; updated as it runs."""
-
-    prompt_tokens: int = 0
-    prefill_tokens: int = 0
-    generated_tokens: int = 0
-    ttft: float = 0.0
-    prefill_tps: float = 0.0
-    decode_tps: float = 0.0
-    peak_memory: int = 0
-    cache_bytes: int = 0
-    finish_reason: str | None = None
-    drafted: int = 0
-    accepted: int = 0
-    rounds: int = 0
-    plain_tps: float = 0.0
-
-    @property
-    def acceptance_rate(self) -> float:
-        """Share of drafted tokens the target accepted (speculative decoding)."""
-        return self.accepted / self.drafted if self.drafted else 0.0
-
-    @property
-    def mean_accepted(self) -> float:
-        """Drafted tokens accepted per verification round."""
-        return self.accepted / self.rounds if self.rounds else 0.0
-
-    @property
-    def speedup(self) -> float:
-        """decode_tps over the plain decoding rate measured during this same
-        generation (speculative decoding times both); 0 when not measured."""
-        return self.decode_tps / self.plain_tps if self.plain_tps else 0.0
 
 
 @dataclass
@@ -172,7 +143,7 @@ def wired_limit(model):
 
 
 @functools.cache
-def _generation_stream() -> mx.Stream:
+def generation_stream() -> mx.Stream:
     """A stream of our own, so generation is not queued behind other work on the default one."""
     return mx.new_stream(mx.default_device())
 
@@ -205,145 +176,80 @@ class StopMatcher:
         return out
 
 
-@dataclass
-class _Step:
-    """One decode step's lazily computed outputs."""
-
-    token: mx.array
-    logprobs: mx.array
-    logprob: mx.array
+def context_limit(model, cache: PromptCache, n_prompt: int, max_tokens: int) -> int:
+    """max_tokens, capped by the context a non-rotating cache can hold."""
+    if cache.bounded:
+        return max_tokens
+    return min(max_tokens, model.config.max_position_embeddings - n_prompt)
 
 
-class Generator:
-    """Owns one generation: the cache, sampler and stats."""
+def top_logprobs(logprobs: mx.array, k: int) -> list[tuple[int, float]] | None:
+    """The `k` most likely tokens of a step and their log-probabilities (None for k = 0)."""
+    if not k:
+        return None
+    best = mx.argsort(-logprobs)[:k]
+    return list(zip(best.tolist(), logprobs[best].tolist()))
 
-    def __init__(self, model, tokenizer: Tokenizer, prompt: Prompt, prompt_cache: PromptCache | None, options):
-        self.model, self.tokenizer = model, tokenizer
-        self.sampling, self.options = split_options(options, model.config.vocab_size)
-        self.prompt = prompt_tokens(tokenizer, prompt, model.config.vocab_size)
-        o = self.options
-        self.cache = prompt_cache or PromptCache.for_model(
-            model, max_kv_size=o.max_kv_size, kv_bits=o.kv_bits, kv_group_size=o.kv_group_size
-        )
-        self.cache.check_fits(model)
-        check_context(model, self.cache, len(self.prompt))
-        self.sampler = Sampler(self.sampling)
-        self.stats = Stats(prompt_tokens=len(self.prompt))
 
-    def forward(self, tokens: Sequence[int] | mx.array) -> mx.array:
-        """Run tokens through the model and the cache; last position's logits."""
-        x = tokens if isinstance(tokens, mx.array) else mx.array(list(tokens))
-        logits = self.model(x[None], cache=self.cache.caches)
-        return logits[:, -1, :]
+class TextStream:
+    """One sequence's tokens → chunks: streamed text, stop strings, EOS, limits, stats.
+    Created when the sequence's clock starts (its time to first token counts from here)."""
 
-    def prefill_body(self, tokens: list[int]) -> None:
-        """Prompt tokens in bounded chunks; only cache state is evaluated, so the
-        LM head never runs on them."""
-        step = self.options.prefill_step
-        for i in range(0, len(tokens), step):
-            chunk = tokens[i : i + step]
-            self.forward(chunk)
-            self.cache.feed(chunk)
-            mx.eval([c.keys for c in self.cache.caches])
-
-    def sample(self, logits: mx.array) -> _Step:
-        history = None
-        if self.sampling.penalised:
-            history = self.history[None]
-        token = self.sampler(logits, history)
-        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        chosen = mx.take_along_axis(logprobs, token[:, None], axis=-1)[0, 0]
-        if self.sampling.penalised:
-            self.history = mx.concatenate([self.history, token])[-self.sampling.penalty_window :]
-        return _Step(token, logprobs, chosen)
-
-    def top_logprobs(self, logprobs: mx.array) -> list[tuple[int, float]] | None:
-        k = self.options.logprobs
-        if not k:
-            return None
-        row = logprobs.reshape(-1)
-        best = mx.argsort(-row)[:k]
-        return list(zip(best.tolist(), row[best].tolist()))
-
-    @functools.cached_property
-    def limit(self) -> int:
-        """max_tokens, capped by the context a non-rotating cache can hold (read per token, computed once)."""
-        if self.cache.bounded:
-            return self.options.max_tokens
-        return min(self.options.max_tokens, self.model.config.max_position_embeddings - len(self.prompt))
-
-    def begin(self) -> list[int]:
-        """Start the clock; the prompt tokens the cache still needs."""
-        o = self.options
-        self.detok = self.tokenizer.detokenizer()
-        self.stop = StopMatcher(o.stop)
-        self.eos = set() if o.ignore_eos else set(self.tokenizer.eos_token_ids)
-        self.generated: list[int] = []
-        mx.reset_peak_memory()
+    def __init__(self, tokenizer: Tokenizer, options: GenerationOptions, stats: Stats, limit: int,
+                 cache: PromptCache):
+        self.options, self.stats, self.limit, self.cache = options, stats, limit, cache
+        self.detok = tokenizer.detokenizer()
+        self.stop = StopMatcher(options.stop)
+        self.eos = set() if options.ignore_eos else set(tokenizer.eos_token_ids)
+        self.generated = 0
         self.start = time.perf_counter()
-        todo = self.cache.prepare(self.prompt)
-        self.stats.prefill_tokens = len(todo)
-        return todo
+        self.first_token_at = self.start
 
-    def emit(self, token: int, logprob: float, logprobs: mx.array, drafted: bool = False) -> Chunk:
-        """One generated token → a chunk: streamed text, stop strings, EOS, limits, stats."""
+    def emit(self, token: Token) -> Chunk:
         stats = self.stats
-        self.generated.append(token)
-        n = len(self.generated)
+        self.generated += 1
+        n = self.generated
         if n == 1:
             self.first_token_at = time.perf_counter()
             stats.ttft = self.first_token_at - self.start
-            stats.prefill_tps = stats.prefill_tokens / stats.ttft
+            stats.prefill_tps = stats.prefill_tokens / max(stats.ttft, 1e-9)
         else:
             stats.decode_tps = (n - 1) / max(time.perf_counter() - self.first_token_at, 1e-9)
-        stopped_by_eos = token in self.eos
-        text, hit = ("", False) if stopped_by_eos else self.stop.push(self.detok.add(token))
+        stopped_by_eos = token.id in self.eos
+        text, hit = ("", False) if stopped_by_eos else self.stop.push(self.detok.add(token.id))
         finish = "stop" if (stopped_by_eos or hit) else ("length" if n >= self.limit else None)
         if finish and not hit:
             text += self.stop.push(self.detok.finalize())[0] + self.stop.flush()
         stats.generated_tokens = n
-        stats.finish_reason = finish
         if finish:
-            stats.cache_bytes = self.cache.nbytes
-            stats.peak_memory = mx.get_peak_memory()
-        return Chunk(text, token, logprob, finish, stats, self.top_logprobs(logprobs), drafted)
+            self._finish(finish)
+        return Chunk(text, token.id, token.logprob, finish, stats, top_logprobs(token.logprobs, self.options.logprobs),
+                     token.drafted)
 
-    def emit_nothing(self) -> Chunk:
-        """The only chunk when no token may be generated (max_tokens=0 or a full context)."""
-        self.stats.finish_reason = "length"
-        return Chunk("", None, None, "length", self.stats)
+    def _finish(self, reason: str) -> None:
+        self.stats.finish_reason = reason
+        self.stats.cache_bytes = self.cache.nbytes
+        self.stats.peak_memory = mx.get_peak_memory()
 
-    def plain_tokens(self, count: int) -> Iterator[Chunk]:
-        """Up to `count` tokens decoded one at a time, pipelined as mlx-lm does:
-        the next step's graph is queued before the current token is read, so the
-        device never waits on Python. The cache holds the context but its last
-        token before and after."""
-        context = self.prompt + self.generated
-        self.history = mx.array(context[-self.sampling.penalty_window :])
-        step = self.sample(self.forward(context[-1:]))
-        self.cache.feed(context[-1:])
-        mx.async_eval(step.token, step.logprob)
-        for i in range(count):
-            nxt = None
-            if i + 1 < count and len(self.generated) + 1 < self.limit:
-                nxt = self.sample(self.forward(step.token))
-                mx.async_eval(nxt.token, nxt.logprob)
-            token = int(step.token.item())
-            if nxt is not None:
-                self.cache.feed([token])
-            chunk = self.emit(token, step.logprob.item(), step.logprobs)
-            yield chunk
-            if chunk.finish_reason or nxt is None:
-                return
-            step = nxt
+    def end(self, reason: str) -> Chunk:
+        """The last chunk of a sequence that ends without a token of its own: nothing may
+        be generated ("length": max_tokens=0 or a full context), or it was cancelled;
+        text held back for a possible stop string is released."""
+        self._finish(reason)
+        text = "" if not self.generated else self.stop.push(self.detok.finalize())[0] + self.stop.flush()
+        return Chunk(text, None, None, reason, self.stats)
 
-    def run(self) -> Iterator[Chunk]:
-        todo = self.begin()
-        if self.limit <= 0:
-            yield self.emit_nothing()
-            return
-        self.prefill_body(todo[:-1])
-        yield from self.plain_tokens(self.limit)
+
+def token_source(model, cache: PromptCache, sampler: Sampler, last: int, limit: int, options: GenerationOptions,
+                 stats: Stats) -> TokenSource:
+    """Plain decoding, or speculative decoding when a drafter is asked for."""
+    o = options
+    if o.draft_model is None and not o.prompt_lookup:
+        return PlainDecoder(model, cache, sampler, last, limit)
+    drafter = make_drafter(model, sampler, o.draft_model, o.draft_cache,
+                           max_kv_size=o.max_kv_size, kv_bits=o.kv_bits, kv_group_size=o.kv_group_size)
+    max_draft = o.num_draft_tokens or (LOOKUP_DRAFT if o.prompt_lookup else MODEL_DRAFT)
+    return SpeculativeDecoder(model, cache, sampler, drafter, last, limit, stats, max_draft)
 
 
 def stream_generate(
@@ -358,14 +264,30 @@ def stream_generate(
     reuse across calls), num_draft_tokens, prompt_lookup.
     Pass a `PromptCache` to reuse the longest common prefix across calls.
     """
-    gen = Generator(model, tokenizer, prompt, prompt_cache, options)
-    with wired_limit(model), mx.stream(_generation_stream()):
-        if gen.options.draft_model is not None or gen.options.prompt_lookup:
-            from .speculative import speculative_run
-
-            yield from speculative_run(gen)
-        else:
-            yield from gen.run()
+    sampling, o = split_options(options, model.config.vocab_size)
+    ids = prompt_tokens(tokenizer, prompt, model.config.vocab_size)
+    cache = prompt_cache or PromptCache.for_model(
+        model, max_kv_size=o.max_kv_size, kv_bits=o.kv_bits, kv_group_size=o.kv_group_size
+    )
+    cache.check_fits(model)
+    check_context(model, cache, len(ids))
+    stats = Stats(prompt_tokens=len(ids))
+    with wired_limit(model), mx.stream(generation_stream()):
+        mx.reset_peak_memory()
+        limit = context_limit(model, cache, len(ids), o.max_tokens)
+        text = TextStream(tokenizer, o, stats, limit, cache)
+        todo = cache.prepare(ids)
+        stats.prefill_tokens = len(todo)
+        if limit <= 0:
+            yield text.end("length")
+            return
+        cache.prefill(model, todo[:-1], o.prefill_step)
+        source = token_source(model, cache, Sampler(sampling, ids), todo[-1], limit, o, stats)
+        for token in source:
+            chunk = text.emit(token)
+            yield chunk
+            if chunk.finish_reason:
+                return
 
 
 def generate(model, tokenizer: Tokenizer, prompt: Prompt, **options: Any) -> str:

@@ -30,10 +30,9 @@ def inspect_pipeline(
     and after `top_p` on top of it."""
     cache = PromptCache.for_model(model)
     start = time.perf_counter()
-    logits = model(mx.array(prompt)[None], cache=cache.caches)[0, -1]
+    logits = cache.run(model, prompt)[-1]
     mx.eval(logits)
     prefill_s = time.perf_counter() - start
-    cache.feed(prompt)
     prompt_bytes = cache.nbytes
     per_token = sum(c.bytes_per_token for c in cache.caches)
     eos = set(tokenizer.eos_token_ids)
@@ -46,7 +45,7 @@ def inspect_pipeline(
         if token in eos or len(decoded) == steps:
             break
         start = time.perf_counter()
-        logits = model(mx.array([[token]]), cache=cache.caches)[0, -1]
+        logits = cache.run(model, [token])[-1]
         mx.eval(logits)
         decode_s += time.perf_counter() - start
     decode_tokens = len(decoded) - 1  # the first token came out of the prefill

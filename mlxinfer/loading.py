@@ -15,6 +15,7 @@ from mlx.utils import tree_flatten
 
 from .errors import ConfigError, CorruptCheckpointError, InvalidOptionError, ModelNotFoundError
 from .models import CausalLM, build_model
+from .models.layers import fuse_projections
 from .models.config import check_config
 from .tokenizer import Tokenizer, load_tokenizer_from_dir
 
@@ -331,6 +332,7 @@ def load_model(path: Path, dtype: str | mx.Dtype | None = None) -> CausalLM:
         weights = {k: v.astype(target) if mx.issubdtype(v.dtype, mx.floating) else v for k, v in weights.items()}
     model.load_weights(list(weights.items()))
     mx.eval(model.parameters())
+    fuse_projections(model)
     return model
 
 

@@ -136,13 +136,18 @@ def filtered_probs(logits: mx.array, config: SamplingConfig, history: mx.array |
 class Sampler:
     """Draws next tokens from logits under a config; the same seed gives the same tokens.
 
+    It owns the penalty history: the last `penalty_window` tokens of the context it was
+    started with plus every token it drew or was told about (`accept`), so penalties see
+    the same window whichever token source drives it. One sampler serves one sequence.
+
     Penalties and bias change with the history every step and stay eager ops;
     temperature, the truncation filters and the draw are one fused step
     (`kernels.sample`: a Metal kernel, or its compiled reference)."""
 
-    def __init__(self, config: SamplingConfig):
+    def __init__(self, config: SamplingConfig, context: Sequence[int] = ()):
         self.config = config
         self._key = mx.random.key(config.seed) if config.seed is not None else None
+        self._history = mx.array(list(context[-config.penalty_window :]), mx.uint32)
 
     def next_key(self) -> mx.array | None:
         if self._key is None:
@@ -150,9 +155,40 @@ class Sampler:
         self._key, sub = mx.random.split(self._key)
         return sub
 
-    def __call__(self, logits: mx.array, history: mx.array | None = None) -> mx.array:
-        logits = apply_filters(logits, adjustments(self.config, history))
+    def _window(self, following: Sequence[int] | mx.array = ()) -> mx.array | None:
+        """The history [1, n] a penalty sees, extended by `following` (tokens not yet accepted)."""
+        if not self.config.penalised:
+            return None
+        history = self._history
+        if len(following):
+            extra = following if isinstance(following, mx.array) else mx.array(list(following), mx.uint32)
+            history = mx.concatenate([history, extra.astype(mx.uint32)])
+        return history[-self.config.penalty_window :][None]
+
+    def accept(self, tokens: Sequence[int] | mx.array) -> None:
+        """Tokens emitted without this sampler's draw (accepted drafts) join the history."""
+        if self.config.penalised and len(tokens):
+            self._history = self._window(tokens)[0]
+
+    def distribution(self, logits: mx.array, following: Sequence[int] | mx.array = ()) -> mx.array:
+        """The distribution [1, V] a draw would use, after the history and `following`."""
+        return filtered_probs(logits, self.config, self._window(following))
+
+    def distributions(self, logits: mx.array, following: Sequence[int]) -> mx.array:
+        """Distributions [n, V] for n consecutive positions, position i seeing the history
+        and `following[:i]` (speculative verification)."""
+        if not self.config.penalised:
+            return filtered_probs(logits, self.config)
+        rows = [self.distribution(logits[i : i + 1], following[:i]) for i in range(logits.shape[0])]
+        return mx.concatenate(rows, axis=0)
+
+    def __call__(self, logits: mx.array) -> mx.array:
+        """Tokens [B] for logits [B, V] (B is 1 when penalised: the history is one sequence's)."""
+        logits = apply_filters(logits, adjustments(self.config, self._window()))
         if self.config.greedy:
-            return logits.argmax(axis=-1)
-        u = mx.random.uniform(shape=logits.shape[:1], key=self.next_key())
-        return kernels.sample(logits, u, self.config.warp)
+            token = logits.argmax(axis=-1)
+        else:
+            u = mx.random.uniform(shape=logits.shape[:1], key=self.next_key())
+            token = kernels.sample(logits, u, self.config.warp)
+        self.accept(token)
+        return token

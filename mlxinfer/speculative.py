@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Iterable, Iterator, Protocol, Sequence
+from typing import Iterator, Protocol, Sequence
 
 import mlx.core as mx
 import numpy as np
@@ -21,27 +21,15 @@ from numpy.lib.stride_tricks import sliding_window_view
 
 from . import kernels
 from .cache import PromptCache
+from .decode import PlainDecoder, Stats, Token, log_softmax
 from .errors import InvalidOptionError
-from .sample import Sampler, SamplingConfig, filtered_probs
+from .sample import Sampler
 
 
 class Drafter(Protocol):
     def propose(self, context: Sequence[int], k: int) -> tuple[list[int], mx.array | None]:
         """Up to k tokens to follow `context`, and their draft distributions [n, V]
         (None for a deterministic drafter)."""
-
-
-def position_probs(logits: mx.array, config: SamplingConfig, history: Sequence[int], drafts: Sequence[int]) -> mx.array:
-    """Filtered distributions [n, V] for consecutive positions; with penalties each
-    position sees the history up to itself."""
-    if not config.penalised:
-        return filtered_probs(logits, config)
-    w = config.penalty_window
-    rows = [
-        filtered_probs(logits[i : i + 1], config, mx.array((list(history) + list(drafts[:i]))[-w:])[None])
-        for i in range(logits.shape[0])
-    ]
-    return mx.concatenate(rows, axis=0)
 
 
 def verify(p: mx.array, drafts: Sequence[int], q: mx.array | None, sampler: Sampler) -> tuple[int, int]:
@@ -79,41 +67,31 @@ class PromptLookup:
 
 class DraftModel:
     """A small model sharing the target's vocabulary, with its own cache kept in
-    step with the accepted tokens (trimmed back on rejection)."""
+    step with the accepted tokens (trimmed back on rejection). It draws with the
+    target's sampler (its filters, penalty history and random stream)."""
 
-    def __init__(self, model, target, config: SamplingConfig, sampler: Sampler, cache: PromptCache):
+    def __init__(self, model, target, sampler: Sampler, cache: PromptCache):
         if model.config.vocab_size != target.config.vocab_size:
             raise InvalidOptionError(
                 f"the draft model's vocabulary ({model.config.vocab_size} tokens) differs from the target's "
                 f"({target.config.vocab_size}); use a draft from the same model family and tokenizer"
             )
-        self.model, self.config, self.sampler = model, config, sampler
-        self.cache = cache
-
-    def _logits(self, tokens: mx.array) -> mx.array:
-        return self.model(tokens[None], cache=self.cache.caches)[0, -1:]
+        self.model, self.sampler, self.cache = model, sampler, cache
 
     def propose(self, context: Sequence[int], k: int) -> tuple[list[int], mx.array]:
-        todo = self.cache.prepare(context)
-        logits = self._logits(mx.array(todo))
+        logits = self.cache.run(self.model, self.cache.prepare(context))[-1:]
         tokens, probs = [], []
-        window = mx.array(list(context[-self.config.penalty_window :]))
         for i in range(k):
-            history = None
-            if self.config.penalised:
-                history = mx.concatenate([window, *tokens])[-self.config.penalty_window :][None]
-            q = filtered_probs(logits, self.config, history)
+            q = self.sampler.distribution(logits, mx.concatenate(tokens) if tokens else ())
             token = mx.random.categorical(mx.log(q), key=self.sampler.next_key())
             tokens.append(token)
             probs.append(q)
             if i + 1 < k:
-                logits = self._logits(token)
+                logits = self.cache.run(self.model, token)[-1:]
         drafted = mx.concatenate(tokens)
         q_all = mx.concatenate(probs, axis=0)
         mx.eval(drafted, q_all)
-        ids = drafted.tolist()
-        self.cache.feed(todo + ids[:-1])
-        return ids, q_all
+        return drafted.tolist(), q_all
 
 
 class DraftLength:
@@ -156,14 +134,13 @@ class DraftLength:
             self.pause = min(2 * self.pause, self.max_pause)
 
 
-def make_drafter(gen) -> Drafter:
-    o = gen.options
-    if o.prompt_lookup:
+def make_drafter(model, sampler: Sampler, draft_model=None, draft_cache: PromptCache | None = None,
+                 **cache_options) -> Drafter:
+    """A draft model (with `draft_cache`, or a new cache with `cache_options`), else prompt lookup."""
+    if draft_model is None:
         return PromptLookup()
-    cache = o.draft_cache or PromptCache.for_model(
-        o.draft_model, max_kv_size=o.max_kv_size, kv_bits=o.kv_bits, kv_group_size=o.kv_group_size
-    )
-    return DraftModel(o.draft_model, gen.model, gen.sampling, gen.sampler, cache)
+    cache = draft_cache or PromptCache.for_model(draft_model, **cache_options)
+    return DraftModel(draft_model, model, sampler, cache)
 
 
 class ModeChooser:
@@ -200,11 +177,15 @@ class ModeChooser:
         probe_cost = self.probe * (self.rates[best] / self.rates[other] - 1)  # in best-mode token times
         return best, max(self.period, min(round(probe_cost / self.overhead), self.max_period))
 
+    def estimate(self, mode: str, tokens: int, seconds: float) -> float:
+        """The rate `record` would keep for `mode` if the phase ended now."""
+        rate = tokens / max(seconds, 1e-9)
+        return rate if mode not in self.rates else 0.5 * (self.rates[mode] + rate)
+
     def record(self, mode: str, tokens: int, seconds: float) -> None:
         if self._queue and self._queue[0] == mode:
             self._queue.pop(0)
-        rate = tokens / max(seconds, 1e-9)
-        self.rates[mode] = rate if mode not in self.rates else 0.5 * (self.rates[mode] + rate)
+        self.rates[mode] = self.estimate(mode, tokens, seconds)
 
 
 def step_seconds(model, x: mx.array) -> float:
@@ -246,65 +227,64 @@ PLAIN_BURST = 4
 LOOKUP_DRAFT, MODEL_DRAFT = 8, 4
 
 
-def speculate_once(gen, drafter: Drafter, length: DraftLength) -> Iterable:
-    """One round: draft, verify in a single forward pass, roll back, emit; with
-    nothing to draft, a short burst of pipelined plain decoding instead. The
-    cache holds the context but its last token before and after."""
-    config, stats = gen.sampling, gen.stats
-    context = gen.prompt + gen.generated
-    k = min(length.next(), gen.limit - len(gen.generated) - 1)
-    drafts, q = drafter.propose(context, k) if k > 0 else ([], None)
-    if not drafts:
-        burst = max(length.paused, PLAIN_BURST)
-        length.skip(burst)
-        return gen.plain_tokens(burst)
-    fed = [context[-1], *drafts]
-    logits = gen.model(mx.array(fed)[None], cache=gen.cache.caches)[0]
-    gen.cache.feed(fed)
-    p = position_probs(logits, config, context[-config.penalty_window :], drafts)
-    n, token = verify(p, drafts, q, gen.sampler)
-    gen.cache.trim(len(drafts) - n)
-    stats.drafted += len(drafts)
-    stats.accepted += n
-    stats.rounds += 1
-    length.update(len(drafts), n)
-    logprobs = logits[: n + 1] - mx.logsumexp(logits[: n + 1], axis=-1, keepdims=True)
-    chosen = [*drafts[:n], token]
-    values = mx.take_along_axis(logprobs, mx.array(chosen)[:, None], axis=-1)[:, 0].tolist()
-    chunks = []
-    for i, (t, lp) in enumerate(zip(chosen, values)):
-        chunks.append(gen.emit(t, lp, logprobs[i], drafted=i < n))
-        if chunks[-1].finish_reason:
-            break
-    return chunks
+class SpeculativeDecoder:
+    """Up to `count` tokens by drafting and verifying, switching to plain pipelined
+    decoding whenever that measures faster (`ModeChooser`). Like every token source it
+    starts from a cache holding the context but its `last` token, and keeps it so.
+    Counts drafted/accepted tokens, rounds and the plain rate in `stats`."""
 
+    def __init__(self, model, cache: PromptCache, sampler: Sampler, drafter: Drafter, last: int, count: int,
+                 stats: Stats, max_draft: int, chooser: ModeChooser | None = None):
+        self.model, self.cache, self.sampler, self.drafter = model, cache, sampler, drafter
+        self.last, self.count, self.stats = last, count, stats
+        self.length = DraftLength(max_draft)
+        self.chooser = chooser or ModeChooser()
 
-def speculative_run(gen, chooser: ModeChooser | None = None) -> Iterator:
-    """The generation loop with drafting, switching to plain pipelined decoding
-    whenever that measures faster."""
-    drafter = make_drafter(gen)
-    length = DraftLength(gen.options.num_draft_tokens or (LOOKUP_DRAFT if gen.options.prompt_lookup else MODEL_DRAFT))
-    chooser = chooser or ModeChooser()
-    todo = gen.begin()
-    if gen.limit <= 0:
-        yield gen.emit_nothing()
-        return
-    gen.prefill_body(todo[:-1])
-    if isinstance(drafter, DraftModel) and not draft_can_win(drafter.model, gen.model):
-        chooser.give_up()
-    while True:
-        mode, budget = chooser.next_phase()
-        start, produced, finished = time.perf_counter(), 0, False
-        while produced < budget and not finished:
-            batch = gen.plain_tokens(budget) if mode == "plain" else speculate_once(gen, drafter, length)
-            for chunk in batch:
-                produced += 1
-                if chunk.finish_reason:  # measured before the last chunk leaves, so its stats include it
-                    finished = True
-                    break
-                yield chunk
-        chooser.record(mode, produced, time.perf_counter() - start)
-        gen.stats.plain_tps = chooser.rates.get("plain", 0.0)
-        if finished:
-            yield chunk
+    def _plain(self, count: int) -> Iterator[Token]:
+        for token in PlainDecoder(self.model, self.cache, self.sampler, self.last, count):
+            self.last = token.id
+            yield token
+
+    def _round(self, remaining: int) -> Iterator[Token]:
+        """One round: draft, verify in a single forward pass, roll back, emit; with
+        nothing to draft, a short burst of plain decoding instead."""
+        k = min(self.length.next(), remaining - 1)
+        context = [*self.cache.tokens, self.last]
+        drafts, q = self.drafter.propose(context, k) if k > 0 else ([], None)
+        if not drafts:
+            burst = min(max(self.length.paused, PLAIN_BURST), remaining)
+            self.length.skip(burst)
+            yield from self._plain(burst)
             return
+        logits = self.cache.run(self.model, [self.last, *drafts])
+        n, token = verify(self.sampler.distributions(logits, drafts), drafts, q, self.sampler)
+        self.cache.trim(len(drafts) - n)
+        chosen = [*drafts[:n], token]
+        self.sampler.accept(chosen)
+        self.stats.drafted += len(drafts)
+        self.stats.accepted += n
+        self.stats.rounds += 1
+        self.length.update(len(drafts), n)
+        logprobs = log_softmax(logits[: n + 1])
+        values = mx.take_along_axis(logprobs, mx.array(chosen)[:, None], axis=-1)[:, 0].tolist()
+        self.last = token
+        for i, (t, lp) in enumerate(zip(chosen, values)):
+            yield Token(t, lp, logprobs[i], drafted=i < n)
+
+    def __iter__(self) -> Iterator[Token]:
+        if isinstance(self.drafter, DraftModel) and not draft_can_win(self.drafter.model, self.model):
+            self.chooser.give_up()
+        produced = 0
+        while produced < self.count:
+            mode, budget = self.chooser.next_phase()
+            start, done = time.perf_counter(), 0
+            while done < budget and produced < self.count:
+                remaining = self.count - produced
+                tokens = self._plain(min(budget - done, remaining)) if mode == "plain" else self._round(remaining)
+                for token in tokens:
+                    done, produced = done + 1, produced + 1
+                    if mode == "plain":  # so the stats of a last token include the phase it ends
+                        self.stats.plain_tps = self.chooser.estimate("plain", done, time.perf_counter() - start)
+                    yield token
+            self.chooser.record(mode, done, time.perf_counter() - start)
+            self.stats.plain_tps = self.chooser.rates.get("plain", 0.0)

@@ -92,7 +92,7 @@ def test_quantized_cache_close_to_float(model, bits, tol, rotating):
 
 
 def test_quantized_attention_matches_numpy():
-    from mlxinfer.cache import quantized_attention
+    from mlxinfer.kernels import quantized_attention
 
     rng = np.random.default_rng(4)
     q = rng.standard_normal((1, 4, 3, 64)).astype(np.float32)

@@ -43,6 +43,19 @@ def assert_same_tensors(ours: dict[str, mx.array], ref: dict[str, mx.array]) -> 
         assert mx.array_equal(ours[name], value).item(), f"{name} differs"
 
 
+UNFUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def quantized_layers(model) -> set[str]:
+    """Checkpoint paths of the quantized layers (projections merged after loading counted as the originals)."""
+    paths = set()
+    for path, m in model.named_modules():
+        if hasattr(m, "bits"):
+            parent, _, name = path.rpartition(".")
+            paths |= {f"{parent}.{n}" for n in UNFUSED[name]} if name in UNFUSED else {path}
+    return paths
+
+
 def logits(model) -> np.ndarray:
     return np.array(model(mx.array(IDS)).astype(mx.float32))
 
@@ -105,7 +118,7 @@ def test_recipes_match_mlx_lm(hf_checkpoint, mlx_lm_quantized, tmp_path, recipe)
     ours = quant_config(out)
     _, low, high = recipe.split("-")
     per_layer = {k: v for k, v in ours.items() if isinstance(v, dict)}
-    assert set(per_layer) == {p for p, m in mlxinfer.load(out)[0].named_modules() if hasattr(m, "bits")}
+    assert set(per_layer) == quantized_layers(mlxinfer.load(out)[0])
     assert per_layer["model.embed_tokens"]["bits"] == per_layer["lm_head"]["bits"] == int(high)
     assert report.precisions[f"{high}-bit g32"] > 2 and report.precisions[f"{low}-bit g32"] > 2
 
@@ -192,7 +205,7 @@ def test_sharded_output_streams_with_bounded_memory(hf_checkpoint, tmp_path):
     # Streaming: peak memory is a couple of shards plus working space, far below the model's size.
     assert report.peak_memory < total / 3, (report.peak_memory, total)
     model, _ = mlx_lm.load(str(out))
-    np.testing.assert_allclose(logits(model), logits(mlxinfer.load(src)[0]), atol=TOL, rtol=0)
+    np.testing.assert_allclose(logits(model), logits(mlx_lm.load(str(src))[0]), atol=TOL, rtol=0)
 
 
 def test_report_and_progress_bar(hf_checkpoint, tmp_path, capsys):

@@ -26,7 +26,8 @@ from mlx import nn
 
 from ..errors import ConfigError
 from .config import ModelConfig
-from .layers import Linear, RoPE, stored_kv, yarn_mscale
+from .attention import Mask, offsets, per_row, stored_kv
+from .layers import Linear, RoPE, yarn_mscale
 
 Parts = tuple[mx.array, ...]  # (weight,) or MLX's (packed, scales, biases)
 
@@ -139,7 +140,7 @@ class MLAttention(nn.Module):
             return self.q_proj(x)
         return self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
 
-    def __call__(self, x: mx.array, mask: mx.array | str | None, cache=None) -> mx.array:
+    def __call__(self, x: mx.array, mask: Mask, cache=None) -> mx.array:
         m = self.mla
         B, T, _ = x.shape
         q = self._queries(x).reshape(B, T, m.heads, -1).transpose(0, 2, 1, 3)
@@ -147,19 +148,22 @@ class MLAttention(nn.Module):
         kv = self.kv_a_proj_with_mqa(x)
         latent = mx.expand_dims(self.kv_a_layernorm(kv[..., : m.kv_lora_rank]), 1)  # [B, 1, T, rank]
         k_pe = mx.expand_dims(kv[..., m.kv_lora_rank :], 1)  # [B, 1, T, rope_dim]
-        offset = cache.offset if cache is not None else 0
+        offset = offsets(cache)
         q_pe, k_pe = self.rope(q_pe, offset), self.rope(k_pe, offset)
+        o = per_row(self._attend, cache, mask, q_nope, q_pe, latent, k_pe)
+        return self.o_proj(o.transpose(0, 2, 1, 3).reshape(B, T, -1))
+
+    def _attend(self, q_nope, q_pe, latent, k_pe, cache, mask: Mask) -> mx.array:
+        m = self.mla
         if cache is not None:
             latent, k_pe = stored_kv(cache, latent, k_pe)
         up = self.up_projection()
-        if T == 1:
-            o = self._absorbed(q_nope, q_pe, latent, k_pe, up, mask)
-        else:
-            k_nope = up.keys(latent)
-            k = mx.concatenate([k_nope, mx.broadcast_to(k_pe, (*k_nope.shape[:3], m.rope_dim))], axis=-1)
-            q = mx.concatenate([q_nope, q_pe], axis=-1)
-            o = mx.fast.scaled_dot_product_attention(q, k, up.values(latent), scale=m.scale, mask=mask)
-        return self.o_proj(o.transpose(0, 2, 1, 3).reshape(B, T, -1))
+        if q_nope.shape[2] == 1:
+            return self._absorbed(q_nope, q_pe, latent, k_pe, up, mask)
+        k_nope = up.keys(latent)
+        k = mx.concatenate([k_nope, mx.broadcast_to(k_pe, (*k_nope.shape[:3], m.rope_dim))], axis=-1)
+        q = mx.concatenate([q_nope, q_pe], axis=-1)
+        return mx.fast.scaled_dot_product_attention(q, k, up.values(latent), scale=m.scale, mask=mask)
 
     def _absorbed(self, q_nope, q_pe, latent, k_pe, up: UpProjection, mask) -> mx.array:
         """One query per head attending over the cached latent: scores are

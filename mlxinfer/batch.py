@@ -1,0 +1,265 @@
+"""Batched generation: many sequences decoded together, joining and leaving at will.
+
+Every sequence keeps its own `PromptCache` (its own length, positions and cache kind:
+growing, rotating, quantized) and its own sampler, options and text layer. A decode
+step runs all decoding sequences' next tokens through the model as one batch
+(`cache.run_rows`): the projections and feed-forward see [B, 1] inputs, attention runs
+row by row with each row's cache (`models.attention.per_row`), so a row's arithmetic
+is what the same sequence gets alone and an answer does not depend on who else is
+being served. New sequences prefill in the same chunks a lone generation uses, a
+bounded number of tokens per step, between decode steps, so a long prompt never
+freezes the others' streams for its whole length.
+
+Speculative decoding is not batched: a sequence asking for a draft model or prompt
+lookup is decoded plainly, and its stats say so.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Sequence
+
+import mlx.core as mx
+
+from .cache import PromptCache, run_rows
+from .checks import integer
+from .decode import Stats, Token, chosen_logprobs
+from .errors import InvalidOptionError
+from .generate import (Chunk, GenerationOptions, Prompt, TextStream, check_context, context_limit,
+                       generation_stream, prompt_tokens, split_options)
+from .pool import PromptCachePool
+from .sample import Sampler
+from .tokenizer import Tokenizer
+
+CACHE_OPTIONS = ("max_kv_size", "kv_bits", "kv_group_size")
+NOT_BATCHED = "speculative decoding is not batched; this sequence was decoded plainly"
+
+
+@dataclass(eq=False)
+class _Sequence:
+    """One sequence in the engine, from submission to its last chunk."""
+
+    uid: int
+    prompt: list[int]
+    options: GenerationOptions
+    sampler: Sampler
+    stats: Stats
+    submitted: float
+    cache: PromptCache | None = None
+    text: TextStream | None = None
+    todo: list[int] = field(default_factory=list)  # prompt tokens the cache still lacks
+    prefilled: int = 0  # of todo[:-1]
+    next_input: mx.array | None = None  # [1]: the token the next decode step runs
+
+    @property
+    def cache_options(self) -> dict[str, Any]:
+        return _cache_options(self.options)
+
+
+def _cache_options(o: GenerationOptions) -> dict[str, Any]:
+    return {k: getattr(o, k) for k in CACHE_OPTIONS}
+
+
+@dataclass
+class _Decode:
+    """One batched decode step, queued (lazy) before the previous step's tokens are read."""
+
+    members: list[_Sequence]
+    tokens: mx.array  # [B]
+    logprobs: mx.array  # [B, V]
+    chosen: mx.array  # [B]
+
+
+@dataclass
+class BatchStats:
+    """What the engine did: decode steps, tokens, the largest batch, prefill work."""
+
+    steps: int = 0
+    decoded_tokens: int = 0
+    prefilled_tokens: int = 0
+    max_batch_seen: int = 0
+
+
+class BatchGenerator:
+    """Continuous batching: `submit` sequences at any time, `step` (or `stream`) to run.
+
+    Each step admits waiting sequences (up to `max_batch` in flight), prefills a bounded
+    amount of their prompts (about `prefill_step` tokens), and runs one batched decode
+    step for every sequence whose prompt is in, yielding a (uid, Chunk) per new token.
+    Decode steps are pipelined: the next one is queued before this one's tokens are read.
+    With a `pool`, prompts reuse cached prefixes and finished sequences leave theirs.
+    Not thread-safe: drive it from one thread.
+    """
+
+    def __init__(self, model, tokenizer: Tokenizer, max_batch: int = 8, prefill_step: int = 512,
+                 pool: PromptCachePool | None = None, **defaults: Any):
+        integer("max_batch", max_batch, 1)
+        integer("prefill_step", prefill_step, 1)
+        self.model, self.tokenizer = model, tokenizer
+        self.max_batch, self.prefill_step, self.pool = max_batch, prefill_step, pool
+        self.defaults = {"prefill_step": prefill_step, **defaults}
+        split_options(self.defaults, model.config.vocab_size)
+        self.stats = BatchStats()
+        self._uids = itertools.count()
+        self._waiting: deque[_Sequence] = deque()
+        self._prefilling: list[_Sequence] = []
+        self._decoding: list[_Sequence] = []
+        self._cancelled: set[int] = set()
+        self._known: set[int] = set()
+        self._queued: _Decode | None = None
+
+    @property
+    def active(self) -> int:
+        """Sequences submitted and not finished (waiting, prefilling or decoding)."""
+        return len(self._waiting) + len(self._prefilling) + len(self._decoding)
+
+    @property
+    def cache_bytes(self) -> int:
+        """Bytes of K/V held by the sequences in flight."""
+        return sum(s.cache.nbytes for s in (*self._prefilling, *self._decoding) if s.cache is not None)
+
+    def submit(self, prompt: Prompt, **options: Any) -> int:
+        """Queue a sequence (a string, token ids or chat messages) with its own options
+        (those of `stream_generate`); returns its uid. Bad options fail here."""
+        sampling, o = split_options({**self.defaults, **options}, self.model.config.vocab_size)
+        ids = prompt_tokens(self.tokenizer, prompt, self.model.config.vocab_size)
+        check_context(self.model, PromptCache.for_model(self.model, **_cache_options(o)), len(ids))
+        uid = next(self._uids)
+        stats = Stats(prompt_tokens=len(ids))
+        if o.draft_model is not None or o.prompt_lookup:
+            stats.note = NOT_BATCHED
+        self._waiting.append(_Sequence(uid, ids, o, Sampler(sampling, ids), stats, time.perf_counter()))
+        self._known.add(uid)
+        return uid
+
+    def cancel(self, uid: int) -> None:
+        """Stop a sequence; its last chunk (finish_reason "cancelled") comes with the next
+        step, and its cache is freed then. Cancelling a finished sequence does nothing."""
+        if uid not in self._known:
+            raise InvalidOptionError(f"no sequence {uid} was submitted to this engine")
+        self._cancelled.add(uid)
+
+    def stream(self) -> Iterator[tuple[int, Chunk]]:
+        """Step until every submitted sequence has finished."""
+        while self.active:
+            yield from self.step()
+
+    def step(self) -> list[tuple[int, Chunk]]:
+        out: list[tuple[int, Chunk]] = []
+        with mx.stream(generation_stream()):
+            self._drop_cancelled(out)
+            self._admit(out)
+            self._prefill_some()
+            current = self._queued or self._decode(self._decoding)
+            self._queued = None
+            if current is not None:
+                self._queued = self._decode(self._continuing(current), current)
+                self._emit(current, out)
+        return out
+
+    def _drop_cancelled(self, out: list[tuple[int, Chunk]]) -> None:
+        if not self._cancelled:
+            return
+        for group in (self._waiting, self._prefilling, self._decoding):
+            for s in [s for s in group if s.uid in self._cancelled]:
+                group.remove(s)
+                text = s.text or self._text(s, PromptCache([]), 0)
+                out.append((s.uid, text.end("cancelled")))
+                s.cache = None  # freed: a cancelled sequence's K/V are not worth pooling
+        self._cancelled.clear()
+
+    def _admit(self, out: list[tuple[int, Chunk]]) -> None:
+        while self._waiting and len(self._prefilling) + len(self._decoding) < self.max_batch:
+            s = self._waiting.popleft()
+            opts = s.cache_options
+            s.cache = self.pool.fetch(self.model, s.prompt, **opts) if self.pool else PromptCache.for_model(
+                self.model, **opts)
+            limit = context_limit(self.model, s.cache, len(s.prompt), s.options.max_tokens)
+            s.text = self._text(s, s.cache, limit)
+            s.todo = s.cache.prepare(s.prompt)
+            s.stats.prefill_tokens = len(s.todo)
+            if limit <= 0:
+                out.append((s.uid, s.text.end("length")))
+                self._finished(s)
+                continue
+            self._prefilling.append(s)
+
+    def _text(self, s: _Sequence, cache: PromptCache, limit: int) -> TextStream:
+        text = TextStream(self.tokenizer, s.options, s.stats, limit, cache)
+        text.start = s.submitted  # time to first token includes the wait for a slot
+        return text
+
+    def _prefill_some(self) -> None:
+        """Prefill chunks (cut where a lone generation cuts them) until about `prefill_step`
+        tokens ran this step; sequences whose prompt is in join decoding."""
+        budget = self.prefill_step
+        for s in list(self._prefilling):
+            step = s.options.prefill_step
+            while s.prefilled < len(s.todo) - 1 and budget > 0:
+                chunk = s.todo[s.prefilled : min(s.prefilled + step, len(s.todo) - 1)]
+                s.cache.prefill(self.model, chunk, len(chunk))
+                s.prefilled += len(chunk)
+                budget -= len(chunk)
+                self.stats.prefilled_tokens += len(chunk)
+            if s.prefilled < len(s.todo) - 1:
+                break
+            self._prefilling.remove(s)
+            s.next_input = mx.array(s.todo[-1:])
+            self._decoding.append(s)
+
+    def _continuing(self, current: _Decode) -> list[_Sequence]:
+        """Who the next decode step runs: this step's members that may still produce a
+        token after this one, then sequences whose prompt just went in."""
+        members = [s for s in current.members if s in self._decoding and s.text.generated + 1 < s.text.limit]
+        running = {s.uid for s in current.members}
+        return members + [s for s in self._decoding if s.uid not in running]
+
+    def _decode(self, members: Sequence[_Sequence], previous: _Decode | None = None) -> _Decode | None:
+        """Queue one batched decode step over `members` (lazily, then started)."""
+        if not members:
+            return None
+        if previous is not None:
+            row = {id(s): i for i, s in enumerate(previous.members)}
+            for s in members:
+                if id(s) in row:
+                    s.next_input = previous.tokens[row[id(s)] : row[id(s)] + 1]
+        logits = run_rows(self.model, [s.cache for s in members], mx.concatenate([s.next_input for s in members]))
+        tokens = mx.concatenate([s.sampler(logits[i : i + 1]) for i, s in enumerate(members)])
+        chosen, logprobs = chosen_logprobs(logits, tokens)
+        mx.async_eval(tokens, chosen)
+        self.stats.max_batch_seen = max(self.stats.max_batch_seen, len(members))
+        return _Decode(list(members), tokens, logprobs, chosen)
+
+    def _emit(self, current: _Decode, out: list[tuple[int, Chunk]]) -> None:
+        self.stats.steps += 1
+        ids, values = current.tokens.tolist(), current.chosen.tolist()
+        for i, s in enumerate(current.members):
+            if s not in self._decoding:  # finished or cancelled while this step was queued
+                continue
+            chunk = s.text.emit(Token(ids[i], values[i], current.logprobs[i]))
+            self.stats.decoded_tokens += 1
+            out.append((s.uid, chunk))
+            if chunk.finish_reason:
+                self._decoding.remove(s)
+                self._finished(s)
+
+    def _finished(self, s: _Sequence) -> None:
+        """Hand the finished sequence's cache to the pool (it covers prompt and reply), or drop it."""
+        if self.pool is not None and s.cache is not None:
+            self.pool.store(s.cache, self.model, **s.cache_options)
+        s.cache = None
+
+
+def batch_generate(model, tokenizer: Tokenizer, prompts: Sequence[Prompt], max_batch: int = 8,
+                   **options: Any) -> list[str]:
+    """Complete every prompt (same options as `stream_generate`), decoding up to `max_batch`
+    of them together; the texts in the order of `prompts`."""
+    engine = BatchGenerator(model, tokenizer, max_batch=max_batch, **options)
+    uids = [engine.submit(p) for p in prompts]
+    texts: dict[int, list[str]] = {uid: [] for uid in uids}
+    for uid, chunk in engine.stream():
+        texts[uid].append(chunk.text)
+    return ["".join(texts[uid]) for uid in uids]

@@ -1,0 +1,124 @@
+"""Token sources: what produces a sequence's tokens, below the text layer.
+
+Plain decoding (here), speculative decoding (`speculative`) and batched decoding
+(`batch`) are peers: each yields `Token`s — the id, its log-probability, the whole
+log-probability row (for top-k logprobs, read only when asked for) and whether a
+drafter proposed it. Streaming text, stop strings, EOS, limits and timing live one
+layer up (`generate`), shared by all of them.
+
+A source starts from a cache that holds the context but its last token, and is
+given that token: the next forward pass runs it and yields what follows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator, Protocol
+
+import mlx.core as mx
+
+from .cache import PromptCache
+from .sample import Sampler
+
+
+@dataclass
+class Stats:
+    """Numbers for one generation, updated as it runs: the text layer times it, the
+    token source counts what it prefilled and drafted."""
+
+    prompt_tokens: int = 0
+    prefill_tokens: int = 0
+    generated_tokens: int = 0
+    ttft: float = 0.0
+    prefill_tps: float = 0.0
+    decode_tps: float = 0.0
+    peak_memory: int = 0
+    cache_bytes: int = 0
+    finish_reason: str | None = None
+    drafted: int = 0
+    accepted: int = 0
+    rounds: int = 0
+    plain_tps: float = 0.0
+    note: str = ""
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Share of drafted tokens the target accepted (speculative decoding)."""
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def mean_accepted(self) -> float:
+        """Drafted tokens accepted per verification round."""
+        return self.accepted / self.rounds if self.rounds else 0.0
+
+    @property
+    def speedup(self) -> float:
+        """decode_tps over the plain decoding rate measured during this same
+        generation (speculative decoding times both); 0 when not measured."""
+        return self.decode_tps / self.plain_tps if self.plain_tps else 0.0
+
+
+@dataclass
+class Token:
+    """One generated token as every source yields it."""
+
+    id: int
+    logprob: float
+    logprobs: mx.array  # log-probabilities [V] of the step that chose it (lazy)
+    drafted: bool = False
+
+
+class TokenSource(Protocol):
+    def __iter__(self) -> Iterator[Token]: ...
+
+
+def log_softmax(logits: mx.array) -> mx.array:
+    return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+
+
+def chosen_logprobs(logits: mx.array, tokens: mx.array) -> tuple[mx.array, mx.array]:
+    """Log-probabilities [B] of `tokens` [B] under `logits` [B, V], and the whole rows
+    [B, V] — lazily: the rows cost a pass over the vocabulary and are evaluated only
+    when someone reads them (top-k logprobs)."""
+    lse = mx.logsumexp(logits, axis=-1, keepdims=True)
+    return mx.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0] - lse[:, 0], logits - lse
+
+
+@dataclass
+class _Step:
+    """One decode step's lazily computed outputs."""
+
+    token: mx.array  # [1]
+    logprob: mx.array  # [1]
+    logprobs: mx.array  # [1, V], never evaluated unless read
+
+
+class PlainDecoder:
+    """Up to `count` tokens, one forward pass each, pipelined as mlx-lm does: the next
+    step's graph is queued before the current token is read, so the device never waits
+    on Python. The cache holds the context but its last token before and after (a step
+    is only queued when another token may follow)."""
+
+    def __init__(self, model, cache: PromptCache, sampler: Sampler, last: int, count: int):
+        self.model, self.cache, self.sampler = model, cache, sampler
+        self.last, self.count = last, count
+
+    def _step(self, token: mx.array) -> _Step:
+        logits = self.cache.run(self.model, token)[-1:]
+        token = self.sampler(logits)
+        return _Step(token, *chosen_logprobs(logits, token))
+
+    def __iter__(self) -> Iterator[Token]:
+        if self.count <= 0:
+            return
+        step = self._step(mx.array([self.last]))
+        mx.async_eval(step.token, step.logprob)
+        for i in range(self.count):
+            nxt = None
+            if i + 1 < self.count:
+                nxt = self._step(step.token)
+                mx.async_eval(nxt.token, nxt.logprob)
+            yield Token(int(step.token.item()), step.logprob.item(), step.logprobs[0])
+            if nxt is None:
+                return
+            step = nxt
