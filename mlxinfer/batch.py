@@ -3,10 +3,9 @@
 Every sequence keeps its own `PromptCache` (its own length, positions and cache kind:
 growing, rotating, quantized) and its own sampler, options and text layer. A decode
 step runs all decoding sequences' next tokens through the model as one batch
-(`cache.run_rows`): the projections and feed-forward see [B, 1] inputs, attention runs
-row by row with each row's cache (`models.attention.per_row`), so a row's arithmetic
-is what the same sequence gets alone and an answer does not depend on who else is
-being served. New sequences prefill in the same chunks a lone generation uses, a
+(`cache.run_rows`): the projections and feed-forward see [B, 1] inputs, attention reads
+each row's own cache (`models.attention`), so a row's arithmetic is what the same
+sequence gets alone and an answer does not depend on who else is being served. New sequences prefill in the same chunks a lone generation uses, a
 bounded number of tokens per step, between decode steps, so a long prompt never
 freezes the others' streams for its whole length.
 
@@ -29,7 +28,7 @@ from .checks import integer
 from .decode import Stats, Token, chosen_logprobs
 from .errors import InvalidOptionError
 from .generate import (Chunk, GenerationOptions, Prompt, TextStream, check_context, context_limit,
-                       generation_stream, prompt_tokens, split_options)
+                       generation_stream, prompt_tokens, split_options, wired_limit)
 from .pool import PromptCachePool
 from .sample import Sampler
 from .tokenizer import Tokenizer
@@ -98,6 +97,8 @@ class BatchGenerator:
                  pool: PromptCachePool | None = None, **defaults: Any):
         integer("max_batch", max_batch, 1)
         integer("prefill_step", prefill_step, 1)
+        if pool is not None and not isinstance(pool, PromptCachePool):
+            raise InvalidOptionError(f"pool must be a PromptCachePool, got {type(pool).__name__}")
         self.model, self.tokenizer = model, tokenizer
         self.max_batch, self.prefill_step, self.pool = max_batch, prefill_step, pool
         self.defaults = {"prefill_step": prefill_step, **defaults}
@@ -144,8 +145,9 @@ class BatchGenerator:
 
     def stream(self) -> Iterator[tuple[int, Chunk]]:
         """Step until every submitted sequence has finished."""
-        while self.active:
-            yield from self.step()
+        with wired_limit(self.model):
+            while self.active:
+                yield from self.step()
 
     def step(self) -> list[tuple[int, Chunk]]:
         out: list[tuple[int, Chunk]] = []
@@ -188,9 +190,8 @@ class BatchGenerator:
             self._prefilling.append(s)
 
     def _text(self, s: _Sequence, cache: PromptCache, limit: int) -> TextStream:
-        text = TextStream(self.tokenizer, s.options, s.stats, limit, cache)
-        text.start = s.submitted  # time to first token includes the wait for a slot
-        return text
+        # time to first token includes the wait for a slot
+        return TextStream(self.tokenizer, s.options, s.stats, limit, cache, start=s.submitted)
 
     def _prefill_some(self) -> None:
         """Prefill chunks (cut where a lone generation cuts them) until about `prefill_step`

@@ -193,16 +193,16 @@ def top_logprobs(logprobs: mx.array, k: int) -> list[tuple[int, float]] | None:
 
 class TextStream:
     """One sequence's tokens → chunks: streamed text, stop strings, EOS, limits, stats.
-    Created when the sequence's clock starts (its time to first token counts from here)."""
+    Its time to first token counts from `start` (default: now)."""
 
     def __init__(self, tokenizer: Tokenizer, options: GenerationOptions, stats: Stats, limit: int,
-                 cache: PromptCache):
+                 cache: PromptCache, start: float | None = None):
         self.options, self.stats, self.limit, self.cache = options, stats, limit, cache
         self.detok = tokenizer.detokenizer()
         self.stop = StopMatcher(options.stop)
         self.eos = set() if options.ignore_eos else set(tokenizer.eos_token_ids)
         self.generated = 0
-        self.start = time.perf_counter()
+        self.start = time.perf_counter() if start is None else start
         self.first_token_at = self.start
 
     def emit(self, token: Token) -> Chunk:

@@ -1,6 +1,7 @@
 // Python module mlxinfer._cpu_qmm: the op, the thread count, and what was built.
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
 
 #include "mlx/version.h"
 
@@ -18,6 +19,9 @@ NB_MODULE(_cpu_qmm, m) {
   m.def("affine_gather_quantized_matmul", &mlxinfer::affine_gather_quantized_matmul, "x"_a, "w"_a, "scales"_a,
         "biases"_a, "indices"_a, "group_size"_a, "bits"_a,
         "Row m of x [rows, in] @ dequantize(w[indices[m]]).T: one row per routed token (MoE experts).");
+  m.def("decode_attention", &mlxinfer::decode_attention, "q"_a, "caches"_a, "lengths"_a, "scale"_a,
+        "One query per head of each row b over the first lengths[b] slots of its own float32 K/V buffers "
+        "(caches = [keys_0, values_0, keys_1, ...]), each (row, head) in one fixed order.");
   m.def("threads", &mlxinfer::threads, "Threads a matmul is split across (the calling one included).");
   m.def("set_threads", &mlxinfer::set_threads, "n"_a);
   m.def("simd", &mlxinfer::simd_name, "The loop in use on this CPU: 'avx2+fma' or 'scalar'.");

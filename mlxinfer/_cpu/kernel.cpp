@@ -279,6 +279,10 @@ const char* simd_name() {
   return use_avx2() ? "avx2+fma" : "scalar";
 }
 
+bool simd_avx2() {
+  return use_avx2();
+}
+
 void force_scalar(bool on) {
   scalar_forced.store(on, std::memory_order_relaxed);
 }

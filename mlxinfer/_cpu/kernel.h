@@ -33,6 +33,24 @@ void quantized_matmul_range(const QuantizedMatrix& m, const float* x, int rows, 
 // "avx2+fma" or "scalar": the loop quantized_matmul_range runs on this CPU.
 const char* simd_name();
 
+// Whether the AVX2 loops run (the CPU has them and the scalar loop is not forced).
+bool simd_avx2();
+
+// One sequence's cached keys or values for one decode step: float32, entry (head h,
+// slot j, dim d) at data[h * head_stride + j * slot_stride + d], slots [0, length) live.
+struct CachedHeads {
+  const float* data;
+  int64_t head_stride;
+  int64_t slot_stride;
+};
+
+// softmax(q . k_j * scale) . v_j over the `length` live slots of one query head against
+// kv head `kv_head`; q and out are `dims` floats. One fixed order of arithmetic per head,
+// the same whatever else is computed beside it (batch invariance); `scores` has room
+// for `length` floats.
+void decode_attention_head(const float* q, const CachedHeads& keys, const CachedHeads& values, int kv_head,
+                           int length, int dims, float scale, float* out, float* scores);
+
 // Force the scalar loop (true) or let the CPU decide (false); for tests and doctor.
 void force_scalar(bool on);
 

@@ -6,6 +6,7 @@
 #include <string>
 #include <stdexcept>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #if defined(__linux__)
@@ -119,6 +120,19 @@ void check_arguments(const mx::array& x, const mx::array& w, const mx::array& sc
   scale_type(scales.dtype());
 }
 
+// Allocates `out` (float32), registers the arrays with MLX's CPU encoder and queues
+// work(output data) on its thread.
+template <typename Work>
+void queue_on_cpu(mx::Stream stream, const std::vector<mx::array>& inputs, mx::array& out, Work work) {
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+  auto& encoder = mx::cpu::get_command_encoder(stream);
+  for (const auto& a : inputs) {
+    encoder.set_input_array(a);
+  }
+  encoder.set_output_array(out);
+  encoder.dispatch([work = std::move(work), y = out.data<float>()]() { work(y); });
+}
+
 } // namespace
 
 mx::array affine_quantized_matmul(const mx::array& x, const mx::array& w, const mx::array& scales,
@@ -151,13 +165,7 @@ mx::array affine_gather_quantized_matmul(const mx::array& x, const mx::array& w,
 
 void AffineQuantizedMatmul::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
   mx::array& out = outputs[0];
-  out.set_data(mx::allocator::malloc(out.nbytes()));
-  auto& encoder = mx::cpu::get_command_encoder(stream());
-  for (const auto& a : inputs) {
-    encoder.set_input_array(a);
-  }
-  encoder.set_output_array(out);
-  encoder.dispatch([inputs, y = out.data<float>(), group = group_size_, bits = bits_, gather = gather_]() {
+  queue_on_cpu(stream(), inputs, out, [inputs, group = group_size_, bits = bits_, gather = gather_](float* y) {
     const mx::array &x = inputs[0], &w = inputs[1], &scales = inputs[2], &biases = inputs[3];
     std::vector<uint8_t> keep[5];
     QuantizedMatrix m{static_cast<const uint8_t*>(row_major(w, keep[1])),
@@ -205,6 +213,80 @@ void AffineQuantizedMatmul::eval_gpu(const std::vector<mx::array>&, std::vector<
 bool AffineQuantizedMatmul::is_equivalent(const mx::Primitive& other) const {
   const auto& o = static_cast<const AffineQuantizedMatmul&>(other);
   return group_size_ == o.group_size_ && bits_ == o.bits_ && gather_ == o.gather_;
+}
+
+mx::array decode_attention(const mx::array& q, const std::vector<mx::array>& caches,
+                           const std::vector<int>& lengths, float scale) {
+  std::ostringstream err;
+  if (q.dtype() != mx::float32 || q.ndim() != 4 || q.shape(2) != 1) {
+    err << "q must be float32 [rows, heads, 1, dims], got " << shape_text(q);
+  } else if (caches.size() != 2 * static_cast<size_t>(q.shape(0)) || lengths.size() != static_cast<size_t>(q.shape(0))) {
+    err << "need keys and values and a length for each of the " << q.shape(0) << " rows";
+  } else {
+    for (size_t i = 0; i < caches.size() && err.str().empty(); ++i) {
+      const mx::array& c = caches[i];
+      const int length = lengths[i / 2];
+      if (c.dtype() != mx::float32 || c.ndim() != 4 || c.shape(0) != 1 || c.shape(3) != q.shape(3) ||
+          c.shape(1) < 1 || q.shape(1) % c.shape(1) != 0 || length < 1 || length > c.shape(2)) {
+        err << "row " << i / 2 << "'s cache is " << shape_text(c) << " with " << length
+            << " live slots for q " << shape_text(q);
+      }
+    }
+  }
+  if (!err.str().empty()) {
+    throw std::invalid_argument(err.str());
+  }
+  const mx::Stream cpu = mx::default_stream(mx::Device::cpu);
+  std::vector<mx::array> inputs{q};
+  inputs.insert(inputs.end(), caches.begin(), caches.end());
+  return mx::array(q.shape(), mx::float32, std::make_shared<DecodeAttention>(cpu, lengths, scale), inputs);
+}
+
+void DecodeAttention::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
+  mx::array& out = outputs[0];
+  queue_on_cpu(stream(), inputs, out, [inputs, lengths = lengths_, scale = scale_](float* y) {
+    const mx::array& q = inputs[0];
+    std::vector<uint8_t> keep_q;
+    const auto* qs = static_cast<const float*>(row_major(q, keep_q));
+    const int rows = q.shape(0), heads = q.shape(1), dims = q.shape(3);
+    std::vector<std::vector<uint8_t>> keep(inputs.size());
+    std::vector<CachedHeads> caches;
+    size_t work = 0;
+    for (size_t i = 1; i < inputs.size(); ++i) {
+      const mx::array& c = inputs[i];
+      if (c.strides()[3] == 1) {
+        caches.push_back({c.data<float>(), c.strides()[1], c.strides()[2]});
+      } else {  // a strided view: copied row major
+        const auto* data = static_cast<const float*>(row_major(c, keep[i]));
+        caches.push_back({data, static_cast<int64_t>(c.shape(2)) * dims, dims});
+      }
+      work += static_cast<size_t>(lengths[(i - 1) / 2]) * dims;
+    }
+    auto head = [&](int task) {
+      const int r = task / heads, h = task % heads;
+      const int kv_heads = inputs[1 + 2 * r].shape(1);
+      std::vector<float> scores(lengths[r]);
+      const size_t at = (static_cast<size_t>(r) * heads + h) * dims;
+      decode_attention_head(qs + at, caches[2 * r], caches[2 * r + 1], h / (heads / kv_heads), lengths[r], dims,
+                            scale, y + at, scores.data());
+    };
+    if (work * heads < kSplitFrom) {
+      for (int t = 0; t < rows * heads; ++t) {
+        head(t);
+      }
+      return;
+    }
+    pool().run(rows * heads, head);
+  });
+}
+
+void DecodeAttention::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
+  throw std::runtime_error("MlxinferDecodeAttention runs on the CPU only");
+}
+
+bool DecodeAttention::is_equivalent(const mx::Primitive& other) const {
+  const auto& o = static_cast<const DecodeAttention&>(other);
+  return lengths_ == o.lengths_ && scale_ == o.scale_;
 }
 
 int threads() {

@@ -52,6 +52,32 @@ class AffineQuantizedMatmul : public mx::Primitive {
   bool gather_;
 };
 
+// Decode attention for a batch of sequences, each over its own cache: q [B, heads, 1, dims]
+// float32; `caches` holds keys then values of each row b, float32 [1, kv_heads, slots, dims]
+// (the cache buffers as they lie), of which the first lengths[b] slots are live. Every
+// (row, head) is computed by one fixed loop (decode_attention_head), so a row's output
+// does not depend on the others. -> [B, heads, 1, dims] float32.
+mx::array decode_attention(const mx::array& q, const std::vector<mx::array>& caches,
+                           const std::vector<int>& lengths, float scale);
+
+class DecodeAttention : public mx::Primitive {
+ public:
+  DecodeAttention(mx::Stream stream, std::vector<int> lengths, float scale)
+      : mx::Primitive(stream), lengths_(std::move(lengths)), scale_(scale) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+
+  const char* name() const override {
+    return "MlxinferDecodeAttention";
+  }
+  bool is_equivalent(const mx::Primitive& other) const override;
+
+ private:
+  std::vector<int> lengths_;
+  float scale_;
+};
+
 // Threads the matmuls split across (the calling thread included).
 int threads();
 void set_threads(int n);

@@ -4,9 +4,11 @@ reference). Caches only store and return K/V (`update_and_fetch`); computing wit
 happens here, so every attention module of every family goes through one place.
 
 Batched decoding keeps one cache per sequence (each with its own length, position and
-kind), and hands a layer a cache whose `rows` lists them: `per_row` runs the
-position-dependent part (RoPE, store, attend) row by row with the very arithmetic a
-sequence gets alone, while the projections around it run on the whole batch at once.
+kind), and hands a layer a cache whose `rows` lists them. RoPE takes one offset per row;
+storing and attending run per row with the very arithmetic a sequence gets alone: on the
+CPU a decode step's float rows go together to one compiled primitive that reads each
+row's buffer in place (`kernels.cpu_attention`), other rows to `attend` one by one. The
+projections around attention run on the whole batch at once.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from typing import Callable
 
 import mlx.core as mx
 
-from ..kernels import quantized_attention
+from ..kernels import cpu_attention, quantized_attention
 
 Mask = mx.array | str | None
 
@@ -84,6 +86,46 @@ def offsets(cache) -> int | list[int]:
         return 0
     rows = getattr(cache, "rows", None)
     return cache.offset if rows is None else [c.offset for c in rows]
+
+
+def attention(q: mx.array, k: mx.array, v: mx.array, cache, mask, scale: float,
+              softcap: float | None = None) -> mx.array:
+    """Store k/v and attend, for one sequence or a batch (a cache with `rows`, one mask
+    per row): a decode step over per-sequence caches goes through `decode_rows`, the
+    rest (prefill, soft-capping, one cache holding many rows) through `attend`."""
+    rows = getattr(cache, "rows", None)
+    one_cache_many_rows = rows is None and q.shape[0] != 1  # a plain [B, ...] cache, not per-row buffers
+    if (cache is not None and q.shape[2] == 1 and softcap is None and not one_cache_many_rows
+            and cpu_attention.available(q)):
+        return decode_rows(q, k, v, rows or [cache], mask if rows is not None else [mask], scale)
+
+    def one(qi: mx.array, ki: mx.array, vi: mx.array, c, m: Mask) -> mx.array:
+        return attend(qi, ki, vi, c, scale, m, softcap)
+
+    return per_row(one, cache, mask, q, k, v)
+
+
+def decode_rows(q: mx.array, k: mx.array, v: mx.array, caches: list, masks: list, scale: float) -> mx.array:
+    """One decode step, row b over caches[b]: the rows with a float cache and no mask are
+    attended by the CPU primitive together (one op per layer instead of one fused-attention
+    call per row, each ~40 µs on the CPU however small), the others by `attend` alone.
+    Which way a row goes depends on that row only, so its numbers never depend on its batch."""
+    n = len(caches)
+    qs, ks, vs = ([a] if n == 1 else mx.split(a, n) for a in (q, k, v))
+    fast = [b for b in range(n) if masks[b] is None and caches[b].bits is None]
+    outs: list[mx.array] = [qs[b] for b in range(n)]  # placeholders, each replaced below
+    for b in range(n):
+        if b in fast:
+            caches[b].update_and_fetch(ks[b], vs[b])
+        else:
+            outs[b] = attend(qs[b], ks[b], vs[b], caches[b], scale, masks[b])
+    if fast:
+        qf = q if len(fast) == n else mx.concatenate([qs[b] for b in fast])
+        o = cpu_attention.decode_attention(qf, [(caches[b].keys[0], caches[b].values[0], caches[b].size)
+                                                for b in fast], scale)
+        for b, ob in zip(fast, [o] if len(fast) == 1 else mx.split(o, len(fast))):
+            outs[b] = ob
+    return outs[0] if n == 1 else mx.concatenate(outs, axis=0)
 
 
 def per_row(one: Callable[..., mx.array], cache, mask, *arrays: mx.array) -> mx.array:

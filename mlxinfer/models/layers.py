@@ -15,7 +15,7 @@ import numpy as np
 
 from ..errors import ConfigError
 from ..kernels.quantized_matmul import quantized_matmul
-from .attention import Mask, attend, attention_mask, offsets, per_row
+from .attention import Mask, attention, attention_mask, offsets
 from .config import ModelConfig, RopeConfig
 
 ROPE_KINDS = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
@@ -235,11 +235,8 @@ class Attention(nn.Module):
         v = self._heads(v, self.n_kv_heads)
         offset = offsets(cache)
         q, k = self.rope(q, offset), self.rope(k, offset)
-        o = per_row(self._attend, cache, mask, q, k, v)
+        o = attention(q, k, v, cache, mask, self.scale, self.softcap)
         return self.o_proj(o.transpose(0, 2, 1, 3).reshape(B, T, -1))
-
-    def _attend(self, q: mx.array, k: mx.array, v: mx.array, cache, mask: Mask) -> mx.array:
-        return attend(q, k, v, cache, self.scale, mask, self.softcap)
 
 
 GATE_ACTIVATIONS = {"silu": nn.silu, "gelu_pytorch_tanh": nn.gelu_approx}

@@ -1,0 +1,108 @@
+// Decode attention (one query per head) over one sequence's float32 K/V cache; see
+// kernel.h. Scores, a max-subtracted softmax in float32, then the weighted sum of
+// values, each in one fixed order; AVX2 where the CPU has it, else a scalar loop.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+#include "kernel.h"
+
+namespace mlxinfer {
+
+namespace {
+
+float dot_scalar(const float* a, const float* b, int n) {
+  float sum = 0.0f;
+  for (int i = 0; i < n; ++i) {
+    sum += a[i] * b[i];
+  }
+  return sum;
+}
+
+void axpy_scalar(float p, const float* v, float* acc, int n) {
+  for (int i = 0; i < n; ++i) {
+    acc[i] += p * v[i];
+  }
+}
+
+#if defined(__x86_64__)
+
+#define MLXINFER_AVX2 __attribute__((target("avx2,fma")))
+
+// Eight lanes over the dims (the tail scalar), summed lane by lane in a fixed tree.
+MLXINFER_AVX2 float dot_avx2(const float* a, const float* b, int n) {
+  __m256 acc = _mm256_setzero_ps();
+  int i = 0;
+  for (; i + 8 <= n; i += 8) {
+    acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+  }
+  __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+  __m128 pairs = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  float sum = _mm_cvtss_f32(_mm_add_ss(pairs, _mm_shuffle_ps(pairs, pairs, 1)));
+  for (; i < n; ++i) {
+    sum += a[i] * b[i];
+  }
+  return sum;
+}
+
+MLXINFER_AVX2 void axpy_avx2(float p, const float* v, float* acc, int n) {
+  const __m256 pv = _mm256_set1_ps(p);
+  int i = 0;
+  for (; i + 8 <= n; i += 8) {
+    _mm256_storeu_ps(acc + i, _mm256_fmadd_ps(pv, _mm256_loadu_ps(v + i), _mm256_loadu_ps(acc + i)));
+  }
+  for (; i < n; ++i) {
+    acc[i] += p * v[i];
+  }
+}
+
+#endif
+
+} // namespace
+
+void decode_attention_head(const float* q, const CachedHeads& keys, const CachedHeads& values, int kv_head,
+                           int length, int dims, float scale, float* out, float* scores) {
+#if defined(__x86_64__)
+  const bool avx2 = simd_avx2();
+#else
+  const bool avx2 = false;
+#endif
+  const float* k = keys.data + kv_head * keys.head_stride;
+  const float* v = values.data + kv_head * values.head_stride;
+  float top = -INFINITY;
+  for (int j = 0; j < length; ++j) {
+    const float* kj = k + j * keys.slot_stride;
+#if defined(__x86_64__)
+    const float s = (avx2 ? dot_avx2(q, kj, dims) : dot_scalar(q, kj, dims)) * scale;
+#else
+    const float s = dot_scalar(q, kj, dims) * scale;
+#endif
+    scores[j] = s;
+    top = std::max(top, s);
+  }
+  float total = 0.0f;
+  for (int j = 0; j < length; ++j) {
+    scores[j] = std::exp(scores[j] - top);
+    total += scores[j];
+  }
+  std::fill(out, out + dims, 0.0f);
+  for (int j = 0; j < length; ++j) {
+    const float* vj = v + j * values.slot_stride;
+#if defined(__x86_64__)
+    if (avx2) {
+      axpy_avx2(scores[j], vj, out, dims);
+      continue;
+    }
+#endif
+    axpy_scalar(scores[j], vj, out, dims);
+  }
+  for (int d = 0; d < dims; ++d) {
+    out[d] /= total;
+  }
+}
+
+} // namespace mlxinfer

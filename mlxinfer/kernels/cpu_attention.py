@@ -1,0 +1,29 @@
+"""Decode attention over float32 K/V caches on the CPU, for one sequence or a batch of
+sequences each with its own cache: the compiled primitive `decode_attention` of the CPU
+extension (built and checked with the quantized matmul, `kernels.quantized_matmul`).
+
+Why: MLX's fused attention on the CPU costs ~40 µs per call however small the cache, and
+a batch whose sequences keep their own caches would pay it for every row and layer (64
+calls per step for 8 sequences on an 8-layer model). The primitive is one op per layer
+for all rows; it reads each row's cache buffer in place, and computes every (row, head)
+in one fixed order, so a sequence gets the same numbers alone or in any batch.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from .quantized_matmul import extension, mode
+
+
+def available(q: mx.array) -> bool:
+    """Whether `decode_attention` runs here for queries like `q` (float32, CPU, extension built)."""
+    return (q.dtype == mx.float32 and mx.default_device().type == mx.DeviceType.cpu and mode() == "auto"
+            and extension() is not None)
+
+
+def decode_attention(q: mx.array, caches: list[tuple[mx.array, mx.array, int]], scale: float) -> mx.array:
+    """q [B, heads, 1, dims] over row b's (keys, values, live slots): buffers
+    [1, kv_heads, slots, dims] whose first `live` slots hold its keys and values."""
+    buffers = [a for keys, values, _ in caches for a in (keys, values)]
+    return extension().decode_attention(q, buffers, [n for _, _, n in caches], scale)
