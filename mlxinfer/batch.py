@@ -228,7 +228,10 @@ class BatchGenerator:
                 if id(s) in row:
                     s.next_input = previous.tokens[row[id(s)] : row[id(s)] + 1]
         logits = run_rows(self.model, [s.cache for s in members], mx.concatenate([s.next_input for s in members]))
-        tokens = mx.concatenate([s.sampler(logits[i : i + 1]) for i, s in enumerate(members)])
+        if all(s.sampler.argmax_only for s in members):  # one op for the batch, same argmax per row
+            tokens = logits.argmax(axis=-1)
+        else:
+            tokens = mx.concatenate([s.sampler(logits[i : i + 1]) for i, s in enumerate(members)])
         chosen, logprobs = chosen_logprobs(logits, tokens)
         mx.async_eval(tokens, chosen)
         self.stats.max_batch_seen = max(self.stats.max_batch_seen, len(members))

@@ -79,7 +79,7 @@ class KVCache:
         self.offset = 0
         self.size = 0
 
-    def _store(self, keys: Parts, values: Parts) -> tuple[Parts, Parts]:
+    def _store(self, keys: Parts, values: Parts) -> None:
         n = keys[0].shape[2]
         if self.keys is None or self.size + n > self.keys[0].shape[2]:
             capacity = (self.size + n + self.step - 1) // self.step * self.step
@@ -90,11 +90,16 @@ class KVCache:
         _write(self.values, values, self.size)
         self.size += n
         self.offset += n
-        return _slice(self.keys, 0, self.size), _slice(self.values, 0, self.size)
+
+    def store(self, keys: mx.array, values: mx.array) -> None:
+        """Store a [B, kv_heads, T, head_dim] chunk, for a caller that reads the buffers
+        (`keys`, `values`, their first `size` slots) itself."""
+        self._store(_encode(keys, self.bits, self.group_size), _encode(values, self.bits, self.group_size))
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[Parts, Parts]:
         """Store a [B, kv_heads, T, head_dim] chunk; return every kept key and value."""
-        return self._store(_encode(keys, self.bits, self.group_size), _encode(values, self.bits, self.group_size))
+        self.store(keys, values)
+        return _slice(self.keys, 0, self.size), _slice(self.values, 0, self.size)
 
     def make_mask(self, queries: int, window: int | None):
         return attention_mask(queries, self.offset, window)
@@ -221,9 +226,9 @@ class RotatingKVCache(KVCache):
             return self.keys, self.values
         if queries == 1 and self.size < self.max_size:
             self._pos = np.append(self._pos, self.offset)
-            out = self._store(k, v)
+            self._store(k, v)
             self._next = int((self._pos < self.keep).sum())
-            return out
+            return _slice(self.keys, 0, self.size), _slice(self.values, 0, self.size)
         kept = self._kept()
         self._set(_take(self.keys, kept) if len(kept) else None, _take(self.values, kept) if len(kept) else None,
                   self._pos[kept], self.offset)
@@ -233,6 +238,9 @@ class RotatingKVCache(KVCache):
         self.offset += queries
         self._next = int((self._pos < self.keep).sum())
         return self.keys, self.values
+
+    def store(self, keys: mx.array, values: mx.array) -> None:
+        self.update_and_fetch(keys, values)
 
     def _set(self, keys: Parts | None, values: Parts | None, positions: np.ndarray, offset: int) -> None:
         """Hold exactly these token-ordered entries."""

@@ -149,6 +149,11 @@ class Sampler:
         self._key = mx.random.key(config.seed) if config.seed is not None else None
         self._history = mx.array(list(context[-config.penalty_window :]), mx.uint32)
 
+    @property
+    def argmax_only(self) -> bool:
+        """Greedy with nothing that changes the logits: a draw is the argmax, whoever's rows sit beside it."""
+        return self.config.greedy and not self.config.penalised and not self.config.logit_bias
+
     def next_key(self) -> mx.array | None:
         if self._key is None:
             return None

@@ -111,12 +111,13 @@ def decode_rows(q: mx.array, k: mx.array, v: mx.array, caches: list, masks: list
     call per row, each ~40 µs on the CPU however small), the others by `attend` alone.
     Which way a row goes depends on that row only, so its numbers never depend on its batch."""
     n = len(caches)
-    qs, ks, vs = ([a] if n == 1 else mx.split(a, n) for a in (q, k, v))
     fast = [b for b in range(n) if masks[b] is None and caches[b].bits is None]
-    outs: list[mx.array] = [qs[b] for b in range(n)]  # placeholders, each replaced below
+    ks, vs = ([a] if n == 1 else mx.split(a, n) for a in (k, v))
+    qs = q if len(fast) == n else mx.split(q, n)  # rows of q only where some go to `attend`
+    outs: list[mx.array] = [q] * n  # placeholders, each replaced below
     for b in range(n):
         if b in fast:
-            caches[b].update_and_fetch(ks[b], vs[b])
+            caches[b].store(ks[b], vs[b])
         else:
             outs[b] = attend(qs[b], ks[b], vs[b], caches[b], scale, masks[b])
     if fast:
