@@ -57,3 +57,17 @@ def test_cli_error_is_one_line(tmp_path):
     result = CliRunner().invoke(main, ["bench", str(tmp_path)])
     assert result.exit_code == 1
     assert result.output.strip().startswith("error:") and len(result.output.strip().splitlines()) == 1
+
+
+def test_batch_example_equals_each_prompt_alone(hf_checkpoint):
+    import json
+
+    import mlxinfer
+
+    folder = hf_checkpoint("llama")
+    prompts = ["hello there", "the quick brown fox jumps", "a"]
+    out = subprocess.run([sys.executable, str(ROOT / "examples" / "batch.py"), str(folder), *prompts],
+                         capture_output=True, text=True, check=True, timeout=120).stdout
+    rows = sorted((json.loads(line) for line in out.splitlines()), key=lambda r: r["prompt"])
+    model, tokenizer = mlxinfer.load(folder)
+    assert [r["text"] for r in rows] == [mlxinfer.generate(model, tokenizer, p, max_tokens=32) for p in prompts]
