@@ -96,7 +96,6 @@ class BatchGenerator:
     def __init__(self, model, tokenizer: Tokenizer, max_batch: int = 8, prefill_step: int = 512,
                  pool: PromptCachePool | None = None, **defaults: Any):
         integer("max_batch", max_batch, 1)
-        integer("prefill_step", prefill_step, 1)
         if pool is not None and not isinstance(pool, PromptCachePool):
             raise InvalidOptionError(f"pool must be a PromptCachePool, got {type(pool).__name__}")
         self.model, self.tokenizer = model, tokenizer

@@ -91,6 +91,10 @@ class KVCache:
         self.size += n
         self.offset += n
 
+    def _live(self) -> tuple[Parts, Parts]:
+        """The kept keys and values: the first `size` slots of the buffers, in storage order."""
+        return _slice(self.keys, 0, self.size), _slice(self.values, 0, self.size)
+
     def store(self, keys: mx.array, values: mx.array) -> None:
         """Store a [B, kv_heads, T, head_dim] chunk, for a caller that reads the buffers
         (`keys`, `values`, their first `size` slots) itself."""
@@ -99,7 +103,7 @@ class KVCache:
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[Parts, Parts]:
         """Store a [B, kv_heads, T, head_dim] chunk; return every kept key and value."""
         self.store(keys, values)
-        return _slice(self.keys, 0, self.size), _slice(self.values, 0, self.size)
+        return self._live()
 
     def make_mask(self, queries: int, window: int | None):
         return attention_mask(queries, self.offset, window)
@@ -125,7 +129,7 @@ class KVCache:
         if self.keys is None:
             return (), ()
         if np.array_equal(order, np.arange(self.size)):
-            return _slice(self.keys, 0, self.size), _slice(self.values, 0, self.size)
+            return self._live()
         return _take(self.keys, order), _take(self.values, order)
 
     @property
@@ -228,7 +232,7 @@ class RotatingKVCache(KVCache):
             self._pos = np.append(self._pos, self.offset)
             self._store(k, v)
             self._next = int((self._pos < self.keep).sum())
-            return _slice(self.keys, 0, self.size), _slice(self.values, 0, self.size)
+            return self._live()
         kept = self._kept()
         self._set(_take(self.keys, kept) if len(kept) else None, _take(self.values, kept) if len(kept) else None,
                   self._pos[kept], self.offset)

@@ -72,10 +72,6 @@ class TokenSource(Protocol):
     def __iter__(self) -> Iterator[Token]: ...
 
 
-def log_softmax(logits: mx.array) -> mx.array:
-    return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-
-
 def chosen_logprobs(logits: mx.array, tokens: mx.array) -> tuple[mx.array, mx.array]:
     """Log-probabilities [B] of `tokens` [B] under `logits` [B, V], and the whole rows
     [B, V] — lazily: the rows cost a pass over the vocabulary and are evaluated only

@@ -21,7 +21,7 @@ from numpy.lib.stride_tricks import sliding_window_view
 
 from . import kernels
 from .cache import PromptCache
-from .decode import PlainDecoder, Stats, Token, log_softmax
+from .decode import PlainDecoder, Stats, Token, chosen_logprobs
 from .errors import InvalidOptionError
 from .sample import Sampler
 
@@ -265,8 +265,8 @@ class SpeculativeDecoder:
         self.stats.accepted += n
         self.stats.rounds += 1
         self.length.update(len(drafts), n)
-        logprobs = log_softmax(logits[: n + 1])
-        values = mx.take_along_axis(logprobs, mx.array(chosen)[:, None], axis=-1)[:, 0].tolist()
+        chosen_lp, logprobs = chosen_logprobs(logits[: n + 1], mx.array(chosen))
+        values = chosen_lp.tolist()
         self.last = token
         for i, (t, lp) in enumerate(zip(chosen, values)):
             yield Token(t, lp, logprobs[i], drafted=i < n)
