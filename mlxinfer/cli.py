@@ -331,6 +331,42 @@ def bench(model_argument, model, dtype, prompt_tokens, gen_tokens, repeat, max_k
         click.echo(f"  {name:<16} {med * scale:{fmt}} [{lo * scale:{fmt}}-{hi * scale:{fmt}}]")
 
 @main.command()
+@with_options(MODEL_OPTIONS)
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on (loopback by default).")
+@click.option("--port", type=click.IntRange(0, 65535), default=8080, show_default=True)
+@click.option("--max-concurrency", type=click.IntRange(1), default=8, show_default=True,
+              help="Sequences decoded together; more requests wait.")
+@click.option("--max-kv-size", type=click.IntRange(2), help="Rotating KV cache of this many tokens per sequence.")
+@click.option("--kv-bits", type=click.Choice(["4", "8"]), help="Quantize the KV cache.")
+@click.option("--prompt-cache-bytes", type=click.IntRange(0), default=1 << 30, show_default=True,
+              help="Bytes of finished conversations' K/V kept for reuse by later requests.")
+@click.option("--api-key", help="Require 'Authorization: Bearer KEY' on /v1 requests.")
+@click.option("--cors", "cors", help="Allow browser requests from this origin.")
+def serve(model, dtype, host, port, max_concurrency, max_kv_size, kv_bits, prompt_cache_bytes, api_key, cors) -> None:
+    """Serve the model over OpenAI's HTTP API (chat and text completions, streaming)."""
+    import uvicorn
+
+    from .batch import BatchGenerator
+    from .pool import PromptCachePool
+    from .server import EngineThread, create_app
+    from .store import open_model
+
+    if host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
+        click.echo(f"warning: listening on {host} without --api-key: anyone who can reach it can use it", err=True)
+    m, tokenizer, where = open_model(model, dtype)
+    cache = {k: v for k, v in (("max_kv_size", max_kv_size), ("kv_bits", int(kv_bits) if kv_bits else None)) if v}
+    engine = EngineThread(BatchGenerator(m, tokenizer, max_batch=max_concurrency,
+                                         pool=PromptCachePool(prompt_cache_bytes), **cache))
+    name = model_name(where)
+    app = create_app(engine, tokenizer, name, api_key=api_key, cors=cors)
+    click.echo(f"serving {name} at http://{host}:{port}/v1 (Ctrl-C stops)")
+    try:
+        uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5)
+    finally:
+        engine.stop()
+
+
+@main.command()
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def doctor(as_json: bool) -> None:
     """The environment (MLX, device, memory) and, on Metal, every custom kernel checked against its reference;
