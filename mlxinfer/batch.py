@@ -117,6 +117,11 @@ class BatchGenerator:
         return len(self._waiting) + len(self._prefilling) + len(self._decoding)
 
     @property
+    def waiting(self) -> int:
+        """Sequences submitted and not yet admitted (all `max_batch` slots were taken)."""
+        return len(self._waiting)
+
+    @property
     def cache_bytes(self) -> int:
         """Bytes of K/V held by the sequences in flight."""
         return sum(s.cache.nbytes for s in (*self._prefilling, *self._decoding) if s.cache is not None)
@@ -153,13 +158,27 @@ class BatchGenerator:
         with mx.stream(generation_stream()):
             self._drop_cancelled(out)
             self._admit(out)
-            self._prefill_some()
-            current = self._queued or self._decode(self._decoding)
-            self._queued = None
-            if current is not None:
-                self._queued = self._decode(self._continuing(current), current)
-                self._emit(current, out)
+            self._prefill_some(out)
+            try:
+                current = self._queued or self._decode(self._decoding)
+                self._queued = None
+                if current is not None:
+                    self._queued = self._decode(self._continuing(current), current)
+                    self._emit(current, out)
+            except Exception as e:  # noqa: BLE001 - a failed batched step ends its members, not the engine
+                self._queued = None
+                for s in list(self._decoding):
+                    self._fail(s, e, out)
         return out
+
+    def _fail(self, s: _Sequence, error: Exception, out: list[tuple[int, Chunk]]) -> None:
+        """End `s` with an error chunk (the others go on); its cache is dropped, not pooled."""
+        for group in (self._waiting, self._prefilling, self._decoding):
+            if s in group:
+                group.remove(s)
+        s.stats.finish_reason = "error"
+        out.append((s.uid, Chunk("", None, None, "error", s.stats, error=f"{type(error).__name__}: {error}")))
+        s.cache = None
 
     def _drop_cancelled(self, out: list[tuple[int, Chunk]]) -> None:
         if not self._cancelled:
@@ -175,35 +194,49 @@ class BatchGenerator:
     def _admit(self, out: list[tuple[int, Chunk]]) -> None:
         while self._waiting and len(self._prefilling) + len(self._decoding) < self.max_batch:
             s = self._waiting.popleft()
-            opts = s.cache_options
-            s.cache = self.pool.fetch(self.model, s.prompt, **opts) if self.pool else PromptCache.for_model(
-                self.model, **opts)
-            limit = context_limit(self.model, s.cache, len(s.prompt), s.options.max_tokens)
-            s.text = self._text(s, s.cache, limit)
-            s.todo = s.cache.prepare(s.prompt)
-            s.stats.prefill_tokens = len(s.todo)
+            try:
+                limit = self._start(s)
+            except Exception as e:  # noqa: BLE001 - one sequence's failure ends that sequence only
+                self._fail(s, e, out)
+                continue
             if limit <= 0:
                 out.append((s.uid, s.text.end("length")))
                 self._finished(s)
                 continue
             self._prefilling.append(s)
 
+    def _start(self, s: _Sequence) -> int:
+        """Give an admitted sequence its cache (from the pool when one shares its prefix) and
+        text layer; returns how many tokens it may generate."""
+        opts = s.cache_options
+        s.cache = self.pool.fetch(self.model, s.prompt, **opts) if self.pool else PromptCache.for_model(
+            self.model, **opts)
+        limit = context_limit(self.model, s.cache, len(s.prompt), s.options.max_tokens)
+        s.text = self._text(s, s.cache, limit)
+        s.todo = s.cache.prepare(s.prompt)
+        s.stats.prefill_tokens = len(s.todo)
+        return limit
+
     def _text(self, s: _Sequence, cache: PromptCache, limit: int) -> TextStream:
         # time to first token includes the wait for a slot
         return TextStream(self.tokenizer, s.options, s.stats, limit, cache, start=s.submitted)
 
-    def _prefill_some(self) -> None:
+    def _prefill_some(self, out: list[tuple[int, Chunk]]) -> None:
         """Prefill chunks (cut where a lone generation cuts them) until about `prefill_step`
         tokens ran this step; sequences whose prompt is in join decoding."""
         budget = self.prefill_step
         for s in list(self._prefilling):
             step = s.options.prefill_step
-            while s.prefilled < len(s.todo) - 1 and budget > 0:
-                chunk = s.todo[s.prefilled : min(s.prefilled + step, len(s.todo) - 1)]
-                s.cache.prefill(self.model, chunk, len(chunk))
-                s.prefilled += len(chunk)
-                budget -= len(chunk)
-                self.stats.prefilled_tokens += len(chunk)
+            try:
+                while s.prefilled < len(s.todo) - 1 and budget > 0:
+                    chunk = s.todo[s.prefilled : min(s.prefilled + step, len(s.todo) - 1)]
+                    s.cache.prefill(self.model, chunk, len(chunk))
+                    s.prefilled += len(chunk)
+                    budget -= len(chunk)
+                    self.stats.prefilled_tokens += len(chunk)
+            except Exception as e:  # noqa: BLE001 - one sequence's failure ends that sequence only
+                self._fail(s, e, out)
+                continue
             if s.prefilled < len(s.todo) - 1:
                 break
             self._prefilling.remove(s)
@@ -240,9 +273,13 @@ class BatchGenerator:
         self.stats.steps += 1
         ids, values = current.tokens.tolist(), current.chosen.tolist()
         for i, s in enumerate(current.members):
-            if s not in self._decoding:  # finished or cancelled while this step was queued
+            if s not in self._decoding:  # finished, cancelled or failed while this step was queued
                 continue
-            chunk = s.text.emit(Token(ids[i], values[i], current.logprobs[i]))
+            try:
+                chunk = s.text.emit(Token(ids[i], values[i], current.logprobs[i]))
+            except Exception as e:  # noqa: BLE001 - one sequence's failure ends that sequence only
+                self._fail(s, e, out)
+                continue
             self.stats.decoded_tokens += 1
             out.append((s.uid, chunk))
             if chunk.finish_reason:

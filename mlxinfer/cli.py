@@ -97,6 +97,27 @@ OPTION_NAMES = {
 }
 
 
+class ByteSize(click.ParamType):
+    """A size in bytes: a number with an optional unit (KB/MB/GB are powers of 1000, KiB/MiB/GiB of 1024)."""
+
+    name = "size"
+    UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+             "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+    def convert(self, value: Any, param, ctx) -> int:
+        if isinstance(value, int):
+            return value
+        text = str(value).strip().lower()
+        number = text.rstrip("kmgtib")
+        try:
+            size = float(number) * self.UNITS[text[len(number):].strip()]
+        except (ValueError, KeyError):
+            self.fail(f"{value!r} is not a size; write e.g. 1073741824, 512MiB or 2GB", param, ctx)
+        if size < 0:
+            self.fail(f"{value!r} is negative", param, ctx)
+        return int(size)
+
+
 def with_options(options: list[Callable]) -> Callable:
     def decorate(f: Callable) -> Callable:
         for option in reversed(options):
@@ -335,35 +356,56 @@ def bench(model_argument, model, dtype, prompt_tokens, gen_tokens, repeat, max_k
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on (loopback by default).")
 @click.option("--port", type=click.IntRange(0, 65535), default=8080, show_default=True)
 @click.option("--max-concurrency", type=click.IntRange(1), default=8, show_default=True,
-              help="Sequences decoded together; more requests wait.")
-@click.option("--max-kv-size", type=click.IntRange(2), help="Rotating KV cache of this many tokens per sequence.")
+              help="Requests decoded together; more wait in the queue.")
+@click.option("--max-queue", type=click.IntRange(0), default=32, show_default=True,
+              help="Requests that may wait for a slot; past that the server answers 503 with Retry-After.")
+@click.option("--max-kv-size", type=click.IntRange(2), help="Rotating KV cache of this many tokens per request.")
 @click.option("--kv-bits", type=click.Choice(["4", "8"]), help="Quantize the KV cache.")
-@click.option("--prompt-cache-bytes", type=click.IntRange(0), default=1 << 30, show_default=True,
-              help="Bytes of finished conversations' K/V kept for reuse by later requests.")
+@click.option("--prompt-cache-bytes", type=ByteSize(), default="1GiB", show_default=True,
+              help="K/V of finished requests kept for reuse by later ones (e.g. 512MiB, 2GB, 0: off).")
+@click.option("--draft-model", help="A small model of the same family that drafts tokens while one request runs.")
+@click.option("--prompt-lookup", is_flag=True, help="Draft tokens by copying from the context while one request runs.")
 @click.option("--api-key", help="Require 'Authorization: Bearer KEY' on /v1 requests.")
 @click.option("--cors", "cors", help="Allow browser requests from this origin.")
-def serve(model, dtype, host, port, max_concurrency, max_kv_size, kv_bits, prompt_cache_bytes, api_key, cors) -> None:
-    """Serve the model over OpenAI's HTTP API (chat and text completions, streaming)."""
-    import uvicorn
-
+def serve(model, dtype, host, port, max_concurrency, max_queue, max_kv_size, kv_bits, prompt_cache_bytes,
+          draft_model, prompt_lookup, api_key, cors) -> None:
+    """Serve the model over OpenAI's HTTP API (chat and text completions, streaming).
+    Concurrent requests are decoded together; Ctrl-C stops after the requests in flight."""
     from .batch import BatchGenerator
     from .pool import PromptCachePool
-    from .server import EngineThread, create_app
+    from .server import EngineThread, ServerConfig, create_app, run
     from .store import open_model
 
+    if draft_model and prompt_lookup:
+        raise click.UsageError("--draft-model and --prompt-lookup are alternatives: pass one of them")
+    check_free(host, port)
     if host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
         click.echo(f"warning: listening on {host} without --api-key: anyone who can reach it can use it", err=True)
     m, tokenizer, where = open_model(model, dtype)
-    cache = {k: v for k, v in (("max_kv_size", max_kv_size), ("kv_bits", int(kv_bits) if kv_bits else None)) if v}
+    options: dict[str, Any] = {"max_kv_size": max_kv_size, "kv_bits": int(kv_bits) if kv_bits else None,
+                               "draft_model": open_model(draft_model, dtype)[0] if draft_model else None,
+                               "prompt_lookup": prompt_lookup or None}
     engine = EngineThread(BatchGenerator(m, tokenizer, max_batch=max_concurrency,
-                                         pool=PromptCachePool(prompt_cache_bytes), **cache))
+                                         pool=PromptCachePool(prompt_cache_bytes) if prompt_cache_bytes else None,
+                                         **{k: v for k, v in options.items() if v is not None}),
+                          max_queued=max_queue)
     name = model_name(where)
-    app = create_app(engine, tokenizer, name, api_key=api_key, cors=cors)
-    click.echo(f"serving {name} at http://{host}:{port}/v1 (Ctrl-C stops)")
+    config = ServerConfig(name, max_tokens=m.config.max_position_embeddings, api_key=api_key, cors=cors)
+    click.echo(f"serving {name} at http://{host}:{port}/v1 (Ctrl-C stops)", err=True)
+    run(create_app(engine, tokenizer, config), engine, host, port)
+
+
+def check_free(host: str, port: int) -> None:
+    """Fail before loading a model when the address cannot be listened on."""
+    import socket
+
     try:
-        uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5)
-    finally:
-        engine.stop()
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        with socket.socket(infos[0][0], socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind(infos[0][4])
+    except OSError as e:
+        raise click.UsageError(f"cannot listen on {host}:{port} ({e.strerror or e}); pass another --port or --host")
 
 
 @main.command()

@@ -36,6 +36,7 @@ class Chunk:
     stats: Stats
     top_logprobs: list[tuple[int, float]] | None = None
     drafted: bool = False
+    error: str | None = None  # why a sequence ended with finish_reason "error" (batch engine)
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,12 @@
 """`mlxinfer serve`: an OpenAI-compatible HTTP server over the batched engine.
 
 The engine (`batch.BatchGenerator`) runs on one dedicated thread, so MLX work never
-blocks the event loop: requests reach it through a queue of commands (submit,
-cancel), and each request's chunks come back through its own asyncio queue. Concurrent
-requests share decode steps; a client that disconnects cancels its sequence at once.
+blocks the event loop: requests reach it through a queue of commands (submit, cancel),
+and each request's chunks come back through its own asyncio queue. Concurrent requests
+share decode steps; a client that disconnects cancels its sequence at once. Requests
+beyond the engine's slots wait in its queue, which is bounded: past it, a 503 with
+Retry-After. One request's failure ends that request (500 or an error event), never the
+server. Request and response shapes live in `openai_schema`.
 """
 
 from __future__ import annotations
@@ -13,26 +16,30 @@ import hmac
 import itertools
 import json
 import queue
+import resource
+import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+import mlx.core as mx
+import uvicorn
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from .batch import BatchGenerator
 from .errors import MlxinferError
 from .generate import Chunk
+from .openai_schema import ChatCompletion, Completion, Logprobs, RequestError, TextCompletion, choice, parse, usage
 
-# Request fields that change the output but are not supported: refused, never ignored.
-UNSUPPORTED = ("response_format", "tools", "tool_choice", "functions", "function_call", "logprobs_offset",
-               "best_of", "echo", "suffix", "audio", "modalities", "prediction", "n_probs")
+RETRY_AFTER_SECONDS = 1
+DISCONNECT_POLL_SECONDS = 0.25
 
 
 @dataclass
 class _Request:
-    """One request inside the engine thread: where its chunks go."""
+    """One request inside the engine thread: what to run and where its chunks go."""
 
     prompt: Any
     options: dict[str, Any]
@@ -41,67 +48,83 @@ class _Request:
     uid: int | None = None
 
 
-@dataclass
-class EngineStats:
-    """What /health reports."""
-
-    active: int = 0
-    queued: int = 0
-    served: int = 0
-    pool: dict[str, int] = field(default_factory=dict)
-
-
 class EngineThread:
     """Runs a BatchGenerator on its own thread; `submit` and `cancel` are safe from any thread.
 
-    Chunks (or an exception, which ends that request only) are handed to the request's
-    event loop with `call_soon_threadsafe`; `None` marks the end of a request."""
+    Each request gets its chunks, then `None`; a refused request gets a RequestError
+    instead. At most `max_batch + max_queued` requests are in flight (submitted and not
+    ended); past that `submit` refuses with a 503. The count drops when the engine ends a
+    request, so a request whose client vanished still frees its place when it stops.
+    `health` is a snapshot the engine thread refreshes after every step, so the event
+    loop never touches the engine."""
 
-    def __init__(self, engine: BatchGenerator, max_queued: int = 64):
-        self.engine = engine
-        self.max_queued = max_queued
+    def __init__(self, engine: BatchGenerator, max_queued: int = 32):
+        self.engine, self.max_queued = engine, max_queued
+        self.served = 0
+        self.health: dict[str, Any] = {}
+        self._in_flight = 0
+        self._lock = threading.Lock()
         self._commands: queue.Queue = queue.Queue()
         self._requests: dict[int, _Request] = {}  # engine uid -> request
-        self._ids = itertools.count()
         self._stop = threading.Event()
-        self.served = 0
+        self._snapshot()
         self._thread = threading.Thread(target=self._run, name="mlxinfer-engine", daemon=True)
         self._thread.start()
 
-    @property
-    def queued(self) -> int:
-        return self._commands.qsize()
-
     def submit(self, request: _Request) -> None:
+        limit = self.engine.max_batch + self.max_queued
+        with self._lock:
+            if self._stop.is_set():
+                raise RequestError("the server is shutting down", status=503, kind="server_busy")
+            if self._in_flight >= limit:
+                raise RequestError(f"the server is busy ({limit} requests running or queued); retry shortly",
+                                   status=503, kind="server_busy", headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
+            self._in_flight += 1
         self._commands.put(("submit", request))
 
     def cancel(self, request: _Request) -> None:
         self._commands.put(("cancel", request))
 
+    def shutdown(self) -> None:
+        """Refuse new requests and end those in flight now, each with its last chunk (the
+        text it has); returns at once (safe in a signal handler)."""
+        self._commands.put(("shutdown", None))
+
     def stop(self, timeout: float = 10.0) -> None:
-        """End every request in flight with what it has, then stop the thread."""
-        self._stop.set()
-        self._commands.put(("wake", None))
+        self.shutdown()
         self._thread.join(timeout)
 
-    def stats(self) -> EngineStats:
-        pool = self.engine.pool.stats.__dict__ if self.engine.pool is not None else {}
-        return EngineStats(self.engine.active, self.queued, self.served, dict(pool))
+    def _deliver(self, request: _Request, item: Chunk | RequestError | None) -> None:
+        try:
+            request.loop.call_soon_threadsafe(request.chunks.put_nowait, item)
+        except RuntimeError:  # the event loop has closed (the server stopped): nobody is listening
+            pass
+        if item is None:
+            with self._lock:
+                self._in_flight -= 1
 
-    def _deliver(self, request: _Request, item: Chunk | Exception | None) -> None:
-        request.loop.call_soon_threadsafe(request.chunks.put_nowait, item)
+    def _refuse(self, request: _Request, error: RequestError) -> None:
+        self._deliver(request, error)
+        self._deliver(request, None)
 
     def _handle(self, command: str, request: _Request | None) -> None:
         if command == "submit":
             try:
                 request.uid = self.engine.submit(request.prompt, **request.options)
-            except MlxinferError as e:  # the request's own fault (options, prompt, context): a 400
-                self._deliver(request, RequestError(str(e)))
-                self._deliver(request, None)
+            except MlxinferError as e:  # the request's own fault (options, prompt, context)
+                self._refuse(request, RequestError(str(e)))
+                return
+            except Exception as e:  # noqa: BLE001 - a fault of ours ends this request, not the server
+                self._refuse(request, server_error(f"{type(e).__name__}: {e}"))
                 return
             self._requests[request.uid] = request
         elif command == "cancel" and request.uid in self._requests:
             self.engine.cancel(request.uid)
+        elif command == "shutdown":
+            with self._lock:
+                self._stop.set()
+            for uid in self._requests:
+                self.engine.cancel(uid)
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -112,31 +135,71 @@ class EngineThread:
                     block = False
             except queue.Empty:
                 pass
-            if not self.engine.active:
-                continue
-            try:
-                produced = self.engine.step()
-            except Exception as e:  # noqa: BLE001 - one failed step ends the requests in it, not the server
-                self._fail_all(e)
-                continue
-            for uid, chunk in produced:
-                request = self._requests.get(uid)
-                if request is None:
-                    continue
-                self._deliver(request, chunk)
-                if chunk.finish_reason:
-                    self._deliver(request, None)
-                    del self._requests[uid]
-                    self.served += 1
+            if self.engine.active:
+                self._step()
+            self._snapshot()
         for uid in list(self._requests):  # stopping: end the streams that are left
             self._deliver(self._requests.pop(uid), None)
 
-    def _fail_all(self, error: Exception) -> None:
-        for uid, request in list(self._requests.items()):
-            self.engine.cancel(uid)
-            self._deliver(request, error)
-            self._deliver(request, None)
-        self._requests.clear()
+    def _step(self) -> None:
+        try:
+            produced = self.engine.step()
+        except Exception as e:  # noqa: BLE001 - the engine ends a failed sequence itself; this is the last guard
+            for uid, request in list(self._requests.items()):
+                self.engine.cancel(uid)
+                self._refuse(request, server_error(f"{type(e).__name__}: {e}"))
+            self._requests.clear()
+            return
+        for uid, chunk in produced:
+            request = self._requests.get(uid)
+            if request is None:
+                continue
+            if chunk.finish_reason == "error":
+                self._refuse(request, server_error(chunk.error or "generation failed"))
+            else:
+                self._deliver(request, chunk)
+                if chunk.finish_reason:
+                    self._deliver(request, None)
+            if chunk.finish_reason:
+                del self._requests[uid]
+                self.served += 1
+
+    def _snapshot(self) -> None:
+        e = self.engine
+        self.health = {
+            "active": e.active - e.waiting, "queued": e.waiting + self._commands.qsize(), "served": self.served,
+            "cache_bytes": e.cache_bytes,
+            "prompt_cache": dict(e.pool.stats.__dict__) if e.pool is not None else None,
+            "memory": {"mlx_active_bytes": mx.get_active_memory(), "mlx_peak_bytes": mx.get_peak_memory()},
+        }
+
+
+class _Uvicorn(uvicorn.Server):
+    """uvicorn whose first Ctrl-C / SIGTERM also ends the requests in flight, so their
+    connections close at once instead of holding the shutdown until they finish."""
+
+    def __init__(self, config: uvicorn.Config, engine: EngineThread):
+        super().__init__(config)
+        self.engine = engine
+
+    def handle_exit(self, sig: int, frame) -> None:
+        self.engine.shutdown()
+        super().handle_exit(sig, frame)
+        # uvicorn re-raises the signal once it has stopped; a stop the user asked for is a clean exit (status 0)
+        getattr(self, "_captured_signals", []).clear()
+
+
+def run(app: FastAPI, engine: EngineThread, host: str, port: int) -> None:
+    """Serve until Ctrl-C or SIGTERM, then stop the engine."""
+    config = uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5)
+    try:
+        _Uvicorn(config, engine).run()
+    finally:
+        engine.stop()
+
+
+def server_error(message: str) -> RequestError:
+    return RequestError(message, status=500, kind="server_error")
 
 
 async def chunks_of(engine: EngineThread, prompt: Any, options: dict[str, Any]) -> AsyncIterator[Chunk]:
@@ -150,7 +213,8 @@ async def chunks_of(engine: EngineThread, prompt: Any, options: dict[str, Any]) 
             if item is None:
                 finished = True
                 return
-            if isinstance(item, Exception):
+            if isinstance(item, RequestError):
+                finished = True
                 raise item
             yield item
     finally:
@@ -171,204 +235,151 @@ def sse(data: dict[str, Any] | str) -> bytes:
     return f"data: {body}\n\n".encode()
 
 
-def now() -> int:
-    return int(time.time())
+def peak_rss_bytes() -> int:
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024  # macOS counts bytes, Linux KiB
 
 
-SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
-                   "repetition_penalty")
-KNOWN_FIELDS = {"model", "messages", "prompt", "max_tokens", "max_completion_tokens", "stop", "logit_bias",
-                "logprobs", "top_logprobs", "n", "stream", "stream_options", "user", *SAMPLING_FIELDS}
+@dataclass(frozen=True)
+class ServerConfig:
+    """What `create_app` needs besides the engine."""
+
+    model_name: str
+    max_tokens: int  # default for requests that give none: the model's context
+    api_key: str | None = None
+    cors: str | None = None
+    max_body: int = 4 << 20
 
 
-class RequestError(Exception):
-    """A request the server refuses: HTTP `status` with an OpenAI-shaped error body."""
-
-    def __init__(self, message: str, param: str | None = None, status: int = 400):
-        super().__init__(message)
-        self.param, self.status = param, status
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": str(self), "type": "invalid_request_error", "param": self.param, "code": None}}
-
-
-def generation_options(body: dict[str, Any], chat: bool) -> dict[str, Any]:
-    """The engine options an OpenAI request body asks for; RequestError for what cannot be honoured."""
-    for name in body:
-        if name in UNSUPPORTED or name not in KNOWN_FIELDS:
-            raise RequestError(f"parameter '{name}' is not supported by this server", name)
-    if (body.get("n") or 1) != 1:
-        raise RequestError("only n=1 is supported", "n")
-    options = {k: body[k] for k in SAMPLING_FIELDS if body.get(k) is not None}
-    limit = body.get("max_completion_tokens") if chat else None
-    limit = limit if limit is not None else body.get("max_tokens")
-    if limit is not None:
-        options["max_tokens"] = limit
-    if body.get("stop") is not None:
-        options["stop"] = body["stop"]
-    if body.get("logit_bias"):
-        try:
-            options["logit_bias"] = {int(k): v for k, v in body["logit_bias"].items()}
-        except (TypeError, ValueError, AttributeError):
-            raise RequestError("logit_bias must map token ids to numbers", "logit_bias") from None
-    wants = body.get("logprobs")
-    if chat and wants:
-        options["logprobs"] = max(int(body.get("top_logprobs") or 0), 1)
-    elif not chat and wants:
-        options["logprobs"] = int(wants)
-    return options
-
-
-def usage(stats) -> dict[str, Any]:
-    cached = max(stats.prompt_tokens - stats.prefill_tokens, 0)
-    return {"prompt_tokens": stats.prompt_tokens, "completion_tokens": stats.generated_tokens,
-            "total_tokens": stats.prompt_tokens + stats.generated_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached}}
-
-
-def finish(reason: str | None) -> str | None:
-    return "stop" if reason == "cancelled" else reason
-
-
-def chat_logprobs(tokenizer, chunk: Chunk) -> list[dict[str, Any]]:
-    if chunk.token is None or chunk.top_logprobs is None:
-        return []
-    top = [{"token": tokenizer.decode([t]), "logprob": lp} for t, lp in chunk.top_logprobs]
-    return [{"token": tokenizer.decode([chunk.token]), "logprob": chunk.logprob, "top_logprobs": top}]
-
-
-def create_app(engine: EngineThread, tokenizer, model_name: str, api_key: str | None = None,
-               cors: str | None = None, max_body: int = 4 << 20):
+def create_app(engine: EngineThread, tokenizer, config: ServerConfig) -> FastAPI:
     """The FastAPI application: OpenAI's chat and text completions, models, and health."""
-    app = FastAPI(title="mlxinfer", docs_url=None, redoc_url=None)
-    if cors:
+    app = FastAPI(title="mlxinfer", docs_url=None, redoc_url=None, openapi_url=None)
+    if config.cors:
         from fastapi.middleware.cors import CORSMiddleware
 
-        app.add_middleware(CORSMiddleware, allow_origins=[cors], allow_methods=["*"], allow_headers=["*"])
+        app.add_middleware(CORSMiddleware, allow_origins=[config.cors], allow_methods=["*"], allow_headers=["*"])
+    ids = itertools.count()
 
     @app.exception_handler(RequestError)
     async def refused(_: Request, e: RequestError):
-        return JSONResponse(e.body(), status_code=e.status)
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
-    @app.middleware("http")
-    async def guard(request: Request, call_next):
-        if request.url.path.startswith("/v1/") and not check_key(request.headers.get("authorization"), api_key):
-            return JSONResponse(RequestError("a valid API key is required (Authorization: Bearer KEY)",
-                                             status=401).body(), status_code=401)
+    async def authorized(request: Request) -> None:
+        if not check_key(request.headers.get("authorization"), config.api_key):
+            raise RequestError("a valid API key is required (Authorization: Bearer KEY)", status=401,
+                               kind="authentication_error")
+
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(authorized)])
+
+    async def body_of(request: Request) -> bytes:
+        """The body, read no further than the size limit."""
         size = request.headers.get("content-length")
-        if size is not None and size.isdigit() and int(size) > max_body:
-            return JSONResponse(RequestError(f"the request body is over {max_body} bytes", status=413).body(),
-                                status_code=413)
-        return await call_next(request)
-
-    async def body_of(request: Request) -> dict[str, Any]:
-        try:
-            body = json.loads(await request.body())
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            raise RequestError("the request body is not valid JSON") from None
-        if not isinstance(body, dict):
-            raise RequestError("the request body must be a JSON object")
-        return body
+        if size is not None and size.isdigit() and int(size) > config.max_body:
+            raise RequestError(f"the request body is over {config.max_body} bytes", status=413)
+        body = bytearray()
+        async for part in request.stream():
+            body += part
+            if len(body) > config.max_body:
+                raise RequestError(f"the request body is over {config.max_body} bytes", status=413)
+        return bytes(body)
 
     @app.get("/health")
     async def health():
-        s = engine.stats()
-        return {"status": "ok", "model": model_name, "active": s.active, "queued": s.queued, "served": s.served,
-                "prompt_cache": s.pool}
+        return {"status": "ok", "model": config.model_name, **engine.health,
+                "limits": {"max_concurrency": engine.engine.max_batch, "max_queued": engine.max_queued},
+                "peak_rss_bytes": peak_rss_bytes()}
 
-    @app.get("/v1/models")
+    @v1.get("/models")
     async def models():
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": now(),
+        return {"object": "list", "data": [{"id": config.model_name, "object": "model", "created": int(time.time()),
                                             "owned_by": "mlxinfer"}]}
 
-    async def complete(request: Request, chat: bool):
-        body = await body_of(request)
-        options = generation_options(body, chat)
-        if chat:
-            messages = body.get("messages")
-            if not isinstance(messages, list) or not messages:
-                raise RequestError("messages must be a non-empty list", "messages")
-            prompt: Any = [{"role": m.get("role"), "content": _text(m.get("content"))} for m in messages
-                           if isinstance(m, dict)]
-        else:
-            prompt = body.get("prompt")
-            if not isinstance(prompt, (str, list)) or not prompt:
-                raise RequestError("prompt must be a non-empty string or list of token ids", "prompt")
-        kind = "chat.completion" if chat else "text_completion"
-        rid = f"{'chatcmpl' if chat else 'cmpl'}-{next(_ids)}"
+    async def complete(request: Request, kind: type[Completion]) -> Response:
+        body = parse(await body_of(request), kind)
+        prompt, options = body.engine_prompt(), body.options(config.max_tokens)
+        chat = kind is ChatCompletion
+        reply = Reply(f"{'chatcmpl' if chat else 'cmpl'}-{next(ids)}", chat, config.model_name,
+                      Logprobs(tokenizer, chat, body.logprob_rows()) if body.logprob_rows() else None)
         stream = chunks_of(engine, prompt, options)
-        if body.get("stream"):
-            first = await _first(stream)
-            include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-            return StreamingResponse(_events(first, stream, rid, kind, chat, include_usage, tokenizer, model_name),
-                                     media_type="text/event-stream")
-        text, last, logprobs = [], None, []
-        async for chunk in stream:
-            text.append(chunk.text)
-            logprobs += chat_logprobs(tokenizer, chunk) if options.get("logprobs") else []
-            last = chunk
-        choice: dict[str, Any] = {"index": 0, "finish_reason": finish(last.finish_reason),
-                                  "logprobs": {"content": logprobs} if options.get("logprobs") else None}
-        if chat:
-            choice["message"] = {"role": "assistant", "content": "".join(text)}
-        else:
-            choice["text"] = "".join(text)
-        return {"id": rid, "object": kind, "created": now(), "model": model_name, "choices": [choice],
-                "usage": usage(last.stats)}
+        if not body.stream:
+            chunks = await collect(stream, request)
+            return JSONResponse(reply.whole(chunks)) if chunks is not None else Response(status_code=499)
+        first = await anext(stream, None)  # a refused request is a 400, not a broken stream
+        return StreamingResponse(reply.events(first, stream, body.include_usage), media_type="text/event-stream")
 
-    @app.post("/v1/chat/completions")
+    @v1.post("/chat/completions")
     async def chat_completions(request: Request):
-        return await complete(request, chat=True)
+        return await complete(request, ChatCompletion)
 
-    @app.post("/v1/completions")
+    @v1.post("/completions")
     async def completions(request: Request):
-        return await complete(request, chat=False)
+        return await complete(request, TextCompletion)
 
+    app.include_router(v1)
     return app
 
 
-_ids = itertools.count()
+async def collect(stream: AsyncIterator[Chunk], request: Request) -> list[Chunk] | None:
+    """Every chunk of a non-streamed request; None when the client hung up (which cancels it)."""
+    chunks: list[Chunk] = []
 
+    async def gather() -> None:
+        async for chunk in stream:
+            chunks.append(chunk)
 
-def _text(content: Any) -> str:
-    """A message's content: a string, or OpenAI's list of parts (text parts only)."""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in content):
-        return "".join(str(p.get("text", "")) for p in content)
-    raise RequestError("message content must be a string or a list of text parts", "messages")
-
-
-async def _first(stream: AsyncIterator[Chunk]) -> Chunk | None:
-    """The first chunk, awaited before the response starts so a refused request is a 400, not a broken stream."""
+    task = asyncio.ensure_future(gather())
     try:
-        return await stream.__anext__()
-    except StopAsyncIteration:
-        return None
-
-
-async def _events(first, stream, rid, kind, chat, include_usage, tokenizer, model_name) -> AsyncIterator[bytes]:
-    def event(chunk: Chunk, role: bool = False) -> dict[str, Any]:
-        if chat:
-            delta = {"role": "assistant", "content": chunk.text} if role else {"content": chunk.text}
-            choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish(chunk.finish_reason)}
-        else:
-            choice = {"index": 0, "text": chunk.text, "finish_reason": finish(chunk.finish_reason)}
-        return {"id": rid, "object": f"{kind}.chunk" if chat else kind, "created": now(), "model": model_name,
-                "choices": [choice]}
-
-    last = first
-    try:
-        if first is not None:
-            yield sse(event(first, role=True))
-            async for chunk in stream:
-                last = chunk
-                yield sse(event(chunk))
-        if include_usage and last is not None:
-            yield sse({"id": rid, "object": f"{kind}.chunk", "created": now(), "model": model_name, "choices": [],
-                       "usage": usage(last.stats)})
-    except MlxinferError as e:
-        yield sse({"error": {"message": str(e), "type": "server_error"}})
+        while not task.done():
+            await asyncio.wait({task}, timeout=DISCONNECT_POLL_SECONDS)
+            if not task.done() and await request.is_disconnected():
+                return None
+        task.result()  # a refused or failed request raises its RequestError here
+        return chunks
     finally:
-        await stream.aclose()
-    yield sse("[DONE]")
+        if not task.done():
+            task.cancel()  # ends chunks_of, which cancels the sequence
+
+
+@dataclass
+class Reply:
+    """One request's response: the whole object, or its Server-Sent Events."""
+
+    rid: str
+    chat: bool
+    model: str
+    logprobs: Logprobs | None
+
+    def _object(self, choices: list[dict[str, Any]], chunk: bool, **extra: Any) -> dict[str, Any]:
+        kind = "chat.completion" if self.chat else "text_completion"
+        kind = f"{kind}.chunk" if chunk and self.chat else kind
+        return {"id": self.rid, "object": kind, "created": int(time.time()), "model": self.model,
+                "choices": choices, **extra}
+
+    def whole(self, chunks: list[Chunk]) -> dict[str, Any]:
+        text = "".join(c.text for c in chunks)
+        last = chunks[-1]
+        lp = self.logprobs.of(chunks) if self.logprobs else None
+        return self._object([choice(self.chat, text, last.finish_reason, lp, delta=False)], chunk=False,
+                            usage=usage(last.stats))
+
+    async def events(self, first: Chunk | None, stream: AsyncIterator[Chunk],
+                     include_usage: bool) -> AsyncIterator[bytes]:
+        last = first
+        try:
+            if first is not None:
+                yield sse(self._event(first, first=True))
+                async for chunk in stream:
+                    last = chunk
+                    yield sse(self._event(chunk))
+            if include_usage and last is not None:
+                yield sse(self._object([], chunk=True, usage=usage(last.stats)))
+        except RequestError as e:
+            yield sse(e.body())
+        finally:
+            await stream.aclose()
+        yield sse("[DONE]")
+
+    def _event(self, chunk: Chunk, first: bool = False) -> dict[str, Any]:
+        lp = self.logprobs.of([chunk]) if self.logprobs else None
+        return self._object([choice(self.chat, chunk.text, chunk.finish_reason, lp, delta=True, first=first)],
+                            chunk=True)

@@ -420,6 +420,80 @@ def test_speculative_options_fall_back_to_plain_batched(loaded, other_draft, spe
     assert mlxinfer.batch_generate(model, tok, prompts, max_tokens=10, ignore_eos=True, **option) == plain
 
 
+# 7b. one sequence's failure ends that sequence; the others go on as if it had not been there
+
+
+def planted(where: str, fails_for) -> Any:
+    """A replacement for PromptCache.prefill or TextStream.emit that raises for the sequences `fails_for` picks."""
+    from mlxinfer.cache import PromptCache
+    from mlxinfer.generate import TextStream
+
+    if where == "prefill":
+        original = PromptCache.prefill
+
+        def prefill(self, model, tokens, *args, **kwargs):
+            if fails_for(list(tokens)):
+                raise RuntimeError("planted prefill fault")
+            return original(self, model, tokens, *args, **kwargs)
+        return prefill
+    original = TextStream.emit
+
+    def emit(self, token):
+        if self.generated == 2 and fails_for(self.cache.tokens):
+            raise RuntimeError("planted emit fault")
+        return original(self, token)
+    return emit
+
+
+@pytest.mark.parametrize("where", ["prefill", "emit"])
+def test_a_failing_sequence_ends_alone(loaded, monkeypatch, where):
+    from mlxinfer.cache import PromptCache
+    from mlxinfer.generate import TextStream
+
+    model, tok = loaded
+    opts = dict(GREEDY, max_tokens=12)
+    good, bad, late = prompt(17, seed=30), prompt(40, seed=31), prompt(9, seed=32)
+    marker = bad[5:9]
+    fails = lambda tokens: any(tokens[i : i + 4] == marker for i in range(len(tokens)))  # noqa: E731
+    target = (PromptCache, "prefill") if where == "prefill" else (TextStream, "emit")
+    monkeypatch.setattr(*target, planted(where, fails))
+    engine = BatchGenerator(model, tok)
+    first = engine.submit(good, **opts)
+    before = step_until(engine, lambda done: any(u == first and c.token is not None for u, c in done))
+    uids = [first, engine.submit(bad, **opts), engine.submit(late, **opts)]
+    got = [a + b for a, b in zip(collect(engine, uids, before), collect(engine, uids))]
+    failed = got[1]
+    assert failed[-1].finish_reason == "error" and f"planted {where} fault" in failed[-1].error
+    assert len(tokens_of(failed)) == (0 if where == "prefill" else 2)
+    assert engine.active == 0 and engine.cache_bytes == 0
+    for k in (0, 2):
+        assert_same_stream(got[k], solo(model, tok, [good, bad, late][k], **opts), f"sequence {k}")
+
+
+def test_a_failing_batched_step_ends_its_members_and_the_engine_goes_on(loaded, monkeypatch):
+    from mlxinfer import batch
+
+    model, tok = loaded
+    opts = dict(GREEDY, max_tokens=6)
+    calls = {"n": 0}
+    original = batch.run_rows
+
+    def run_rows(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("planted step fault")
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(batch, "run_rows", run_rows)
+    engine = BatchGenerator(model, tok)
+    uids = [engine.submit(prompt(n, seed=33), **opts) for n in (5, 11)]
+    for stream in collect(engine, uids):
+        assert stream[-1].finish_reason == "error" and "planted step fault" in stream[-1].error
+    assert engine.active == 0
+    uid = engine.submit(prompt(7, seed=34), **opts)
+    assert_same_stream(collect(engine, [uid])[0], solo(model, tok, prompt(7, seed=34), **opts), "after the fault")
+
+
 # 8. bad input fails before any work, as one InvalidOptionError naming the problem
 
 

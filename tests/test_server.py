@@ -1,25 +1,36 @@
 """`mlxinfer serve` driven as users drive it: the real server in a subprocess on a free
 loopback port, called with the official `openai` client and raw HTTP. The oracle for
-every completion is the same request run in-process with `mlxinfer.generate`."""
+every completion is the same request run in-process with `mlxinfer.stream_generate`
+(itself proved against transformers). A second server (tests/fault_server.py) slows its
+steps and plants faults, to catch streams mid-way and to prove fault isolation.
+All traffic goes to 127.0.0.1, bounded in count and time."""
 
 from __future__ import annotations
 
 import concurrent.futures
 import json
+import os
+import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import pytest
+from click.testing import CliRunner
 
 import mlxinfer
+from mlxinfer.cli import main
+from mlxinfer.store import open_model
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 KEY = "test-key"
+HERE = Path(__file__).parent
 
 
 def free_port() -> int:
@@ -28,115 +39,447 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+class Server:
+    """A `serve` subprocess on a free loopback port, ready when /health answers."""
+
+    def __init__(self, args: list[str], env: dict[str, str] | None = None, script: list[str] | None = None):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        command = script or [sys.executable, "-m", "mlxinfer.cli"]
+        self.proc = subprocess.Popen([*command, "serve", "--port", str(self.port), *args], stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True, env={**os.environ, **(env or {})})
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                urllib.request.urlopen(f"{self.url}/health", timeout=1)
+                return
+            except (urllib.error.URLError, ConnectionError):
+                if self.proc.poll() is not None:
+                    pytest.fail(f"the server exited: {self.proc.stdout.read()}")
+                time.sleep(0.1)
+        self.proc.kill()
+        pytest.fail("the server did not start in 60 s")
+
+    def health(self) -> dict:
+        return json.load(urllib.request.urlopen(f"{self.url}/health", timeout=5))
+
+    def wait_for(self, condition, seconds: float = 5.0) -> dict:
+        deadline = time.monotonic() + seconds
+        while True:
+            health = self.health()
+            if condition(health) or time.monotonic() > deadline:
+                return health
+            time.sleep(0.05)
+
+    def stop(self, sig: int = signal.SIGINT) -> tuple[int, str]:
+        self.proc.send_signal(sig)
+        try:
+            rc = self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            rc = self.proc.wait()
+        return rc, self.proc.stdout.read()
+
+
 @pytest.fixture(scope="module")
 def server(tiny):
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "mlxinfer.cli", "serve", "-m", str(tiny), "--dtype", "float32",
-                             "--port", str(port), "--api-key", KEY], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
-    url = f"http://127.0.0.1:{port}"
-    for _ in range(300):
-        try:
-            urllib.request.urlopen(f"{url}/health", timeout=1)
-            break
-        except (urllib.error.URLError, ConnectionError):
-            if proc.poll() is not None:
-                pytest.fail(f"the server exited: {proc.stdout.read()}")
-            time.sleep(0.1)
-    else:
-        proc.kill()
-        pytest.fail("the server did not start in 30 s")
-    yield url
-    proc.terminate()
-    proc.wait(timeout=20)
+    s = Server(["-m", str(tiny), "--dtype", "float32", "--api-key", KEY])
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def tokenizer(loaded):
+    return loaded[1]
+
+
+def marker(tokenizer, word: str) -> list[int]:
+    """Token ids that `word` becomes inside a sentence (its first and last piece may merge with neighbours)."""
+    return tokenizer.encode(f" {word} ", add_special_tokens=False)[1:-1]
+
+
+FAULTY_PREFILL, FAULTY_EMIT = "zebrafaultprefill", "zebrafaultemit"
+
+
+@pytest.fixture(scope="module")
+def slow(tiny, tokenizer):
+    """Two slots, one queue place, 50 ms per engine step, prompt lookup, a CORS origin, planted faults."""
+    env = {"MLXINFER_TEST_STEP_DELAY": "0.05",
+           "MLXINFER_TEST_PREFILL_FAULT": ",".join(map(str, marker(tokenizer, FAULTY_PREFILL))),
+           "MLXINFER_TEST_EMIT_FAULT": ",".join(map(str, marker(tokenizer, FAULTY_EMIT)))}
+    s = Server(["-m", str(tiny), "--dtype", "float32", "--max-concurrency", "2", "--max-queue", "1",
+                "--prompt-lookup", "--cors", "http://app.example"],
+               env=env, script=[sys.executable, str(HERE / "fault_server.py")])
+    yield s
+    s.stop()
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=f"{server}/v1", api_key=KEY, max_retries=0, timeout=60)
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0, timeout=60)
 
 
-def alone(tiny, prompt, **options) -> str:
-    model, tokenizer = mlxinfer.load(tiny, dtype="float32")
-    return mlxinfer.generate(model, tokenizer, prompt, **options)
+@pytest.fixture(scope="module")
+def slow_client(slow):
+    return openai.OpenAI(base_url=f"{slow.url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def alone(loaded, prompt, **options) -> list:
+    """The chunks of the same generation run in-process, greedy."""
+    model, tokenizer = loaded
+    return list(mlxinfer.stream_generate(model, tokenizer, prompt, **{"temperature": 0.0, **options}))
+
+
+def text_of(chunks) -> str:
+    return "".join(c.text for c in chunks)
+
+
+def user(text: str) -> list[dict]:
+    return [{"role": "user", "content": text}]
 
 
 def chat(client, text: str, **kwargs):
-    return client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": text}],
-                                          temperature=0, **kwargs)
+    return client.chat.completions.create(model="tiny", messages=user(text), temperature=0, **kwargs)
 
 
-def test_chat_completion_equals_generate(client, tiny):
+def post(url: str, body: bytes | dict, key: str | None = KEY, path: str = "/v1/chat/completions",
+         headers: dict | None = None) -> tuple[int, dict, dict]:
+    """(status, JSON body, headers) of a raw POST."""
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    h = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {}), **(headers or {})}
+    request = urllib.request.Request(url + path, data=data, headers=h)
+    try:
+        with urllib.request.urlopen(request, timeout=60) as r:
+            return r.status, json.load(r), dict(r.headers)
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"{}"), dict(e.headers)
+
+
+# --- completions equal the engine run in-process ---
+
+def test_chat_completion_equals_generate(client, loaded):
     r = chat(client, "hello there", max_tokens=12)
-    want = alone(tiny, [{"role": "user", "content": "hello there"}], max_tokens=12)
-    assert r.choices[0].message.content == want
-    assert r.choices[0].finish_reason in ("stop", "length") and r.usage.completion_tokens <= 12
+    want = alone(loaded, user("hello there"), max_tokens=12)
+    assert r.choices[0].message.content == text_of(want)
+    assert r.choices[0].message.role == "assistant"
+    assert r.choices[0].finish_reason == want[-1].finish_reason
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (want[-1].stats.prompt_tokens,
+                                                                  want[-1].stats.generated_tokens)
 
 
-def test_streamed_chat_equals_generate_and_reports_usage(client, tiny):
+def test_streamed_chat_equals_generate_and_reports_usage(client, loaded):
     events = list(chat(client, "what is up", max_tokens=10, stream=True, stream_options={"include_usage": True}))
-    text = "".join(e.choices[0].delta.content or "" for e in events if e.choices)
-    assert text == alone(tiny, [{"role": "user", "content": "what is up"}], max_tokens=10)
-    assert events[-1].usage is not None and events[-1].usage.completion_tokens <= 10
+    want = alone(loaded, user("what is up"), max_tokens=10)
+    assert "".join(e.choices[0].delta.content or "" for e in events if e.choices) == text_of(want)
+    assert events[0].choices[0].delta.role == "assistant"
+    assert [e.choices[0].finish_reason for e in events if e.choices and e.choices[0].finish_reason] == \
+        [want[-1].finish_reason]
+    assert events[-1].choices == [] and events[-1].usage.completion_tokens == want[-1].stats.generated_tokens
 
 
-def test_text_completion_equals_generate(client, tiny):
+def test_text_completion_streamed_and_not_equals_generate(client, loaded):
+    want = text_of(alone(loaded, "the quick brown", max_tokens=8))
     r = client.completions.create(model="tiny", prompt="the quick brown", max_tokens=8, temperature=0)
-    assert r.choices[0].text == alone(tiny, "the quick brown", max_tokens=8)
+    assert r.choices[0].text == want
+    streamed = client.completions.create(model="tiny", prompt="the quick brown", max_tokens=8, temperature=0,
+                                         stream=True)
+    assert "".join(e.choices[0].text for e in streamed) == want
+
+
+def test_token_id_prompt_and_sampling_options(client, loaded, tokenizer):
+    ids = tokenizer.encode("once upon a time")
+    options = dict(max_tokens=10, temperature=0.8, top_p=0.9, seed=7, presence_penalty=0.5, stop=["zz"])
+    r = client.completions.create(model="tiny", prompt=ids, **options,
+                                  extra_body={"top_k": 20, "min_p": 0.05, "repetition_penalty": 1.1})
+    want = alone(loaded, ids, **{**options, "top_k": 20, "min_p": 0.05, "repetition_penalty": 1.1})
+    assert r.choices[0].text == text_of(want)
+
+
+def test_chat_logprobs_equal_generate(client, loaded):
+    r = chat(client, "give me numbers", max_tokens=6, logprobs=True, top_logprobs=3)
+    want = [c for c in alone(loaded, user("give me numbers"), max_tokens=6, logprobs=3) if c.token is not None]
+    got = r.choices[0].logprobs.content
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        assert g.logprob == pytest.approx(w.logprob, abs=1e-5)
+        assert [t.logprob for t in g.top_logprobs] == pytest.approx([lp for _, lp in w.top_logprobs], abs=1e-5)
+
+
+def test_text_logprobs_in_the_legacy_shape(client, loaded, tokenizer):
+    r = client.completions.create(model="tiny", prompt="red green", max_tokens=5, temperature=0, logprobs=2)
+    want = [c for c in alone(loaded, "red green", max_tokens=5, logprobs=2) if c.token is not None]
+    lp = r.choices[0].logprobs
+    assert lp.tokens == [tokenizer.decode([c.token]) for c in want]
+    assert lp.token_logprobs == pytest.approx([c.logprob for c in want], abs=1e-5)
+    assert all(len(top) <= 2 for top in lp.top_logprobs) and lp.text_offset[0] == 0
+
+
+def test_logit_bias_forces_a_token(client, tokenizer):
+    token = tokenizer.encode(" banana", add_special_tokens=False)[0]
+    r = client.completions.create(model="tiny", prompt="hello", max_tokens=3, temperature=0,
+                                  logit_bias={str(token): 100})
+    assert r.choices[0].text == tokenizer.decode([token] * 3)
 
 
 def test_second_turn_reuses_the_first(client):
-    first = [{"role": "user", "content": "tell me something"}]
+    first = user("tell me something")
     reply = client.chat.completions.create(model="tiny", messages=first, max_tokens=6, temperature=0)
     convo = first + [{"role": "assistant", "content": reply.choices[0].message.content},
                      {"role": "user", "content": "and then?"}]
     again = client.chat.completions.create(model="tiny", messages=convo, max_tokens=6, temperature=0)
     assert again.usage.prompt_tokens_details.cached_tokens > 0
+    assert again.usage.prompt_tokens_details.cached_tokens < again.usage.prompt_tokens
 
 
-def test_eight_concurrent_clients_equal_one_at_a_time(client):
+def test_eight_streaming_clients_equal_one_at_a_time(client, server):
     prompts = [f"question {i}: the quick brown fox" for i in range(8)]
-    one_by_one = [chat(client, p, max_tokens=10).choices[0].message.content for p in prompts]
-    with concurrent.futures.ThreadPoolExecutor(8) as pool:
-        together = list(pool.map(lambda p: chat(client, p, max_tokens=10).choices[0].message.content, prompts))
-    assert together == one_by_one
 
+    def streamed(p: str) -> str:
+        return "".join(e.choices[0].delta.content or "" for e in chat(client, p, max_tokens=16, stream=True))
+
+    one_by_one = [streamed(p) for p in prompts]
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        together = list(pool.map(streamed, prompts))
+    assert together == one_by_one
+    assert server.health()["active"] == 0
+
+
+def test_models_and_health(client, server, tiny):
+    assert [m.id for m in client.models.list().data] == [Path(tiny).name]
+    health = server.health()
+    assert health["status"] == "ok" and health["active"] == 0 and health["queued"] == 0
+    assert health["limits"] == {"max_concurrency": 8, "max_queued": 32}
+    assert health["prompt_cache"]["entries"] >= 1
+
+
+# --- limits and bad input ---
 
 @pytest.mark.parametrize("kwargs, fact", [
-    (dict(tools=[{"type": "function", "function": {"name": "f"}}]), "tools"),
-    (dict(n=2), "n=1"),
+    (dict(tools=[{"type": "function", "function": {"name": "f"}}]), "'tools' is not supported"),
+    (dict(response_format={"type": "json_object"}), "'response_format' is not supported"),
+    (dict(n=2), "only n=1"),
     (dict(temperature=-1.0), "temperature"),
-    (dict(response_format={"type": "json_object"}), "response_format"),
+    (dict(max_tokens=-3), "max_tokens"),
+    (dict(top_logprobs=50, logprobs=True), "top_logprobs"),
+    (dict(extra_body={"mirostat": 2}), "unknown parameter 'mirostat'"),
 ])
 def test_unsupported_or_bad_parameters_are_400(client, kwargs, fact):
     with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}],
-                                       **{"temperature": 0, **kwargs})
+        client.chat.completions.create(model="tiny", messages=user("x"), **{"temperature": 0, **kwargs})
     assert fact in str(e.value)
 
 
-def test_api_key_bad_json_and_health(server):
-    request = urllib.request.Request(f"{server}/v1/models")
-    with pytest.raises(urllib.error.HTTPError) as e:
-        urllib.request.urlopen(request)
-    assert e.value.code == 401
-    bad = urllib.request.Request(f"{server}/v1/chat/completions", data=b"{nope",
-                                 headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
-    with pytest.raises(urllib.error.HTTPError) as e:
-        urllib.request.urlopen(bad)
-    assert e.value.code == 400 and "JSON" in json.loads(e.value.read())["error"]["message"]
-    health = json.load(urllib.request.urlopen(f"{server}/health"))
-    assert health["status"] == "ok" and health["active"] == 0
+def test_malformed_bodies_are_400_naming_the_field(server):
+    status, body, _ = post(server.url, b"{nope")
+    assert status == 400 and "not valid JSON" in body["error"]["message"]
+    status, body, _ = post(server.url, b"[1, 2]")
+    assert status == 400 and "JSON object" in body["error"]["message"]
+    status, body, _ = post(server.url, {"messages": [{"role": "robot", "content": "hi"}]})
+    assert status == 400 and body["error"]["param"] == "messages.0.role"
+    status, body, _ = post(server.url, {"messages": []})
+    assert status == 400 and body["error"]["param"] == "messages"
+    status, body, _ = post(server.url, {"prompt": ""}, path="/v1/completions")
+    assert status == 400 and "prompt" in body["error"]["message"]
+    status, body, _ = post(server.url, {"prompt": "x", "max_tokens": "lots"}, path="/v1/completions")
+    assert status == 400 and body["error"]["param"] == "max_tokens"
 
 
-def test_a_client_that_disconnects_is_cancelled(client, server):
-    stream = chat(client, "go on and on", max_tokens=2000, stream=True)
+def test_body_size_limit(server):
+    """Refused from its Content-Length, before the body is read."""
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     + f"Authorization: Bearer {KEY}\r\nContent-Length: {5 << 20}\r\n\r\n".encode())
+        reply = sock.recv(65536).decode()
+    assert reply.startswith("HTTP/1.1 413") and "bytes" in reply
+
+
+def test_prompt_longer_than_the_context_names_both_numbers(server, tokenizer, loaded):
+    prompt = " ".join(["word"] * 400)
+    n = len(tokenizer.encode(prompt))
+    context = loaded[0].config.max_position_embeddings
+    status, body, _ = post(server.url, {"prompt": prompt, "max_tokens": 4}, path="/v1/completions")
+    assert status == 400 and str(n) in body["error"]["message"] and str(context) in body["error"]["message"]
+
+
+def test_max_tokens_is_capped_by_the_context(server, tokenizer, loaded):
+    prompt = tokenizer.encode("word " * 60)[:150]
+    context = loaded[0].config.max_position_embeddings
+    for limit in (100000, None):  # asked for too much, or nothing: up to the end of the context
+        body = {"prompt": prompt, "temperature": 0, **({"max_tokens": limit} if limit else {})}
+        status, r, _ = post(server.url, body, path="/v1/completions")
+        assert status == 200, r
+        assert r["usage"]["total_tokens"] <= context
+        assert r["choices"][0]["finish_reason"] == "stop" or r["usage"]["total_tokens"] == context
+
+
+def test_api_key_is_required_on_v1_only(server):
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
+        request = urllib.request.Request(f"{server.url}/v1/models", headers=headers)
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(request)
+        assert e.value.code == 401
+    assert post(server.url, {"messages": user("hi")}, key=None)[0] == 401
+    assert server.health()["status"] == "ok"
+
+
+def test_cors_headers_only_with_cors(server, slow):
+    origin = {"Origin": "http://app.example"}
+    plain = urllib.request.urlopen(urllib.request.Request(f"{server.url}/health", headers=origin))
+    assert "access-control-allow-origin" not in {k.lower() for k in plain.headers}
+    allowed = urllib.request.urlopen(urllib.request.Request(f"{slow.url}/health", headers=origin))
+    assert allowed.headers["access-control-allow-origin"] == "http://app.example"
+
+
+def test_a_non_loopback_host_without_a_key_warns(tmp_path):
+    result = CliRunner().invoke(main, ["serve", "--host", "0.0.0.0", "--port", str(free_port()),
+                                       "-m", str(tmp_path / "missing")])
+    assert "warning: listening on 0.0.0.0 without --api-key" in result.output
+    assert result.exit_code != 0 and "Traceback" not in result.output
+
+
+def test_a_busy_port_is_a_one_line_error(server):
+    result = CliRunner().invoke(main, ["serve", "--port", str(server.port)])
+    assert result.exit_code == 2 and f"cannot listen on 127.0.0.1:{server.port}" in result.output
+
+
+# --- reliability ---
+
+def open_stream(url: str, body: dict) -> socket.socket:
+    """Send a streaming request by hand and return the connection once its first event arrived."""
+    data = json.dumps({**body, "stream": True}).encode()
+    host, port = url.removeprefix("http://").split(":")
+    sock = socket.create_connection((host, int(port)), timeout=30)
+    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 + f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+    return sock
+
+
+def first_event(sock: socket.socket) -> bytes:
+    seen = b""
+    while b"data: " not in seen:
+        part = sock.recv(4096)
+        assert part, "the server closed the stream"
+        seen += part
+    return seen
+
+
+def test_a_client_that_disconnects_mid_stream_is_cancelled(slow, slow_client):
+    stream = chat(slow_client, "go on and on", max_tokens=200, stream=True)  # 200 steps of 50 ms: 10 s
     next(iter(stream))
+    assert slow.health()["active"] == 1 and slow.health()["cache_bytes"] > 0
     stream.close()
-    for _ in range(100):
-        if json.load(urllib.request.urlopen(f"{server}/health"))["active"] == 0:
-            break
-        time.sleep(0.1)
-    else:
-        pytest.fail("the abandoned sequence is still decoding")
-    assert chat(client, "still there?", max_tokens=4).choices[0].message.content is not None
+    health = slow.wait_for(lambda h: h["active"] == 0, seconds=2)
+    assert health["active"] == 0 and health["cache_bytes"] == 0
+    assert chat(slow_client, "still there?", max_tokens=4).choices[0].message.content is not None
+
+
+def test_a_non_streaming_client_that_hangs_up_is_cancelled(slow):
+    data = json.dumps({"messages": user("keep talking"), "max_tokens": 200, "temperature": 0}).encode()
+    sock = socket.create_connection(("127.0.0.1", slow.port), timeout=30)
+    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 + f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+    assert slow.wait_for(lambda h: h["active"] == 1)["active"] == 1
+    sock.close()
+    assert slow.wait_for(lambda h: h["active"] == 0, seconds=3)["active"] == 0
+
+
+def test_requests_past_the_queue_get_503_with_retry_after(slow):
+    long = {"messages": user("a long story"), "max_tokens": 200, "temperature": 0}
+    socks = [open_stream(slow.url, long) for _ in range(3)]  # two slots and the one queue place
+    try:
+        health = slow.wait_for(lambda h: h["active"] == 2 and h["queued"] == 1)
+        assert (health["active"], health["queued"]) == (2, 1)
+        status, body, headers = post(slow.url, long, key=None)
+        assert status == 503 and "busy" in body["error"]["message"]
+        assert {k.lower(): v for k, v in headers.items()}["retry-after"] == "1"
+    finally:
+        for s in socks:
+            s.close()
+    assert slow.wait_for(lambda h: h["active"] == 0 and h["queued"] == 0)["active"] == 0
+
+
+def test_a_failing_request_ends_alone_and_the_server_goes_on(slow, slow_client, loaded):
+    """A request that fails in prefill gets a 500 while another streams; one that fails
+    mid-stream gets an error event; the others' outputs are untouched."""
+    other: dict = {}
+
+    def bystander():
+        events = chat(slow_client, "the bystander speaks", max_tokens=30, stream=True)
+        other["text"] = "".join(e.choices[0].delta.content or "" for e in events)
+
+    thread = threading.Thread(target=bystander)
+    thread.start()
+    slow.wait_for(lambda h: h["active"] == 1)
+    with pytest.raises(openai.InternalServerError) as e:
+        chat(slow_client, f"this {FAULTY_PREFILL} breaks", max_tokens=5)
+    assert "planted prefill fault" in str(e.value)
+    events = chat(slow_client, f"this {FAULTY_EMIT} breaks later", max_tokens=10, stream=True)
+    with pytest.raises(openai.APIError) as e:
+        for _ in events:
+            pass
+    assert "planted emit fault" in str(e.value)
+    thread.join(60)
+    assert other["text"] == text_of(alone(loaded, user("the bystander speaks"), max_tokens=30))
+    assert chat(slow_client, "and now?", max_tokens=4).choices[0].finish_reason in ("stop", "length")
+
+
+def test_prompt_lookup_server_equals_generate(slow_client, loaded):
+    text = "one two three four one two three four one two"
+    r = slow_client.completions.create(model="tiny", prompt=text, max_tokens=20, temperature=0)
+    assert r.choices[0].text == text_of(alone(loaded, text, max_tokens=20, prompt_lookup=True))
+
+
+def test_memory_stays_flat_over_200_requests(server):
+    def run(n: int) -> None:
+        for i in range(n):
+            status, _, _ = post(server.url, {"messages": user(f"note {i % 10} about memory"), "max_tokens": 4,
+                                             "temperature": 0})
+            assert status == 200
+
+    run(20)  # warm: the pool holds these conversations, buffers are allocated
+    before = server.health()
+    run(200)
+    after = server.health()
+    assert after["served"] - before["served"] >= 200  # the snapshot may lag the last reply by one
+    growth = {k: after["memory"][k] - before["memory"][k] for k in after["memory"]}
+    assert growth["mlx_active_bytes"] <= 1 << 20, growth
+    assert growth["mlx_peak_bytes"] <= 1 << 20, growth
+    assert after["peak_rss_bytes"] - before["peak_rss_bytes"] <= 32 << 20
+
+
+def test_real_model_through_the_server(smollm2_gguf, tmp_path):
+    """SmolLM2 (real weights, real chat template) answers through the openai client as in-process."""
+    s = Server(["-m", str(smollm2_gguf)])
+    try:
+        c = openai.OpenAI(base_url=f"{s.url}/v1", api_key="unused", max_retries=0, timeout=120)
+        messages = user("What is the capital of France?")
+        r = c.chat.completions.create(model="smollm2", messages=messages, max_tokens=12, temperature=0)
+        model, tokenizer, _ = open_model(str(smollm2_gguf))
+        assert r.choices[0].message.content == mlxinfer.generate(model, tokenizer, messages, max_tokens=12,
+                                                                 temperature=0.0)
+    finally:
+        s.stop()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_stop_signal_mid_stream_ends_the_stream_and_exits_cleanly(tiny, sig):
+    s = Server(["-m", str(tiny), "--dtype", "float32"],
+               env={"MLXINFER_TEST_STEP_DELAY": "0.05"}, script=[sys.executable, str(HERE / "fault_server.py")])
+    sock = open_stream(s.url, {"messages": user("a long story"), "max_tokens": 200})  # 10 s if left to run
+    seen = first_event(sock)
+    started = time.monotonic()
+    rc, output = s.stop(sig)
+    assert rc == 0 and "Traceback" not in output, output
+    assert time.monotonic() - started < 5
+    while part := sock.recv(65536):
+        seen += part
+    sock.close()
+    assert b"\"finish_reason\":\"stop\"" in seen.replace(b" ", b"") and b"data: [DONE]" in seen
+
+
+def test_the_readme_example_runs(server):
+    out = subprocess.run([sys.executable, str(HERE.parent / "examples" / "openai_client.py"), f"{server.url}/v1", KEY],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    cached = [line for line in out.stdout.splitlines() if line.startswith("cached prompt tokens:")]
+    assert cached and int(cached[0].split()[3]) > 0

@@ -1,0 +1,217 @@
+"""OpenAI's HTTP shapes for chat and text completions: request bodies in, JSON out.
+
+Request bodies are pydantic models that forbid unknown fields, so a parameter this
+server cannot honour is refused by name (a 400) instead of silently changing nothing;
+`RequestError` carries the status and OpenAI's error body. The response helpers turn
+the engine's `Chunk`s into OpenAI's objects, streamed or whole.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from .generate import Chunk, Stats
+
+# Fields of OpenAI's API that change the output and that this server does not implement yet.
+NOT_YET = {"response_format": "structured output", "tools": "tool calls", "tool_choice": "tool calls",
+           "functions": "function calls", "function_call": "function calls", "parallel_tool_calls": "tool calls",
+           "best_of": "best_of", "echo": "echo", "suffix": "suffix", "audio": "audio output",
+           "modalities": "audio output", "prediction": "predicted outputs", "reasoning_effort": "reasoning effort",
+           "web_search_options": "web search"}
+
+
+class RequestError(Exception):
+    """A request the server refuses: HTTP `status` with an OpenAI-shaped error body."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400,
+                 kind: str = "invalid_request_error", headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.param, self.status, self.kind, self.headers = param, status, kind, headers
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": str(self), "type": self.kind, "param": self.param, "code": None}}
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(Strict):
+    include_usage: bool = False
+
+
+class TextPart(Strict):
+    type: Literal["text"]
+    text: str
+
+
+class Message(Strict):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart] | None = None
+
+    def for_template(self) -> dict[str, str]:
+        """The message as chat templates take it ("developer" is OpenAI's new name for "system")."""
+        text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content or [])
+        return {"role": "system" if self.role == "developer" else self.role, "content": text}
+
+
+class Completion(Strict):
+    """What chat and text completions share; sampling values are checked by the engine."""
+
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=0)
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[int, float] | None = None
+    n: int | None = Field(None, ge=1)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+
+    def limit(self) -> int | None:
+        return self.max_tokens
+
+    def logprob_rows(self) -> int:
+        return 0
+
+    def options(self, default_max_tokens: int) -> dict[str, Any]:
+        """The engine options this request asks for."""
+        if (self.n or 1) != 1:
+            raise RequestError("only n=1 is supported: send one request per completion", "n")
+        fields = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
+                  "repetition_penalty", "logit_bias")
+        options = {k: getattr(self, k) for k in fields if getattr(self, k) is not None}
+        limit = self.limit()
+        options["max_tokens"] = default_max_tokens if limit is None else limit
+        if self.stop:
+            options["stop"] = [self.stop] if isinstance(self.stop, str) else self.stop
+        if self.logprob_rows():
+            options["logprobs"] = self.logprob_rows()
+        return options
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class ChatCompletion(Completion):
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=0)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+
+    def limit(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def logprob_rows(self) -> int:
+        # the chosen token's logprob needs at least one row (and asks for nothing more)
+        return max(self.top_logprobs or 0, 1) if self.logprobs else 0
+
+    def engine_prompt(self) -> list[dict[str, str]]:
+        return [m.for_template() for m in self.messages]
+
+
+class TextCompletion(Completion):
+    prompt: str | list[int] | list[str]
+    logprobs: int | None = Field(None, ge=0, le=20)
+
+    def logprob_rows(self) -> int:
+        return self.logprobs or 0
+
+    def engine_prompt(self) -> str | list[int]:
+        p = self.prompt
+        if isinstance(p, list) and p and all(isinstance(x, str) for x in p):
+            if len(p) != 1:
+                raise RequestError("only one prompt per request is supported", "prompt")
+            p = p[0]
+        if not p:
+            raise RequestError("the prompt is empty", "prompt")
+        return p
+
+
+def parse(raw: bytes, kind: type[Completion]) -> Completion:
+    """A request body as `kind`, or a RequestError naming the first field at fault."""
+    try:
+        data = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise RequestError(f"the request body is not valid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise RequestError("the request body must be a JSON object")
+    try:
+        return kind.model_validate(data)
+    except ValidationError as e:
+        raise _refusal(e) from None
+
+
+def _refusal(e: ValidationError) -> RequestError:
+    first = e.errors()[0]
+    where = ".".join(str(p) for p in first["loc"])
+    more = f" (and {e.error_count() - 1} more problems)" if e.error_count() > 1 else ""
+    if first["type"] == "extra_forbidden":
+        name = str(first["loc"][-1])
+        if len(first["loc"]) == 1 and name in NOT_YET:
+            return RequestError(f"'{name}' is not supported by this server ({NOT_YET[name]} are not available); "
+                                "remove it from the request", name)
+        return RequestError(f"unknown parameter '{where}'{more}; remove it from the request", where)
+    return RequestError(f"{where}: {first['msg']}{more}", where)
+
+
+def finish(reason: str | None) -> str | None:
+    """OpenAI's finish reason: a disconnected client's "cancelled" is never seen by anyone."""
+    return "stop" if reason == "cancelled" else reason
+
+
+def usage(stats: Stats) -> dict[str, Any]:
+    return {"prompt_tokens": stats.prompt_tokens, "completion_tokens": stats.generated_tokens,
+            "total_tokens": stats.prompt_tokens + stats.generated_tokens,
+            "prompt_tokens_details": {"cached_tokens": max(stats.prompt_tokens - stats.prefill_tokens, 0)}}
+
+
+class Logprobs:
+    """One choice's logprobs in the shape of its endpoint: chat's `content` list, or the
+    legacy completions' parallel lists."""
+
+    def __init__(self, tokenizer, chat: bool, top: int):
+        self.tokenizer, self.chat, self.top = tokenizer, chat, top
+        self.offset = 0
+
+    def of(self, chunks: list[Chunk]) -> dict[str, Any]:
+        tokens = [c for c in chunks if c.token is not None and c.top_logprobs is not None]
+        text = self.tokenizer.decode
+        if self.chat:
+            return {"content": [{"token": text([c.token]), "logprob": c.logprob, "bytes": None,
+                                 "top_logprobs": [{"token": text([t]), "logprob": lp, "bytes": None}
+                                                  for t, lp in c.top_logprobs[: self.top]]} for c in tokens]}
+        out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for c in tokens:
+            out["tokens"].append(text([c.token]))
+            out["token_logprobs"].append(c.logprob)
+            out["top_logprobs"].append({text([t]): lp for t, lp in c.top_logprobs})
+            out["text_offset"].append(self.offset)
+            self.offset += len(c.text)
+        return out
+
+
+def choice(chat: bool, text: str, reason: str | None, logprobs: dict[str, Any] | None, delta: bool,
+           first: bool = False) -> dict[str, Any]:
+    """One choice of a response (`delta`: of a streamed chunk)."""
+    out: dict[str, Any] = {"index": 0}
+    if not chat:
+        out["text"] = text
+    elif delta:
+        out["delta"] = {"role": "assistant", "content": text} if first else {"content": text}
+    else:
+        out["message"] = {"role": "assistant", "content": text}
+    out["logprobs"] = logprobs
+    out["finish_reason"] = finish(reason)
+    return out

@@ -1,0 +1,59 @@
+"""`mlxinfer serve` with faults planted, for tests/test_server.py (not a test module).
+
+Environment:
+- MLXINFER_TEST_STEP_DELAY: seconds each engine step sleeps first, so a stream lasts long
+  enough to be caught mid-way (disconnects, a full queue, shutdown).
+- MLXINFER_TEST_PREFILL_FAULT: comma-separated token ids; a prompt chunk holding them
+  raises in prefill (a request that fails before its first token).
+- MLXINFER_TEST_EMIT_FAULT: token ids; a sequence whose prompt holds them raises when its
+  third token is emitted (a request that fails mid-stream).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+from mlxinfer.batch import BatchGenerator
+from mlxinfer.cache import PromptCache
+from mlxinfer.cli import main
+from mlxinfer.generate import TextStream
+
+
+def ids(name: str) -> list[int]:
+    return [int(x) for x in os.environ.get(name, "").split(",") if x]
+
+
+def holds(tokens, marker: list[int]) -> bool:
+    tokens = list(tokens)
+    return bool(marker) and any(tokens[i : i + len(marker)] == marker for i in range(len(tokens)))
+
+
+DELAY = float(os.environ.get("MLXINFER_TEST_STEP_DELAY", "0"))
+PREFILL_FAULT, EMIT_FAULT = ids("MLXINFER_TEST_PREFILL_FAULT"), ids("MLXINFER_TEST_EMIT_FAULT")
+step, prefill, emit = BatchGenerator.step, PromptCache.prefill, TextStream.emit
+
+
+def slow_step(self):
+    time.sleep(DELAY)
+    return step(self)
+
+
+def faulty_prefill(self, model, tokens, *args, **kwargs):
+    if holds(tokens, PREFILL_FAULT):
+        raise RuntimeError("planted prefill fault")
+    return prefill(self, model, tokens, *args, **kwargs)
+
+
+def faulty_emit(self, token):
+    if self.generated == 2 and holds(self.cache.tokens, EMIT_FAULT):
+        raise RuntimeError("planted emit fault")
+    return emit(self, token)
+
+
+BatchGenerator.step = slow_step
+PromptCache.prefill = faulty_prefill
+TextStream.emit = faulty_emit
+
+if __name__ == "__main__":
+    main()
