@@ -9,8 +9,10 @@ sequence gets alone and an answer does not depend on who else is being served. N
 bounded number of tokens per step, between decode steps, so a long prompt never
 freezes the others' streams for its whole length.
 
-Speculative decoding is not batched: a sequence asking for a draft model or prompt
-lookup is decoded plainly, and its stats say so.
+Speculative decoding (a draft model or prompt lookup) runs while its sequence is the only
+one in the engine; when others join it is decoded in the shared batch, and it resumes
+drafting when it is alone again (`stats.note` says when that happened). At the switch
+the pipeline drains first, so the cache always holds everything but the next input.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Iterator, Sequence
 
 import mlx.core as mx
@@ -28,13 +30,16 @@ from .checks import integer
 from .decode import Stats, Token, chosen_logprobs
 from .errors import InvalidOptionError
 from .generate import (Chunk, GenerationOptions, Prompt, TextStream, check_context, context_limit,
-                       generation_stream, prompt_tokens, split_options, wired_limit)
+                       generation_stream, prompt_tokens, split_options, token_source, wired_limit)
 from .pool import PromptCachePool
 from .sample import Sampler
+from .speculative import SpeculativeDecoder
 from .tokenizer import Tokenizer
 
 CACHE_OPTIONS = ("max_kv_size", "kv_bits", "kv_group_size")
-NOT_BATCHED = "speculative decoding is not batched; this sequence was decoded plainly"
+# Most tokens one engine step decodes speculatively, so a new request waits at most this long to be admitted.
+SPECULATIVE_BURST = 16
+SHARED = "speculative decoding paused while other sequences were decoded in the same batch"
 
 
 @dataclass(eq=False)
@@ -52,6 +57,7 @@ class _Sequence:
     todo: list[int] = field(default_factory=list)  # prompt tokens the cache still lacks
     prefilled: int = 0  # of todo[:-1]
     next_input: mx.array | None = None  # [1]: the token the next decode step runs
+    speculative: SpeculativeDecoder | None = None  # drafts while this sequence is alone
 
     @property
     def cache_options(self) -> dict[str, Any]:
@@ -134,8 +140,6 @@ class BatchGenerator:
         check_context(self.model, PromptCache.for_model(self.model, **_cache_options(o)), len(ids))
         uid = next(self._uids)
         stats = Stats(prompt_tokens=len(ids))
-        if o.draft_model is not None or o.prompt_lookup:
-            stats.note = NOT_BATCHED
         self._waiting.append(_Sequence(uid, ids, o, Sampler(sampling, ids), stats, time.perf_counter()))
         self._known.add(uid)
         return uid
@@ -159,17 +163,51 @@ class BatchGenerator:
             self._drop_cancelled(out)
             self._admit(out)
             self._prefill_some(out)
+            lone = self._lone_speculative()
             try:
+                if lone is not None and self._queued is None:
+                    self._speculate(lone, out)
+                    return out
                 current = self._queued or self._decode(self._decoding)
                 self._queued = None
                 if current is not None:
-                    self._queued = self._decode(self._continuing(current), current)
+                    if lone is None:
+                        self._queued = self._decode(self._continuing(current), current)
                     self._emit(current, out)
+                    if lone is not None:  # the pipeline drained: the next step drafts
+                        for i, s in enumerate(current.members):
+                            s.next_input = current.tokens[i : i + 1]
             except Exception as e:  # noqa: BLE001 - a failed batched step ends its members, not the engine
                 self._queued = None
                 for s in list(self._decoding):
                     self._fail(s, e, out)
         return out
+
+    def _lone_speculative(self) -> _Sequence | None:
+        """The sequence that may draft now: it asked to, and it is the only one in the engine."""
+        if len(self._decoding) == 1 and not self._prefilling and not self._waiting:
+            s = self._decoding[0]
+            return s if s.speculative is not None else None
+        return None
+
+    def _speculate(self, s: _Sequence, out: list[tuple[int, Chunk]]) -> None:
+        """One burst of speculative decoding (a draft-and-verify round, or plain tokens)
+        for the lone sequence; its cache then holds everything but its next input again."""
+        spec = s.speculative
+        spec.last = int(s.next_input.item())
+        for token in spec.burst(min(s.text.limit - s.text.generated, SPECULATIVE_BURST)):
+            try:
+                chunk = s.text.emit(token)
+            except Exception as e:  # noqa: BLE001 - one sequence's failure ends that sequence only
+                self._fail(s, e, out)
+                return
+            self.stats.decoded_tokens += 1
+            out.append((s.uid, chunk))
+            if chunk.finish_reason:
+                self._decoding.remove(s)
+                self._finished(s)
+                return
+        s.next_input = mx.array([spec.last])
 
     def _fail(self, s: _Sequence, error: Exception, out: list[tuple[int, Chunk]]) -> None:
         """End `s` with an error chunk (the others go on); its cache is dropped, not pooled."""
@@ -178,7 +216,7 @@ class BatchGenerator:
                 group.remove(s)
         s.stats.finish_reason = "error"
         out.append((s.uid, Chunk("", None, None, "error", s.stats, error=f"{type(error).__name__}: {error}")))
-        s.cache = None
+        s.cache = s.speculative = None
 
     def _drop_cancelled(self, out: list[tuple[int, Chunk]]) -> None:
         if not self._cancelled:
@@ -188,7 +226,7 @@ class BatchGenerator:
                 group.remove(s)
                 text = s.text or self._text(s, PromptCache([]), 0)
                 out.append((s.uid, text.end("cancelled")))
-                s.cache = None  # freed: a cancelled sequence's K/V are not worth pooling
+                s.cache = s.speculative = None  # freed: a cancelled sequence's K/V are not worth pooling
         self._cancelled.clear()
 
     def _admit(self, out: list[tuple[int, Chunk]]) -> None:
@@ -215,6 +253,10 @@ class BatchGenerator:
         s.text = self._text(s, s.cache, limit)
         s.todo = s.cache.prepare(s.prompt)
         s.stats.prefill_tokens = len(s.todo)
+        o = s.options
+        if o.draft_model is not None or o.prompt_lookup:  # its own draft cache, never one shared by sequences
+            s.speculative = token_source(self.model, s.cache, s.sampler, s.todo[-1], limit,
+                                         replace(o, draft_cache=None), s.stats)
         return limit
 
     def _text(self, s: _Sequence, cache: PromptCache, limit: int) -> TextStream:
@@ -259,6 +301,11 @@ class BatchGenerator:
             for s in members:
                 if id(s) in row:
                     s.next_input = previous.tokens[row[id(s)] : row[id(s)] + 1]
+        if len(members) > 1:
+            for s in members:
+                if s.speculative is not None:
+                    s.speculative.pause()
+                    s.stats.note = SHARED
         logits = run_rows(self.model, [s.cache for s in members], mx.concatenate([s.next_input for s in members]))
         if all(s.sampler.argmax_only for s in members):  # one op for the batch, same argmax per row
             tokens = logits.argmax(axis=-1)
@@ -290,7 +337,7 @@ class BatchGenerator:
         """Hand the finished sequence's cache to the pool (it covers prompt and reply), or drop it."""
         if self.pool is not None and s.cache is not None:
             self.pool.store(s.cache, self.model, **s.cache_options)
-        s.cache = None
+        s.cache = s.speculative = None
 
 
 def batch_generate(model, tokenizer: Tokenizer, prompts: Sequence[Prompt], max_batch: int = 8,

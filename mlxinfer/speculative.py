@@ -239,6 +239,8 @@ class SpeculativeDecoder:
         self.last, self.count, self.stats = last, count, stats
         self.length = DraftLength(max_draft)
         self.chooser = chooser or ModeChooser()
+        self._phase: _Phase | None = None
+        self._judged = False
 
     def _plain(self, count: int) -> Iterator[Token]:
         for token in PlainDecoder(self.model, self.cache, self.sampler, self.last, count):
@@ -272,19 +274,52 @@ class SpeculativeDecoder:
             yield Token(t, lp, logprobs[i], drafted=i < n)
 
     def __iter__(self) -> Iterator[Token]:
-        if isinstance(self.drafter, DraftModel) and not draft_can_win(self.drafter.model, self.model):
-            self.chooser.give_up()
         produced = 0
         while produced < self.count:
-            mode, budget = self.chooser.next_phase()
-            start, done = time.perf_counter(), 0
-            while done < budget and produced < self.count:
-                remaining = self.count - produced
-                tokens = self._plain(min(budget - done, remaining)) if mode == "plain" else self._round(remaining)
-                for token in tokens:
-                    done, produced = done + 1, produced + 1
-                    if mode == "plain":  # so the stats of a last token include the phase it ends
-                        self.stats.plain_tps = self.chooser.estimate("plain", done, time.perf_counter() - start)
-                    yield token
-            self.chooser.record(mode, done, time.perf_counter() - start)
+            for token in self.burst(self.count - produced):
+                produced += 1
+                yield token
+        self.pause(record=True)
+
+    def burst(self, remaining: int) -> Iterator[Token]:
+        """The next stretch of at most `remaining` tokens, ending where the cache holds the
+        context but `self.last`: a draft-and-verify round, or the plain decoding of the
+        current plain phase. The chooser's phases run across bursts, so a caller that
+        decodes this sequence some other way in between (the batch engine, when other
+        sequences join) calls `pause` first and the next burst starts a fresh phase."""
+        if not self._judged:
+            self._judged = True
+            if isinstance(self.drafter, DraftModel) and not draft_can_win(self.drafter.model, self.model):
+                self.chooser.give_up()
+        if self._phase is None:
+            self._phase = _Phase(*self.chooser.next_phase(), time.perf_counter())
+        phase = self._phase
+        if phase.mode == "plain":
+            tokens = self._plain(min(phase.budget - phase.done, remaining))
+        else:
+            tokens = self._round(remaining)
+        for token in tokens:
+            phase.done += 1
+            if phase.mode == "plain":  # so the stats of a last token include the phase it ends
+                self.stats.plain_tps = self.chooser.estimate("plain", phase.done, time.perf_counter() - phase.start)
+            yield token
+        if phase.done >= phase.budget:
+            self.pause(record=True)
+
+    def pause(self, record: bool = False) -> None:
+        """End the current phase, keeping its measured rate only when `record` (a phase
+        interrupted by other work has no meaningful rate)."""
+        phase, self._phase = self._phase, None
+        if phase is not None and record and phase.done:
+            self.chooser.record(phase.mode, phase.done, time.perf_counter() - phase.start)
             self.stats.plain_tps = self.chooser.rates.get("plain", 0.0)
+
+
+@dataclass
+class _Phase:
+    """A stretch of one mode the chooser asked for: `budget` tokens, `done` so far, since `start`."""
+
+    mode: str
+    budget: int
+    start: float
+    done: int = 0

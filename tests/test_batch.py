@@ -401,23 +401,73 @@ def test_long_prompt_prefill_does_not_stall_decoding(loaded):
     assert_same_stream(got[1], solo(model, tok, long, **opts, prefill_step=16), "long prompt")
 
 
-# 7. speculative options fall back to plain batched decoding
+# 7. speculative decoding while a sequence is alone; the shared batch while others run
 
 
-@pytest.mark.parametrize("spec", ["draft_model", "prompt_lookup"])
-def test_speculative_options_fall_back_to_plain_batched(loaded, other_draft, spec):
+SPECULATIVE = ["draft_model", "self_draft", "prompt_lookup"]
+
+
+def speculative_option(spec: str, draft, model) -> dict:
+    """A small other model, the target itself (every draft accepted), or prompt lookup."""
+    return {"draft_model": dict(draft_model=draft), "self_draft": dict(draft_model=model),
+            "prompt_lookup": dict(prompt_lookup=True)}[spec]
+
+
+def repetitive(n: int, seed: int) -> list[int]:
+    return prompt(n, seed=seed) * 3  # prompt lookup finds drafts in it
+
+
+@pytest.mark.parametrize("spec", SPECULATIVE)
+def test_a_lone_speculative_sequence_drafts_and_equals_solo(loaded, other_draft, spec):
     model, tok = loaded
-    option = {"draft_model": dict(draft_model=other_draft), "prompt_lookup": dict(prompt_lookup=True)}[spec]
-    prompts = [prompt(n, seed=12) * 2 for n in (3, 17, 40)]  # repetitive, so prompt lookup would find drafts
-    opts = dict(GREEDY, max_tokens=10)
+    option = speculative_option(spec, other_draft, model)
+    p, opts = repetitive(12, 40), dict(GREEDY, max_tokens=24)
     engine = BatchGenerator(model, tok)
-    uids = [engine.submit(p, **opts, **option) for p in prompts]
-    for k, (p, stream) in enumerate(zip(prompts, collect(engine, uids))):
-        assert_same_stream(stream, solo(model, tok, p, **opts), f"sequence {k}")
-        assert stream[-1].stats.note and stream[-1].stats.drafted == 0, stream[-1].stats
-        assert not any(c.drafted for c in stream)
-    plain = [mlxinfer.generate(model, tok, p, max_tokens=10, ignore_eos=True) for p in prompts]
-    assert mlxinfer.batch_generate(model, tok, prompts, max_tokens=10, ignore_eos=True, **option) == plain
+    stream = collect(engine, [engine.submit(p, **opts, **option)])[0]
+    assert_same_stream(stream, solo(model, tok, p, **opts, **option), "lone speculative sequence")
+    stats = stream[-1].stats
+    assert stats.rounds > 0 and stats.drafted > 0 and not stats.note, stats
+    if spec == "self_draft":
+        assert stats.accepted > 0 and any(c.drafted for c in stream), stats
+
+
+@pytest.mark.parametrize("spec", SPECULATIVE)
+def test_speculation_pauses_while_others_share_the_batch(loaded, other_draft, spec, monkeypatch):
+    """Drafting alone, then batched with a plain sequence, then alone again: both equal solo.
+    The mode chooser is pinned to drafting (it otherwise follows measured speeds, which vary)."""
+    from mlxinfer.speculative import ModeChooser
+
+    monkeypatch.setattr(ModeChooser, "next_phase", lambda self: ("speculate", 6))
+    model, tok = loaded
+    option = speculative_option(spec, other_draft, model)
+    p, q = repetitive(12, 41), prompt(9, seed=42)
+    long, short = dict(GREEDY, max_tokens=60), dict(GREEDY, max_tokens=6)
+    engine = BatchGenerator(model, tok)
+    first = engine.submit(p, **long, **option)
+    before = step_until(engine, lambda done: len(done) >= 8)
+    stats = before[-1][1].stats
+    alone_rounds = stats.rounds
+    assert alone_rounds > 0, "the lone sequence did not draft before the other came"
+    second = engine.submit(q, **short)
+    during = step_until(engine, lambda done: any(u == second and c.finish_reason for u, c in done))
+    shared_rounds = stats.rounds
+    after = list(engine.stream())
+    uids = [first, second]
+    got = [a + b + c for a, b, c in zip(*(collect(engine, uids, x) for x in (before, during, after)))]
+    assert_same_stream(got[0], solo(model, tok, p, **long, **option), "speculative sequence")
+    assert_same_stream(got[1], solo(model, tok, q, **short), "plain sequence")
+    assert engine.stats.max_batch_seen == 2 and stats.note, "the two were never decoded together"
+    assert shared_rounds - alone_rounds <= 2, "it kept drafting while the other was decoding"
+    assert stats.rounds > shared_rounds, "it did not draft again once alone"
+
+
+def test_sampled_speculative_sequence_in_the_engine_finishes(loaded):
+    model, tok = loaded
+    engine = BatchGenerator(model, tok)
+    uid = engine.submit(repetitive(10, 43), max_tokens=30, ignore_eos=True, temperature=1.0, seed=3,
+                        prompt_lookup=True)
+    stream = collect(engine, [uid])[0]
+    assert len(tokens_of(stream)) == 30 and stream[-1].finish_reason == "length"
 
 
 # 7b. one sequence's failure ends that sequence; the others go on as if it had not been there
