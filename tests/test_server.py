@@ -24,8 +24,8 @@ import pytest
 from click.testing import CliRunner
 
 import mlxinfer
+from convert import convert
 from mlxinfer.cli import main
-from mlxinfer.store import open_model
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
@@ -449,12 +449,14 @@ def test_memory_stays_flat_over_200_requests(server):
 
 def test_real_model_through_the_server(smollm2_gguf, tmp_path):
     """SmolLM2 (real weights, real chat template) answers through the openai client as in-process."""
-    s = Server(["-m", str(smollm2_gguf)])
+    folder = tmp_path / "smollm2"
+    convert(smollm2_gguf, folder)  # into the test's own folder: nothing lands in the user's model store
+    s = Server(["-m", str(folder)])
     try:
         c = openai.OpenAI(base_url=f"{s.url}/v1", api_key="unused", max_retries=0, timeout=120)
         messages = user("What is the capital of France?")
         r = c.chat.completions.create(model="smollm2", messages=messages, max_tokens=12, temperature=0)
-        model, tokenizer, _ = open_model(str(smollm2_gguf))
+        model, tokenizer = mlxinfer.load(folder)
         assert r.choices[0].message.content == mlxinfer.generate(model, tokenizer, messages, max_tokens=12,
                                                                  temperature=0.0)
     finally:
