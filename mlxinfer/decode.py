@@ -18,6 +18,7 @@ from typing import Iterator, Protocol
 import mlx.core as mx
 
 from .cache import PromptCache
+from .constrain import Constraint, masked
 from .sample import Sampler
 
 
@@ -118,3 +119,32 @@ class PlainDecoder:
             if nxt is None:
                 return
             step = nxt
+
+
+class ConstrainedDecoder:
+    """Up to `count` tokens held to a `Constraint`: each step's logits are masked to the
+    tokens the grammar allows before the sampler sees them (so every filter and penalty
+    works on the legal set), and log-probabilities are those of the masked distribution.
+    A step's mask needs the token just drawn but its forward pass does not, so the pass
+    is started first and the grammar's CPU work (which releases the GIL) runs beside it."""
+
+    def __init__(self, model, cache: PromptCache, sampler: Sampler, constraint: Constraint, last: int, count: int):
+        self.model, self.cache, self.sampler, self.constraint = model, cache, sampler, constraint
+        self.last, self.count = last, count
+
+    def __iter__(self) -> Iterator[Token]:
+        if self.count <= 0:
+            return
+        logits = self.cache.run(self.model, mx.array([self.last]))[-1:]
+        mx.async_eval(logits)
+        for i in range(self.count):
+            step = masked(logits, self.constraint.mask())
+            token = self.sampler(step)
+            chosen, logprobs = chosen_logprobs(step, token)
+            mx.async_eval(token, chosen)
+            if i + 1 < self.count:  # the next pass needs this token's value only once it runs
+                logits = self.cache.run(self.model, token)[-1:]
+                mx.async_eval(logits)
+            self.last = int(token.item())
+            self.constraint.accept(self.last)
+            yield Token(self.last, chosen.item(), logprobs[0])

@@ -18,7 +18,8 @@ from mlx.utils import tree_flatten
 
 from .cache import KV_BITS, KV_GROUP_SIZES, PromptCache
 from .checks import flag, integer, is_integer, token_ids
-from .decode import PlainDecoder, Stats, Token, TokenSource
+from .constrain import Constraint, response_format
+from .decode import ConstrainedDecoder, PlainDecoder, Stats, Token, TokenSource
 from .errors import InvalidOptionError
 from .sample import Sampler, SamplingConfig
 from .speculative import LOOKUP_DRAFT, MODEL_DRAFT, SpeculativeDecoder, make_drafter
@@ -53,6 +54,7 @@ class GenerationOptions:
     draft_cache: PromptCache | None = None
     num_draft_tokens: int | None = None  # most tokens per draft; default 8 for prompt lookup, 4 for a draft model
     prompt_lookup: bool = False
+    response_format: Any = None  # OpenAI's shape, or {"type": "regex"|"grammar", ...}: see `constrain`
 
     def __post_init__(self) -> None:
         """Types and ranges, so a bad value fails before any work and not inside MLX."""
@@ -76,6 +78,9 @@ class GenerationOptions:
         flag("prompt_lookup", self.prompt_lookup)
         if self.draft_model is not None and self.prompt_lookup:
             raise InvalidOptionError("choose one drafter: a draft model or prompt lookup, not both")
+        if response_format(self.response_format) is not None and self.ignore_eos:
+            raise InvalidOptionError("ignore_eos cannot be combined with response_format: a constrained reply "
+                                     "ends with EOS once it is complete")
 
 
 def split_options(options: dict[str, Any], vocab_size: int | None = None) -> tuple[SamplingConfig, GenerationOptions]:
@@ -241,11 +246,20 @@ class TextStream:
         return Chunk(text, None, None, reason, self.stats)
 
 
+def constraint_for(options: GenerationOptions, tokenizer: Tokenizer, vocab_size: int) -> Constraint | None:
+    """A fresh matcher for the options' response format, if they ask for one."""
+    fmt = response_format(options.response_format)
+    return Constraint(fmt, tokenizer, vocab_size) if fmt is not None else None
+
+
 def token_source(model, cache: PromptCache, sampler: Sampler, last: int, limit: int, options: GenerationOptions,
-                 stats: Stats) -> TokenSource:
-    """Plain decoding, or speculative decoding when a drafter is asked for."""
+                 stats: Stats, constraint: Constraint | None = None) -> TokenSource:
+    """Plain decoding, or speculative decoding when a drafter is asked for; held to
+    `constraint` when there is one."""
     o = options
     if o.draft_model is None and not o.prompt_lookup:
+        if constraint is not None:
+            return ConstrainedDecoder(model, cache, sampler, constraint, last, limit)
         return PlainDecoder(model, cache, sampler, last, limit)
     drafter = make_drafter(model, sampler, o.draft_model, o.draft_cache,
                            max_kv_size=o.max_kv_size, kv_bits=o.kv_bits, kv_group_size=o.kv_group_size)
@@ -262,7 +276,8 @@ def stream_generate(
     presence_penalty, frequency_penalty, penalty_window, logit_bias, seed, stop,
     ignore_eos, max_kv_size, kv_bits, kv_group_size, prefill_step, logprobs, and
     for speculative decoding draft_model, draft_cache (the draft's PromptCache, to
-    reuse across calls), num_draft_tokens, prompt_lookup.
+    reuse across calls), num_draft_tokens, prompt_lookup; response_format holds the
+    reply to a JSON Schema, any JSON object, a regex or a Lark grammar (`constrain`).
     Pass a `PromptCache` to reuse the longest common prefix across calls.
     """
     sampling, o = split_options(options, model.config.vocab_size)
@@ -283,7 +298,8 @@ def stream_generate(
             yield text.end("length")
             return
         cache.prefill(model, todo[:-1], o.prefill_step)
-        source = token_source(model, cache, Sampler(sampling, ids), todo[-1], limit, o, stats)
+        constraint = constraint_for(o, tokenizer, model.config.vocab_size)
+        source = token_source(model, cache, Sampler(sampling, ids), todo[-1], limit, o, stats, constraint)
         for token in source:
             chunk = text.emit(token)
             yield chunk

@@ -1,0 +1,209 @@
+"""Constrained decoding against oracles nobody here wrote: the `jsonschema` package
+validates every JSON reply, `re.fullmatch` every regex reply, numpy recomputes the
+greedy choice over the legal tokens from the model's own logits, and scipy's chi-square
+compares sampled first tokens with the model's distribution renormalised over them.
+The legal set in those last two comes from the tokenizer's own decoding, not llguidance."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import Counter
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import mlxinfer
+from conftest import SHARED
+from mlxinfer.constrain import grammar_tokenizer
+from mlxinfer.errors import InvalidOptionError
+from mlxinfer.tokenizer import load_tokenizer_from_dir
+
+jsonschema = pytest.importorskip("jsonschema")
+scipy_stats = pytest.importorskip("scipy.stats")
+
+FIXTURES = SHARED / "fixtures" / "tokenizers"
+TEXTS = ["Hello, world!", "  two  spaces\n\ttab", "naïve café 日本語 🤖", "def f(x):\n    return x**2  # ok",
+         '{"a": [1, 2.5e-3, null], "b": "\\u00e9"}', "x" * 40, "\n\n\n", "émoji 👋🏽 mix 123456789"]
+
+
+def schema_format(schema: dict) -> dict:
+    return {"type": "json_schema", "json_schema": {"name": "t", "schema": schema}}
+
+
+# --- the tokenizer bridge ---
+
+@pytest.mark.skipif(not FIXTURES.is_dir(), reason="../shared/fixtures/tokenizers is absent")
+@pytest.mark.parametrize("name", sorted(p.name for p in FIXTURES.iterdir()) if FIXTURES.is_dir() else [])
+def test_grammar_tokenizer_sees_our_tokens_bytes(name):
+    """Every token our tokenizer produces means the same bytes to the grammar engine."""
+    tok = load_tokenizer_from_dir(FIXTURES / name)
+    ll = grammar_tokenizer(tok, tok.vocab_size)
+    for text in TEXTS:
+        ids = tok.encode(text, add_special_tokens=False)
+        got = ll.decode_bytes(ids)
+        # SentencePiece encoders add a dummy-prefix space that decoding drops
+        assert got in (text.encode(), b" " + text.encode()), (name, text, got)
+        assert tok.decode(ll.tokenize_str(text)).lstrip(" ") == text.lstrip(" ")
+    for eos in tok.eos_token_ids:
+        assert ll.is_special_token(eos)
+
+
+# --- formats on a real model: every reply valid ---
+
+SCHEMAS = [
+    {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20}, "age": {"type": "integer"}},
+     "required": ["name", "age"], "additionalProperties": False},
+    {"type": "object", "properties": {"colour": {"enum": ["red", "green", "blue"]}}, "required": ["colour"]},
+    {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 99}, "minItems": 2, "maxItems": 4},
+    {"type": "object", "properties": {"point": {"type": "object", "properties": {
+        "x": {"type": "number"}, "y": {"type": "number"}}, "required": ["x", "y"], "additionalProperties": False}},
+     "required": ["point"], "additionalProperties": False},
+    {"anyOf": [{"type": "integer", "minimum": 0, "maximum": 1000}, {"type": "boolean"}]},
+    {"type": "object", "properties": {"code": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{2}$"}},
+     "required": ["code"], "additionalProperties": False},
+    {"type": "object", "properties": {"ok": {"type": "boolean"}, "note": {"type": "null"}},
+     "required": ["ok", "note"], "additionalProperties": False},
+    {"type": "array", "items": {"type": "string", "enum": ["a", "b"]}, "minItems": 1, "maxItems": 3},
+    {"type": "object", "properties": {"tags": {"type": "array", "items": {"type": "string", "maxLength": 8},
+                                               "maxItems": 2}}, "required": ["tags"], "additionalProperties": False},
+    {"type": "object", "properties": {"when": {"type": "string", "format": "date"}}, "required": ["when"],
+     "additionalProperties": False},
+    {"type": "object", "properties": {"score": {"type": "number", "minimum": -5, "maximum": 5},
+                                      "ratio": {"type": "integer", "minimum": -5, "maximum": 5}},
+     "required": ["ratio"], "additionalProperties": False},
+    {"type": "object", "properties": {"kind": {"const": "cat"}, "lives": {"type": "integer", "enum": [7, 9]}},
+     "required": ["kind", "lives"], "additionalProperties": False},
+]
+
+
+@pytest.fixture(scope="module")
+def smollm2(smollm2_gguf, tmp_path_factory):
+    from convert import convert
+
+    folder = tmp_path_factory.mktemp("smollm2") / "model"
+    convert(smollm2_gguf, folder)
+    return mlxinfer.load(folder)
+
+
+@pytest.mark.parametrize("index", range(len(SCHEMAS)))
+def test_json_schema_replies_validate(smollm2, index):
+    model, tok = smollm2
+    schema = SCHEMAS[index]
+    messages = [{"role": "user", "content": "Reply with JSON only."}]
+    for seed in range(3):
+        chunks = list(mlxinfer.stream_generate(model, tok, messages, max_tokens=96, temperature=1.0, seed=seed,
+                                               response_format=schema_format(schema)))
+        text = "".join(c.text for c in chunks)
+        assert chunks[-1].finish_reason == "stop", (schema, seed, text)
+        jsonschema.validate(json.loads(text), schema, format_checker=jsonschema.FormatChecker())
+
+
+def test_json_object_regex_and_lark_on_a_real_model(smollm2):
+    model, tok = smollm2
+    ask = [{"role": "user", "content": "Say something."}]
+    for seed in range(3):
+        person = [{"role": "user", "content": "Give a JSON object with a person's name and age."}]
+        # free-form JSON has no bound on its strings and numbers: at 1.0 this small model can ramble on in one
+        chunks = list(mlxinfer.stream_generate(model, tok, person, max_tokens=200, temperature=0.7, seed=seed,
+                                               response_format={"type": "json_object"}))
+        assert chunks[-1].finish_reason == "stop"
+        assert isinstance(json.loads("".join(c.text for c in chunks)), dict)
+        pattern = r"(yes|no), [0-9]{1,3} (apples|pears)"
+        text = mlxinfer.generate(model, tok, ask, max_tokens=32, temperature=1.0, seed=seed,
+                                 response_format={"type": "regex", "pattern": pattern})
+        assert re.fullmatch(pattern, text), text
+        lark = 'start: "(" item ("," item)* ")"\nitem: /[a-z]{1,5}/'
+        text = mlxinfer.generate(model, tok, ask, max_tokens=32, temperature=1.0, seed=seed,
+                                 response_format={"type": "grammar", "lark": lark})
+        assert re.fullmatch(r"\([a-z]{1,5}(,[a-z]{1,5})*\)", text), text
+
+
+# --- exactness on the tiny model ---
+
+LOWER = re.compile(r"[a-z]+")
+
+
+def lowercase_tokens(tok, vocab_size: int) -> np.ndarray:
+    """Token ids whose text is one or more lowercase letters (the legal set of /[a-z]+/)."""
+    return np.array([i for i in range(min(vocab_size, tok.vocab_size)) if LOWER.fullmatch(tok.decode([i]))])
+
+
+def test_greedy_is_argmax_over_the_legal_tokens(loaded):
+    model, tok = loaded
+    prompt = tok.encode("the quick brown fox")
+    out = list(mlxinfer.stream_generate(model, tok, prompt, max_tokens=12, temperature=0.0,
+                                        response_format={"type": "regex", "pattern": "[a-z]+"}))
+    legal = lowercase_tokens(tok, model.config.vocab_size)
+    eos = np.array(tok.eos_token_ids)
+    ids = list(prompt)
+    for step, chunk in enumerate(c for c in out if c.token is not None):
+        logits = np.array(model(mx.array([ids]))[0, -1].astype(mx.float32))
+        allowed = np.concatenate([legal, eos]) if step else legal  # EOS once the match is non-empty
+        assert chunk.token == allowed[np.argmax(logits[allowed])], f"step {step}"
+        ids.append(chunk.token)
+
+
+def test_sampled_first_token_follows_the_renormalised_distribution(loaded):
+    model, tok = loaded
+    prompt = tok.encode("once upon a")
+    legal = lowercase_tokens(tok, model.config.vocab_size)
+    logits = np.array(model(mx.array([prompt]))[0, -1].astype(mx.float64))[legal] / 1.5
+    p = np.exp(logits - logits.max())
+    p /= p.sum()
+    n = 1500
+    counts = Counter(next(iter(mlxinfer.stream_generate(
+        model, tok, prompt, max_tokens=1, temperature=1.5, seed=s,
+        response_format={"type": "regex", "pattern": "[a-z]+"}))).token for s in range(n))
+    assert set(counts) <= set(legal.tolist())
+    expected = n * p
+    big = expected >= 5  # chi-square needs expected counts of at least 5: the rest form one bin
+    observed = np.array([counts.get(int(t), 0) for t in legal])
+    obs = np.append(observed[big], observed[~big].sum())
+    exp = np.append(expected[big], expected[~big].sum())
+    keep = exp > 0
+    assert scipy_stats.chisquare(obs[keep], exp[keep]).pvalue > 1e-3
+
+
+def test_length_cut_leaves_an_incomplete_reply(loaded):
+    model, tok = loaded
+    chunks = list(mlxinfer.stream_generate(model, tok, "x", max_tokens=3,
+                                           response_format=schema_format({"type": "array", "minItems": 5})))
+    assert chunks[-1].finish_reason == "length"
+    assert "".join(c.text for c in chunks).startswith("[")
+
+
+@pytest.mark.parametrize("fmt, fact", [
+    ({"type": "xml"}, "'xml' is not supported"),
+    ({"type": "json_schema"}, "json_schema"),
+    (schema_format({"type": "array", "uniqueItems": True}), "uniqueItems"),
+    (schema_format({"not": {"type": "string"}}), "not"),
+    (schema_format({"type": "string", "format": "uri-template"}), "uri-template"),
+    ({"type": "regex", "pattern": "a(b"}, "unclosed group"),
+    ({"type": "grammar", "lark": "start: foo"}, "foo"),
+    ("json", "not supported"),
+])
+def test_what_cannot_be_enforced_is_refused(loaded, fmt, fact):
+    model, tok = loaded
+    with pytest.raises(InvalidOptionError) as e:
+        mlxinfer.generate(model, tok, "x", max_tokens=2, response_format=fmt)
+    assert fact in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+def test_ignore_eos_is_refused_with_a_format(loaded):
+    model, tok = loaded
+    with pytest.raises(InvalidOptionError, match="ignore_eos"):
+        mlxinfer.generate(model, tok, "x", response_format={"type": "json_object"}, ignore_eos=True)
+
+
+def test_text_format_is_no_constraint(loaded):
+    model, tok = loaded
+    plain = mlxinfer.generate(model, tok, "hello", max_tokens=8, temperature=0.0)
+    assert mlxinfer.generate(model, tok, "hello", max_tokens=8, temperature=0.0,
+                             response_format={"type": "text"}) == plain
+
+
+def test_bridge_is_built_once_per_tokenizer(loaded):
+    model, tok = loaded
+    assert grammar_tokenizer(tok, model.config.vocab_size) is grammar_tokenizer(tok, model.config.vocab_size)
