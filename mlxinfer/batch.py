@@ -27,10 +27,12 @@ import mlx.core as mx
 
 from .cache import PromptCache, run_rows
 from .checks import integer
+from .constrain import Constraint, masked
 from .decode import Stats, Token, chosen_logprobs
 from .errors import InvalidOptionError
 from .generate import (Chunk, GenerationOptions, Prompt, TextStream, check_context, context_limit,
-                       generation_stream, prompt_tokens, split_options, token_source, wired_limit)
+                       constraint_for, generation_stream, prompt_tokens, split_options, token_source,
+                       wired_limit)
 from .pool import PromptCachePool
 from .sample import Sampler
 from .speculative import SpeculativeDecoder
@@ -58,6 +60,7 @@ class _Sequence:
     prefilled: int = 0  # of todo[:-1]
     next_input: mx.array | None = None  # [1]: the token the next decode step runs
     speculative: SpeculativeDecoder | None = None  # drafts while this sequence is alone
+    constraint: Constraint | None = None  # its response format, when it has one
 
     @property
     def cache_options(self) -> dict[str, Any]:
@@ -171,10 +174,11 @@ class BatchGenerator:
                 current = self._queued or self._decode(self._decoding)
                 self._queued = None
                 if current is not None:
-                    if lone is None:
+                    # a constrained row's mask needs this step's token: its next step is built after it is read
+                    if lone is None and not any(s.constraint is not None for s in current.members):
                         self._queued = self._decode(self._continuing(current), current)
                     self._emit(current, out)
-                    if lone is not None:  # the pipeline drained: the next step drafts
+                    if self._queued is None:  # not pipelined: the next step starts from these tokens
                         for i, s in enumerate(current.members):
                             s.next_input = current.tokens[i : i + 1]
             except Exception as e:  # noqa: BLE001 - a failed batched step ends its members, not the engine
@@ -216,7 +220,7 @@ class BatchGenerator:
                 group.remove(s)
         s.stats.finish_reason = "error"
         out.append((s.uid, Chunk("", None, None, "error", s.stats, error=f"{type(error).__name__}: {error}")))
-        s.cache = s.speculative = None
+        s.cache = s.speculative = s.constraint = None
 
     def _drop_cancelled(self, out: list[tuple[int, Chunk]]) -> None:
         if not self._cancelled:
@@ -226,7 +230,7 @@ class BatchGenerator:
                 group.remove(s)
                 text = s.text or self._text(s, PromptCache([]), 0)
                 out.append((s.uid, text.end("cancelled")))
-                s.cache = s.speculative = None  # freed: a cancelled sequence's K/V are not worth pooling
+                s.cache = s.speculative = s.constraint = None  # freed: a cancelled sequence's K/V are not worth pooling
         self._cancelled.clear()
 
     def _admit(self, out: list[tuple[int, Chunk]]) -> None:
@@ -254,9 +258,10 @@ class BatchGenerator:
         s.todo = s.cache.prepare(s.prompt)
         s.stats.prefill_tokens = len(s.todo)
         o = s.options
+        s.constraint = constraint_for(o, self.tokenizer, self.model.config.vocab_size)
         if o.draft_model is not None or o.prompt_lookup:  # its own draft cache, never one shared by sequences
             s.speculative = token_source(self.model, s.cache, s.sampler, s.todo[-1], limit,
-                                         replace(o, draft_cache=None), s.stats)
+                                         replace(o, draft_cache=None), s.stats, s.constraint)
         return limit
 
     def _text(self, s: _Sequence, cache: PromptCache, limit: int) -> TextStream:
@@ -307,6 +312,10 @@ class BatchGenerator:
                     s.speculative.pause()
                     s.stats.note = SHARED
         logits = run_rows(self.model, [s.cache for s in members], mx.concatenate([s.next_input for s in members]))
+        if any(s.constraint is not None for s in members):
+            mx.async_eval(logits)  # the grammar works out the masks while the forward pass runs
+            logits = mx.concatenate([masked(logits[i : i + 1], s.constraint.mask()) if s.constraint is not None
+                                     else logits[i : i + 1] for i, s in enumerate(members)])
         if all(s.sampler.argmax_only for s in members):  # one op for the batch, same argmax per row
             tokens = logits.argmax(axis=-1)
         else:
@@ -323,6 +332,8 @@ class BatchGenerator:
             if s not in self._decoding:  # finished, cancelled or failed while this step was queued
                 continue
             try:
+                if s.constraint is not None:
+                    s.constraint.accept(ids[i])
                 chunk = s.text.emit(Token(ids[i], values[i], current.logprobs[i]))
             except Exception as e:  # noqa: BLE001 - one sequence's failure ends that sequence only
                 self._fail(s, e, out)
@@ -337,7 +348,7 @@ class BatchGenerator:
         """Hand the finished sequence's cache to the pool (it covers prompt and reply), or drop it."""
         if self.pool is not None and s.cache is not None:
             self.pool.store(s.cache, self.model, **s.cache_options)
-        s.cache = s.speculative = None
+        s.cache = s.speculative = s.constraint = None
 
 
 def batch_generate(model, tokenizer: Tokenizer, prompts: Sequence[Prompt], max_batch: int = 8,

@@ -261,10 +261,10 @@ def token_source(model, cache: PromptCache, sampler: Sampler, last: int, limit: 
         if constraint is not None:
             return ConstrainedDecoder(model, cache, sampler, constraint, last, limit)
         return PlainDecoder(model, cache, sampler, last, limit)
-    drafter = make_drafter(model, sampler, o.draft_model, o.draft_cache,
+    drafter = make_drafter(model, sampler, o.draft_model, o.draft_cache, constraint,
                            max_kv_size=o.max_kv_size, kv_bits=o.kv_bits, kv_group_size=o.kv_group_size)
     max_draft = o.num_draft_tokens or (LOOKUP_DRAFT if o.prompt_lookup else MODEL_DRAFT)
-    return SpeculativeDecoder(model, cache, sampler, drafter, last, limit, stats, max_draft)
+    return SpeculativeDecoder(model, cache, sampler, drafter, last, limit, stats, max_draft, constraint=constraint)
 
 
 def stream_generate(

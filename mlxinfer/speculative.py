@@ -21,7 +21,8 @@ from numpy.lib.stride_tricks import sliding_window_view
 
 from . import kernels
 from .cache import PromptCache
-from .decode import PlainDecoder, Stats, Token, chosen_logprobs
+from .constrain import Constraint, masked
+from .decode import ConstrainedDecoder, PlainDecoder, Stats, Token, chosen_logprobs
 from .errors import InvalidOptionError
 from .sample import Sampler
 
@@ -68,26 +69,35 @@ class PromptLookup:
 class DraftModel:
     """A small model sharing the target's vocabulary, with its own cache kept in
     step with the accepted tokens (trimmed back on rejection). It draws with the
-    target's sampler (its filters, penalty history and random stream)."""
+    target's sampler (its filters, penalty history and random stream) and, under a
+    constraint, from its distribution masked to the legal tokens: a draft is then
+    always legal and q is the distribution it was really drawn from, which the
+    rejection sampling needs to stay exact."""
 
-    def __init__(self, model, target, sampler: Sampler, cache: PromptCache):
+    def __init__(self, model, target, sampler: Sampler, cache: PromptCache, constraint: Constraint | None = None):
         if model.config.vocab_size != target.config.vocab_size:
             raise InvalidOptionError(
                 f"the draft model's vocabulary ({model.config.vocab_size} tokens) differs from the target's "
                 f"({target.config.vocab_size}); use a draft from the same model family and tokenizer"
             )
-        self.model, self.sampler, self.cache = model, sampler, cache
+        self.model, self.sampler, self.cache, self.constraint = model, sampler, cache, constraint
 
     def propose(self, context: Sequence[int], k: int) -> tuple[list[int], mx.array]:
         logits = self.cache.run(self.model, self.cache.prepare(context))[-1:]
         tokens, probs = [], []
         for i in range(k):
+            if self.constraint is not None:
+                logits = masked(logits, self.constraint.mask())
             q = self.sampler.distribution(logits, mx.concatenate(tokens) if tokens else ())
             token = mx.random.categorical(mx.log(q), key=self.sampler.next_key())
             tokens.append(token)
             probs.append(q)
+            if self.constraint is not None:
+                self.constraint.accept(token.item())
             if i + 1 < k:
                 logits = self.cache.run(self.model, token)[-1:]
+        if self.constraint is not None:
+            self.constraint.rollback(len(tokens))
         drafted = mx.concatenate(tokens)
         q_all = mx.concatenate(probs, axis=0)
         mx.eval(drafted, q_all)
@@ -135,12 +145,12 @@ class DraftLength:
 
 
 def make_drafter(model, sampler: Sampler, draft_model=None, draft_cache: PromptCache | None = None,
-                 **cache_options) -> Drafter:
+                 constraint: Constraint | None = None, **cache_options) -> Drafter:
     """A draft model (with `draft_cache`, or a new cache with `cache_options`), else prompt lookup."""
     if draft_model is None:
         return PromptLookup()
     cache = draft_cache or PromptCache.for_model(draft_model, **cache_options)
-    return DraftModel(draft_model, model, sampler, cache)
+    return DraftModel(draft_model, model, sampler, cache, constraint)
 
 
 class ModeChooser:
@@ -234,8 +244,10 @@ class SpeculativeDecoder:
     Counts drafted/accepted tokens, rounds and the plain rate in `stats`."""
 
     def __init__(self, model, cache: PromptCache, sampler: Sampler, drafter: Drafter, last: int, count: int,
-                 stats: Stats, max_draft: int, chooser: ModeChooser | None = None):
+                 stats: Stats, max_draft: int, chooser: ModeChooser | None = None,
+                 constraint: Constraint | None = None):
         self.model, self.cache, self.sampler, self.drafter = model, cache, sampler, drafter
+        self.constraint = constraint
         self.last, self.count, self.stats = last, count, stats
         self.length = DraftLength(max_draft)
         self.chooser = chooser or ModeChooser()
@@ -243,7 +255,11 @@ class SpeculativeDecoder:
         self._judged = False
 
     def _plain(self, count: int) -> Iterator[Token]:
-        for token in PlainDecoder(self.model, self.cache, self.sampler, self.last, count):
+        if self.constraint is not None:
+            source = ConstrainedDecoder(self.model, self.cache, self.sampler, self.constraint, self.last, count)
+        else:
+            source = PlainDecoder(self.model, self.cache, self.sampler, self.last, count)
+        for token in source:
             self.last = token.id
             yield token
 
@@ -253,16 +269,24 @@ class SpeculativeDecoder:
         k = min(self.length.next(), remaining - 1)
         context = [*self.cache.tokens, self.last]
         drafts, q = self.drafter.propose(context, k) if k > 0 else ([], None)
+        if self.constraint is not None:  # a draft the grammar forbids would be rejected: cut it before verifying
+            legal = self.constraint.valid_prefix(drafts)
+            drafts, q = drafts[:legal], (q[:legal] if q is not None else None)
         if not drafts:
             burst = min(max(self.length.paused, PLAIN_BURST), remaining)
             self.length.skip(burst)
             yield from self._plain(burst)
             return
         logits = self.cache.run(self.model, [self.last, *drafts])
+        if self.constraint is not None:
+            logits = masked(logits, self._masks(drafts))
         n, token = verify(self.sampler.distributions(logits, drafts), drafts, q, self.sampler)
         self.cache.trim(len(drafts) - n)
         chosen = [*drafts[:n], token]
         self.sampler.accept(chosen)
+        if self.constraint is not None:
+            for t in chosen:
+                self.constraint.accept(t)
         self.stats.drafted += len(drafts)
         self.stats.accepted += n
         self.stats.rounds += 1
@@ -272,6 +296,17 @@ class SpeculativeDecoder:
         self.last = token
         for i, (t, lp) in enumerate(zip(chosen, values)):
             yield Token(t, lp, logprobs[i], drafted=i < n)
+
+    def _masks(self, drafts: Sequence[int]) -> mx.array:
+        """The legal tokens [k+1, V] after each prefix of the drafts (the grammar is walked
+        forward through them, then back)."""
+        rows = []
+        for t in drafts:
+            rows.append(self.constraint.allowed())
+            self.constraint.accept(t)
+        rows.append(self.constraint.allowed())
+        self.constraint.rollback(len(drafts))
+        return mx.array(np.stack(rows))
 
     def __iter__(self) -> Iterator[Token]:
         produced = 0

@@ -207,3 +207,73 @@ def test_text_format_is_no_constraint(loaded):
 def test_bridge_is_built_once_per_tokenizer(loaded):
     model, tok = loaded
     assert grammar_tokenizer(tok, model.config.vocab_size) is grammar_tokenizer(tok, model.config.vocab_size)
+
+
+# --- speculative decoding under a constraint: same outputs, same distribution ---
+
+@pytest.fixture(scope="module")
+def other_draft(hf_checkpoint):
+    """A smaller model with other weights: its drafts are often rejected."""
+    return mlxinfer.load(hf_checkpoint("llama", head_dim=32, num_hidden_layers=1, seed=7), dtype="float32")[0]
+
+
+@pytest.mark.parametrize("drafter", ["prompt_lookup", "other_draft", "self_draft"])
+def test_speculative_greedy_under_a_constraint_equals_plain(loaded, other_draft, drafter):
+    model, tok = loaded
+    option = {"prompt_lookup": dict(prompt_lookup=True), "other_draft": dict(draft_model=other_draft),
+              "self_draft": dict(draft_model=model)}[drafter]
+    fmt = {"type": "regex", "pattern": "([a-z]+ ){2,12}"}
+    prompt = tok.encode("the cat the cat the cat sat on the mat the cat")
+    plain = list(mlxinfer.stream_generate(model, tok, prompt, max_tokens=40, response_format=fmt))
+    spec = list(mlxinfer.stream_generate(model, tok, prompt, max_tokens=40, response_format=fmt, **option))
+    assert [c.token for c in spec] == [c.token for c in plain]
+    assert spec[-1].stats.rounds > 0
+    assert re.fullmatch(r"([a-z]+ ){2,12}", "".join(c.text for c in spec)) or spec[-1].finish_reason == "length"
+
+
+def test_speculative_sampling_under_a_constraint_keeps_the_distribution(loaded, other_draft):
+    """The first token of a draft-model round: drafted from the draft's masked distribution,
+    verified against the target's masked one; it must follow the target's."""
+    model, tok = loaded
+    prompt = tok.encode("once upon a")
+    legal = lowercase_tokens(tok, model.config.vocab_size)
+    logits = np.array(model(mx.array([prompt]))[0, -1].astype(mx.float64))[legal]
+    p = np.exp(logits - logits.max())
+    p /= p.sum()
+    n = 800
+    counts = Counter(next(iter(mlxinfer.stream_generate(
+        model, tok, prompt, max_tokens=3, temperature=1.0, seed=s, draft_model=other_draft,
+        response_format={"type": "regex", "pattern": "[a-z]+"}))).token for s in range(n))
+    assert set(counts) <= set(legal.tolist())
+    expected = n * p
+    big = expected >= 5
+    observed = np.array([counts.get(int(t), 0) for t in legal])
+    obs = np.append(observed[big], observed[~big].sum())
+    exp = np.append(expected[big], expected[~big].sum())
+    keep = exp > 0
+    assert scipy_stats.chisquare(obs[keep], exp[keep]).pvalue > 1e-3
+
+
+# --- batched decoding: one matcher per sequence ---
+
+def test_batched_constrained_sequences_equal_their_solo_runs(loaded):
+    model, tok = loaded
+    items = [
+        (tok.encode("the quick brown fox"), dict(max_tokens=12, response_format={"type": "regex", "pattern": "[a-z ]+"})),
+        (tok.encode("hello"), dict(max_tokens=10)),
+        (tok.encode("once upon a time"), dict(max_tokens=16, temperature=1.0, seed=5,
+                                              response_format={"type": "regex", "pattern": "[0-9]{2,6}"})),
+        (tok.encode("x y z"), dict(max_tokens=12, response_format={"type": "grammar",
+                                                                   "lark": 'start: ("ab" | "c")+'})),
+    ]
+    engine = mlxinfer.BatchGenerator(model, tok)
+    uids = [engine.submit(ids, **opts) for ids, opts in items]
+    got: dict[int, list] = {u: [] for u in uids}
+    for uid, chunk in engine.stream():
+        got[uid].append(chunk)
+    assert engine.stats.max_batch_seen == len(items)
+    for (ids, opts), uid in zip(items, uids):
+        want = list(mlxinfer.stream_generate(model, tok, ids, **opts))
+        assert [c.token for c in got[uid]] == [c.token for c in want], opts
+        assert [c.finish_reason for c in got[uid]] == [c.finish_reason for c in want]
+    assert re.fullmatch("[0-9]{2,6}", "".join(c.text for c in got[uids[2]]))
