@@ -81,6 +81,9 @@ GENERATION_OPTIONS = [
     click.option("--max-tokens", type=int, default=512, show_default=True, help="Longest reply, in tokens."),
     click.option("--stop", multiple=True, help="End the reply before this text (repeatable; not printed)."),
     click.option("--ignore-eos", is_flag=True, help="Keep generating past end-of-sequence, up to --max-tokens."),
+    click.option("--json-schema", metavar="FILE|JSON",
+                 help="Hold the reply to this JSON Schema (a file or inline JSON; {} for any JSON object)."),
+    click.option("--regex", metavar="PATTERN", help="Hold the reply to this regular expression."),
     click.option("--repetition-penalty", type=float,
                  help="Shrink the logits of the last 64 tokens by this factor (> 1 discourages repeats; 1: off)."),
     click.option("--presence-penalty", type=float,
@@ -139,6 +142,7 @@ class Run:
 
     @classmethod
     def from_params(cls, params: dict[str, Any]) -> Run:
+        from .constrain import typed_format
         from .generate import split_options
         from .terminal import typed_text
 
@@ -151,6 +155,13 @@ class Run:
             options["ignore_eos"] = True
         if params.get("stop"):
             options["stop"] = list(params["stop"])
+        if params.get("json_schema") is not None and params.get("regex") is not None:
+            raise InvalidOptionError("--json-schema and --regex are alternatives: pass one of them")
+        if params.get("json_schema") is not None:
+            schema = params["json_schema"].strip()
+            options["response_format"] = typed_format("json", "" if schema == "{}" else schema)
+        elif params.get("regex") is not None:
+            options["response_format"] = typed_format("regex", params["regex"])
         split_options(options)  # a bad value fails now, before a model is fetched and loaded
         system = typed_text(params["system"]) if params["system"] is not None else None
         return cls(params["model"], params["dtype"], params["draft_model"], system, options)

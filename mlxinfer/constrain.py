@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import weakref
+from pathlib import Path
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any, Mapping, Sequence
@@ -91,6 +92,50 @@ def _compile(spec_json: str) -> Format | None:
     if is_error:
         raise InvalidOptionError(f"response_format {kind} cannot be enforced: {one_line(messages[0])}")
     return Format(kind, grammar)
+
+
+def typed_format(kind: str, value: str = "") -> dict[str, Any] | None:
+    """A response_format from what a user typed (CLI options, the REPL's /format):
+    `json` (any JSON object), `json SCHEMA` (inline JSON or a file holding it), `regex
+    PATTERN`, `lark GRAMMAR` (inline or a file), `off` (None). Checked here, so a bad
+    one fails when it is set."""
+    value = value.strip()
+    if kind == "off":
+        return None
+    if kind == "json":
+        spec = {"type": "json_schema", "json_schema": {"name": "schema", "schema": _json_or_file(value)}} if value \
+            else {"type": "json_object"}
+    elif kind == "regex" and value:
+        spec = {"type": "regex", "pattern": value}
+    elif kind == "lark" and value:
+        spec = {"type": "grammar", "lark": _text_or_file(value)}
+    else:
+        raise InvalidOptionError(f"unknown format {(kind + ' ' + value).strip()!r}; use json [SCHEMA|FILE], "
+                                 "regex PATTERN, lark GRAMMAR|FILE or off")
+    response_format(spec)
+    return spec
+
+
+def _text_or_file(value: str) -> str:
+    path = Path(value).expanduser()
+    if "\n" not in value and len(value) < 4096 and path.is_file():
+        try:
+            return path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise InvalidOptionError(f"cannot read {value}: {e}; pass a readable UTF-8 file") from None
+    return value
+
+
+def _json_or_file(value: str) -> Any:
+    text = _text_or_file(value)
+    try:
+        schema = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise InvalidOptionError(f"the JSON schema is not valid JSON ({e}); pass inline JSON or a file holding it") \
+            from None
+    if not isinstance(schema, dict):
+        raise InvalidOptionError("a JSON schema must be a JSON object, e.g. {\"type\": \"object\"}")
+    return schema
 
 
 def grammar_tokenizer(tokenizer: Tokenizer, vocab_size: int):

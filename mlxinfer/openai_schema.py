@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from .generate import Chunk, Stats
 
 # Fields of OpenAI's API that change the output and that this server does not implement yet.
-NOT_YET = {"response_format": "structured output", "tools": "tool calls", "tool_choice": "tool calls",
+NOT_YET = {"tools": "tool calls", "tool_choice": "tool calls",
            "functions": "function calls", "function_call": "function calls", "parallel_tool_calls": "tool calls",
            "best_of": "best_of", "echo": "echo", "suffix": "suffix", "audio": "audio output",
            "modalities": "audio output", "prediction": "predicted outputs", "reasoning_effort": "reasoning effort",
@@ -73,6 +73,7 @@ class Completion(Strict):
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
     logit_bias: dict[int, float] | None = None
+    response_format: dict[str, Any] | None = None  # checked by the engine (`constrain.response_format`)
     n: int | None = Field(None, ge=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -89,7 +90,7 @@ class Completion(Strict):
         if (self.n or 1) != 1:
             raise RequestError("only n=1 is supported: send one request per completion", "n")
         fields = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
-                  "repetition_penalty", "logit_bias")
+                  "repetition_penalty", "logit_bias", "response_format")
         options = {k: getattr(self, k) for k in fields if getattr(self, k) is not None}
         limit = self.limit()
         options["max_tokens"] = default_max_tokens if limit is None else limit

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import os
 import sys
 import traceback
@@ -18,6 +19,7 @@ from pathlib import Path
 from typing import Protocol, TextIO
 
 from .chat import ChatSession
+from .constrain import typed_format
 from .errors import InvalidOptionError, MlxinferError
 from .terminal import CYAN, DIM, paint, size, stats_line, typed_text
 
@@ -28,6 +30,7 @@ HELP = [
     ("/reset", "forget the conversation (the system prompt stays)"),
     ("/system TEXT", "set the system prompt (no TEXT: show it)"),
     ("/set NAME VALUE", "change temp, top_p, top_k, min_p or max_tokens (no NAME: show them)"),
+    ("/format KIND [X]", "hold replies to: json [SCHEMA|FILE], regex PATTERN, lark GRAMMAR|FILE, off"),
     ("/stats", "numbers for the last reply and the cache"),
     ("/undo", "drop the last exchange and roll the cache back"),
     ("/save FILE", "save the conversation and its KV cache"),
@@ -132,6 +135,7 @@ class Repl:
         self.color, self.verbose = color, verbose
         self.commands: dict[str, Callable[[str], bool | None]] = {
             "help": self.help, "reset": self.reset, "system": self.system, "set": self.set, "stats": self.stats,
+            "format": self.format,
             "undo": self.undo, "save": self.save, "load": self.load, "exit": self.exit, "quit": self.exit,
         }
 
@@ -231,6 +235,18 @@ class Repl:
                 from None
         self.session.set_option(name, parsed)
         self.say(f"{key} = {parsed}")
+
+    def format(self, arg: str) -> None:
+        if not arg:
+            current = self.session.options.get("response_format")
+            self.say(f"format: {json.dumps(current) if current else 'free text'}; "
+                     "/format json [SCHEMA|FILE], regex PATTERN, lark GRAMMAR|FILE or off")
+            return
+        kind, _, value = arg.partition(" ")
+        spec = typed_format(kind, value)
+        self.session.set_option("response_format", spec)
+        self.say("replies are free text again" if spec is None else f"replies are held to {kind}"
+                 + (f" {value.strip()}" if value.strip() else " (any JSON object)" if kind == "json" else ""))
 
     def stats(self, _: str) -> None:
         s, cache = self.session.stats, self.session.cache

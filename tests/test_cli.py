@@ -10,6 +10,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -50,8 +51,8 @@ def one_line_error(result, fact: str) -> None:
     assert len(lines) == 1 and lines[0].startswith("error: ") and fact in lines[0], result.stderr
 
 
-def greedy_text(model, tok, prompt, n: int) -> str:
-    return "".join(c.text for c in stream_generate(model, tok, prompt, max_tokens=n, temperature=0.0))
+def greedy_text(model, tok, prompt, n: int, **options) -> str:
+    return "".join(c.text for c in stream_generate(model, tok, prompt, max_tokens=n, temperature=0.0, **options))
 
 
 def chat_messages(text: str) -> list[dict]:
@@ -616,3 +617,33 @@ def test_group_keeps_bench_and_convert():
     names = set(main.commands)
     assert {"chat", "generate", "models", "inspect", "bench", "convert"} <= names
     assert invoke("convert", "--help").exit_code == 0
+
+
+def test_generate_holds_the_reply_to_a_schema_or_a_regex(tiny, loaded, tmp_path):
+    model, tok = loaded
+    base = ["generate", "-m", str(tiny), "-p", QUESTION, "--temp", "0", "--max-tokens", "24", "--raw"]
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
+    fmt = {"type": "json_schema", "json_schema": {"name": "schema", "schema": schema}}
+    want = greedy_text(model, tok, QUESTION, 24, response_format=fmt)
+    inline = invoke(*base, "--json-schema", json.dumps(schema))
+    assert inline.exit_code == 0, inline.output
+    assert inline.stdout == want + "\n" and want in ('{"ok": true}', '{"ok": false}')
+    file = tmp_path / "schema.json"
+    file.write_text(json.dumps(schema))
+    assert invoke(*base, "--json-schema", str(file)).stdout == want + "\n"
+    regex = invoke(*base, "--regex", "[a-c]{5}")
+    assert regex.stdout == greedy_text(model, tok, QUESTION, 24,
+                                       response_format={"type": "regex", "pattern": "[a-c]{5}"}) + "\n"
+    assert re.fullmatch(r"[a-c]{5}\n", regex.stdout)
+
+
+@pytest.mark.parametrize("args, fact", [
+    (["--json-schema", "{not json"], "not valid JSON"),
+    (["--json-schema", '{"type": "array", "uniqueItems": true}'], "uniqueItems"),
+    (["--regex", "a(b"], "unclosed group"),
+    (["--regex", "a", "--json-schema", "{}"], "alternatives"),
+])
+def test_generate_bad_formats_are_one_line(tiny, args, fact):
+    result = invoke("generate", "-m", str(tiny), "-p", "x", *args)
+    assert result.exit_code != 0 and fact in result.output and "Traceback" not in result.output, result.output

@@ -277,3 +277,17 @@ def test_batched_constrained_sequences_equal_their_solo_runs(loaded):
         assert [c.token for c in got[uid]] == [c.token for c in want], opts
         assert [c.finish_reason for c in got[uid]] == [c.finish_reason for c in want]
     assert re.fullmatch("[0-9]{2,6}", "".join(c.text for c in got[uids[2]]))
+
+
+def test_chat_session_holds_every_reply_to_its_format(loaded):
+    model, tok = loaded
+    fmt = {"type": "regex", "pattern": "[a-z]{3,6}"}
+    session = mlxinfer.ChatSession(model, tok, response_format=fmt, max_tokens=10)
+    first = "".join(c.text for c in session.send("hello"))
+    assert first == mlxinfer.generate(model, tok, [{"role": "user", "content": "hello"}], max_tokens=10,
+                                      response_format=fmt)
+    second = "".join(c.text for c in session.send("more"))
+    assert re.fullmatch("[a-z]{3,6}", first) and re.fullmatch("[a-z]{3,6}", second)
+    session.set_option("response_format", None)
+    with pytest.raises(InvalidOptionError, match="uniqueItems"):
+        session.set_option("response_format", schema_format({"type": "array", "uniqueItems": True}))

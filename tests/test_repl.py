@@ -312,3 +312,22 @@ def test_history_file_is_private(tiny, tmp_path):
     history.chmod(0o644)
     quit_(spawn(tiny, home))
     assert history.stat().st_mode & 0o777 == 0o600
+
+
+def test_format_command_holds_replies_to_a_regex_then_lets_go(tiny, tmp_path):
+    import subprocess
+
+    lines = [b"/format regex [0-9]{4}", b"give me digits", b"/format json {oops", b"/format", b"/format off",
+             b"hello there"]
+    env = {**os.environ, "MLXINFER_HOME": str(tmp_path / "home"), "HF_HUB_OFFLINE": "1", "NO_COLOR": "1"}
+    done = subprocess.run([sys.executable, "-m", "mlxinfer.cli", "chat", "-m", str(tiny), "--temp", "0",
+                           "--max-tokens", "8"], input=b"\n".join(lines) + b"\n", env=env, cwd=str(ROOT),
+                          capture_output=True, timeout=120)
+    out = done.stdout.decode() + done.stderr.decode()
+    assert done.returncode == 0 and "Traceback" not in out, out
+    assert "replies are held to regex [0-9]{4}" in out
+    assert re.search(r"^(?:>>> )*[0-9]{4}$", out, re.M), out  # the reply, exactly four digits
+    errors = [line for line in out.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "not valid JSON" in errors[0], out
+    assert 'format: {"type": "regex", "pattern": "[0-9]{4}"}' in out and "replies are free text again" in out
+    assert len(STATS.findall(out)) == 2, out

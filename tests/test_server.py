@@ -256,7 +256,8 @@ def test_models_and_health(client, server, tiny):
 
 @pytest.mark.parametrize("kwargs, fact", [
     (dict(tools=[{"type": "function", "function": {"name": "f"}}]), "'tools' is not supported"),
-    (dict(response_format={"type": "json_object"}), "'response_format' is not supported"),
+    (dict(response_format={"type": "xml"}), "'xml' is not supported"),
+    (dict(response_format={"type": "json_schema", "json_schema": {"schema": {"not": {}}}}), "not"),
     (dict(n=2), "only n=1"),
     (dict(temperature=-1.0), "temperature"),
     (dict(max_tokens=-3), "max_tokens"),
@@ -485,3 +486,21 @@ def test_the_readme_example_runs(server):
     assert out.returncode == 0, out.stderr
     cached = [line for line in out.stdout.splitlines() if line.startswith("cached prompt tokens:")]
     assert cached and int(cached[0].split()[3]) > 0
+
+
+def test_response_format_through_the_openai_client(client, loaded):
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
+              "required": ["n"], "additionalProperties": False}
+    fmt = {"type": "json_schema", "json_schema": {"name": "n", "schema": schema}}
+    r = chat(client, "a number please", max_tokens=30, response_format=fmt)
+    want = alone(loaded, user("a number please"), max_tokens=30, response_format=fmt)
+    assert r.choices[0].message.content == text_of(want)
+    if r.choices[0].finish_reason == "stop":
+        assert set(json.loads(r.choices[0].message.content)) == {"n"}
+    events = list(chat(client, "a number please", max_tokens=30, response_format=fmt, stream=True))
+    assert "".join(e.choices[0].delta.content or "" for e in events if e.choices) == text_of(want)
+    r = client.completions.create(model="tiny", prompt="digits:", max_tokens=8, temperature=0,
+                                  extra_body={"response_format": {"type": "regex", "pattern": "[0-9]{3}"}})
+    assert r.choices[0].text == text_of(alone(loaded, "digits:", max_tokens=8,
+                                              response_format={"type": "regex", "pattern": "[0-9]{3}"}))
+    assert len(r.choices[0].text) == 3 and r.choices[0].text.isdigit()
