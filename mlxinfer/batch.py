@@ -31,11 +31,12 @@ from .constrain import Constraint, masked
 from .decode import Stats, Token, chosen_logprobs
 from .errors import InvalidOptionError
 from .generate import (Chunk, GenerationOptions, Prompt, TextStream, check_context, context_limit,
-                       constraint_for, generation_stream, prompt_tokens, split_options, token_source,
-                       wired_limit)
+                       constraint_for, generation_stream, read_tool_calls, request_tokens, split_options,
+                       token_source, tool_plan, wired_limit)
 from .pool import PromptCachePool
 from .sample import Sampler
 from .speculative import SpeculativeDecoder
+from .tools import ToolPlan
 from .tokenizer import Tokenizer
 
 CACHE_OPTIONS = ("max_kv_size", "kv_bits", "kv_group_size")
@@ -60,7 +61,9 @@ class _Sequence:
     prefilled: int = 0  # of todo[:-1]
     next_input: mx.array | None = None  # [1]: the token the next decode step runs
     speculative: SpeculativeDecoder | None = None  # drafts while this sequence is alone
-    constraint: Constraint | None = None  # its response format, when it has one
+    constraint: Constraint | None = None  # its response format or tool-call grammar, when it has one
+    tools: ToolPlan | None = None  # what its tools are and how its calls are read
+    reply: list[str] = field(default_factory=list)  # its text so far, kept only when it has tools
 
     @property
     def cache_options(self) -> dict[str, Any]:
@@ -139,11 +142,12 @@ class BatchGenerator:
         """Queue a sequence (a string, token ids or chat messages) with its own options
         (those of `stream_generate`); returns its uid. Bad options fail here."""
         sampling, o = split_options({**self.defaults, **options}, self.model.config.vocab_size)
-        ids = prompt_tokens(self.tokenizer, prompt, self.model.config.vocab_size)
+        tools = tool_plan(o, self.tokenizer)
+        ids = request_tokens(self.tokenizer, prompt, self.model.config.vocab_size, tools)
         check_context(self.model, PromptCache.for_model(self.model, **_cache_options(o)), len(ids))
         uid = next(self._uids)
         stats = Stats(prompt_tokens=len(ids))
-        self._waiting.append(_Sequence(uid, ids, o, Sampler(sampling, ids), stats, time.perf_counter()))
+        self._waiting.append(_Sequence(uid, ids, o, Sampler(sampling, ids), stats, time.perf_counter(), tools=tools))
         self._known.add(uid)
         return uid
 
@@ -201,7 +205,7 @@ class BatchGenerator:
         spec.last = int(s.next_input.item())
         for token in spec.burst(min(s.text.limit - s.text.generated, SPECULATIVE_BURST)):
             try:
-                chunk = s.text.emit(token)
+                chunk = self._text_of(s, token)
             except Exception as e:  # noqa: BLE001 - one sequence's failure ends that sequence only
                 self._fail(s, e, out)
                 return
@@ -212,6 +216,16 @@ class BatchGenerator:
                 self._finished(s)
                 return
         s.next_input = mx.array([spec.last])
+
+    @staticmethod
+    def _text_of(s: _Sequence, token: Token) -> Chunk:
+        """The sequence's chunk for `token`; a last one carries the tool calls its reply made."""
+        chunk = s.text.emit(token)
+        if s.tools is not None:
+            s.reply.append(chunk.text)
+            if chunk.finish_reason:
+                return read_tool_calls(chunk, "".join(s.reply), s.tools)
+        return chunk
 
     def _fail(self, s: _Sequence, error: Exception, out: list[tuple[int, Chunk]]) -> None:
         """End `s` with an error chunk (the others go on); its cache is dropped, not pooled."""
@@ -258,7 +272,7 @@ class BatchGenerator:
         s.todo = s.cache.prepare(s.prompt)
         s.stats.prefill_tokens = len(s.todo)
         o = s.options
-        s.constraint = constraint_for(o, self.tokenizer, self.model.config.vocab_size)
+        s.constraint = constraint_for(o, self.tokenizer, self.model.config.vocab_size, s.tools)
         if o.draft_model is not None or o.prompt_lookup:  # its own draft cache, never one shared by sequences
             s.speculative = token_source(self.model, s.cache, s.sampler, s.todo[-1], limit,
                                          replace(o, draft_cache=None), s.stats, s.constraint)
@@ -334,7 +348,7 @@ class BatchGenerator:
             try:
                 if s.constraint is not None:
                     s.constraint.accept(ids[i])
-                chunk = s.text.emit(Token(ids[i], values[i], current.logprobs[i]))
+                chunk = self._text_of(s, Token(ids[i], values[i], current.logprobs[i]))
             except Exception as e:  # noqa: BLE001 - one sequence's failure ends that sequence only
                 self._fail(s, e, out)
                 continue

@@ -84,6 +84,10 @@ GENERATION_OPTIONS = [
     click.option("--json-schema", metavar="FILE|JSON",
                  help="Hold the reply to this JSON Schema (a file or inline JSON; {} for any JSON object)."),
     click.option("--regex", metavar="PATTERN", help="Hold the reply to this regular expression."),
+    click.option("--tools", "tools_file", metavar="FILE",
+                 help="Functions the model may call: a JSON file holding OpenAI's tools list."),
+    click.option("--tool-choice", metavar="auto|none|required|NAME",
+                 help="auto (default): the model decides; required: it must call one; NAME: it must call that one."),
     click.option("--repetition-penalty", type=float,
                  help="Shrink the logits of the last 64 tokens by this factor (> 1 discourages repeats; 1: off)."),
     click.option("--presence-penalty", type=float,
@@ -143,6 +147,7 @@ class Run:
     @classmethod
     def from_params(cls, params: dict[str, Any]) -> Run:
         from .constrain import typed_format
+        from .tools import read_tools
         from .generate import split_options
         from .terminal import typed_text
 
@@ -162,6 +167,12 @@ class Run:
             options["response_format"] = typed_format("json", "" if schema == "{}" else schema)
         elif params.get("regex") is not None:
             options["response_format"] = typed_format("regex", params["regex"])
+        if params.get("tools_file") is not None:
+            options["tools"] = read_tools(params["tools_file"])
+        if params.get("tool_choice") is not None:
+            choice = params["tool_choice"]
+            options["tool_choice"] = choice if choice in ("auto", "none", "required") else {
+                "type": "function", "function": {"name": choice}}
         split_options(options)  # a bad value fails now, before a model is fetched and loaded
         system = typed_text(params["system"]) if params["system"] is not None else None
         return cls(params["model"], params["dtype"], params["draft_model"], system, options)
@@ -218,6 +229,7 @@ def generate(prompt: str, raw: bool, as_json: bool, no_stream: bool, **params) -
     """Complete one prompt: text on stdout (streamed), stats on stderr."""
     from .generate import stream_generate
     from .terminal import stats_line, typed_text
+    from .tools import describe_call
 
     if params["logprobs"] is not None and not as_json:
         raise InvalidOptionError("--logprobs needs --json, which prints each token with its log-probabilities")
@@ -229,9 +241,10 @@ def generate(prompt: str, raw: bool, as_json: bool, no_stream: bool, **params) -
     options = {**run.options, "draft_model": draft} if draft else run.options
     stream = not (no_stream or as_json)
     pieces, tokens, stats = [], [], None
+    last = None
     for chunk in stream_generate(model, tokenizer, chat_prompt(tokenizer, text, run.system, raw), **options):
         pieces.append(chunk.text)
-        stats = chunk.stats
+        stats, last = chunk.stats, chunk
         if params["logprobs"] is not None and chunk.token is not None:
             tokens.append(token_logprobs(tokenizer, chunk))
         if stream:
@@ -239,10 +252,13 @@ def generate(prompt: str, raw: bool, as_json: bool, no_stream: bool, **params) -
             sys.stdout.flush()
     if as_json:
         logprobs = {"tokens": tokens} if params["logprobs"] is not None else {}
+        calls = {"tool_calls": [c.openai() for c in last.tool_calls]} if last and last.tool_calls else {}
         click.echo(json.dumps({"model": str(where), "prompt": text, "text": "".join(pieces),
-                               "finish_reason": stats.finish_reason, "stats": asdict(stats), **logprobs}))
+                               "finish_reason": stats.finish_reason, "stats": asdict(stats), **logprobs, **calls}))
         return
     click.echo("" if stream else "".join(pieces))
+    for call in last.tool_calls or []:
+        click.echo(f"tool call: {describe_call(call)}", err=True)
     click.echo(stats_line(stats), err=True)
 
 

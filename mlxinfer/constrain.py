@@ -138,6 +138,17 @@ def _json_or_file(value: str) -> Any:
     return schema
 
 
+@lru_cache(maxsize=64)
+def compiled_lark(lark: str, what: str) -> Format:
+    """A Lark grammar of ours (e.g. tool calls), compiled and checked once."""
+    matcher = _llg().LLMatcher
+    grammar = matcher.grammar_from_lark(lark)
+    is_error, messages = matcher.validate_grammar_with_warnings(grammar)
+    if is_error:
+        raise InvalidOptionError(f"the {what} cannot be enforced: {one_line(messages[0])}")
+    return Format(what, grammar)
+
+
 def grammar_tokenizer(tokenizer: Tokenizer, vocab_size: int):
     """llguidance's view of our tokenizer for a model with `vocab_size` logits, built once
     per tokenizer (about a second for a 150K vocabulary). Logit rows past the tokenizer's

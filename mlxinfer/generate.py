@@ -7,6 +7,7 @@ same way: streaming detokenizer, stop strings, EOS, limits and timing stats."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import time
 import warnings
@@ -19,6 +20,8 @@ from mlx.utils import tree_flatten
 from .cache import KV_BITS, KV_GROUP_SIZES, PromptCache
 from .checks import flag, integer, is_integer, token_ids
 from .constrain import Constraint, response_format
+from .tools import ToolCall, ToolPlan, check_tools
+from .tools import plan as plan_tools
 from .decode import ConstrainedDecoder, PlainDecoder, Stats, Token, TokenSource
 from .errors import InvalidOptionError
 from .sample import Sampler, SamplingConfig
@@ -38,6 +41,8 @@ class Chunk:
     top_logprobs: list[tuple[int, float]] | None = None
     drafted: bool = False
     error: str | None = None  # why a sequence ended with finish_reason "error" (batch engine)
+    tool_calls: list[ToolCall] | None = None  # on the last chunk of a reply that called tools
+    content: str | None = None  # with tool_calls: the reply's text outside the calls
 
 
 @dataclass(frozen=True)
@@ -55,6 +60,8 @@ class GenerationOptions:
     num_draft_tokens: int | None = None  # most tokens per draft; default 8 for prompt lookup, 4 for a draft model
     prompt_lookup: bool = False
     response_format: Any = None  # OpenAI's shape, or {"type": "regex"|"grammar", ...}: see `constrain`
+    tools: Any = None  # OpenAI's tools list: see `tools`
+    tool_choice: Any = None  # "auto" (default), "none", "required" or {"type": "function", "function": {"name"}}
 
     def __post_init__(self) -> None:
         """Types and ranges, so a bad value fails before any work and not inside MLX."""
@@ -81,6 +88,13 @@ class GenerationOptions:
         if response_format(self.response_format) is not None and self.ignore_eos:
             raise InvalidOptionError("ignore_eos cannot be combined with response_format: a constrained reply "
                                      "ends with EOS once it is complete")
+        if self.tools is not None:
+            check_tools(self.tools)
+            if self.response_format is not None:
+                raise InvalidOptionError("tools and response_format are alternatives: a reply is either a tool call "
+                                         "or held to a format")
+        elif self.tool_choice is not None:
+            raise InvalidOptionError("tool_choice needs tools")
 
 
 def split_options(options: dict[str, Any], vocab_size: int | None = None) -> tuple[SamplingConfig, GenerationOptions]:
@@ -246,10 +260,40 @@ class TextStream:
         return Chunk(text, None, None, reason, self.stats)
 
 
-def constraint_for(options: GenerationOptions, tokenizer: Tokenizer, vocab_size: int) -> Constraint | None:
-    """A fresh matcher for the options' response format, if they ask for one."""
+def tool_plan(options: GenerationOptions, tokenizer: Tokenizer) -> ToolPlan | None:
+    return plan_tools(tokenizer, options.tools, options.tool_choice) if options.tools is not None else None
+
+
+def request_tokens(tokenizer: Tokenizer, prompt: Prompt, vocab_size: int, tools: ToolPlan | None) -> list[int]:
+    """The prompt's ids; with tools, chat messages rendered with them (by the template, or the fallback)."""
+    if tools is None:
+        return prompt_tokens(tokenizer, prompt, vocab_size)
+    if not (isinstance(prompt, Sequence) and prompt and isinstance(prompt[0], dict)):
+        raise InvalidOptionError("tools need chat messages as the prompt (a list of {'role', 'content'} dicts)")
+    messages, native = tools.messages(tokenizer, list(prompt))
+    extra = {"tools": tools.tools} if native else {}
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **extra)
+    return prompt_tokens(tokenizer, ids, vocab_size)
+
+
+def constraint_for(options: GenerationOptions, tokenizer: Tokenizer, vocab_size: int,
+                   tools: ToolPlan | None = None) -> Constraint | None:
+    """A fresh matcher for the options' response format or tool calls, if they ask for one."""
+    if tools is not None:
+        return tools.constraint(tokenizer, vocab_size)
     fmt = response_format(options.response_format)
     return Constraint(fmt, tokenizer, vocab_size) if fmt is not None else None
+
+
+def read_tool_calls(chunk: Chunk, reply: str, tools: ToolPlan | None) -> Chunk:
+    """The last chunk of a reply, with the calls it made (finish_reason "tool_calls")."""
+    if tools is None or chunk.finish_reason not in ("stop", "length"):
+        return chunk
+    content, calls = tools.parse(reply)
+    if not calls:
+        return chunk
+    chunk.stats.finish_reason = "tool_calls"
+    return dataclasses.replace(chunk, finish_reason="tool_calls", tool_calls=calls, content=content)
 
 
 def token_source(model, cache: PromptCache, sampler: Sampler, last: int, limit: int, options: GenerationOptions,
@@ -277,11 +321,14 @@ def stream_generate(
     ignore_eos, max_kv_size, kv_bits, kv_group_size, prefill_step, logprobs, and
     for speculative decoding draft_model, draft_cache (the draft's PromptCache, to
     reuse across calls), num_draft_tokens, prompt_lookup; response_format holds the
-    reply to a JSON Schema, any JSON object, a regex or a Lark grammar (`constrain`).
+    reply to a JSON Schema, any JSON object, a regex or a Lark grammar (`constrain`);
+    tools and tool_choice offer the app's functions (`tools`): a reply that calls them
+    ends with finish_reason "tool_calls" and the calls on its last chunk.
     Pass a `PromptCache` to reuse the longest common prefix across calls.
     """
     sampling, o = split_options(options, model.config.vocab_size)
-    ids = prompt_tokens(tokenizer, prompt, model.config.vocab_size)
+    tools = tool_plan(o, tokenizer)
+    ids = request_tokens(tokenizer, prompt, model.config.vocab_size, tools)
     cache = prompt_cache or PromptCache.for_model(
         model, max_kv_size=o.max_kv_size, kv_bits=o.kv_bits, kv_group_size=o.kv_group_size
     )
@@ -298,13 +345,16 @@ def stream_generate(
             yield text.end("length")
             return
         cache.prefill(model, todo[:-1], o.prefill_step)
-        constraint = constraint_for(o, tokenizer, model.config.vocab_size)
+        constraint = constraint_for(o, tokenizer, model.config.vocab_size, tools)
         source = token_source(model, cache, Sampler(sampling, ids), todo[-1], limit, o, stats, constraint)
+        reply = []
         for token in source:
             chunk = text.emit(token)
-            yield chunk
+            reply.append(chunk.text)
             if chunk.finish_reason:
+                yield read_tool_calls(chunk, "".join(reply), tools)
                 return
+            yield chunk
 
 
 def generate(model, tokenizer: Tokenizer, prompt: Prompt, **options: Any) -> str:

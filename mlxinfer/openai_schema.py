@@ -16,8 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from .generate import Chunk, Stats
 
 # Fields of OpenAI's API that change the output and that this server does not implement yet.
-NOT_YET = {"tools": "tool calls", "tool_choice": "tool calls",
-           "functions": "function calls", "function_call": "function calls", "parallel_tool_calls": "tool calls",
+NOT_YET = {"functions": "legacy function calls (use tools)", "function_call": "legacy function calls (use tools)",
            "best_of": "best_of", "echo": "echo", "suffix": "suffix", "audio": "audio output",
            "modalities": "audio output", "prediction": "predicted outputs", "reasoning_effort": "reasoning effort",
            "web_search_options": "web search"}
@@ -48,14 +47,34 @@ class TextPart(Strict):
     text: str
 
 
-class Message(Strict):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart] | None = None
+class FunctionCall(Strict):
+    name: str
+    arguments: str
 
-    def for_template(self) -> dict[str, str]:
+
+class MessageToolCall(Strict):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class Message(Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    tool_calls: list[MessageToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
+    name: str | None = None  # a tool message: the function's name
+
+    def for_template(self) -> dict[str, Any]:
         """The message as chat templates take it ("developer" is OpenAI's new name for "system")."""
         text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content or [])
-        return {"role": "system" if self.role == "developer" else self.role, "content": text}
+        out: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": text}
+        if self.tool_calls:
+            out["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        for key in ("tool_call_id", "name"):
+            if getattr(self, key) is not None:
+                out[key] = getattr(self, key)
+        return out
 
 
 class Completion(Strict):
@@ -110,6 +129,22 @@ class ChatCompletion(Completion):
     max_completion_tokens: int | None = Field(None, ge=0)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: list[dict[str, Any]] | None = None  # checked by the engine (`tools.check_tools`)
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+
+    def options(self, default_max_tokens: int) -> dict[str, Any]:
+        if self.parallel_tool_calls is False:
+            raise RequestError("parallel_tool_calls=false is not supported: a reply may hold several calls",
+                               "parallel_tool_calls")
+        options = super().options(default_max_tokens)
+        if self.tools:
+            options["tools"] = self.tools
+            if self.tool_choice is not None:
+                options["tool_choice"] = self.tool_choice
+        elif self.tool_choice not in (None, "none"):
+            raise RequestError("tool_choice needs tools", "tool_choice")
+        return options
 
     def limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -118,7 +153,7 @@ class ChatCompletion(Completion):
         # the chosen token's logprob needs at least one row (and asks for nothing more)
         return max(self.top_logprobs or 0, 1) if self.logprobs else 0
 
-    def engine_prompt(self) -> list[dict[str, str]]:
+    def engine_prompt(self) -> list[dict[str, Any]]:
         return [m.for_template() for m in self.messages]
 
 
@@ -203,16 +238,20 @@ class Logprobs:
         return out
 
 
-def choice(chat: bool, text: str, reason: str | None, logprobs: dict[str, Any] | None, delta: bool,
-           first: bool = False) -> dict[str, Any]:
-    """One choice of a response (`delta`: of a streamed chunk)."""
+def choice(chat: bool, text: str | None, reason: str | None, logprobs: dict[str, Any] | None, delta: bool,
+           first: bool = False, calls: list | None = None) -> dict[str, Any]:
+    """One choice of a response (`delta`: of a streamed chunk); `calls`: the tool calls it made."""
     out: dict[str, Any] = {"index": 0}
     if not chat:
         out["text"] = text
     elif delta:
         out["delta"] = {"role": "assistant", "content": text} if first else {"content": text}
+        if calls:
+            out["delta"]["tool_calls"] = [{"index": i, **c.openai()} for i, c in enumerate(calls)]
     else:
         out["message"] = {"role": "assistant", "content": text}
+        if calls:
+            out["message"]["tool_calls"] = [c.openai() for c in calls]
     out["logprobs"] = logprobs
     out["finish_reason"] = finish(reason)
     return out

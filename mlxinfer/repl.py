@@ -20,6 +20,7 @@ from typing import Protocol, TextIO
 
 from .chat import ChatSession
 from .constrain import typed_format
+from .tools import describe_call
 from .errors import InvalidOptionError, MlxinferError
 from .terminal import CYAN, DIM, paint, size, stats_line, typed_text
 
@@ -184,9 +185,11 @@ class Repl:
         before = len(self.session.messages)
         chunks = self.session.send(text)
         interrupted = False
+        calls = []
         try:
             for chunk in chunks:
                 self.write(paint(chunk.text, CYAN, self.color) if chunk.drafted else chunk.text)
+                calls = chunk.tool_calls or calls
         except KeyboardInterrupt:
             interrupted = True
         finally:
@@ -195,6 +198,8 @@ class Repl:
         kept = len(self.session.messages) > before
         if interrupted:
             self.note("[interrupted; the partial reply is kept]" if kept else "[interrupted]")
+        for call in calls:
+            self.say(f"tool call: {describe_call(call)}")
         if kept:
             self.note(self.stats_line())
 

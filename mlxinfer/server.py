@@ -32,6 +32,7 @@ from .batch import BatchGenerator
 from .errors import MlxinferError
 from .generate import Chunk
 from .openai_schema import ChatCompletion, Completion, Logprobs, RequestError, TextCompletion, choice, parse, usage
+from .tools import call_opener
 
 RETRY_AFTER_SECONDS = 1
 DISCONNECT_POLL_SECONDS = 0.25
@@ -298,8 +299,10 @@ def create_app(engine: EngineThread, tokenizer, config: ServerConfig) -> FastAPI
         body = parse(await body_of(request), kind)
         prompt, options = body.engine_prompt(), body.options(config.max_tokens)
         chat = kind is ChatCompletion
+        calls = chat and options.get("tools") and options.get("tool_choice") != "none"
         reply = Reply(f"{'chatcmpl' if chat else 'cmpl'}-{next(ids)}", chat, config.model_name,
-                      Logprobs(tokenizer, chat, body.logprob_rows()) if body.logprob_rows() else None)
+                      Logprobs(tokenizer, chat, body.logprob_rows()) if body.logprob_rows() else None,
+                      call_opener(tokenizer) if calls else None)
         stream = chunks_of(engine, prompt, options)
         if not body.stream:
             chunks = await collect(stream, request)
@@ -348,6 +351,7 @@ class Reply:
     chat: bool
     model: str
     logprobs: Logprobs | None
+    opener: str | None = None  # with tools: the text a call starts with
 
     def _object(self, choices: list[dict[str, Any]], chunk: bool, **extra: Any) -> dict[str, Any]:
         kind = "chat.completion" if self.chat else "text_completion"
@@ -356,21 +360,31 @@ class Reply:
                 "choices": choices, **extra}
 
     def whole(self, chunks: list[Chunk]) -> dict[str, Any]:
-        text = "".join(c.text for c in chunks)
         last = chunks[-1]
+        text = last.content if last.tool_calls else "".join(c.text for c in chunks)
         lp = self.logprobs.of(chunks) if self.logprobs else None
-        return self._object([choice(self.chat, text, last.finish_reason, lp, delta=False)], chunk=False,
-                            usage=usage(last.stats))
+        return self._object([choice(self.chat, text, last.finish_reason, lp, delta=False, calls=last.tool_calls)],
+                            chunk=False, usage=usage(last.stats))
+
+    def _could_call(self, text: str) -> bool:
+        start = text.lstrip()
+        return self.opener is not None and (start.startswith(self.opener) or self.opener.startswith(start))
 
     async def events(self, first: Chunk | None, stream: AsyncIterator[Chunk],
                      include_usage: bool) -> AsyncIterator[bytes]:
-        last = first
+        """The stream; with tools, text that may be the start of a call is held back until
+        it is known: a call goes out as one `tool_calls` delta, anything else as text."""
+        last, held, sent = first, [], False
         try:
             if first is not None:
-                yield sse(self._event(first, first=True))
-                async for chunk in stream:
+                async for chunk in _chain(first, stream):
                     last = chunk
-                    yield sse(self._event(chunk))
+                    if not sent and self._could_call("".join(c.text for c in (*held, chunk))) \
+                            and not chunk.finish_reason:
+                        held.append(chunk)
+                        continue
+                    yield sse(self._event([*held, chunk], first=not sent))
+                    held, sent = [], True
             if include_usage and last is not None:
                 yield sse(self._object([], chunk=True, usage=usage(last.stats)))
         except RequestError as e:
@@ -379,7 +393,15 @@ class Reply:
             await stream.aclose()
         yield sse("[DONE]")
 
-    def _event(self, chunk: Chunk, first: bool = False) -> dict[str, Any]:
-        lp = self.logprobs.of([chunk]) if self.logprobs else None
-        return self._object([choice(self.chat, chunk.text, chunk.finish_reason, lp, delta=True, first=first)],
-                            chunk=True)
+    def _event(self, chunks: list[Chunk], first: bool = False) -> dict[str, Any]:
+        last = chunks[-1]
+        lp = self.logprobs.of(chunks) if self.logprobs else None
+        text = last.content if last.tool_calls else "".join(c.text for c in chunks)
+        return self._object([choice(self.chat, text, last.finish_reason, lp, delta=True, first=first,
+                                    calls=last.tool_calls)], chunk=True)
+
+
+async def _chain(first: Chunk, rest: AsyncIterator[Chunk]) -> AsyncIterator[Chunk]:
+    yield first
+    async for chunk in rest:
+        yield chunk

@@ -255,7 +255,9 @@ def test_models_and_health(client, server, tiny):
 # --- limits and bad input ---
 
 @pytest.mark.parametrize("kwargs, fact", [
-    (dict(tools=[{"type": "function", "function": {"name": "f"}}]), "'tools' is not supported"),
+    (dict(tools=[{"type": "function", "function": {"description": "no name"}}]), "tools[0]"),
+    (dict(tool_choice="required"), "tool_choice needs tools"),
+    (dict(extra_body={"functions": [{"name": "f"}]}), "'functions' is not supported"),
     (dict(response_format={"type": "xml"}), "'xml' is not supported"),
     (dict(response_format={"type": "json_schema", "json_schema": {"schema": {"not": {}}}}), "not"),
     (dict(n=2), "only n=1"),
@@ -504,3 +506,47 @@ def test_response_format_through_the_openai_client(client, loaded):
     assert r.choices[0].text == text_of(alone(loaded, "digits:", max_tokens=8,
                                               response_format={"type": "regex", "pattern": "[0-9]{3}"}))
     assert len(r.choices[0].text) == 3 and r.choices[0].text.isdigit()
+
+
+WEATHER = {"type": "object", "properties": {"unit": {"enum": ["celsius", "fahrenheit"]},
+                                            "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+           "required": ["unit", "days"], "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "forecast", "description": "Weather", "parameters": WEATHER}}]
+
+
+@pytest.fixture(scope="module")
+def roomy(hf_checkpoint):
+    """The tiny Llama with room for a tool listing in its context."""
+    return hf_checkpoint("llama", head_dim=32, max_position_embeddings=2048)
+
+
+def test_tool_calls_through_the_openai_client(roomy):
+    jsonschema = pytest.importorskip("jsonschema")
+    s = Server(["-m", str(roomy), "--dtype", "float32"])
+    try:
+        c = openai.OpenAI(base_url=f"{s.url}/v1", api_key="unused", max_retries=0, timeout=60)
+        ask = dict(model="m", messages=user("weather?"), tools=TOOLS, tool_choice="required", max_tokens=60,
+                   temperature=0)
+        r = c.chat.completions.create(**ask)
+        model, tok = mlxinfer.load(roomy, dtype="float32")
+        want = list(mlxinfer.stream_generate(model, tok, user("weather?"), tools=TOOLS, tool_choice="required",
+                                             max_tokens=60, temperature=0.0))[-1]
+        choice = r.choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None
+        (call,) = choice.message.tool_calls
+        assert call.type == "function" and call.function.name == "forecast"
+        arguments = json.loads(call.function.arguments)
+        assert arguments == want.tool_calls[0].arguments
+        jsonschema.validate(arguments, WEATHER)
+        events = list(c.chat.completions.create(**ask, stream=True))
+        assert not "".join(e.choices[0].delta.content or "" for e in events if e.choices)
+        deltas = [tc for e in events if e.choices for tc in (e.choices[0].delta.tool_calls or [])]
+        assert [json.loads(d.function.arguments) for d in deltas] == [arguments]
+        assert events[-1].choices[0].finish_reason == "tool_calls"
+        follow = user("weather?") + [choice.message.model_dump(exclude_none=True),
+                                     {"role": "tool", "tool_call_id": call.id, "content": "sunny"}]
+        again = c.chat.completions.create(model="m", messages=follow, tools=TOOLS, tool_choice="none",
+                                          max_tokens=5, temperature=0)
+        assert again.choices[0].finish_reason in ("stop", "length") and again.choices[0].message.tool_calls is None
+    finally:
+        s.stop()

@@ -1,0 +1,293 @@
+"""Tool calling: an app's functions shown to the model, and its calls to them read back.
+
+Tools reach the model through its own chat template (the `tools` variable) when the
+template uses them, and otherwise through a documented fallback: a system message that
+lists the functions as JSON and asks for a call as one JSON object,
+`{"name": ..., "arguments": {...}}`. A call is written in the model's own syntax, read
+from its template: Hermes / Qwen (`<tool_call>{json}</tool_call>`), Mistral
+(`[TOOL_CALLS] [{json}, ...]`), or bare JSON (Llama 3.1 style, and the fallback).
+
+`tool_choice` "required" or a named function holds the whole reply to a call grammar
+whose arguments follow the function's `parameters` schema; "auto" lets the model choose,
+and once its first token opens a call, holds the rest of it to that grammar; "none"
+shows the tools and reads no calls.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import re
+from pathlib import Path
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+import mlx.core as mx
+import numpy as np
+
+from .constrain import JSON_LAYOUT, Constraint, Format, compiled_lark, grammar_tokenizer
+from .errors import InvalidOptionError
+from .tokenizer import Tokenizer
+
+FALLBACK_PROMPT = ("You can call these functions:\n{tools}\nTo call one, reply with only a JSON object "
+                   '{{"name": <function name>, "arguments": <an object of its arguments>}} and nothing else.')
+_call_ids = itertools.count()
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """One call the model made: the function's name and its arguments (parsed JSON)."""
+
+    name: str
+    arguments: dict[str, Any]
+    id: str = ""
+
+    def openai(self) -> dict[str, Any]:
+        """OpenAI's shape (arguments as a JSON string)."""
+        return {"id": self.id, "type": "function",
+                "function": {"name": self.name, "arguments": json.dumps(self.arguments, ensure_ascii=False)}}
+
+
+@dataclass(frozen=True)
+class Syntax:
+    """How a model family writes its calls: `open` / `close` around them (special-token
+    names or text), and the key that holds the arguments."""
+
+    name: str
+    open: str = ""
+    close: str = ""
+    key: str = "arguments"
+    listed: bool = False  # calls as one JSON list (Mistral) rather than one block each
+
+
+HERMES = Syntax("hermes", "<tool_call>", "</tool_call>")
+MISTRAL = Syntax("mistral", "[TOOL_CALLS]", listed=True)
+JSON_CALL = Syntax("json")
+LLAMA = Syntax("llama", key="parameters")
+
+
+def syntax_for(tokenizer: Tokenizer) -> Syntax:
+    """The call syntax the model's chat template teaches (bare JSON when it teaches none)."""
+    template = tokenizer.chat_template or ""
+    if "<tool_call>" in template:
+        return HERMES
+    if "[TOOL_CALLS]" in template:
+        return MISTRAL
+    if "tools" in template and '"parameters"' in template:
+        return LLAMA
+    return JSON_CALL
+
+
+def check_tools(tools: Any) -> list[dict[str, Any]]:
+    """OpenAI's `tools` list, checked: every entry a function with a name, and parameters a schema."""
+    if not isinstance(tools, Sequence) or isinstance(tools, (str, bytes)) or not tools:
+        raise InvalidOptionError('tools must be a non-empty list of {"type": "function", "function": {...}}')
+    names = set()
+    for i, tool in enumerate(tools):
+        function = tool.get("function") if isinstance(tool, Mapping) and tool.get("type") == "function" else None
+        name = function.get("name") if isinstance(function, Mapping) else None
+        if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", name):
+            raise InvalidOptionError(f'tools[{i}] must be {{"type": "function", "function": {{"name": "a_name", ...}}}}')
+        if name in names:
+            raise InvalidOptionError(f"tools[{i}]: the function name '{name}' is used twice")
+        if not isinstance(function.get("parameters", {}), Mapping):
+            raise InvalidOptionError(f"tools[{i}].function.parameters must be a JSON Schema object")
+        names.add(name)
+    return [dict(t) for t in tools]
+
+
+def chosen_functions(tools: list[dict[str, Any]], tool_choice: Any) -> tuple[str, list[dict[str, Any]]]:
+    """("none" | "auto" | "required", the functions a call may name)."""
+    functions = [t["function"] for t in tools]
+    if tool_choice in (None, "auto", "none", "required"):
+        return tool_choice or "auto", functions
+    name = tool_choice.get("function", {}).get("name") if isinstance(tool_choice, Mapping) else None
+    named = [f for f in functions if f["name"] == name]
+    if not named:
+        raise InvalidOptionError(f"tool_choice {tool_choice!r} names no function in tools; use \"auto\", \"none\", "
+                                 "\"required\" or {\"type\": \"function\", \"function\": {\"name\": ...}}")
+    return "required", named
+
+
+def call_schema(functions: list[dict[str, Any]], key: str) -> dict[str, Any]:
+    """A JSON Schema for one call to any of `functions`, its arguments following their parameters."""
+    options = [{"type": "object", "additionalProperties": False, "required": ["name", key],
+                "properties": {"name": {"const": f["name"]}, key: f.get("parameters") or {"type": "object"}}}
+               for f in functions]
+    return {**(options[0] if len(options) == 1 else {"anyOf": options}), "x-guidance": JSON_LAYOUT}
+
+
+def _token(tokenizer: Tokenizer, text: str) -> str:
+    """A Lark terminal for `text`: the special token it names, or the literal text."""
+    token = tokenizer.backend.token_to_id(text)
+    return f"<[{token}]>" if token is not None and text.startswith(("<", "[")) else json.dumps(text)
+
+
+def call_grammar(tokenizer: Tokenizer, syntax: Syntax, functions: list[dict[str, Any]]) -> str:
+    """Lark for one or more calls in `syntax`."""
+    schema = json.dumps(call_schema(functions, syntax.key))
+    if syntax.listed:
+        return f'start: {_token(tokenizer, syntax.open)} " "? "[" call (", " call)* "]"\ncall: %json {schema}'
+    if syntax.open:
+        block = f'{_token(tokenizer, syntax.open)} "\\n" call "\\n" {_token(tokenizer, syntax.close)}'
+        return f'start: block ("\\n" block)*\nblock: {block}\ncall: %json {schema}'
+    return f"start: call\ncall: %json {schema}"
+
+
+@dataclass
+class ToolPlan:
+    """What a request with tools does: how to render them, what to hold the reply to, how to read it."""
+
+    tools: list[dict[str, Any]]
+    choice: str
+    syntax: Syntax
+    grammar: Format | None
+
+    def messages(self, tokenizer: Tokenizer, messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], bool]:
+        """The messages to render and whether the template takes the tools itself."""
+        messages = [_template_message(m) for m in messages]
+        if "tools" in (tokenizer.chat_template or ""):
+            return messages, True
+        listing = "\n".join(json.dumps(t["function"], ensure_ascii=False) for t in self.tools)
+        note = FALLBACK_PROMPT.format(tools=listing)
+        first = messages[0] if messages else {}
+        if first.get("role") == "system":
+            return [{**first, "content": f"{first['content']}\n\n{note}"}, *messages[1:]], False
+        if "system" not in (tokenizer.chat_template or "") and first.get("role") == "user":
+            # a template without a system role (Mistral's [INST]): the note opens the first user message
+            return [{**first, "content": f"{note}\n\n{first['content']}"}, *messages[1:]], False
+        return [{"role": "system", "content": note}, *messages], False
+
+    def constraint(self, tokenizer: Tokenizer, vocab_size: int) -> Constraint | None:
+        if self.grammar is None:
+            return None
+        constraint = Constraint(self.grammar, tokenizer, vocab_size)
+        return constraint if self.choice == "required" else OnceCalled(constraint)
+
+    def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        """(the text outside the calls or None, the calls) of a finished reply."""
+        if self.choice == "none":
+            return text, []
+        names = {t["function"]["name"] for t in self.tools}
+        found, rest = _find_calls(text, self.syntax)
+        calls = [ToolCall(c["name"], _arguments(c, self.syntax.key), f"call_{next(_call_ids)}") for c in found
+                 if isinstance(c, Mapping) and c.get("name") in names]
+        if not calls:
+            return text, []
+        return (rest.strip() or None), calls
+
+
+def read_tools(path: str) -> list[dict[str, Any]]:
+    """OpenAI's tools list from a JSON file (a list, or an object with a "tools" list), checked."""
+    try:
+        data = json.loads(Path(path).expanduser().read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise InvalidOptionError(f"cannot read tools from {path}: {e}; pass a JSON file holding OpenAI's tools list") \
+            from None
+    return check_tools(data.get("tools") if isinstance(data, dict) else data)
+
+
+def describe_call(call: ToolCall) -> str:
+    """A call as a person reads it: name(key=value, ...)."""
+    args = ", ".join(f"{k}={json.dumps(v, ensure_ascii=False)}" for k, v in call.arguments.items())
+    return f"{call.name}({args})"
+
+
+def call_syntax(tokenizer: Tokenizer) -> Syntax:
+    """The syntax this model's calls are read in: its template's, or bare JSON for the fallback."""
+    return syntax_for(tokenizer) if "tools" in (tokenizer.chat_template or "") else JSON_CALL
+
+
+def call_opener(tokenizer: Tokenizer) -> str:
+    """The text a call starts with (to hold streamed text back until it is known not to be one)."""
+    return call_syntax(tokenizer).open or "{"
+
+
+def plan(tokenizer: Tokenizer, tools: Any, tool_choice: Any = None) -> ToolPlan:
+    """Check `tools` / `tool_choice` and work out how to render, constrain and read them."""
+    tools = check_tools(tools)
+    choice, functions = chosen_functions(tools, tool_choice)
+    syntax = call_syntax(tokenizer)
+    grammar = None if choice == "none" else compiled_lark(call_grammar(tokenizer, syntax, functions), "tool call")
+    return ToolPlan(tools, choice, syntax, grammar)
+
+
+class OnceCalled:
+    """tool_choice "auto": the reply is free text unless its first token opens a call
+    (the call grammar accepts it); then the rest of it is held to the call grammar."""
+
+    def __init__(self, inner: Constraint):
+        self.inner, self.vocab_size = inner, inner.vocab_size
+        self.state = "first"  # then "call" or "free"
+        self._free = np.ones(self.vocab_size, dtype=bool)
+
+    def allowed(self) -> np.ndarray:
+        return self.inner.allowed() if self.state == "call" else self._free
+
+    def mask(self) -> mx.array:
+        return mx.array(self.allowed())[None]
+
+    def accept(self, token: int) -> None:
+        if self.state == "first":
+            self.state = "call" if self.inner.valid_prefix([token]) == 1 else "free"
+        if self.state == "call":
+            self.inner.accept(token)
+
+    def valid_prefix(self, tokens: Sequence[int]) -> int:
+        return self.inner.valid_prefix(tokens) if self.state == "call" else len(tokens)
+
+    def rollback(self, n: int) -> None:
+        if self.state == "call":
+            self.inner.rollback(n)
+
+    @property
+    def complete(self) -> bool:
+        return self.state != "call" or self.inner.complete
+
+
+def _template_message(message: Mapping[str, Any]) -> dict[str, Any]:
+    """A message as templates expect it: tool-call arguments as objects, not JSON strings."""
+    out = dict(message)
+    if out.get("tool_calls"):
+        calls = []
+        for call in out["tool_calls"]:
+            function = dict(call.get("function", call))
+            if isinstance(function.get("arguments"), str):
+                try:
+                    function["arguments"] = json.loads(function["arguments"])
+                except json.JSONDecodeError:
+                    pass
+            calls.append({**call, "function": function})
+        out["tool_calls"] = calls
+    return out
+
+
+def _arguments(call: Mapping[str, Any], key: str) -> dict[str, Any]:
+    args = call.get(key, call.get("arguments", call.get("parameters", {})))
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except json.JSONDecodeError:
+            return {}
+    return args if isinstance(args, dict) else {}
+
+
+def _find_calls(text: str, syntax: Syntax) -> tuple[list[Any], str]:
+    """The JSON of every call in `text`, and the text around them."""
+    if syntax.open and not syntax.listed:
+        pattern = re.compile(re.escape(syntax.open) + r"\s*(.*?)\s*" + re.escape(syntax.close), re.S)
+        found = [_loads(m.group(1)) for m in pattern.finditer(text)]
+        return [f for f in found if f is not None], pattern.sub("", text)
+    if syntax.listed:
+        head, marker, tail = text.partition(syntax.open)
+        calls = _loads(tail) if marker else None
+        return (calls if isinstance(calls, list) else []), head
+    call = _loads(text.strip())
+    return ([call] if isinstance(call, dict) else []), ""
+
+
+def _loads(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return None
