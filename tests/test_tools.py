@@ -209,3 +209,16 @@ def test_batched_tool_requests_equal_solo(roomy):
         assert last[uid].finish_reason == want.finish_reason
         assert last[uid].tool_calls == want.tool_calls or [
             (c.name, c.arguments) for c in last[uid].tool_calls] == [(c.name, c.arguments) for c in want.tool_calls]
+
+
+def test_auto_holds_a_reply_to_the_grammar_once_its_first_token_opens_a_call(loaded):
+    model, tok = loaded
+    p = plan(tok, TOOLS)
+    opening = tok.encode('{"', add_special_tokens=False)[0]
+    prose = tok.encode("It", add_special_tokens=False)[0]
+    called, free = p.constraint(tok, model.config.vocab_size), p.constraint(tok, model.config.vocab_size)
+    assert called.allowed().all() and free.allowed().all()  # the first token is the model's choice
+    called.accept(opening)
+    free.accept(prose)
+    assert free.allowed().all() and free.complete
+    assert 0 < called.allowed().sum() < model.config.vocab_size and not called.complete
