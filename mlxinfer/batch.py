@@ -204,18 +204,29 @@ class BatchGenerator:
         spec = s.speculative
         spec.last = int(s.next_input.item())
         for token in spec.burst(min(s.text.limit - s.text.generated, SPECULATIVE_BURST)):
-            try:
-                chunk = self._text_of(s, token)
-            except Exception as e:  # noqa: BLE001 - one sequence's failure ends that sequence only
-                self._fail(s, e, out)
-                return
-            self.stats.decoded_tokens += 1
-            out.append((s.uid, chunk))
-            if chunk.finish_reason:
-                self._decoding.remove(s)
-                self._finished(s)
+            if not self._hand_out(s, token, out):
                 return
         s.next_input = mx.array([spec.last])
+
+    def _hand_out(self, s: _Sequence, token: Token, out: list[tuple[int, Chunk]], batched: bool = False) -> bool:
+        """Turn `token` into the sequence's next chunk; False once the sequence has ended
+        (finished, or failed: one sequence's failure ends that sequence only). A token of
+        the batched step also moves the sequence's constraint on (a speculative burst
+        moves it itself)."""
+        try:
+            if batched and s.constraint is not None:
+                s.constraint.accept(token.id)
+            chunk = self._text_of(s, token)
+        except Exception as e:  # noqa: BLE001 - reported as this sequence's error chunk
+            self._fail(s, e, out)
+            return False
+        self.stats.decoded_tokens += 1
+        out.append((s.uid, chunk))
+        if chunk.finish_reason:
+            self._decoding.remove(s)
+            self._finished(s)
+            return False
+        return True
 
     @staticmethod
     def _text_of(s: _Sequence, token: Token) -> Chunk:
@@ -345,18 +356,7 @@ class BatchGenerator:
         for i, s in enumerate(current.members):
             if s not in self._decoding:  # finished, cancelled or failed while this step was queued
                 continue
-            try:
-                if s.constraint is not None:
-                    s.constraint.accept(ids[i])
-                chunk = self._text_of(s, Token(ids[i], values[i], current.logprobs[i]))
-            except Exception as e:  # noqa: BLE001 - one sequence's failure ends that sequence only
-                self._fail(s, e, out)
-                continue
-            self.stats.decoded_tokens += 1
-            out.append((s.uid, chunk))
-            if chunk.finish_reason:
-                self._decoding.remove(s)
-                self._finished(s)
+            self._hand_out(s, Token(ids[i], values[i], current.logprobs[i]), out, batched=True)
 
     def _finished(self, s: _Sequence) -> None:
         """Hand the finished sequence's cache to the pool (it covers prompt and reply), or drop it."""

@@ -130,6 +130,18 @@ def lowercase_tokens(tok, vocab_size: int) -> np.ndarray:
     return np.array([i for i in range(min(vocab_size, tok.vocab_size)) if LOWER.fullmatch(tok.decode([i]))])
 
 
+def assert_follows(counts: Counter, legal: np.ndarray, p: np.ndarray, n: int) -> None:
+    """`n` draws counted in `counts` come only from `legal` and follow `p` over it (chi-square)."""
+    assert set(counts) <= set(legal.tolist())
+    expected = n * p
+    big = expected >= 5  # chi-square needs expected counts of at least 5: the rest form one bin
+    observed = np.array([counts.get(int(t), 0) for t in legal])
+    obs = np.append(observed[big], observed[~big].sum())
+    exp = np.append(expected[big], expected[~big].sum())
+    keep = exp > 0
+    assert scipy_stats.chisquare(obs[keep], exp[keep]).pvalue > 1e-3
+
+
 def test_greedy_is_argmax_over_the_legal_tokens(loaded):
     model, tok = loaded
     prompt = tok.encode("the quick brown fox")
@@ -156,14 +168,7 @@ def test_sampled_first_token_follows_the_renormalised_distribution(loaded):
     counts = Counter(next(iter(mlxinfer.stream_generate(
         model, tok, prompt, max_tokens=1, temperature=1.5, seed=s,
         response_format={"type": "regex", "pattern": "[a-z]+"}))).token for s in range(n))
-    assert set(counts) <= set(legal.tolist())
-    expected = n * p
-    big = expected >= 5  # chi-square needs expected counts of at least 5: the rest form one bin
-    observed = np.array([counts.get(int(t), 0) for t in legal])
-    obs = np.append(observed[big], observed[~big].sum())
-    exp = np.append(expected[big], expected[~big].sum())
-    keep = exp > 0
-    assert scipy_stats.chisquare(obs[keep], exp[keep]).pvalue > 1e-3
+    assert_follows(counts, legal, p, n)
 
 
 def test_length_cut_leaves_an_incomplete_reply(loaded):
@@ -244,14 +249,7 @@ def test_speculative_sampling_under_a_constraint_keeps_the_distribution(loaded, 
     counts = Counter(next(iter(mlxinfer.stream_generate(
         model, tok, prompt, max_tokens=3, temperature=1.0, seed=s, draft_model=other_draft,
         response_format={"type": "regex", "pattern": "[a-z]+"}))).token for s in range(n))
-    assert set(counts) <= set(legal.tolist())
-    expected = n * p
-    big = expected >= 5
-    observed = np.array([counts.get(int(t), 0) for t in legal])
-    obs = np.append(observed[big], observed[~big].sum())
-    exp = np.append(expected[big], expected[~big].sum())
-    keep = exp > 0
-    assert scipy_stats.chisquare(obs[keep], exp[keep]).pvalue > 1e-3
+    assert_follows(counts, legal, p, n)
 
 
 # --- batched decoding: one matcher per sequence ---
