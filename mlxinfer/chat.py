@@ -31,6 +31,7 @@ from .errors import InvalidOptionError, MlxinferError, SessionFileError, Tokeniz
 from .files import replacing, write_problem
 from .generate import Chunk, Stats, split_options, stream_generate
 from .tokenizer import Tokenizer
+from .tools import plan as plan_tools
 
 CACHE_OPTIONS = ("max_kv_size", "kv_bits", "kv_group_size")
 FORMAT = "mlxinfer-chat"
@@ -224,7 +225,12 @@ class ChatSession:
         messages = self.messages
         if not messages:
             return ""
-        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+        extra: dict[str, Any] = {}
+        if self._options.get("tools"):  # shown the way stream_generate shows them to a lone request
+            tools = plan_tools(self.tokenizer, self._options["tools"], self._options.get("tool_choice"))
+            messages, native = tools.messages(self.tokenizer, messages)
+            extra = {"tools": tools.tools} if native else {}
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **extra)
 
     def _tokens_for(self, rendered: str) -> list[int]:
         """Ids for a render of the conversation: the transcript's ids for the part it covers,

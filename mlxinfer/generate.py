@@ -265,10 +265,12 @@ def tool_plan(options: GenerationOptions, tokenizer: Tokenizer) -> ToolPlan | No
 
 
 def request_tokens(tokenizer: Tokenizer, prompt: Prompt, vocab_size: int, tools: ToolPlan | None) -> list[int]:
-    """The prompt's ids; with tools, chat messages rendered with them (by the template, or the fallback)."""
-    if tools is None:
+    """The prompt's ids; with tools, chat messages rendered with them (by the template, or the
+    fallback). Token ids are taken as rendered with the tools already (a chat session does that)."""
+    if tools is None or (isinstance(prompt, Sequence) and prompt and not isinstance(prompt[0], dict)
+                         and not isinstance(prompt, str)):
         return prompt_tokens(tokenizer, prompt, vocab_size)
-    if not (isinstance(prompt, Sequence) and prompt and isinstance(prompt[0], dict)):
+    if isinstance(prompt, str):
         raise InvalidOptionError("tools need chat messages as the prompt (a list of {'role', 'content'} dicts)")
     messages, native = tools.messages(tokenizer, list(prompt))
     extra = {"tools": tools.tools} if native else {}

@@ -7,6 +7,7 @@ independently: the template rendered with the tokenizer, greedy replies from fre
 from __future__ import annotations
 
 import io
+import json
 import os
 import re
 import shutil
@@ -331,3 +332,20 @@ def test_format_command_holds_replies_to_a_regex_then_lets_go(tiny, tmp_path):
     assert len(errors) == 1 and "not valid JSON" in errors[0], out
     assert 'format: {"type": "regex", "pattern": "[0-9]{4}"}' in out and "replies are free text again" in out
     assert len(STATS.findall(out)) == 2, out
+
+
+def test_a_tool_call_is_shown_readably(hf_checkpoint, tmp_path):
+    import subprocess
+
+    roomy = hf_checkpoint("llama", head_dim=32, max_position_embeddings=2048)
+    tools = tmp_path / "tools.json"
+    tools.write_text(json.dumps([{"type": "function", "function": {"name": "pick", "parameters": {
+        "type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["n"],
+        "additionalProperties": False}}}]))
+    env = {**os.environ, "MLXINFER_HOME": str(tmp_path / "home"), "HF_HUB_OFFLINE": "1", "NO_COLOR": "1"}
+    done = subprocess.run([sys.executable, "-m", "mlxinfer.cli", "chat", "-m", str(roomy), "--temp", "0",
+                           "--max-tokens", "40", "--tools", str(tools), "--tool-choice", "required"],
+                          input=b"pick a number\n", env=env, cwd=str(ROOT), capture_output=True, timeout=120)
+    out = done.stdout.decode() + done.stderr.decode()
+    assert done.returncode == 0 and "Traceback" not in out, out
+    assert re.search(r"^tool call: pick\(n=[0-9]\)$", out, re.M), out

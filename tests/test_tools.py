@@ -222,3 +222,15 @@ def test_auto_holds_a_reply_to_the_grammar_once_its_first_token_opens_a_call(loa
     free.accept(prose)
     assert free.allowed().all() and free.complete
     assert 0 < called.allowed().sum() < model.config.vocab_size and not called.complete
+
+
+def test_chat_session_offers_tools_every_turn(roomy):
+    model, tok = roomy
+    session = mlxinfer.ChatSession(model, tok, tools=TOOLS, tool_choice="required", max_tokens=60)
+    last = list(session.send("What is the weather in Paris?"))[-1]
+    want = list(mlxinfer.stream_generate(model, tok, ASK, tools=TOOLS, tool_choice="required", max_tokens=60))[-1]
+    assert last.finish_reason == "tool_calls" and [(c.name, c.arguments) for c in last.tool_calls] == [
+        (c.name, c.arguments) for c in want.tool_calls]
+    jsonschema.validate(last.tool_calls[0].arguments, PARAMETERS[last.tool_calls[0].name])
+    session.set_option("tool_choice", "none")
+    assert list(session.send("thanks"))[-1].tool_calls is None
