@@ -16,6 +16,8 @@ from mlx.utils import tree_flatten
 from .errors import ConfigError, CorruptCheckpointError, InvalidOptionError, ModelNotFoundError
 from .models import CausalLM, build_model
 from .models.layers import fuse_projections
+from .shard import (Shard, check_same_model, materialize, shard_config, shard_weights, shrink_vocab, world,
+                    wrap_reductions)
 from .models.config import check_config
 from .tokenizer import Tokenizer, load_tokenizer_from_dir
 
@@ -317,31 +319,58 @@ def compute_dtype(weights: dict[str, mx.array], requested: mx.Dtype | None) -> m
     return mx.float32 if stored & set(HALF) else None
 
 
-def load_model(path: Path, dtype: str | mx.Dtype | None = None) -> CausalLM:
-    """Build and fill the model in a local checkpoint folder."""
+def load_model(path: Path, dtype: str | mx.Dtype | None = None, shard: str | None = None, group=None) -> CausalLM:
+    """Build and fill the model in a local checkpoint folder; with `shard="tensor"` and a
+    distributed group of more than one process (`group`, default: the one `mlx.launch`
+    started), only this rank's part of it."""
     requested = parse_dtype(dtype)
     config = read_config(path)
+    files = weight_files(path)
+    place = placement(shard, group)
+    if place is not None:
+        check_same_model(path, files, place)
+        config = shard_config(config, place.size)
     model = build_model(config)
-    weights, origin = read_weights(weight_files(path))
+    weights, origin = read_weights(files)
     weights = model.sanitize(weights)
+    if place is not None:
+        shrink_vocab(model, place)
+        weights = shard_weights(weights, place, config.get("quantization"))
     if config.get("quantization"):
         quantize_like_checkpoint(model, config["quantization"], weights)
     check_weights(model, weights, origin, path)
     target = compute_dtype(weights, requested)
     if target is not None:
         weights = {k: v.astype(target) if mx.issubdtype(v.dtype, mx.floating) else v for k, v in weights.items()}
+    if place is not None:
+        weights = materialize(weights)
     model.load_weights(list(weights.items()))
     mx.eval(model.parameters())
     fuse_projections(model)
+    if place is not None:
+        wrap_reductions(model, place)
+        model.shard = place
     return model
 
 
+def placement(shard: str | None, group=None) -> Shard | None:
+    """Where this process's part of a sharded model lies (None: the whole model here)."""
+    if shard is None:
+        return None
+    if shard != "tensor":
+        raise InvalidOptionError(f"shard must be 'tensor' (pipeline sharding is not available yet), got {shard!r}")
+    group = group if group is not None else world()
+    return Shard.of(group) if group is not None and group.size() > 1 else None
+
+
 def load(
-    path_or_repo: str | os.PathLike, dtype: str | mx.Dtype | None = None, revision: str | None = None
+    path_or_repo: str | os.PathLike, dtype: str | mx.Dtype | None = None, revision: str | None = None,
+    shard: str | None = None, group=None,
 ) -> tuple[CausalLM, Tokenizer]:
-    """Load a model and its tokenizer from a local folder or a Hugging Face hub id."""
+    """Load a model and its tokenizer from a local folder or a Hugging Face hub id;
+    `shard="tensor"` splits it across the processes of a distributed group (see `shard`)."""
     path = resolve(path_or_repo, revision)
-    return load_model(path, dtype), load_tokenizer_from_dir(path)
+    return load_model(path, dtype, shard, group), load_tokenizer_from_dir(path)
 
 
 def load_tokenizer(path_or_repo: str | os.PathLike, revision: str | None = None) -> Tokenizer:

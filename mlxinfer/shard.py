@@ -1,0 +1,230 @@
+"""Tensor parallelism across processes (or Macs) with MLX's distributed layer.
+
+Each rank holds 1/N of every attention and feed-forward block: the query, key and value
+projections and the gate/up projections are split by output rows (whole heads, whole
+expert columns), the output and down projections by input columns, so a block half
+computes a partial sum on every rank and one `all_sum` completes it. The KV cache is
+split with the heads. The embedding and LM head are split by vocabulary rows (a lookup
+is one `all_sum`, the logits one `all_gather`); norms and MoE routers stay whole.
+
+Loading reads each tensor lazily from the safetensors files and keeps only this rank's
+slice (one full tensor in memory at a time, never the whole model). Quantized tensors
+split along whole quantization groups.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .errors import ConfigError
+
+COLUMN = re.compile(r"\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.(weight|scales|biases|bias)$")
+VOCAB = re.compile(r"(^|\.)(embed_tokens|lm_head)\.(weight|scales|biases)$")
+ROW = re.compile(r"\.(o_proj|down_proj)\.(weight|scales|biases|bias)$")
+SPLIT_SIZES = ("intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size")
+MLA_KEYS = ("kv_lora_rank",)
+
+
+@dataclass(frozen=True)
+class Shard:
+    """Where this process sits: rank `rank` of `size`, in `group`."""
+
+    rank: int
+    size: int
+    group: Any
+
+    @classmethod
+    def of(cls, group) -> Shard:
+        return cls(group.rank(), group.size(), group)
+
+
+def world() -> Any | None:
+    """The distributed group this process was started in (`mlx.launch`), or None when alone."""
+    group = mx.distributed.init()
+    return group if group.size() > 1 else None
+
+
+def _divisors(n: int, most: int = 16) -> str:
+    return ", ".join(str(d) for d in range(1, most + 1) if n % d == 0)
+
+
+def shard_config(config: dict[str, Any], size: int) -> dict[str, Any]:
+    """The config one rank's model is built from: 1/size of the heads and feed-forward
+    widths, head_dim made explicit. Sizes that do not divide are refused, naming the
+    rank counts that work."""
+    if any(config.get(k) for k in MLA_KEYS):
+        raise ConfigError("tensor sharding of latent attention (DeepSeek MLA) is not supported yet; "
+                          "run on one machine")
+    heads = config["num_attention_heads"]
+    kv = config.get("num_key_value_heads") or heads
+    out = dict(config, head_dim=config.get("head_dim") or config["hidden_size"] // heads)
+    for name, value in (("attention heads", heads), ("KV heads", kv)):
+        if value % size:
+            raise ConfigError(f"tensor sharding needs the model's {value} {name} to divide among {size} ranks; "
+                              f"use {_divisors(kv)} ranks")
+    out["num_attention_heads"], out["num_key_value_heads"] = heads // size, kv // size
+    for key in SPLIT_SIZES:
+        if config.get(key):
+            if config[key] % size:
+                raise ConfigError(f"tensor sharding needs {key} {config[key]} to divide among {size} ranks; "
+                                  f"use {_divisors(config[key])} ranks")
+            out[key] = config[key] // size
+    return out
+
+
+def _part(x: mx.array, axis: int, shard: Shard) -> mx.array:
+    n = x.shape[axis] // shard.size
+    index = [slice(None)] * x.ndim
+    index[axis] = slice(shard.rank * n, (shard.rank + 1) * n)
+    return x[tuple(index)]
+
+
+def shard_weights(weights: dict[str, mx.array], shard: Shard, quantization: dict[str, Any] | None) -> dict[str, mx.array]:
+    """This rank's slice of every tensor (lazily: nothing is read until evaluated)."""
+    group_size = (quantization or {}).get("group_size", 64)
+    out = {}
+    for name, w in weights.items():
+        if VOCAB.search(name):
+            out[name] = _part(w, 0, shard) if w.shape[0] % shard.size == 0 else w
+        elif COLUMN.search(name):
+            # rows are outputs: the last axis but one of a matrix (or a stack of expert matrices); a bias's last
+            out[name] = _part(w, w.ndim - 1 if name.endswith(".bias") else w.ndim - 2, shard)
+        elif ROW.search(name):
+            if name.endswith(".bias"):  # added once, after the sum: rank 0 keeps it
+                out[name] = w if shard.rank == 0 else mx.zeros_like(w)
+                continue
+            if name.endswith((".scales", ".biases")) and (w.shape[-1] % shard.size):
+                raise ConfigError(f"tensor sharding splits {name} along whole quantization groups of {group_size}: "
+                                  f"its {w.shape[-1]} groups do not divide among {shard.size} ranks; use "
+                                  f"{_divisors(w.shape[-1])} ranks")
+            out[name] = _part(w, w.ndim - 1, shard)
+        else:
+            out[name] = w
+    return out
+
+
+def materialize(weights: dict[str, mx.array]) -> dict[str, mx.array]:
+    """Evaluate the slices one tensor at a time, each copied out of its file's tensor,
+    so at most one whole tensor is in memory besides this rank's part of the model."""
+    out = {}
+    for name, w in weights.items():
+        part = w + mx.zeros((), w.dtype) if w.dtype != mx.bool_ else w  # a copy: the whole tensor is let go
+        mx.eval(part)
+        out[name] = part
+    return out
+
+
+class AllSum(nn.Module):
+    """A block half whose rank-local partial output is completed by one all_sum."""
+
+    def __init__(self, inner: nn.Module, group):
+        super().__init__()
+        self.inner = inner
+        self._group = group
+
+    def __call__(self, *args, **kwargs) -> mx.array:
+        return mx.distributed.all_sum(self.inner(*args, **kwargs), group=self._group)
+
+
+def gather_vocab(x: mx.array, group) -> mx.array:
+    """Logits [..., V/N] of every rank joined into [..., V] (all_gather joins the first axis)."""
+    return mx.moveaxis(mx.distributed.all_gather(mx.moveaxis(x, -1, 0), group=group), 0, -1)
+
+
+class VocabEmbedding(nn.Module):
+    """This rank's rows of the embedding: ids outside them look up zeros, and the sum
+    over ranks is the full lookup. Used as the tied LM head, it gathers the logits."""
+
+    def __init__(self, inner: nn.Module, shard: Shard):
+        super().__init__()
+        self.inner = inner
+        self._group, self._rows = shard.group, inner.weight.shape[0]
+        self._start = shard.rank * self._rows
+
+    def __call__(self, ids: mx.array) -> mx.array:
+        local = ids - self._start
+        inside = (local >= 0) & (local < self._rows)
+        x = self.inner(mx.where(inside, local, 0))
+        return mx.distributed.all_sum(x * inside[..., None].astype(x.dtype), group=self._group)
+
+    def as_linear(self, h: mx.array) -> mx.array:
+        return gather_vocab(self.inner.as_linear(h), self._group)
+
+
+class VocabHead(nn.Module):
+    """This rank's rows of an untied LM head; the logits of all ranks are gathered."""
+
+    def __init__(self, inner: nn.Module, group):
+        super().__init__()
+        self.inner = inner
+        self._group = group
+
+    def __call__(self, h: mx.array) -> mx.array:
+        return gather_vocab(self.inner(h), self._group)
+
+
+def vocab_split(model, shard: Shard) -> bool:
+    """Whether the vocabulary divides among the ranks (else embedding and head stay whole)."""
+    return model.config.vocab_size % shard.size == 0
+
+
+def shrink_vocab(model, shard: Shard) -> None:
+    """Before loading: an embedding (and untied head) of this rank's vocabulary rows."""
+    from .models.layers import Embedding, Linear
+
+    if not vocab_split(model, shard):
+        return
+    rows, h = model.config.vocab_size // shard.size, model.config.hidden_size
+    model.model.embed_tokens = Embedding(rows, h)
+    if "lm_head" in model:
+        model.lm_head = Linear(h, rows, bias=False)
+
+
+def wrap_reductions(model, shard: Shard) -> None:
+    """After loading: every block's attention and feed-forward complete their partial
+    sums across ranks, and the embedding and head join their vocabulary slices."""
+    for block in model.layers:
+        block.self_attn = AllSum(block.self_attn, shard.group)
+        setattr(block, block.ffn_name, AllSum(block[block.ffn_name], shard.group))
+    if vocab_split(model, shard):
+        model.model.embed_tokens = VocabEmbedding(model.model.embed_tokens, shard)
+        if "lm_head" in model:
+            model.lm_head = VocabHead(model.lm_head, shard.group)
+
+
+def fingerprint(path: Path, files: list[Path]) -> int:
+    """A 63-bit digest of the checkpoint's config and tensor headers (names, shapes, dtypes)
+    and file sizes: equal on every rank exactly when they load the same model."""
+    digest = hashlib.sha256((path / "config.json").read_bytes())
+    for file in files:
+        with open(file, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            digest.update(f.read(min(n, 100 << 20)))
+        digest.update(str(file.stat().st_size).encode())
+    return int.from_bytes(digest.digest()[:8], "little") >> 1
+
+
+def check_same_model(path: Path, files: list[Path], shard: Shard) -> None:
+    """Refuse to run when the ranks hold different model files."""
+    mine = fingerprint(path, files)
+    every = mx.distributed.all_gather(mx.array([mine >> 32, mine & 0xFFFFFFFF], mx.uint32)[None],
+                                      group=shard.group)
+    mx.eval(every)
+    values = {tuple(row) for row in every.tolist()}
+    if len(values) != 1:
+        raise ConfigError(f"the ranks load different model files ({len(values)} different fingerprints of "
+                          f"{path.name}); give every machine the same checkpoint")
+
+
+def resident_bytes(model) -> int:
+    """Bytes of this rank's parameters."""
+    from mlx.utils import tree_flatten
+
+    return sum(v.nbytes for _, v in tree_flatten(model.parameters()))

@@ -1,0 +1,133 @@
+"""Tensor parallelism on one machine: `mlx.launch` runs N ranks over 127.0.0.1 (MLX's ring
+backend) and each loads its part of a test checkpoint (tests/sharded_worker.py). The oracle
+is the same checkpoint in one process (itself proved against transformers and mlx-lm):
+logits within 1e-4, greedy tokens equal, and each rank holding about 1/N of the bytes.
+Skipped where `mlx.launch` cannot start processes."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from test_models_gemma import VARIANTS as GEMMA
+from test_models_moe import VARIANTS as MOE
+from test_parity import VARIANTS as PARITY
+
+import mlxinfer
+from mlxinfer.errors import ConfigError, InvalidOptionError
+from mlxinfer.shard import resident_bytes, shard_config
+
+HERE = Path(__file__).parent
+FAMILIES = {"llama": PARITY["llama"], "qwen3": PARITY["qwen3"], "gemma3_text": GEMMA["gemma3_text"],
+            "mixtral": MOE["mixtral-k2"], "qwen3_moe": MOE["qwen3_moe"]}
+PROMPT = list(range(3, 40))
+TIMEOUT = 120
+
+
+def launch(n: int, *args: str, timeout: int = TIMEOUT) -> subprocess.CompletedProcess:
+    launcher = shutil.which("mlx.launch", path=str(Path(sys.executable).parent)) or shutil.which("mlx.launch")
+    if launcher is None:
+        pytest.skip("mlx.launch is not installed")
+    return subprocess.run([launcher, "-n", str(n), "--backend", "ring", "--python", sys.executable, *args],
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="session")
+def can_launch(tmp_path_factory):
+    """Two ranks can start and talk over loopback here, or every test in this file skips."""
+    script = tmp_path_factory.mktemp("launch") / "hello.py"
+    script.write_text("import mlx.core as mx\ng = mx.distributed.init()\n"
+                      "print(mx.distributed.all_sum(mx.array([1.0]), group=g).item())\n")
+    try:
+        done = launch(2, str(script), timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        pytest.skip(f"mlx.launch cannot start processes here: {e}")
+    if done.returncode != 0 or done.stdout.count("2.0") != 2:
+        pytest.skip(f"mlx.launch cannot start processes here: {(done.stderr or done.stdout).strip()[-300:]}")
+
+
+def sharded(folder: Path, out: Path, n: int, dtype: str | None = "float32", *extra: str) -> list[dict]:
+    out.mkdir(parents=True, exist_ok=True)
+    done = launch(n, str(HERE / "sharded_worker.py"), str(folder), str(out), dtype or "", *extra)
+    # mlx.launch's own status does not say when a rank failed: every rank's file must be there
+    assert done.returncode == 0 and all((out / f"rank{r}.json").is_file() for r in range(n)), \
+        done.stdout + done.stderr
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(n)]
+
+
+def alone(folder: Path, dtype: str | None = "float32") -> tuple[np.ndarray, list[int], int]:
+    model, tokenizer = mlxinfer.load(folder, dtype=dtype or None)
+    logits = np.array(model(mx.array([PROMPT]))[0].astype(mx.float32))
+    tokens = [c.token for c in mlxinfer.stream_generate(model, tokenizer, PROMPT, max_tokens=12, temperature=0.0,
+                                                        ignore_eos=True)]
+    return logits, tokens, resident_bytes(model)
+
+
+def check(ranks: list[dict], folder: Path, dtype: str | None = "float32") -> None:
+    logits, tokens, total = alone(folder, dtype)
+    for r in ranks:
+        np.testing.assert_allclose(np.array(r["logits"]), logits, atol=1e-4, rtol=0, err_msg=f"rank {r['rank']}")
+        assert r["tokens"] == tokens, f"rank {r['rank']}"
+        share = r["bytes"] / total
+        assert abs(share - 1 / r["size"]) < 0.05, f"rank {r['rank']} holds {share:.1%} of the weights"
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_two_ranks_equal_one_process(can_launch, hf_checkpoint, tmp_path, family):
+    arch, overrides = FAMILIES[family]
+    folder = hf_checkpoint(arch, **overrides)
+    check(sharded(folder, tmp_path, 2), folder)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
+def test_two_ranks_equal_one_process_4bit(can_launch, hf_checkpoint, mlx_lm_quantized, tmp_path, family):
+    arch, overrides = FAMILIES[family]
+    if family == "qwen3_moe":  # each rank's half of an expert's 64 columns: one whole group of 32
+        overrides = {**overrides, "moe_intermediate_size": 64}
+    folder = mlx_lm_quantized(hf_checkpoint(arch, **overrides), bits=4, group_size=32)
+    check(sharded(folder, tmp_path, 2, None), folder, None)
+
+
+def test_four_ranks_where_the_heads_divide(can_launch, hf_checkpoint, tmp_path):
+    arch, overrides = PARITY["llama-gqa4"]
+    folder = hf_checkpoint(arch, **{**overrides, "num_key_value_heads": 4})
+    check(sharded(folder, tmp_path, 4), folder)
+
+
+def test_quantization_groups_that_do_not_split_are_refused(can_launch, hf_checkpoint, mlx_lm_quantized, tmp_path):
+    arch, overrides = FAMILIES["qwen3_moe"]  # experts 32 columns wide: one group of 32 cannot be halved
+    folder = mlx_lm_quantized(hf_checkpoint(arch, **overrides), bits=4, group_size=32)
+    done = launch(2, str(HERE / "sharded_worker.py"), str(folder), str(tmp_path), "")
+    assert "along whole quantization groups of 32" in done.stdout + done.stderr
+    assert not (tmp_path / "rank0.json").exists()
+
+
+def test_ranks_with_different_model_files_refuse(can_launch, hf_checkpoint, tmp_path):
+    a = hf_checkpoint("llama")
+    b = hf_checkpoint("llama", seed=7, num_hidden_layers=1)
+    done = launch(2, str(HERE / "sharded_worker.py"), str(a), str(tmp_path), "float32", str(b))
+    assert "the ranks load different model files" in done.stdout + done.stderr
+    assert not list(tmp_path.glob("rank*.json"))
+
+
+def test_sizes_that_do_not_divide_are_refused_naming_what_works():
+    config = {"num_attention_heads": 8, "num_key_value_heads": 2, "hidden_size": 64, "intermediate_size": 96}
+    with pytest.raises(ConfigError) as e:
+        shard_config(config, 4)
+    assert "2 KV heads" in str(e.value) and "use 1, 2 ranks" in str(e.value)
+    with pytest.raises(ConfigError, match="latent attention"):
+        shard_config({**config, "kv_lora_rank": 16}, 2)
+    assert shard_config(config, 2)["num_key_value_heads"] == 1 and shard_config(config, 2)["head_dim"] == 8
+
+
+def test_one_process_and_bad_modes(loaded, tiny):
+    model, _ = mlxinfer.load(tiny, dtype="float32", shard="tensor")  # a group of one: the whole model
+    assert not hasattr(model, "shard") and resident_bytes(model) == resident_bytes(loaded[0])
+    with pytest.raises(InvalidOptionError, match="shard must be"):
+        mlxinfer.load(tiny, shard="diagonal")
