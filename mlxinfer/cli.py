@@ -28,6 +28,13 @@ class Group(click.Group):
                 traceback.print_exc()
             click.echo(f"error: {e}", err=True)
             sys.exit(1)
+        except RuntimeError as e:
+            from .shard import lost_peer
+
+            if not lost_peer(e):
+                raise
+            click.echo(f"error: another rank of the distributed group is gone ({e}); every rank stops", err=True)
+            sys.exit(1)
 
 
 @click.group(cls=Group)
@@ -37,7 +44,28 @@ class Group(click.Group):
 def main(ctx: click.Context, verbose: bool) -> None:
     """On-device LLM inference for Apple Silicon, built on MLX."""
     ctx.obj = verbose
+    as_one_rank_of_several()
     blas_hint_once()
+
+
+def single_process(command: str) -> None:
+    """Commands that read requests as they come cannot yet hand them to other ranks."""
+    from .shard import launched
+
+    if launched():
+        raise InvalidOptionError(f"`{command}` does not run across several ranks yet; under mlx.launch use "
+                                 "`mlxinfer generate`, or the Python API with mlxinfer.load(..., shard=\"tensor\")")
+
+
+def as_one_rank_of_several() -> None:
+    """Under `mlx.launch` every rank runs the command: rank 0 owns the terminal and the
+    others print nothing."""
+    import os
+
+    from .shard import launched, world
+
+    if launched() and world() is not None and world().rank() != 0:
+        sys.stdout = sys.stderr = open(os.devnull, "w")
 
 
 def blas_hint_once() -> None:
@@ -197,6 +225,7 @@ def chat(verbose: bool, **params) -> None:
     from .terminal import use_color
 
     run = Run.from_params(params)
+    single_process("chat")
     model, tokenizer, where, draft = run.load()
     session = ChatSession(model, tokenizer, system=run.system, draft_model=draft, **run.options)
     click.echo(f"mlxinfer chat: {model_name(where)}", err=True)
@@ -229,6 +258,7 @@ def generate(prompt: str, raw: bool, as_json: bool, no_stream: bool, **params) -
     """Complete one prompt: text on stdout (streamed), stats on stderr."""
     from .generate import stream_generate
     from .terminal import stats_line, typed_text
+    from .shard import summary as shard_summary
     from .tools import describe_call
 
     if params["logprobs"] is not None and not as_json:
@@ -239,6 +269,10 @@ def generate(prompt: str, raw: bool, as_json: bool, no_stream: bool, **params) -
         raise InvalidOptionError("the prompt is empty; pass --prompt TEXT, or --prompt - and text on stdin")
     model, tokenizer, where, draft = run.load()
     options = {**run.options, "draft_model": draft} if draft else run.options
+    if getattr(model, "shard", None) is not None and options.get("temperature", 0.3) > 0 and "seed" not in options:
+        from .shard import agreed_seed
+
+        options["seed"] = agreed_seed(model.shard.group)  # every rank must draw the same tokens
     stream = not (no_stream or as_json)
     pieces, tokens, stats = [], [], None
     last = None
@@ -260,6 +294,8 @@ def generate(prompt: str, raw: bool, as_json: bool, no_stream: bool, **params) -
     for call in last.tool_calls or []:
         click.echo(f"tool call: {describe_call(call)}", err=True)
     click.echo(stats_line(stats), err=True)
+    if (split := shard_summary(model)) is not None:
+        click.echo(f"[{split}]", err=True)
 
 
 def token_logprobs(tokenizer, chunk) -> dict[str, Any]:
@@ -405,6 +441,7 @@ def serve(model, dtype, host, port, max_concurrency, max_queue, max_kv_size, kv_
 
     if draft_model and prompt_lookup:
         raise click.UsageError("--draft-model and --prompt-lookup are alternatives: pass one of them")
+    single_process("serve")
     check_free(host, port)
     if host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
         click.echo(f"warning: listening on {host} without --api-key: anyone who can reach it can use it", err=True)

@@ -15,6 +15,7 @@ split along whole quantization groups.
 from __future__ import annotations
 
 import hashlib
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,6 +44,23 @@ class Shard:
     @classmethod
     def of(cls, group) -> Shard:
         return cls(group.rank(), group.size(), group)
+
+
+def launched() -> bool:
+    """Started by `mlx.launch` (or mpirun) as one rank of several."""
+    return any(os.environ.get(k) for k in ("MLX_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK"))
+
+
+def lost_peer(error: BaseException) -> bool:
+    """An error of MLX's distributed backends that means another rank is gone."""
+    return isinstance(error, RuntimeError) and str(error).startswith(("[ring]", "[mpi]", "[jaccl]", "[nccl]"))
+
+
+def agreed_seed(group) -> int:
+    """One random seed for every rank (rank 0's), so sampled tokens agree everywhere."""
+    mine = int.from_bytes(os.urandom(4), "little") >> 2 if group.rank() == 0 else 0
+    seed = mx.distributed.all_sum(mx.array([mine], mx.int32), group=group)
+    return int(seed.item())
 
 
 def world() -> Any | None:
@@ -228,3 +246,24 @@ def resident_bytes(model) -> int:
     from mlx.utils import tree_flatten
 
     return sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+
+
+def bytes_per_token(config, shard: Shard, dtype_bytes: int) -> int:
+    """Bytes one rank sends per decoded token: an all_sum of the hidden state after every
+    block half and after the embedding lookup (a ring all-reduce sends 2(N-1)/N of the
+    vector), and its share of the logits all_gather ((N-1)/N of the vocabulary)."""
+    n = shard.size
+    sums = 2 * config.num_hidden_layers + 1
+    reduce = sums * config.hidden_size * dtype_bytes * 2 * (n - 1) / n
+    gather = config.vocab_size * 4 * (n - 1) / n
+    return int(reduce + gather)
+
+
+def summary(model) -> str | None:
+    """One line on how the model is split, for stats output (None when it is whole)."""
+    place = getattr(model, "shard", None)
+    if place is None:
+        return None
+    dtype_bytes = model.model.norm.weight.dtype.size
+    return (f"tensor-sharded: rank {place.rank} of {place.size}, {resident_bytes(model) / 2**20:.1f} MiB of weights "
+            f"here, {bytes_per_token(model.config, place, dtype_bytes) / 1024:.1f} KiB sent per token")

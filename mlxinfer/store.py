@@ -22,6 +22,7 @@ from .demo import demo_model
 from .errors import MlxinferError, ModelNotFoundError
 from .loading import load, read_config, safetensors_header
 from .models import FAMILIES
+from .shard import launched
 from .terminal import spinner
 
 
@@ -73,7 +74,8 @@ def open_model(spec: str | None, dtype: str | None = None, notify: Notify = stde
     """(model, tokenizer, folder or hub id) for a `--model` value, with a spinner while loading."""
     where = resolve_model(spec, notify)
     with spinner(f"loading {spec or Path(where).name}"):
-        model, tokenizer = load(where, dtype=dtype)
+        # one rank of several (mlx.launch): this rank's part of the model
+        model, tokenizer = load(where, dtype=dtype, shard="tensor" if launched() else None)
     return model, tokenizer, where
 
 

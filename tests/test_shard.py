@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
+import time
 import sys
 from pathlib import Path
 
@@ -131,3 +132,37 @@ def test_one_process_and_bad_modes(loaded, tiny):
     assert not hasattr(model, "shard") and resident_bytes(model) == resident_bytes(loaded[0])
     with pytest.raises(InvalidOptionError, match="shard must be"):
         mlxinfer.load(tiny, shard="diagonal")
+
+
+def mlxinfer_cli() -> str:
+    return shutil.which("mlxinfer", path=str(Path(sys.executable).parent)) or shutil.which("mlxinfer")
+
+
+def test_generate_under_mlx_launch_prints_once_and_equals_one_process(can_launch, tiny, loaded):
+    model, tok = loaded
+    args = ["generate", "-m", str(tiny), "--prompt", "hello there", "--max-tokens", "8", "--temp", "0", "--raw",
+            "--dtype", "float32"]
+    done = launch(2, "--", mlxinfer_cli(), *args)
+    want = mlxinfer.generate(model, tok, "hello there", max_tokens=8, temperature=0.0)
+    assert done.stdout == want + "\n", done.stdout + done.stderr
+    assert done.stderr.count("decode 8 tok") == 1 and "tensor-sharded: rank 0 of 2" in done.stderr
+    sampling = ["generate", "-m", str(tiny), "--prompt", "hello there", "--max-tokens", "8", "--temp", "0.9",
+                "--top-p", "1.0", "--raw", "--dtype", "float32", "--ignore-eos"]
+    seeded = launch(2, "--", mlxinfer_cli(), *sampling, "--seed", "5")
+    assert seeded.stdout == mlxinfer.generate(model, tok, "hello there", max_tokens=8, temperature=0.9, seed=5,
+                                              ignore_eos=True) + "\n"
+    unseeded = launch(2, "--", mlxinfer_cli(), *sampling)  # rank 0 picks the seed for all
+    assert unseeded.stderr.count("decode 8 tok") == 1, unseeded.stdout + unseeded.stderr
+
+
+def test_chat_under_mlx_launch_is_refused_in_one_line(can_launch, tiny):
+    done = launch(2, "--", mlxinfer_cli(), "chat", "-m", str(tiny))
+    assert "does not run across several ranks yet" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_a_rank_that_dies_ends_the_group_in_bounded_time(can_launch, tiny):
+    started = time.monotonic()
+    done = launch(2, "--", str(HERE / "dying_rank.py"), "generate", "-m", str(tiny), "--prompt", "hello there",
+                  "--max-tokens", "200", "--temp", "0", "--dtype", "float32", timeout=60)
+    assert time.monotonic() - started < 30
+    assert "rank 1 exited with code 3" in done.stdout + done.stderr

@@ -1,0 +1,27 @@
+"""`mlxinfer` under mlx.launch with rank 1 dying after a few forward passes, for
+tests/test_shard.py (not a test module): rank 0 must end with one line, not hang."""
+
+from __future__ import annotations
+
+import os
+
+import mlxinfer  # noqa: F401  (first: it binds MLX's BLAS)
+import mlx.core as mx  # noqa: E402, I001
+
+from mlxinfer.cache import PromptCache  # noqa: E402
+from mlxinfer.cli import main  # noqa: E402
+
+run, calls = PromptCache.run, [0]
+
+
+def dying_run(self, model, tokens):
+    calls[0] += 1
+    if calls[0] == 6 and mx.distributed.init().rank() == 1:
+        os._exit(3)
+    return run(self, model, tokens)
+
+
+PromptCache.run = dying_run
+
+if __name__ == "__main__":
+    main()
