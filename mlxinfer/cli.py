@@ -205,11 +205,11 @@ class Run:
         system = typed_text(params["system"]) if params["system"] is not None else None
         return cls(params["model"], params["dtype"], params["draft_model"], system, options)
 
-    def load(self):
+    def load(self, pipeline: bool = False):
         """(model, tokenizer, where it came from, draft model or None)."""
         from .store import open_model
 
-        model, tokenizer, where = open_model(self.model, self.dtype)
+        model, tokenizer, where = open_model(self.model, self.dtype, pipeline=pipeline)
         draft = open_model(self.draft_model, self.dtype)[0] if self.draft_model else None
         return model, tokenizer, where, draft
 
@@ -254,7 +254,9 @@ def chat_prompt(tokenizer, text: str, system: str | None, raw: bool) -> str | li
 @click.option("--logprobs", type=int, metavar="N",
               help="With --json: each generated token with its log-probability and the N likeliest alternatives.")
 @click.option("--no-stream", is_flag=True, help="Print the text once it is complete.")
-def generate(prompt: str, raw: bool, as_json: bool, no_stream: bool, **params) -> None:
+@click.option("--pipeline", is_flag=True,
+              help="Under mlx.launch: split the model by layers across the ranks (default: by heads, tensor-parallel).")
+def generate(prompt: str, raw: bool, as_json: bool, no_stream: bool, pipeline: bool, **params) -> None:
     """Complete one prompt: text on stdout (streamed), stats on stderr."""
     from .generate import stream_generate
     from .terminal import stats_line, typed_text
@@ -267,7 +269,7 @@ def generate(prompt: str, raw: bool, as_json: bool, no_stream: bool, **params) -
     text = typed_text(sys.stdin.buffer.read()).rstrip("\n") if prompt == "-" else typed_text(prompt)
     if not text.strip():
         raise InvalidOptionError("the prompt is empty; pass --prompt TEXT, or --prompt - and text on stdin")
-    model, tokenizer, where, draft = run.load()
+    model, tokenizer, where, draft = run.load(pipeline=pipeline)
     options = {**run.options, "draft_model": draft} if draft else run.options
     if getattr(model, "shard", None) is not None and options.get("temperature", 0.3) > 0 and "seed" not in options:
         from .shard import agreed_seed

@@ -16,8 +16,8 @@ from mlx.utils import tree_flatten
 from .errors import ConfigError, CorruptCheckpointError, InvalidOptionError, ModelNotFoundError
 from .models import CausalLM, build_model
 from .models.layers import fuse_projections
-from .shard import (Shard, check_same_model, materialize, shard_config, shard_weights, shrink_vocab, world,
-                    wrap_reductions)
+from .shard import (Shard, Stage, check_same_model, layer_ranges, layer_sizes, materialize, shard_config,
+                    shard_weights, shrink_vocab, stage_weights, world, wrap_reductions)
 from .models.config import check_config
 from .tokenizer import Tokenizer, load_tokenizer_from_dir
 
@@ -329,13 +329,21 @@ def load_model(path: Path, dtype: str | mx.Dtype | None = None, shard: str | Non
     place = placement(shard, group)
     if place is not None:
         check_same_model(path, files, place)
-        config = shard_config(config, place.size)
+        if shard == "tensor":
+            config = shard_config(config, place.size)
     model = build_model(config)
     weights, origin = read_weights(files)
     weights = model.sanitize(weights)
-    if place is not None:
+    if place is not None and shard == "tensor":
         shrink_vocab(model, place)
         weights = shard_weights(weights, place, config.get("quantization"))
+    elif place is not None:
+        if any(config.get(k) for k in ("num_local_experts", "num_experts", "n_routed_experts")):
+            raise ConfigError("pipeline sharding of mixture-of-experts models is not supported yet; "
+                              "use shard=\"tensor\"")
+        mine = layer_ranges(layer_sizes(weights, len(model.layers)), place.size)[place.rank]
+        model.model.layers = model.model.layers[mine.start : mine.stop]
+        weights = stage_weights(weights, mine)
     if config.get("quantization"):
         quantize_like_checkpoint(model, config["quantization"], weights)
     check_weights(model, weights, origin, path)
@@ -347,8 +355,11 @@ def load_model(path: Path, dtype: str | mx.Dtype | None = None, shard: str | Non
     model.load_weights(list(weights.items()))
     mx.eval(model.parameters())
     fuse_projections(model)
-    if place is not None:
+    if place is not None and shard == "tensor":
         wrap_reductions(model, place)
+    if place is not None:
+        if shard == "pipeline":
+            model.model = Stage(model.model, place)
         model.shard = place
     return model
 
@@ -357,8 +368,8 @@ def placement(shard: str | None, group=None) -> Shard | None:
     """Where this process's part of a sharded model lies (None: the whole model here)."""
     if shard is None:
         return None
-    if shard != "tensor":
-        raise InvalidOptionError(f"shard must be 'tensor' (pipeline sharding is not available yet), got {shard!r}")
+    if shard not in ("tensor", "pipeline"):
+        raise InvalidOptionError(f"shard must be 'tensor' or 'pipeline', got {shard!r}")
     group = group if group is not None else world()
     return Shard.of(group) if group is not None and group.size() > 1 else None
 

@@ -265,5 +265,92 @@ def summary(model) -> str | None:
     if place is None:
         return None
     dtype_bytes = model.model.norm.weight.dtype.size
+    if isinstance(model.model, Stage):
+        sent = model.config.hidden_size * dtype_bytes * (1 + (place.size - 1))  # hand-over, then the all_gather
+        return (f"pipeline: rank {place.rank} of {place.size}, {len(model.layers)} of "
+                f"{model.config.num_hidden_layers} layers, {resident_bytes(model) / 2**20:.1f} MiB of weights here, "
+                f"{sent / 1024:.1f} KiB sent per token")
     return (f"tensor-sharded: rank {place.rank} of {place.size}, {resident_bytes(model) / 2**20:.1f} MiB of weights "
             f"here, {bytes_per_token(model.config, place, dtype_bytes) / 1024:.1f} KiB sent per token")
+
+
+# --- pipeline parallelism ---
+
+LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+def layer_ranges(layer_bytes: list[int], size: int) -> list[range]:
+    """Contiguous runs of layers, one per rank, with about equal bytes each (every rank gets one at least)."""
+    if len(layer_bytes) < size:
+        raise ConfigError(f"pipeline sharding needs at least one layer per rank: the model has {len(layer_bytes)} "
+                          f"layers for {size} ranks; use at most {len(layer_bytes)} ranks")
+    total, ranges, start, seen = sum(layer_bytes), [], 0, 0
+    for rank in range(size - 1):
+        end = start + 1
+        seen += layer_bytes[start]
+        while end < len(layer_bytes) - (size - 1 - rank) and seen + layer_bytes[end] / 2 <= total * (rank + 1) / size:
+            seen += layer_bytes[end]
+            end += 1
+        ranges.append(range(start, end))
+        start = end
+    ranges.append(range(start, len(layer_bytes)))
+    return ranges
+
+
+def layer_sizes(weights: dict[str, mx.array], layers: int) -> list[int]:
+    sizes = [0] * layers
+    for name, w in weights.items():
+        if (m := LAYER.match(name)) and int(m.group(1)) < layers:
+            sizes[int(m.group(1))] += w.nbytes
+    return sizes
+
+
+def stage_weights(weights: dict[str, mx.array], mine: range) -> dict[str, mx.array]:
+    """This rank's layers (renumbered from 0) and the embedding, final norm and head every rank keeps."""
+    out = {}
+    for name, w in weights.items():
+        m = LAYER.match(name)
+        if m is None:
+            out[name] = w
+        elif int(m.group(1)) in mine:
+            out[f"model.layers.{int(m.group(1)) - mine.start}.{name[m.end():]}"] = w
+    return out
+
+
+class Stage(nn.Module):
+    """One rank's run of layers. The first rank embeds the tokens; each rank runs its
+    layers and sends the hidden state on; the last rank's output reaches every rank (an
+    all_gather), which applies the final norm, so every rank computes the same logits."""
+
+    def __init__(self, backbone: nn.Module, shard: Shard):
+        super().__init__()
+        self.backbone = backbone
+        self._shard = shard
+
+    @property
+    def layers(self) -> list:
+        return self.backbone.layers
+
+    @property
+    def embed_tokens(self) -> nn.Module:
+        return self.backbone.embed_tokens
+
+    @property
+    def norm(self) -> nn.Module:
+        return self.backbone.norm
+
+    def __call__(self, tokens: mx.array, cache=None) -> mx.array:
+        rank, size, group = self._shard.rank, self._shard.size, self._shard.group
+        x = self.backbone.embed(tokens)
+        if rank > 0:
+            x = mx.distributed.recv_like(x, rank - 1, group=group)
+        x = self.backbone.blocks(x, cache)
+        if rank < size - 1:
+            x = mx.distributed.send(x, rank + 1, group=group)
+        x = mx.distributed.all_gather(x, group=group)[-tokens.shape[0]:]
+        for c in cache or []:  # a prefill evaluates only the caches: they must wait for the hand-over too
+            if getattr(c, "keys", None) is not None:
+                keys, values = tuple(c.keys), tuple(c.values)
+                parts = mx.depends([*keys, *values], [x])
+                c.keys, c.values = tuple(parts[: len(keys)]), tuple(parts[len(keys) :])
+        return self.backbone.norm(x)

@@ -70,12 +70,13 @@ def gguf_in_cache(path: Path, notify: Notify) -> Path:
     return out
 
 
-def open_model(spec: str | None, dtype: str | None = None, notify: Notify = stderr_line):
+def open_model(spec: str | None, dtype: str | None = None, notify: Notify = stderr_line, pipeline: bool = False):
     """(model, tokenizer, folder or hub id) for a `--model` value, with a spinner while loading."""
     where = resolve_model(spec, notify)
     with spinner(f"loading {spec or Path(where).name}"):
         # one rank of several (mlx.launch): this rank's part of the model
-        model, tokenizer = load(where, dtype=dtype, shard="tensor" if launched() else None)
+        split = "pipeline" if pipeline else "tensor"
+        model, tokenizer = load(where, dtype=dtype, shard=split if launched() else None)
     return model, tokenizer, where
 
 

@@ -2,12 +2,13 @@
 sharded across the ranks, and write what rank R computed to OUT/rank{R}.json: logits of
 a fixed prompt, a greedy generation, and the bytes of its parameters.
 
-    sharded_worker.py MODEL OUT [DTYPE] [MODEL_FOR_RANK_1]
+    sharded_worker.py MODEL OUT [DTYPE] [MODEL_FOR_RANK_1]     (MLXINFER_TEST_SHARD=pipeline: by layers)
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -22,7 +23,7 @@ def main() -> None:
     group = mx.distributed.init()
     if len(sys.argv) > 4 and group.rank() == 1:  # a different checkpoint on rank 1: must be refused
         model_path = Path(sys.argv[4])
-    model, tokenizer = mlxinfer.load(model_path, dtype=dtype, shard="tensor")
+    model, tokenizer = mlxinfer.load(model_path, dtype=dtype, shard=os.environ.get("MLXINFER_TEST_SHARD", "tensor"))
     prompt = list(range(3, 40))
     logits = model(mx.array([prompt]))[0].astype(mx.float32)
     tokens = [c.token for c in mlxinfer.stream_generate(model, tokenizer, prompt, max_tokens=12, temperature=0.0,

@@ -166,3 +166,55 @@ def test_a_rank_that_dies_ends_the_group_in_bounded_time(can_launch, tiny):
                   "--max-tokens", "200", "--temp", "0", "--dtype", "float32", timeout=60)
     assert time.monotonic() - started < 30
     assert "rank 1 exited with code 3" in done.stdout + done.stderr
+
+
+# --- pipeline parallelism: layers split by bytes, the hidden state handed rank to rank ---
+
+def shared_bytes(folder: Path, dtype: str | None = "float32") -> int:
+    """Bytes outside the layers (embedding, final norm, head): every pipeline rank keeps them."""
+    from mlx.utils import tree_flatten
+
+    model, _ = mlxinfer.load(folder, dtype=dtype or None)
+    return sum(v.nbytes for k, v in tree_flatten(model.parameters()) if ".layers." not in k)
+
+
+@pytest.mark.parametrize("family, ranks", [("llama", 2), ("qwen3", 2), ("gemma3_text", 2), ("llama", 3)])
+def test_pipeline_ranks_equal_one_process(can_launch, hf_checkpoint, tmp_path, monkeypatch, family, ranks):
+    arch, overrides = FAMILIES[family]
+    folder = hf_checkpoint(arch, **{**overrides, "num_hidden_layers": 3})
+    monkeypatch.setenv("MLXINFER_TEST_SHARD", "pipeline")
+    got = sharded(folder, tmp_path, ranks)
+    logits, tokens, total = alone(folder)
+    for r in got:
+        np.testing.assert_allclose(np.array(r["logits"]), logits, atol=1e-4, rtol=0, err_msg=f"rank {r['rank']}")
+        assert r["tokens"] == tokens
+    shared = shared_bytes(folder)
+    assert sum(r["bytes"] - shared for r in got) == total - shared  # every layer on exactly one rank
+
+
+def test_pipeline_4bit(can_launch, hf_checkpoint, mlx_lm_quantized, tmp_path, monkeypatch):
+    folder = mlx_lm_quantized(hf_checkpoint("llama", num_hidden_layers=3), bits=4, group_size=32)
+    monkeypatch.setenv("MLXINFER_TEST_SHARD", "pipeline")
+    got = sharded(folder, tmp_path, 2, None)
+    logits, tokens, _ = alone(folder, None)
+    for r in got:
+        np.testing.assert_allclose(np.array(r["logits"]), logits, atol=1e-4, rtol=0)
+        assert r["tokens"] == tokens
+
+
+def test_layer_ranges_balance_bytes_and_refuse_too_many_ranks():
+    from mlxinfer.shard import layer_ranges
+
+    assert layer_ranges([10] * 8, 2) == [range(0, 4), range(4, 8)]
+    assert layer_ranges([10] * 7, 3) == [range(0, 2), range(2, 5), range(5, 7)] or \
+        [len(r) for r in layer_ranges([10] * 7, 3)] in ([2, 3, 2], [3, 2, 2], [2, 2, 3])
+    assert layer_ranges([40, 10, 10, 10, 10], 2) == [range(0, 1), range(1, 5)]
+    with pytest.raises(ConfigError, match="at most 2 ranks"):
+        layer_ranges([1, 1], 3)
+
+
+def test_pipeline_refuses_moe_models_for_now(can_launch, hf_checkpoint, tmp_path, monkeypatch):
+    arch, overrides = FAMILIES["mixtral"]
+    monkeypatch.setenv("MLXINFER_TEST_SHARD", "pipeline")
+    done = launch(2, str(HERE / "sharded_worker.py"), str(hf_checkpoint(arch, **overrides)), str(tmp_path), "float32")
+    assert "pipeline sharding of mixture-of-experts models is not supported yet" in done.stdout + done.stderr

@@ -322,9 +322,16 @@ class Backbone(nn.Module):
         self.embed_scale = cfg.embed_scale
 
     def __call__(self, tokens: mx.array, cache=None) -> mx.array:
+        return self.norm(self.blocks(self.embed(tokens), cache))
+
+    def embed(self, tokens: mx.array) -> mx.array:
         x = self.embed_tokens(tokens)
         if self.embed_scale != 1.0:
             x = x * mx.array(self.embed_scale, dtype=x.dtype)  # rounded to the embedding dtype, as HF does
+        return x
+
+    def blocks(self, x: mx.array, cache=None) -> mx.array:
+        """The hidden state through every layer here (with its cache), each window's mask made once."""
         caches = cache if cache is not None else [None] * len(self.layers)
         masks: dict[int | None, Any] = {}
         for layer, c in zip(self.layers, caches):
@@ -335,7 +342,7 @@ class Backbone(nn.Module):
                     else attention_mask(x.shape[1], 0, layer.window)
                 )
             x = layer(x, masks[layer.window], c)
-        return self.norm(x)
+        return x
 
 
 class CausalLM(nn.Module):
