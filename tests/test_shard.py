@@ -218,3 +218,12 @@ def test_pipeline_refuses_moe_models_for_now(can_launch, hf_checkpoint, tmp_path
     monkeypatch.setenv("MLXINFER_TEST_SHARD", "pipeline")
     done = launch(2, str(HERE / "sharded_worker.py"), str(hf_checkpoint(arch, **overrides)), str(tmp_path), "float32")
     assert "pipeline sharding of mixture-of-experts models is not supported yet" in done.stdout + done.stderr
+
+
+def test_generate_pipeline_under_mlx_launch(can_launch, hf_checkpoint):
+    folder = hf_checkpoint("llama", num_hidden_layers=3)
+    model, tok = mlxinfer.load(folder, dtype="float32")
+    done = launch(2, "--", mlxinfer_cli(), "generate", "-m", str(folder), "--prompt", "hello there", "--max-tokens",
+                  "8", "--temp", "0", "--raw", "--dtype", "float32", "--pipeline")
+    assert done.stdout == mlxinfer.generate(model, tok, "hello there", max_tokens=8, temperature=0.0) + "\n"
+    assert "pipeline: rank 0 of 2" in done.stderr
