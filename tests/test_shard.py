@@ -7,10 +7,12 @@ Skipped where `mlx.launch` cannot start processes."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
 import subprocess
-import time
 import sys
+import time
 from pathlib import Path
 
 import mlx.core as mx
@@ -32,11 +34,21 @@ TIMEOUT = 120
 
 
 def launch(n: int, *args: str, timeout: int = TIMEOUT) -> subprocess.CompletedProcess:
+    """mlx.launch with N ranks; on a timeout the launcher and every rank it started are killed
+    (they share a new process group), so a hung rank never outlives its test."""
     launcher = shutil.which("mlx.launch", path=str(Path(sys.executable).parent)) or shutil.which("mlx.launch")
     if launcher is None:
         pytest.skip("mlx.launch is not installed")
-    return subprocess.run([launcher, "-n", str(n), "--backend", "ring", "--python", sys.executable, *args],
-                          capture_output=True, text=True, timeout=timeout)
+    command = [launcher, "-n", str(n), "--backend", "ring", "--python", sys.executable, *args]
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise
+    return subprocess.CompletedProcess(command, proc.returncode, out, err)
 
 
 @pytest.fixture(scope="session")
