@@ -25,7 +25,7 @@ from typing import Any, Mapping, Sequence
 import mlx.core as mx
 import numpy as np
 
-from .constrain import JSON_LAYOUT, Constraint, Format, compiled_lark, grammar_tokenizer
+from .constrain import JSON_LAYOUT, Constraint, Format, compiled_lark
 from .errors import InvalidOptionError
 from .tokenizer import Tokenizer
 
