@@ -165,6 +165,8 @@ class BatchGenerator:
                 yield from self.step()
 
     def step(self) -> list[tuple[int, Chunk]]:
+        """Admit, prefill a little, then decode: one batched step, or one speculative burst
+        for a sequence alone in the engine. Returns the (uid, Chunk) pairs it produced."""
         out: list[tuple[int, Chunk]] = []
         with mx.stream(generation_stream()):
             self._drop_cancelled(out)
@@ -244,7 +246,8 @@ class BatchGenerator:
             if s in group:
                 group.remove(s)
         s.stats.finish_reason = "error"
-        out.append((s.uid, Chunk("", None, None, "error", s.stats, error=f"{type(error).__name__}: {error}")))
+        message = " ".join(str(error).split())  # one line, whatever the exception held
+        out.append((s.uid, Chunk("", None, None, "error", s.stats, error=f"{type(error).__name__}: {message}")))
         s.cache = s.speculative = s.constraint = None
 
     def _drop_cancelled(self, out: list[tuple[int, Chunk]]) -> None:
@@ -331,10 +334,10 @@ class BatchGenerator:
             for s in members:
                 if id(s) in row:
                     s.next_input = previous.tokens[row[id(s)] : row[id(s)] + 1]
-        if len(members) > 1:
-            for s in members:
-                if s.speculative is not None:
-                    s.speculative.pause()
+        for s in members:
+            if s.speculative is not None:  # its phase is interrupted: the time spent here is not its rate
+                s.speculative.pause()
+                if len(members) > 1:
                     s.stats.note = SHARED
         logits = run_rows(self.model, [s.cache for s in members], mx.concatenate([s.next_input for s in members]))
         if any(s.constraint is not None for s in members):

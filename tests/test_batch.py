@@ -468,6 +468,7 @@ def test_sampled_speculative_sequence_in_the_engine_finishes(loaded):
                         prompt_lookup=True)
     stream = collect(engine, [uid])[0]
     assert len(tokens_of(stream)) == 30 and stream[-1].finish_reason == "length"
+    assert stream[-1].stats.rounds > 0 and stream[-1].stats.drafted > 0, stream[-1].stats
 
 
 # 7b. one sequence's failure ends that sequence; the others go on as if it had not been there
@@ -520,21 +521,45 @@ def test_a_failing_sequence_ends_alone(loaded, monkeypatch, where):
         assert_same_stream(got[k], solo(model, tok, [good, bad, late][k], **opts), f"sequence {k}")
 
 
-def test_a_failing_batched_step_ends_its_members_and_the_engine_goes_on(loaded, monkeypatch):
+class _Unreadable:
+    """Tokens of a batched step whose read fails, as an error raised while evaluating would."""
+
+    def __init__(self, tokens: mx.array):
+        self.tokens = tokens
+
+    def __getitem__(self, index):
+        return self.tokens[index]
+
+    def tolist(self):
+        raise RuntimeError("planted step fault")
+
+
+@pytest.mark.parametrize("where", ["graph", "read"])
+def test_a_failing_batched_step_ends_its_members_and_the_engine_goes_on(loaded, monkeypatch, where):
+    """A fault while building a step (`run_rows`), or while reading a queued step's tokens."""
     from mlxinfer import batch
 
     model, tok = loaded
     opts = dict(GREEDY, max_tokens=6)
     calls = {"n": 0}
-    original = batch.run_rows
+    if where == "graph":
+        original = batch.run_rows
 
-    def run_rows(*args, **kwargs):
-        calls["n"] += 1
-        if calls["n"] == 3:
-            raise RuntimeError("planted step fault")
-        return original(*args, **kwargs)
+        def run_rows(*args, **kwargs):
+            calls["n"] += 1
+            if calls["n"] == 3:
+                raise RuntimeError("planted step fault")
+            return original(*args, **kwargs)
 
-    monkeypatch.setattr(batch, "run_rows", run_rows)
+        monkeypatch.setattr(batch, "run_rows", run_rows)
+    else:
+        original = batch._Decode
+
+        def decode(members, tokens, *rest):
+            calls["n"] += 1
+            return original(members, _Unreadable(tokens) if calls["n"] == 2 else tokens, *rest)
+
+        monkeypatch.setattr(batch, "_Decode", decode)
     engine = BatchGenerator(model, tok)
     uids = [engine.submit(prompt(n, seed=33), **opts) for n in (5, 11)]
     for stream in collect(engine, uids):
