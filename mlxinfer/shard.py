@@ -6,6 +6,10 @@ expert columns), the output and down projections by input columns, so a block ha
 computes a partial sum on every rank and one `all_sum` completes it. The KV cache is
 split with the heads. The embedding and LM head are split by vocabulary rows (a lookup
 is one `all_sum`, the logits one `all_gather`); norms and MoE routers stay whole.
+Latent attention (DeepSeek MLA) splits its heads the same way (rows of q_b_proj and
+kv_b_proj, or the per-head embed_q / unembed_out); its cache, one compressed latent and
+one rotary key per token that every head reads, is whole on every rank (it is already
+small: kv_lora_rank + rope dims per token and layer).
 
 Loading reads each tensor lazily from the safetensors files and keeps only this rank's
 slice (one full tensor in memory at a time, never the whole model). Quantized tensors
@@ -26,11 +30,11 @@ import mlx.nn as nn
 
 from .errors import ConfigError
 
-COLUMN = re.compile(r"\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.(weight|scales|biases|bias)$")
+COLUMN = re.compile(r"\.(q_proj|k_proj|v_proj|q_b_proj|kv_b_proj|gate_proj|up_proj)\.(weight|scales|biases|bias)$")
+HEADS = re.compile(r"\.(embed_q|unembed_out)\.(weight|scales|biases)$")  # stored [heads, rows, cols]
 VOCAB = re.compile(r"(^|\.)(embed_tokens|lm_head)\.(weight|scales|biases)$")
 ROW = re.compile(r"\.(o_proj|down_proj)\.(weight|scales|biases|bias)$")
 SPLIT_SIZES = ("intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size")
-MLA_KEYS = ("kv_lora_rank",)
 
 
 @dataclass(frozen=True)
@@ -77,11 +81,9 @@ def shard_config(config: dict[str, Any], size: int) -> dict[str, Any]:
     """The config one rank's model is built from: 1/size of the heads and feed-forward
     widths, head_dim made explicit. Sizes that do not divide are refused, naming the
     rank counts that work."""
-    if any(config.get(k) for k in MLA_KEYS):
-        raise ConfigError("tensor sharding of latent attention (DeepSeek MLA) is not supported yet; "
-                          "run on one machine")
     heads = config["num_attention_heads"]
-    kv = config.get("num_key_value_heads") or heads
+    latent = bool(config.get("kv_lora_rank"))  # DeepSeek MLA: every head has its own keys
+    kv = heads if latent else config.get("num_key_value_heads") or heads
     out = dict(config, head_dim=config.get("head_dim") or config["hidden_size"] // heads)
     for name, value in (("attention heads", heads), ("KV heads", kv)):
         if value % size:
@@ -111,6 +113,8 @@ def shard_weights(weights: dict[str, mx.array], shard: Shard, quantization: dict
     for name, w in weights.items():
         if VOCAB.search(name):
             out[name] = _part(w, 0, shard) if w.shape[0] % shard.size == 0 else w
+        elif HEADS.search(name):
+            out[name] = _part(w, 0, shard)
         elif COLUMN.search(name):
             # rows are outputs: the last axis but one of a matrix (or a stack of expert matrices); a bias's last
             out[name] = _part(w, w.ndim - 1 if name.endswith(".bias") else w.ndim - 2, shard)

@@ -18,6 +18,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
+import test_models_deepseek as deepseek_tests
 from test_models_gemma import VARIANTS as GEMMA
 from test_models_moe import VARIANTS as MOE
 from test_parity import VARIANTS as PARITY
@@ -28,7 +29,9 @@ from mlxinfer.shard import resident_bytes, shard_config
 
 HERE = Path(__file__).parent
 FAMILIES = {"llama": PARITY["llama"], "qwen3": PARITY["qwen3"], "gemma3_text": GEMMA["gemma3_text"],
-            "mixtral": MOE["mixtral-k2"], "qwen3_moe": MOE["qwen3_moe"]}
+            "mixtral": MOE["mixtral-k2"], "qwen3_moe": MOE["qwen3_moe"],
+            "deepseek_v2": deepseek_tests.VARIANTS["v2-q-lora-null"],
+            "deepseek_v3": deepseek_tests.VARIANTS["v3-grouped-k2"]}
 PROMPT = list(range(3, 40))
 TIMEOUT = 120
 
@@ -82,6 +85,13 @@ def alone(folder: Path, dtype: str | None = "float32") -> tuple[np.ndarray, list
     return logits, tokens, resident_bytes(model)
 
 
+def checkpoint(hf_checkpoint, family: str, **more) -> Path:
+    arch, overrides = FAMILIES[family]
+    if arch.startswith("deepseek"):
+        return deepseek_tests.checkpoint(hf_checkpoint, arch, {**overrides, **more})
+    return hf_checkpoint(arch, **overrides, **more)
+
+
 def check(ranks: list[dict], folder: Path, dtype: str | None = "float32") -> None:
     logits, tokens, total = alone(folder, dtype)
     for r in ranks:
@@ -93,17 +103,15 @@ def check(ranks: list[dict], folder: Path, dtype: str | None = "float32") -> Non
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_two_ranks_equal_one_process(can_launch, hf_checkpoint, tmp_path, family):
-    arch, overrides = FAMILIES[family]
-    folder = hf_checkpoint(arch, **overrides)
+    folder = checkpoint(hf_checkpoint, family)
     check(sharded(folder, tmp_path, 2), folder)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe", "deepseek_v3"])
 def test_two_ranks_equal_one_process_4bit(can_launch, hf_checkpoint, mlx_lm_quantized, tmp_path, family):
-    arch, overrides = FAMILIES[family]
-    if family == "qwen3_moe":  # each rank's half of an expert's 64 columns: one whole group of 32
-        overrides = {**overrides, "moe_intermediate_size": 64}
-    folder = mlx_lm_quantized(hf_checkpoint(arch, **overrides), bits=4, group_size=32)
+    # each rank's half of an expert's 64 columns: one whole group of 32
+    wider = {"moe_intermediate_size": 64} if family != "llama" else {}
+    folder = mlx_lm_quantized(checkpoint(hf_checkpoint, family, **wider), bits=4, group_size=32)
     check(sharded(folder, tmp_path, 2, None), folder, None)
 
 
@@ -134,8 +142,8 @@ def test_sizes_that_do_not_divide_are_refused_naming_what_works():
     with pytest.raises(ConfigError) as e:
         shard_config(config, 4)
     assert "2 KV heads" in str(e.value) and "use 1, 2 ranks" in str(e.value)
-    with pytest.raises(ConfigError, match="latent attention"):
-        shard_config({**config, "kv_lora_rank": 16}, 2)
+    with pytest.raises(ConfigError, match="6 attention heads"):  # latent attention: the heads are what split
+        shard_config({**config, "num_attention_heads": 6, "kv_lora_rank": 16}, 4)
     assert shard_config(config, 2)["num_key_value_heads"] == 1 and shard_config(config, 2)["head_dim"] == 8
 
 

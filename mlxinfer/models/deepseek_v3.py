@@ -106,7 +106,7 @@ class Model(V2Model):
             scales, biases = weights.pop(f"{prefix}.kv_b_proj.scales"), weights.pop(f"{prefix}.kv_b_proj.biases")
             bits = w.shape[-1] * 32 // attn.kv_lora_rank
             w = mx.dequantize(w, scales, biases, group_size=attn.kv_lora_rank // scales.shape[-1], bits=bits)
-        w = w.reshape(attn.heads, attn.nope_dim + attn.v_dim, attn.kv_lora_rank)
+        w = w.reshape(-1, attn.nope_dim + attn.v_dim, attn.kv_lora_rank)  # all heads, even when this rank keeps some
         return {
             f"{prefix}.embed_q.weight": mx.contiguous(w[:, : attn.nope_dim].swapaxes(-1, -2)),
             f"{prefix}.unembed_out.weight": mx.contiguous(w[:, attn.nope_dim :]),
