@@ -338,9 +338,6 @@ def load_model(path: Path, dtype: str | mx.Dtype | None = None, shard: str | Non
         shrink_vocab(model, place)
         weights = shard_weights(weights, place, config.get("quantization"))
     elif place is not None:
-        if any(config.get(k) for k in ("num_local_experts", "num_experts", "n_routed_experts")):
-            raise ConfigError("pipeline sharding of mixture-of-experts models is not supported yet; "
-                              "use shard=\"tensor\"")
         mine = layer_ranges(layer_sizes(weights, len(model.layers)), place.size)[place.rank]
         model.model.layers = model.model.layers[mine.start : mine.stop]
         weights = stage_weights(weights, mine)

@@ -324,7 +324,12 @@ def stage_weights(weights: dict[str, mx.array], mine: range) -> dict[str, mx.arr
 class Stage(nn.Module):
     """One rank's run of layers. The first rank embeds the tokens; each rank runs its
     layers and sends the hidden state on; the last rank's output reaches every rank (an
-    all_gather), which applies the final norm, so every rank computes the same logits."""
+    all_gather), which applies the final norm, so every rank computes the same logits.
+
+    Each call evaluates its hand-overs before it returns: a layer that reads a value on
+    the host (a mixture of experts counting its rows) evaluates this rank's receive in
+    the middle of a call, so a send left lazy for later would leave the next rank
+    waiting for data that its sender will only send after waiting on that rank."""
 
     def __init__(self, backbone: nn.Module, shard: Shard):
         super().__init__()
@@ -352,9 +357,5 @@ class Stage(nn.Module):
         if rank < size - 1:
             x = mx.distributed.send(x, rank + 1, group=group)
         x = mx.distributed.all_gather(x, group=group)[-tokens.shape[0]:]
-        for c in cache or []:  # a prefill evaluates only the caches: they must wait for the hand-over too
-            if getattr(c, "keys", None) is not None:
-                keys, values = tuple(c.keys), tuple(c.values)
-                parts = mx.depends([*keys, *values], [x])
-                c.keys, c.values = tuple(parts[: len(keys)]), tuple(parts[len(keys) :])
+        mx.eval(x)  # every rank's caches are inputs of x, so they are filled too
         return self.backbone.norm(x)

@@ -89,7 +89,7 @@ def checkpoint(hf_checkpoint, family: str, **more) -> Path:
     arch, overrides = FAMILIES[family]
     if arch.startswith("deepseek"):
         return deepseek_tests.checkpoint(hf_checkpoint, arch, {**overrides, **more})
-    return hf_checkpoint(arch, **overrides, **more)
+    return hf_checkpoint(arch, **{**overrides, **more})
 
 
 def check(ranks: list[dict], folder: Path, dtype: str | None = "float32") -> None:
@@ -198,10 +198,10 @@ def shared_bytes(folder: Path, dtype: str | None = "float32") -> int:
     return sum(v.nbytes for k, v in tree_flatten(model.parameters()) if ".layers." not in k)
 
 
-@pytest.mark.parametrize("family, ranks", [("llama", 2), ("qwen3", 2), ("gemma3_text", 2), ("llama", 3)])
+@pytest.mark.parametrize("family, ranks", [("llama", 2), ("qwen3", 2), ("gemma3_text", 2), ("llama", 3),
+                                           ("mixtral", 2), ("qwen3_moe", 2), ("deepseek_v3", 2)])
 def test_pipeline_ranks_equal_one_process(can_launch, hf_checkpoint, tmp_path, monkeypatch, family, ranks):
-    arch, overrides = FAMILIES[family]
-    folder = hf_checkpoint(arch, **{**overrides, "num_hidden_layers": 3})
+    folder = checkpoint(hf_checkpoint, family, num_hidden_layers=3)
     monkeypatch.setenv("MLXINFER_TEST_SHARD", "pipeline")
     got = sharded(folder, tmp_path, ranks)
     logits, tokens, total = alone(folder)
@@ -231,13 +231,6 @@ def test_layer_ranges_balance_bytes_and_refuse_too_many_ranks():
     assert layer_ranges([40, 10, 10, 10, 10], 2) == [range(0, 1), range(1, 5)]
     with pytest.raises(ConfigError, match="at most 2 ranks"):
         layer_ranges([1, 1], 3)
-
-
-def test_pipeline_refuses_moe_models_for_now(can_launch, hf_checkpoint, tmp_path, monkeypatch):
-    arch, overrides = FAMILIES["mixtral"]
-    monkeypatch.setenv("MLXINFER_TEST_SHARD", "pipeline")
-    done = launch(2, str(HERE / "sharded_worker.py"), str(hf_checkpoint(arch, **overrides)), str(tmp_path), "float32")
-    assert "pipeline sharding of mixture-of-experts models is not supported yet" in done.stdout + done.stderr
 
 
 def test_generate_pipeline_under_mlx_launch(can_launch, hf_checkpoint):
