@@ -182,6 +182,7 @@ class ChatSession:
         """Write the conversation as JSON at `path` and the KV cache beside it
         (`<name>.kv.safetensors`), so `load` resumes without prefilling again."""
         self._close_stream()
+        _whole_model(self.model, "saving")
         path = Path(path).expanduser()
         kv_path = path.with_suffix(".kv.safetensors")
         data = {
@@ -208,6 +209,7 @@ class ChatSession:
         """A session saved by `save`, continued with `model`. Its KV cache is reused when it
         was made by the same model with the same cache options (`cache_restored`); otherwise
         the conversation is prefilled again on the next turn. `options` override the saved ones."""
+        _whole_model(model, "loading")
         path = Path(path).expanduser()
         data = _read_session(path)
         session = cls(model, tokenizer, data.get("system"), draft_model, **{**_from_json(data["options"]), **options})
@@ -355,3 +357,10 @@ def _read_cache(path: Path, model) -> PromptCache | None:
     except MlxinferError:
         return None
     return cache if all(c.offset == len(cache.tokens) for c in cache.caches) else None
+
+
+def _whole_model(model, doing: str) -> None:
+    """A saved session's KV cache is one process's; a sharded model's is spread over the ranks."""
+    if getattr(model, "shard", None) is not None:
+        raise InvalidOptionError(f"{doing} a session is not supported while the model is sharded across ranks "
+                                 "(each holds part of the KV cache); chat on one machine to save or load sessions")

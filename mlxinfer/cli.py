@@ -48,13 +48,35 @@ def main(ctx: click.Context, verbose: bool) -> None:
     blas_hint_once()
 
 
-def single_process(command: str) -> None:
-    """Commands that read requests as they come cannot yet hand them to other ranks."""
+def no_drafting_across_ranks(drafting: bool) -> None:
+    """Ranks must take the same steps, and a speculative decoder picks its steps from its own
+    machine's timings."""
     from .shard import launched
 
-    if launched():
-        raise InvalidOptionError(f"`{command}` does not run across several ranks yet; under mlx.launch use "
-                                 "`mlxinfer generate`, or the Python API with mlxinfer.load(..., shard=\"tensor\")")
+    if drafting and launched():
+        raise InvalidOptionError("speculative decoding (--draft-model, --prompt-lookup) does not run across ranks "
+                                 "yet: each machine would choose its drafts by its own timings; drop it under "
+                                 "mlx.launch")
+
+
+def relay_for(model):
+    """For a model sharded across ranks: the relay through which rank 0 drives the others,
+    with every rank's random state seeded alike (rank 0's seed), and Ctrl-C left to rank 0."""
+    import signal
+
+    import mlx.core as mx
+
+    from .relay import Relay
+    from .shard import agreed_seed
+
+    place = getattr(model, "shard", None)
+    if place is None:
+        return None
+    relay = Relay(place.group)
+    mx.random.seed(agreed_seed(place.group))
+    if not relay.leader:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    return relay
 
 
 def as_one_rank_of_several() -> None:
@@ -92,6 +114,9 @@ MODEL_OPTIONS = [
     click.option("--dtype", type=click.Choice(["float16", "bfloat16", "float32"]),
                  help="Compute dtype (default: as stored; half precision becomes float32 off Apple GPUs)."),
 ]
+PIPELINE_OPTION = click.option(
+    "--pipeline", is_flag=True,
+    help="Under mlx.launch: split the model by layers across the ranks (default: by heads, tensor-parallel).")
 GENERATION_OPTIONS = [
     *MODEL_OPTIONS,
     click.option("--draft-model", help="A small model of the same family that drafts tokens (speculative decoding)."),
@@ -209,6 +234,7 @@ class Run:
         """(model, tokenizer, where it came from, draft model or None)."""
         from .store import open_model
 
+        no_drafting_across_ranks(bool(self.draft_model or self.options.get("prompt_lookup")))
         model, tokenizer, where = open_model(self.model, self.dtype, pipeline=pipeline)
         draft = open_model(self.draft_model, self.dtype)[0] if self.draft_model else None
         return model, tokenizer, where, draft
@@ -216,20 +242,23 @@ class Run:
 
 @main.command()
 @with_options(GENERATION_OPTIONS)
+@PIPELINE_OPTION
 @click.pass_obj
-def chat(verbose: bool, **params) -> None:
+def chat(verbose: bool, pipeline: bool, **params) -> None:
     """Chat with a model in the terminal (multi-turn, streaming, /help for commands)."""
     from .cachedir import home
     from .chat import ChatSession
     from .repl import run_repl
+    from .shard import summary as shard_summary
     from .terminal import use_color
 
     run = Run.from_params(params)
-    single_process("chat")
-    model, tokenizer, where, draft = run.load()
+    model, tokenizer, where, draft = run.load(pipeline=pipeline)
+    relay = relay_for(model)
     session = ChatSession(model, tokenizer, system=run.system, draft_model=draft, **run.options)
-    click.echo(f"mlxinfer chat: {model_name(where)}", err=True)
-    run_repl(session, home() / "chat_history", color=use_color(sys.stdout), verbose=verbose)
+    split = shard_summary(model)
+    click.echo(f"mlxinfer chat: {model_name(where)}" + (f" [{split}]" if split else ""), err=True)
+    run_repl(session, home() / "chat_history", color=use_color(sys.stdout), verbose=verbose, relay=relay)
 
 
 def model_name(where: Path | str) -> str:
@@ -254,8 +283,7 @@ def chat_prompt(tokenizer, text: str, system: str | None, raw: bool) -> str | li
 @click.option("--logprobs", type=int, metavar="N",
               help="With --json: each generated token with its log-probability and the N likeliest alternatives.")
 @click.option("--no-stream", is_flag=True, help="Print the text once it is complete.")
-@click.option("--pipeline", is_flag=True,
-              help="Under mlx.launch: split the model by layers across the ranks (default: by heads, tensor-parallel).")
+@PIPELINE_OPTION
 def generate(prompt: str, raw: bool, as_json: bool, no_stream: bool, pipeline: bool, **params) -> None:
     """Complete one prompt: text on stdout (streamed), stats on stderr."""
     from .generate import stream_generate
@@ -278,7 +306,12 @@ def generate(prompt: str, raw: bool, as_json: bool, no_stream: bool, pipeline: b
     stream = not (no_stream or as_json)
     pieces, tokens, stats = [], [], None
     last = None
-    for chunk in stream_generate(model, tokenizer, chat_prompt(tokenizer, text, run.system, raw), **options):
+    chunks = stream_generate(model, tokenizer, chat_prompt(tokenizer, text, run.system, raw), **options)
+    if getattr(model, "shard", None) is not None:
+        from .relay import Watchdog, peer_timeout
+
+        chunks = Watchdog(peer_timeout(), model.shard.rank).chunks(chunks)
+    for chunk in chunks:
         pieces.append(chunk.text)
         stats, last = chunk.stats, chunk
         if params["logprobs"] is not None and chunk.token is not None:
@@ -432,32 +465,45 @@ def bench(model_argument, model, dtype, prompt_tokens, gen_tokens, repeat, max_k
 @click.option("--prompt-lookup", is_flag=True, help="Draft tokens by copying from the context while one request runs.")
 @click.option("--api-key", help="Require 'Authorization: Bearer KEY' on /v1 requests.")
 @click.option("--cors", "cors", help="Allow browser requests from this origin.")
+@PIPELINE_OPTION
 def serve(model, dtype, host, port, max_concurrency, max_queue, max_kv_size, kv_bits, prompt_cache_bytes,
-          draft_model, prompt_lookup, api_key, cors) -> None:
+          draft_model, prompt_lookup, api_key, cors, pipeline) -> None:
     """Serve the model over OpenAI's HTTP API (chat and text completions, streaming).
     Concurrent requests are decoded together; Ctrl-C stops after the requests in flight."""
     from .batch import BatchGenerator
-    from .pool import PromptCachePool
-    from .server import EngineThread, ServerConfig, create_app, run
+    from .pool import PromptCachePool, cache_nbytes
+    from .server import EngineThread, ServerConfig, create_app, follow, run
+    from .shard import launched, summed, world
+    from .shard import summary as shard_summary
     from .store import open_model
 
     if draft_model and prompt_lookup:
         raise click.UsageError("--draft-model and --prompt-lookup are alternatives: pass one of them")
-    single_process("serve")
-    check_free(host, port)
+    no_drafting_across_ranks(bool(draft_model or prompt_lookup))
+    leader = not launched() or world() is None or world().rank() == 0
+    if leader:
+        check_free(host, port)
     if host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
         click.echo(f"warning: listening on {host} without --api-key: anyone who can reach it can use it", err=True)
-    m, tokenizer, where = open_model(model, dtype)
+    m, tokenizer, where = open_model(model, dtype, pipeline=pipeline)
+    relay = relay_for(m)
+    # ranks hold different K/V bytes in a pipeline: the pool counts all ranks' bytes, so all keep the same entries
+    measure = summed(cache_nbytes, m.shard.group) if relay else cache_nbytes
     options: dict[str, Any] = {"max_kv_size": max_kv_size, "kv_bits": int(kv_bits) if kv_bits else None,
                                "draft_model": open_model(draft_model, dtype)[0] if draft_model else None,
                                "prompt_lookup": prompt_lookup or None}
-    engine = EngineThread(BatchGenerator(m, tokenizer, max_batch=max_concurrency,
-                                         pool=PromptCachePool(prompt_cache_bytes) if prompt_cache_bytes else None,
-                                         **{k: v for k, v in options.items() if v is not None}),
-                          max_queued=max_queue)
+    batch = BatchGenerator(m, tokenizer, max_batch=max_concurrency,
+                           pool=PromptCachePool(prompt_cache_bytes, measure) if prompt_cache_bytes else None,
+                           **{k: v for k, v in options.items() if v is not None})
+    if relay is not None and not relay.leader:
+        follow(batch, relay)
+        return
+    engine = EngineThread(batch, max_queued=max_queue, relay=relay)
     name = model_name(where)
     config = ServerConfig(name, max_tokens=m.config.max_position_embeddings, api_key=api_key, cors=cors)
-    click.echo(f"serving {name} at http://{host}:{port}/v1 (Ctrl-C stops)", err=True)
+    split = shard_summary(m)
+    click.echo(f"serving {name} at http://{host}:{port}/v1 (Ctrl-C stops)" + (f" [{split}]" if split else ""),
+               err=True)
     run(create_app(engine, tokenizer, config), engine, host, port)
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import mlx.core as mx
 import numpy as np
@@ -60,11 +60,13 @@ class PromptCachePool:
     prompt (or a fresh cache), which the caller runs and may `store` back when the
     request ends. Entries are matched by model and by the layout of their
     per-layer caches (kind, quantization, window), so a cache is only ever
-    continued by the kind of cache that made it."""
+    continued by the kind of cache that made it. `measure` gives an entry's size
+    (default: its K/V bytes here)."""
 
-    def __init__(self, max_bytes: int):
+    def __init__(self, max_bytes: int, measure: Callable[[PromptCache], int] | None = None):
         integer("max_bytes", max_bytes, 0)
         self.max_bytes = max_bytes
+        self._measure = measure or cache_nbytes
         self._entries: OrderedDict[int, _Entry] = OrderedDict()  # least recently used first
         self._serial = 0
         self._hits = self._misses = self._reused = 0
@@ -113,7 +115,7 @@ class PromptCachePool:
                 f"this cache's layers cover {cache.offset} tokens but it lists {len(tokens)}; "
                 "store only a cache that finished running"
             )
-        size = _nbytes(cache)
+        size = self._measure(cache)
         if size > self.max_bytes or not tokens:
             return
         for serial, entry in list(self._entries.items()):
@@ -170,7 +172,7 @@ def _layout(cache: PromptCache) -> Layout:
     return tuple(tuple(sorted((k, v) for k, v in c.meta().items() if k != "offset")) for c in cache.caches)
 
 
-def _nbytes(cache: PromptCache) -> int:
+def cache_nbytes(cache: PromptCache) -> int:
     """Bytes the cache's arrays occupy, spare preallocated slots included (that is what it holds)."""
     return sum(p.nbytes for c in cache.caches if c.keys is not None for p in (*c.keys, *c.values))
 

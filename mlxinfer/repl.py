@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Protocol, TextIO
 
 from .chat import ChatSession
+from .relay import Relay, SharedReader
 from .constrain import typed_format
 from .tools import describe_call
 from .errors import InvalidOptionError, MlxinferError
@@ -131,9 +132,10 @@ class Repl:
     """Reads messages and slash commands, streams replies, prints stats after each."""
 
     def __init__(self, session: ChatSession, reader: LineReader, out: TextIO, color: bool = False,
-                 verbose: bool = False):
+                 verbose: bool = False, relay: Relay | None = None):
         self.session, self.reader, self.out = session, reader, out
         self.color, self.verbose = color, verbose
+        self.relay = relay  # a model sharded across ranks: every rank runs this loop on rank 0's lines
         self.commands: dict[str, Callable[[str], bool | None]] = {
             "help": self.help, "reset": self.reset, "system": self.system, "set": self.set, "stats": self.stats,
             "format": self.format,
@@ -154,8 +156,9 @@ class Repl:
             if line is None:
                 break
             try:
-                if self.handle(typed_text(line)) is False:
-                    break
+                with self.relay.deferred_interrupts() if self.relay else contextlib.nullcontext():
+                    if self.handle(typed_text(line)) is False:
+                        break
             except KeyboardInterrupt:
                 self.note("[interrupted]")
             except Exception as e:  # the one place every failure of a line is caught
@@ -184,6 +187,8 @@ class Repl:
     def reply(self, text: str) -> None:
         before = len(self.session.messages)
         chunks = self.session.send(text)
+        if self.relay is not None:
+            chunks = self.relay.paced(chunks)
         interrupted = False
         calls = []
         try:
@@ -318,14 +323,18 @@ def describe(e: Exception) -> str:
     return f"unexpected {type(e).__name__}: {first} (a bug in mlxinfer; --verbose shows where)"
 
 
-def run_repl(session: ChatSession, history_file: Path, color: bool, verbose: bool) -> None:
-    """A terminal gets prompt_toolkit; anything else is read line by line."""
+def run_repl(session: ChatSession, history_file: Path, color: bool, verbose: bool,
+             relay: Relay | None = None) -> None:
+    """A terminal gets prompt_toolkit; anything else is read line by line. With a relay,
+    rank 0 reads and the other ranks follow its lines."""
     stdin, out = sys.stdin, sys.stdout
     if isinstance(stdin, io.TextIOWrapper):  # bytes that are not UTF-8 reach typed_text, which replaces them
         stdin.reconfigure(errors="surrogateescape")
-    interactive = stdin.isatty() and out.isatty()
+    interactive = stdin.isatty() and out.isatty() and (relay is None or relay.leader)
     reader: LineReader = TerminalReader(history_file) if interactive else StreamReader(stdin)
-    repl = Repl(session, reader, out, color, verbose)
+    if relay is not None:
+        reader = SharedReader(relay, reader)
+    repl = Repl(session, reader, out, color, verbose, relay)
     if interactive:
         repl.note("/help for commands, Alt-Enter for a new line, Ctrl-C stops a reply, Ctrl-D quits")
     with contextlib.suppress(BrokenPipeError):

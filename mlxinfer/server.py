@@ -32,6 +32,7 @@ from .batch import BatchGenerator
 from .errors import MlxinferError
 from .generate import Chunk
 from .openai_schema import ChatCompletion, Completion, Logprobs, RequestError, TextCompletion, choice, parse, usage
+from .relay import Relay
 from .tools import call_opener
 
 RETRY_AFTER_SECONDS = 1
@@ -57,11 +58,14 @@ class EngineThread:
     ended); past that `submit` refuses with a 503. The count drops when the engine ends a
     request, so a request whose client vanished still frees its place when it stops.
     `health` is a snapshot the engine thread refreshes after every step, so the event
-    loop never touches the engine."""
+    loop never touches the engine. With a relay (a model sharded across ranks), the
+    engine commands of each round are shared before its step, and the other ranks' engines
+    (`follow`) take the same commands and steps."""
 
-    def __init__(self, engine: BatchGenerator, max_queued: int = 32):
-        self.engine, self.max_queued = engine, max_queued
+    def __init__(self, engine: BatchGenerator, max_queued: int = 32, relay: Relay | None = None):
+        self.engine, self.max_queued, self.relay = engine, max_queued, relay
         self.served = 0
+        self._ops: list[list[Any]] = []  # what this round did to the engine, for the relay
         self.health: dict[str, Any] = {}
         self._in_flight = 0
         self._lock = threading.Lock()
@@ -112,6 +116,7 @@ class EngineThread:
         if command == "submit":
             try:
                 request.uid = self.engine.submit(request.prompt, **request.options)
+                self._ops.append(["submit", request.prompt, request.options])
             except MlxinferError as e:  # the request's own fault (options, prompt, context)
                 self._refuse(request, RequestError(str(e)))
                 return
@@ -120,12 +125,16 @@ class EngineThread:
                 return
             self._requests[request.uid] = request
         elif command == "cancel" and request.uid in self._requests:
-            self.engine.cancel(request.uid)
+            self._cancel(request.uid)
         elif command == "shutdown":
             with self._lock:
                 self._stop.set()
             for uid in self._requests:
-                self.engine.cancel(uid)
+                self._cancel(uid)
+
+    def _cancel(self, uid: int) -> None:
+        self.engine.cancel(uid)
+        self._ops.append(["cancel", uid])
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -136,18 +145,28 @@ class EngineThread:
                     block = False
             except queue.Empty:
                 pass
+            if self.relay is not None:
+                with self.relay.watchdog.bounded("a step"):
+                    self.relay.share(self._ops)
+            self._ops = []
             if self.engine.active:
                 self._step()
             self._snapshot()
+        if self.relay is not None:
+            self.relay.share(None)
         for uid in list(self._requests):  # stopping: end the streams that are left
             self._deliver(self._requests.pop(uid), None)
 
     def _step(self) -> None:
         try:
-            produced = self.engine.step()
+            if self.relay is None:
+                produced = self.engine.step()
+            else:
+                with self.relay.watchdog.bounded("a step"):
+                    produced = self.engine.step()
         except Exception as e:  # noqa: BLE001 - the engine ends a failed sequence itself; this is the last guard
             for uid, request in list(self._requests.items()):
-                self.engine.cancel(uid)
+                self._cancel(uid)
                 self._refuse(request, server_error(f"{type(e).__name__}: {e}"))
             self._requests.clear()
             return
@@ -188,6 +207,23 @@ class _Uvicorn(uvicorn.Server):
         super().handle_exit(sig, frame)
         # uvicorn re-raises the signal once it has stopped; a stop the user asked for is a clean exit (status 0)
         getattr(self, "_captured_signals", []).clear()
+
+
+def follow(engine: BatchGenerator, relay: Relay) -> None:
+    """A rank other than 0: the engine commands and steps rank 0's `EngineThread` shares,
+    until it stops. Waiting for the next round is not bounded (the server may be idle)."""
+    while (ops := relay.share()) is not None:
+        with relay.watchdog.bounded("a step"):
+            for op in ops:
+                if op[0] == "submit":
+                    options = dict(op[2])
+                    if "logit_bias" in options:  # JSON keys are strings; the engine wants token ids
+                        options["logit_bias"] = {int(k): v for k, v in options["logit_bias"].items()}
+                    engine.submit(op[1], **options)
+                else:
+                    engine.cancel(op[1])
+            if engine.active:
+                engine.step()
 
 
 def run(app: FastAPI, engine: EngineThread, host: str, port: int) -> None:

@@ -23,7 +23,7 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -243,6 +243,15 @@ def check_same_model(path: Path, files: list[Path], shard: Shard) -> None:
     if len(values) != 1:
         raise ConfigError(f"the ranks load different model files ({len(values)} different fingerprints of "
                           f"{path.name}); give every machine the same checkpoint")
+
+
+def summed(measure: Callable[[Any], int], group) -> Callable[[Any], int]:
+    """`measure` added up over the ranks (one all_sum): the same number on every rank, so a
+    decision taken on it (a pool keeping or dropping a cache) is the same everywhere."""
+    def total(x: Any) -> int:
+        every = mx.distributed.all_sum(mx.array([measure(x)], mx.int64), group=group)
+        return int(every.item())
+    return total
 
 
 def resident_bytes(model) -> int:

@@ -6,6 +6,7 @@ Skipped where `mlx.launch` cannot start processes."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import shutil
@@ -13,6 +14,8 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import mlx.core as mx
@@ -36,17 +39,22 @@ PROMPT = list(range(3, 40))
 TIMEOUT = 120
 
 
-def launch(n: int, *args: str, timeout: int = TIMEOUT) -> subprocess.CompletedProcess:
+def launcher(n: int, *args: str) -> list[str]:
+    found = shutil.which("mlx.launch", path=str(Path(sys.executable).parent)) or shutil.which("mlx.launch")
+    if found is None:
+        pytest.skip("mlx.launch is not installed")
+    return [found, "-n", str(n), "--backend", "ring", "--python", sys.executable, *args]
+
+
+def launch(n: int, *args: str, timeout: int = TIMEOUT, stdin: str | None = None,
+           env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """mlx.launch with N ranks; on a timeout the launcher and every rank it started are killed
     (they share a new process group), so a hung rank never outlives its test."""
-    launcher = shutil.which("mlx.launch", path=str(Path(sys.executable).parent)) or shutil.which("mlx.launch")
-    if launcher is None:
-        pytest.skip("mlx.launch is not installed")
-    command = [launcher, "-n", str(n), "--backend", "ring", "--python", sys.executable, *args]
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    command = launcher(n, *args)
+    proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True, env={**os.environ, **(env or {})})
     try:
-        out, err = proc.communicate(timeout=timeout)
+        out, err = proc.communicate(stdin, timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.communicate()
@@ -175,9 +183,128 @@ def test_generate_under_mlx_launch_prints_once_and_equals_one_process(can_launch
     assert unseeded.stderr.count("decode 8 tok") == 1, unseeded.stdout + unseeded.stderr
 
 
-def test_chat_under_mlx_launch_is_refused_in_one_line(can_launch, tiny):
-    done = launch(2, "--", mlxinfer_cli(), "chat", "-m", str(tiny))
-    assert "does not run across several ranks yet" in done.stderr and "Traceback" not in done.stderr
+@pytest.fixture(scope="module")
+def chatty(hf_checkpoint) -> Path:
+    """A tiny Llama with room for a long message (4 heads, 2 KV heads, 2 layers)."""
+    return hf_checkpoint("llama", head_dim=32, max_position_embeddings=2048)
+
+
+# a message longer than one relay message (its second all_sum), commands, a rewind, a changed option
+CHAT = ["hello there", "hello " * 700 + "what next", "/undo", "/set temperature 0.9", "again please",
+        "/system be brief", "/reset", "once more"]
+
+
+@pytest.mark.parametrize("split, sampling", [("tensor", ["--temp", "0"]), ("pipeline", ["--seed", "3"])])
+def test_chat_under_mlx_launch_equals_one_process(can_launch, chatty, split, sampling):
+    """Rank 0 reads the lines and shares each; every rank replays it, so the transcript is the
+    one process's. /save refuses (each rank holds part of the KV cache)."""
+    args = ["chat", "-m", str(chatty), "--max-tokens", "10", "--dtype", "float32", *sampling]
+    one = subprocess.run([mlxinfer_cli(), *args], input="\n".join([*CHAT, "/exit"]) + "\n", capture_output=True,
+                         text=True, timeout=TIMEOUT)
+    assert one.returncode == 0, one.stderr
+    flags = ["--pipeline"] if split == "pipeline" else []
+    done = launch(2, "--", mlxinfer_cli(), *args, *flags, stdin="\n".join([*CHAT, "/save s.json", "/exit"]) + "\n")
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr
+
+    def text(out: str) -> list[str]:
+        return [line for line in out.splitlines() if not line.startswith("[")]  # stats lines hold timings
+
+    refused = "error: saving a session is not supported while the model is sharded across ranks"
+    assert text(done.stdout) == text(one.stdout) + [text(done.stdout)[-1]] and refused in text(done.stdout)[-1]
+    assert done.stderr.count("mlxinfer chat:") == 1 and f"{split}" in done.stderr
+
+
+def test_speculative_decoding_under_mlx_launch_is_refused(can_launch, tiny):
+    done = launch(2, "--", mlxinfer_cli(), "generate", "-m", str(tiny), "--prompt", "hi", "--prompt-lookup")
+    assert "speculative decoding (--draft-model, --prompt-lookup) does not run across ranks" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+class LaunchedServer:
+    """`mlxinfer serve` on 2 ranks over a free loopback port; stopped by SIGINT to rank 0 (a
+    terminal's Ctrl-C reaches the launcher as well, which dies of it with its own traceback)."""
+
+    def __init__(self, *args: str):
+        from test_server import free_port
+
+        self.port = free_port()
+        self.proc = subprocess.Popen(launcher(2, "--", mlxinfer_cli(), "serve", "--port", str(self.port), *args),
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                     start_new_session=True)
+        deadline = time.monotonic() + TIMEOUT
+        while time.monotonic() < deadline:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=1)
+                return
+            except (urllib.error.URLError, ConnectionError):
+                if self.proc.poll() is not None:
+                    pytest.fail(f"the server exited: {self.proc.communicate()}")
+                time.sleep(0.2)
+        self.kill()
+        pytest.fail("the server did not start")
+
+    def rank0(self) -> int:
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                fields = stat.read_text().rsplit(")", 1)[1].split()
+                environ = (stat.parent / "environ").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if int(fields[3]) == self.proc.pid and b"MLX_RANK=0" in environ:  # field 6: the session id
+                return int(stat.parent.name)
+        raise AssertionError("rank 0 is not running")
+
+    def stop(self) -> tuple[float, str]:
+        started = time.monotonic()
+        os.kill(self.rank0(), signal.SIGINT)
+        try:
+            _, err = self.proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise
+        return time.monotonic() - started, err
+
+    def kill(self) -> None:
+        os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.communicate()
+
+
+@pytest.mark.parametrize("split", ["tensor", "pipeline"])
+def test_serve_under_mlx_launch_equals_one_process(can_launch, chatty, split):
+    """Concurrent requests through rank 0's server, each sequence's steps replayed on rank 1:
+    the replies equal one process's; a second turn reuses the pooled cache; Ctrl-C ends all."""
+    import openai
+
+    model, tok = mlxinfer.load(chatty, dtype="float32")
+    server = LaunchedServer("-m", str(chatty), "--dtype", "float32", *(["--pipeline"] if split == "pipeline" else []))
+    try:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="x", max_retries=0, timeout=60)
+        prompts = [f"question {i}: the quick brown fox" for i in range(4)]
+
+        def ask(p: str) -> str:
+            events = client.chat.completions.create(model="m", messages=[{"role": "user", "content": p}],
+                                                    max_tokens=12, temperature=0, stream=True)
+            return "".join(e.choices[0].delta.content or "" for e in events)
+
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            got = list(pool.map(ask, prompts))
+        for p, text in zip(prompts, got):
+            assert text == mlxinfer.generate(model, tok, [{"role": "user", "content": p}], max_tokens=12,
+                                             temperature=0.0)
+        sampled = client.completions.create(model="m", prompt="hello there", max_tokens=8, temperature=0.9, seed=4,
+                                            logit_bias={"5": 2.0})
+        assert sampled.choices[0].text == mlxinfer.generate(model, tok, "hello there", max_tokens=8,
+                                                            temperature=0.9, seed=4, logit_bias={5: 2.0})
+        convo = [{"role": "user", "content": prompts[0]}, {"role": "assistant", "content": got[0]},
+                 {"role": "user", "content": "and then?"}]
+        again = client.chat.completions.create(model="m", messages=convo, max_tokens=6, temperature=0)
+        assert 0 < again.usage.prompt_tokens_details.cached_tokens < again.usage.prompt_tokens
+        assert again.choices[0].message.content == mlxinfer.generate(model, tok, convo, max_tokens=6, temperature=0.0)
+    except BaseException:
+        server.kill()
+        raise
+    took, err = server.stop()
+    assert took < 20 and server.proc.returncode == 0 and "Traceback" not in err, err
 
 
 def test_a_rank_that_dies_ends_the_group_in_bounded_time(can_launch, tiny):
@@ -186,6 +313,19 @@ def test_a_rank_that_dies_ends_the_group_in_bounded_time(can_launch, tiny):
                   "--max-tokens", "200", "--temp", "0", "--dtype", "float32", timeout=60)
     assert time.monotonic() - started < 30
     assert "rank 1 exited with code 3" in done.stdout + done.stderr
+
+
+def test_a_rank_that_hangs_ends_the_group_in_bounded_time(can_launch, tiny):
+    """Rank 1 stops answering mid-generation (alive, connections open): rank 0's watchdog ends
+    it with one line after MLXINFER_PEER_TIMEOUT, and mlx.launch stops rank 1."""
+    started = time.monotonic()
+    done = launch(2, "--", str(HERE / "dying_rank.py"), "generate", "-m", str(tiny), "--prompt", "hello there",
+                  "--max-tokens", "200", "--temp", "0", "--dtype", "float32", timeout=60,
+                  env={"MLXINFER_TEST_FAULT": "hang", "MLXINFER_PEER_TIMEOUT": "3"})
+    assert time.monotonic() - started < 30
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert errors == ["error: rank 0: a token waited 3 s on the other ranks (one is hung or unreachable); every "
+                      "rank stops (MLXINFER_PEER_TIMEOUT sets the limit)"], done.stderr
 
 
 # --- pipeline parallelism: layers split by bytes, the hidden state handed rank to rank ---
