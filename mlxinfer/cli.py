@@ -400,7 +400,8 @@ def _count(n: int) -> str:
 @click.option("--system", help="System prompt.")
 @click.option("--raw", is_flag=True, help="Use the prompt as it is, without the chat template.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
-def inspect_command(prompt, model, dtype, steps, top, temp, top_p, system, raw, as_json) -> None:
+@PIPELINE_OPTION
+def inspect_command(prompt, model, dtype, steps, top, temp, top_p, system, raw, as_json, pipeline) -> None:
     """Show the pipeline for PROMPT stage by stage: tokens, embedding, layers, KV cache,
     prefill and decode time, and each step's next-token distribution."""
     from .generate import prompt_tokens
@@ -409,7 +410,7 @@ def inspect_command(prompt, model, dtype, steps, top, temp, top_p, system, raw, 
     from .terminal import typed_text
 
     prompt, system = typed_text(prompt), typed_text(system) if system is not None else None
-    m, tokenizer, where = open_model(model, dtype)
+    m, tokenizer, where = open_model(model, dtype, pipeline=pipeline)
     ids = prompt_tokens(tokenizer, chat_prompt(tokenizer, prompt, system, raw), m.config.vocab_size)
     report = inspect_pipeline(m, tokenizer, ids, steps=steps, top=top, temperature=temp, top_p=top_p)
     if as_json:

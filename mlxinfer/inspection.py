@@ -17,6 +17,7 @@ from .cache import PromptCache
 from .models.config import SLIDING
 from .models.moe import SwitchGLU
 from .sample import SamplingConfig, filtered_probs
+from .shard import layout
 from .terminal import size
 from .tokenizer import Tokenizer
 
@@ -50,6 +51,7 @@ def inspect_pipeline(
         decode_s += time.perf_counter() - start
     decode_tokens = len(decoded) - 1  # the first token came out of the prefill
     return {
+        "sharding": layout(model),
         "tokens": [{"id": t, "text": tokenizer.decode([t])} for t in prompt],
         "embedding": embedding_view(model, len(prompt)),
         "layers": layers_view(model),
@@ -85,6 +87,7 @@ def next_token_view(tokenizer: Tokenizer, logits: mx.array, top: int, temperatur
 def embedding_view(model, tokens: int) -> dict[str, Any]:
     cfg = model.config
     embed = model.model.embed_tokens
+    embed = getattr(embed, "inner", embed)  # a vocabulary-sharded embedding: this rank's rows
     if isinstance(embed, nn.QuantizedEmbedding):
         stored = f"{embed.bits}-bit g{embed.group_size}, {str(embed.scales.dtype).removeprefix('mlx.core.')} scales"
     else:
@@ -138,11 +141,21 @@ def layers_view(model) -> dict[str, Any]:
 
 def render(report: dict[str, Any], title: str, width: int = 100) -> str:
     """The report as text that reads well in a terminal."""
-    sections = [title, _tokens_text(report["tokens"], width), _embedding_text(report["embedding"]),
+    split = [_sharding_text(report["sharding"])] if report.get("sharding") else []
+    sections = [title, *split, _tokens_text(report["tokens"], width), _embedding_text(report["embedding"]),
                 _layers_text(report["layers"], report["embedding"]["shape"]),
                 _cache_text(report["kv_cache"], report["layers"]), _timing_text(report["timing"]),
                 _steps_text(report["steps"], report["sampling"]), f"   generated: {report['generated']!r}"]
     return "\n\n".join(sections)
+
+
+def _sharding_text(s: dict[str, Any]) -> str:
+    ranks = ", ".join(f"rank {r}: {size(b)}" + (f" ({n} layers)" if s["mode"] == "pipeline" else "")
+                      for r, (b, n) in enumerate(zip(s["weight_bytes"], s["layers"])))
+    how = ("pipeline (each rank runs a run of layers and hands the hidden state on)" if s["mode"] == "pipeline" else
+           f"tensor-parallel ({s['heads_here']} query heads per rank, and their share of every matrix)")
+    return (f"0. Sharding: {s['ranks']} ranks, {how}; weights {ranks}; {size(s['sent_per_token'])} sent per token "
+            f"by each rank. What follows is rank {s['rank']}'s part.")
 
 
 def _tokens_text(tokens: list[dict[str, Any]], width: int) -> str:

@@ -272,19 +272,41 @@ def bytes_per_token(config, shard: Shard, dtype_bytes: int) -> int:
     return int(reduce + gather)
 
 
+def sent_per_token(model) -> int:
+    """Bytes this rank sends per decoded token (see `bytes_per_token`; in a pipeline, the
+    hidden state handed on and the last rank's output gathered to all)."""
+    place = model.shard
+    dtype_bytes = model.model.norm.weight.dtype.size
+    if isinstance(model.model, Stage):
+        return model.config.hidden_size * dtype_bytes * place.size
+    return bytes_per_token(model.config, place, dtype_bytes)
+
+
 def summary(model) -> str | None:
     """One line on how the model is split, for stats output (None when it is whole)."""
     place = getattr(model, "shard", None)
     if place is None:
         return None
-    dtype_bytes = model.model.norm.weight.dtype.size
+    here, sent = resident_bytes(model) / 2**20, sent_per_token(model) / 1024
     if isinstance(model.model, Stage):
-        sent = model.config.hidden_size * dtype_bytes * (1 + (place.size - 1))  # hand-over, then the all_gather
         return (f"pipeline: rank {place.rank} of {place.size}, {len(model.layers)} of "
-                f"{model.config.num_hidden_layers} layers, {resident_bytes(model) / 2**20:.1f} MiB of weights here, "
-                f"{sent / 1024:.1f} KiB sent per token")
-    return (f"tensor-sharded: rank {place.rank} of {place.size}, {resident_bytes(model) / 2**20:.1f} MiB of weights "
-            f"here, {bytes_per_token(model.config, place, dtype_bytes) / 1024:.1f} KiB sent per token")
+                f"{model.config.num_hidden_layers} layers, {here:.1f} MiB of weights here, {sent:.1f} KiB sent per token")
+    return f"tensor-sharded: rank {place.rank} of {place.size}, {here:.1f} MiB of weights here, {sent:.1f} KiB sent per token"
+
+
+def layout(model) -> dict[str, Any] | None:
+    """How the model is split across the ranks, every rank's weight bytes and layers gathered
+    (a collective: every rank calls it), for `inspect`. None when the model is whole."""
+    place = getattr(model, "shard", None)
+    if place is None:
+        return None
+    mine = mx.array([[resident_bytes(model), len(model.layers)]], mx.int64)
+    every = mx.distributed.all_gather(mine, group=place.group).tolist()
+    pipeline = isinstance(model.model, Stage)
+    return {"mode": "pipeline" if pipeline else "tensor", "ranks": place.size, "rank": place.rank,
+            "weight_bytes": [b for b, _ in every], "layers": [n for _, n in every],
+            "heads_here": None if pipeline else model.config.num_attention_heads,
+            "sent_per_token": sent_per_token(model)}
 
 
 # --- pipeline parallelism ---

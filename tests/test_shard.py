@@ -214,6 +214,26 @@ def test_chat_under_mlx_launch_equals_one_process(can_launch, chatty, split, sam
     assert done.stderr.count("mlxinfer chat:") == 1 and f"{split}" in done.stderr
 
 
+@pytest.mark.parametrize("split", ["tensor", "pipeline"])
+def test_inspect_under_mlx_launch_shows_the_sharding(can_launch, hf_checkpoint, split):
+    folder = hf_checkpoint("llama", head_dim=32, num_hidden_layers=3)
+    args = ["inspect", "-m", str(folder), "--dtype", "float32", "hello there", "--steps", "3", "--json"]
+    one = json.loads(subprocess.run([mlxinfer_cli(), *args], capture_output=True, text=True, check=True).stdout)
+    done = launch(2, "--", mlxinfer_cli(), *args, *(["--pipeline"] if split == "pipeline" else []))
+    lines = done.stdout.splitlines()
+    assert len(lines) == 1, done.stdout + done.stderr  # rank 0 prints, rank 1 is silent
+    got = json.loads(lines[0])
+    assert one["sharding"] is None and got["generated"] == one["generated"]
+    s = got["sharding"]
+    assert (s["mode"], s["ranks"], s["rank"]) == (split, 2, 0)
+    total = resident_bytes(mlxinfer.load(folder, dtype="float32")[0])
+    if split == "tensor":
+        assert all(abs(b / total - 0.5) < 0.05 for b in s["weight_bytes"]) and s["layers"] == [3, 3]
+    else:
+        assert sorted(s["layers"]) == [1, 2] and sum(s["weight_bytes"]) > total
+    assert s["sent_per_token"] > 0
+
+
 def test_speculative_decoding_under_mlx_launch_is_refused(can_launch, tiny):
     done = launch(2, "--", mlxinfer_cli(), "generate", "-m", str(tiny), "--prompt", "hi", "--prompt-lookup")
     assert "speculative decoding (--draft-model, --prompt-lookup) does not run across ranks" in done.stderr
