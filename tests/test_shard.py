@@ -115,10 +115,10 @@ def test_two_ranks_equal_one_process(can_launch, hf_checkpoint, tmp_path, family
     check(sharded(folder, tmp_path, 2), folder)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3_moe", "deepseek_v3"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3_text", "mixtral", "qwen3_moe", "deepseek_v3"])
 def test_two_ranks_equal_one_process_4bit(can_launch, hf_checkpoint, mlx_lm_quantized, tmp_path, family):
     # each rank's half of an expert's 64 columns: one whole group of 32
-    wider = {"moe_intermediate_size": 64} if family != "llama" else {}
+    wider = {"moe_intermediate_size": 64} if family in ("qwen3_moe", "deepseek_v3") else {}
     folder = mlx_lm_quantized(checkpoint(hf_checkpoint, family, **wider), bits=4, group_size=32)
     check(sharded(folder, tmp_path, 2, None), folder, None)
 
