@@ -39,6 +39,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def answers_health(url: str, proc: subprocess.Popen, seconds: float) -> bool:
+    """Wait until the server at `url` answers /health (True) or `seconds` pass (False); fail
+    at once with its output if its process exits first."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            urllib.request.urlopen(f"{url}/health", timeout=1)
+            return True
+        except (urllib.error.URLError, ConnectionError):
+            if proc.poll() is not None:
+                pytest.fail(f"the server exited: {proc.communicate()}")
+            time.sleep(0.1)
+    return False
+
+
 class Server:
     """A `serve` subprocess on a free loopback port, ready when /health answers."""
 
@@ -48,17 +63,9 @@ class Server:
         command = script or [sys.executable, "-m", "mlxinfer.cli"]
         self.proc = subprocess.Popen([*command, "serve", "--port", str(self.port), *args], stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, text=True, env={**os.environ, **(env or {})})
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            try:
-                urllib.request.urlopen(f"{self.url}/health", timeout=1)
-                return
-            except (urllib.error.URLError, ConnectionError):
-                if self.proc.poll() is not None:
-                    pytest.fail(f"the server exited: {self.proc.stdout.read()}")
-                time.sleep(0.1)
-        self.proc.kill()
-        pytest.fail("the server did not start in 60 s")
+        if not answers_health(self.url, self.proc, 60):
+            self.proc.kill()
+            pytest.fail("the server did not start in 60 s")
 
     def health(self) -> dict:
         return json.load(urllib.request.urlopen(f"{self.url}/health", timeout=5))

@@ -14,8 +14,6 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import mlx.core as mx
@@ -245,23 +243,15 @@ class LaunchedServer:
     terminal's Ctrl-C reaches the launcher as well, which dies of it with its own traceback)."""
 
     def __init__(self, *args: str):
-        from test_server import free_port
+        from test_server import answers_health, free_port
 
         self.port = free_port()
         self.proc = subprocess.Popen(launcher(2, "--", mlxinfer_cli(), "serve", "--port", str(self.port), *args),
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                      start_new_session=True)
-        deadline = time.monotonic() + TIMEOUT
-        while time.monotonic() < deadline:
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=1)
-                return
-            except (urllib.error.URLError, ConnectionError):
-                if self.proc.poll() is not None:
-                    pytest.fail(f"the server exited: {self.proc.communicate()}")
-                time.sleep(0.2)
-        self.kill()
-        pytest.fail("the server did not start")
+        if not answers_health(f"http://127.0.0.1:{self.port}", self.proc, TIMEOUT):
+            self.kill()
+            pytest.fail("the server did not start")
 
     def rank0(self) -> int:
         for stat in Path("/proc").glob("[0-9]*/stat"):
