@@ -11,9 +11,10 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from mlxinfer.errors import ModelNotFoundError
+from mlxinfer.errors import ConversionError, MlxinferError, ModelNotFoundError
 from mlxinfer.loading import check_weights, resolve
 from mlxinfer.models import build_model
+from mlxinfer.tokenizer import load_tokenizer_from_dir
 
 from . import perplexity
 from .gguf_source import open_gguf
@@ -92,15 +93,16 @@ def convert(
         total = sum(job.nbytes for job in jobs)
         with staged(output, force) as tmp:
             check_space(output, total)
+            with writing("the tokenizer files"):
+                src.write_extras(tmp)
+            write_json(tmp / "config.json", output_config(src, jobs, options))
+            check_tokenizer(tmp, str(source))
             bar = Progress(len(jobs), total, progress)
             try:
                 weight_map = write_weights(tmp, jobs, options.shard_size, bar.advance)
             finally:
                 bar.close()
             write_json(tmp / INDEX_FILE, index(jobs, weight_map, parameter_count(jobs)))
-            with writing("the tokenizer files"):
-                src.write_extras(tmp)
-            write_json(tmp / "config.json", output_config(src, jobs, options))
             verify(tmp, jobs, weight_map)
         report = _report(str(source), src, output, jobs, len(set(weight_map.values())), started)
         if text is not None:
@@ -111,6 +113,16 @@ def convert(
         return report
     finally:
         src.close()
+
+
+def check_tokenizer(stage: Path, source: str) -> None:
+    """Load the tokenizer the output will have, from the stage folder before any weights are
+    written: a malformed tokenizer.json fails the conversion, not the first load of its output."""
+    try:
+        load_tokenizer_from_dir(stage)
+    except MlxinferError as e:
+        reason = str(e).replace(f"{stage}{os.sep}", "")  # the stage folder's name would mean nothing to the user
+        raise ConversionError(f"the tokenizer of '{source}' does not load ({reason}); nothing was written") from None
 
 
 def output_config(source: Source, jobs: list[Job], options: Options) -> dict:

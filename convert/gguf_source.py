@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -16,6 +16,7 @@ import mlx.core as mx
 import numpy as np
 
 from mlxinfer.errors import ConfigError, ConversionError, CorruptCheckpointError, UnsupportedArchitectureError
+from mlxinfer.models.layers import inv_freq, llama3_inv_freq
 
 from .gguf_file import BF16, BLOCK_TYPES, F32, FLOAT_TYPES, Q8_0, GGUFFile, Packed, TensorInfo, gguf_type
 from .gguf_tokenizer import generation_config, tokenizer_config, tokenizer_json
@@ -357,7 +358,7 @@ def hf_config(gguf: GGUFFile, meta: dict[str, Any]) -> dict[str, Any]:
         "mlp_bias": "blk.0.ffn_up.bias" in names,
     }
     rope_dims = get("rope.dimension_count", head_dim)
-    if scaling := _rope_scaling(gguf, meta, config["rope_theta"], rope_dims):
+    if scaling := _rope_scaling(gguf, meta, config["rope_theta"], rope_dims, config["max_position_embeddings"]):
         config["rope_scaling"] = scaling
     if spec.config:
         family = spec.config(get, names)
@@ -372,14 +373,23 @@ def hf_config(gguf: GGUFFile, meta: dict[str, Any]) -> dict[str, Any]:
     return config
 
 
-def _rope_scaling(gguf: GGUFFile, meta: dict[str, Any], theta: float, dims: int) -> dict[str, Any] | None:
+def _rope_scaling(
+    gguf: GGUFFile, meta: dict[str, Any], theta: float, dims: int, context: int
+) -> dict[str, Any] | None:
     """RoPE scaling from the metadata, or from the frequency tensors llama.cpp writes for
     Llama 3 (`rope_freqs`) and Phi-3 LongRoPE (`rope_factors_long/short`)."""
     arch, names = meta["general.architecture"], {t.name: t for t in gguf.tensors}
     if "rope_freqs.weight" in names:
         if arch != "llama":
             raise ConversionError(f"{gguf.path.name}: a rope_freqs tensor in a '{arch}' GGUF is not supported")
-        return llama3_scaling(_vector(gguf, names["rope_freqs.weight"]), meta, theta, dims, gguf.path.name)
+        divisors = _vector(gguf, names["rope_freqs.weight"])
+        if divisors.shape != (dims // 2,) or not np.all(np.isfinite(divisors)) or np.any(divisors <= 0):
+            raise CorruptCheckpointError(
+                f"{gguf.path.name}: tensor 'rope_freqs.weight' should hold {dims // 2} positive numbers (a divisor "
+                f"per rotary frequency), not shape {divisors.shape} with these values; the file is damaged"
+            )
+        original = meta.get(f"{arch}.rope.scaling.original_context_length")
+        return llama3_scaling(divisors, theta, dims, original) or _exact_rope(divisors, context)
     if "rope_factors_long.weight" in names:
         long = names["rope_factors_long.weight"]
         return {
@@ -411,57 +421,73 @@ def _vector(gguf: GGUFFile, info: TensorInfo) -> np.ndarray:
     return np.array(tensor.astype(mx.float32))
 
 
-# Meta's values for Llama 3.1 and 3.2, which llama.cpp's converter also assumes when a config omits them.
-_LLAMA3_DEFAULTS = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+# How closely derived Llama 3 settings must give back a rope_freqs tensor: float32 rounding
+# (llama.cpp computes the divisors from float32 frequencies) and nothing more.
+_LLAMA3_RTOL = 1e-5
 
 
-def llama3_scaling(freqs: np.ndarray, meta: dict[str, Any], theta: float, dims: int, file: str) -> dict[str, Any]:
-    """Llama 3's `rope_scaling` behind a `rope_freqs` tensor (one divisor per rotary frequency).
+def llama3_scaling(divisors: np.ndarray, theta: float, dims: int, original: int | None) -> dict[str, Any] | None:
+    """Llama 3 `rope_scaling` that gives back every divisor of a `rope_freqs` tensor, or None.
 
-    llama.cpp keeps only the divisors, not the four settings that made them. Low and high
-    frequency factors and the original context come from the metadata where present, else
-    Meta's values; the factor is what the lowest frequency implies. The result is accepted
-    only if it reproduces every divisor, so an unusual model is refused, never run wrong."""
-    arch = meta["general.architecture"]
-    keys = {
-        "low_freq_factor": "low_freq_factor",
-        "high_freq_factor": "high_freq_factor",
-        "original_max_position_embeddings": "original_context_length",
+    llama.cpp keeps only the divisors, not the settings that made them; the first candidate
+    that reproduces them all is recorded, so transformers and mlx-lm run the same frequencies."""
+    inv, divisors = inv_freq(theta, dims), divisors.astype(np.float64)
+    for scaling in _llama3_candidates(divisors, inv / (2 * np.pi), original):
+        if np.allclose(inv / llama3_inv_freq(inv, scaling), divisors, rtol=_LLAMA3_RTOL, atol=0):
+            return scaling
+    return None
+
+
+def _llama3_candidates(divisors: np.ndarray, per_wavelength: np.ndarray, original: int | None) -> Iterator[dict]:
+    """Settings that may have made `divisors`. Meta's rule divides frequencies of wavelength
+    beyond original/low by `factor`, keeps those below original/high and blends in between
+    with a weight linear in 1/wavelength. So the factor is the lowest frequency's divisor,
+    and a line through the blended frequencies (two at least) gives the two wavelengths
+    where blending starts and ends. Those fix only the ratios of original, low and high:
+    `original` (the file's, else the one making low_freq_factor 1, as Meta's) picks one of
+    the equivalent settings. Last, Meta's own values, for heads with one blended frequency."""
+    factor = float(divisors[-1])
+    if factor <= 1:
+        return
+    weight = (1 / divisors - 1 / factor) / (1 - 1 / factor)  # 1: unscaled, 0: divided by factor
+    blended = (weight > 1e-6) & (weight < 1 - 1e-6)
+    if blended.sum() >= 2:
+        slope, intercept = np.polyfit(per_wavelength[blended], weight[blended], 1)
+        if slope > 0 and intercept < 0:
+            starts, ends = -intercept / slope, (1 - intercept) / slope  # 1/wavelength at weight 0 and 1
+            context = original or max(1, round(1 / starts))
+            for snap in (lambda x: float(f"{x:.5g}"), float):  # Meta's round numbers where they fit
+                yield {
+                    "rope_type": "llama3",
+                    "factor": snap(factor),
+                    "low_freq_factor": snap(context * starts),
+                    "high_freq_factor": snap(context * ends),
+                    "original_max_position_embeddings": context,
+                }
+    yield {
+        "rope_type": "llama3",
+        "factor": factor,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": original or 8192,
     }
-    scaling = {"rope_type": "llama3"}
-    scaling.update({hf: meta.get(f"{arch}.rope.scaling.{key}", _LLAMA3_DEFAULTS[hf]) for hf, key in keys.items()})
-    if freqs.shape != (dims // 2,) or not np.all(np.isfinite(freqs)) or np.any(freqs <= 0):
-        raise ConversionError(
-            f"{file}: rope_freqs has shape {freqs.shape} or values unlike Llama 3's for {dims} rotary dims"
-        )
-    factor = meta.get(f"{arch}.rope.scaling.factor")
-    if factor is None:
-        smooth = float(np.clip(_llama3_smooth(theta, dims, scaling)[-1], 0.0, 1.0))
-        # The lowest frequency's divisor d solves 1/d = (1 - s) / factor + s for the factor.
-        factor = 1.0 if smooth == 1 else (1 - smooth) / (1 / float(freqs[-1]) - smooth)
-    scaling["factor"] = float(factor)
-    expected = llama3_divisors(theta, dims, scaling)
-    if not np.allclose(freqs, expected, rtol=1e-4, atol=0):
-        worst = int(np.argmax(np.abs(freqs - expected) / expected))
-        raise ConversionError(
-            f"{file}: the rope_freqs tensor does not match Llama 3 rope scaling (frequency {worst} divided by "
-            f"{freqs[worst]:.6g}, the derived settings give {expected[worst]:.6g}); convert the original checkpoint"
-        )
-    return scaling
 
 
-def _llama3_smooth(theta: float, dims: int, scaling: dict[str, Any]) -> np.ndarray:
-    """Llama 3's interpolation weight per frequency: <= 0 fully scaled, >= 1 untouched."""
-    inv = theta ** -(np.arange(0, dims, 2, dtype=np.float64) / dims)
-    wavelen = 2 * np.pi / inv
-    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
-    return (scaling["original_max_position_embeddings"] / wavelen - low) / (high - low)
+def _exact_rope(divisors: np.ndarray, context: int) -> dict[str, Any]:
+    """Per-frequency divisors no Llama 3 setting gives back, kept exactly as the file has them.
 
-
-def llama3_divisors(theta: float, dims: int, scaling: dict[str, Any]) -> np.ndarray:
-    """What each rotary frequency is divided by under Llama 3 scaling (Meta's formula)."""
-    smooth = np.clip(_llama3_smooth(theta, dims, scaling), 0.0, 1.0)
-    return 1 / ((1 - smooth) / scaling["factor"] + smooth)
+    LongRoPE with equal short and long factors and attention factor 1 means precisely "divide
+    frequency i by divisors[i]" at every length, and transformers, mlx-lm and our loader all
+    read it that way, so the folder runs the GGUF's own frequencies in each of them."""
+    factors = [float(d) for d in divisors]
+    return {
+        "rope_type": "longrope",
+        "factor": 1.0,
+        "attention_factor": 1.0,
+        "original_max_position_embeddings": context,
+        "short_factor": factors,
+        "long_factor": factors,
+    }
 
 
 def _positive_int(v: Any) -> bool:
@@ -504,8 +530,7 @@ ARCH_KEYS: dict[str, tuple[Callable[[Any], bool], str]] = {
     **dict.fromkeys(
         (
             "attention.layer_norm_rms_epsilon", "rope.freq_base", "rope.scaling.factor", "attn_logit_softcapping",
-            "final_logit_softcapping", "rope.scaling.low_freq_factor", "rope.scaling.high_freq_factor",
-            "expert_weights_scale",
+            "final_logit_softcapping", "expert_weights_scale",
         ),
         _NUMBER,
     ),

@@ -17,6 +17,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from mlxinfer.errors import ConversionError
+from mlxinfer.files import checkpoint_file
 from mlxinfer.loading import (
     TOKENIZER_FILES,
     _quant_params,
@@ -141,7 +142,8 @@ def _folder_dtype(config: dict[str, Any], shapes: dict[str, mx.array]) -> mx.Dty
 
 
 def copy_tokenizer_files(folder: Path, out: Path) -> None:
-    """The tokenizer, chat template and generation settings, as mlx-lm's converter copies them."""
+    """The tokenizer, chat template and generation settings, as mlx-lm's converter copies them;
+    a link out of the folder is refused (`checkpoint_file`), never copied into the output."""
     for name in TOKENIZER_FILES:
-        if name != "config.json" and (folder / name).is_file():
-            shutil.copyfile(folder / name, out / name)
+        if name != "config.json" and (file := checkpoint_file(folder, name)) is not None:
+            shutil.copyfile(file, out / name)

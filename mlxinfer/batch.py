@@ -28,13 +28,13 @@ import mlx.core as mx
 from .cache import PromptCache, run_rows
 from .checks import integer
 from .constrain import Constraint, masked
-from .decode import Stats, Token, chosen_logprobs
+from .decode import Stats, Token, chosen_logprobs, drawn
 from .errors import InvalidOptionError
 from .generate import (Chunk, GenerationOptions, Prompt, TextStream, check_context, context_limit,
                        constraint_for, generation_stream, read_tool_calls, request_tokens, split_options,
                        token_source, tool_plan, wired_limit)
 from .pool import PromptCachePool
-from .sample import Sampler
+from .sample import Sampler, SamplingConfig, greedy
 from .speculative import SpeculativeDecoder
 from .tools import ToolPlan
 from .tokenizer import Tokenizer
@@ -43,6 +43,17 @@ CACHE_OPTIONS = ("max_kv_size", "kv_bits", "kv_group_size")
 # Most tokens one engine step decodes speculatively, so a new request waits at most this long to be admitted.
 SPECULATIVE_BURST = 16
 SHARED = "speculative decoding paused while other sequences were decoded in the same batch"
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A request ready for the engine (`BatchGenerator.prepare`): its prompt ids and checked options."""
+
+    ids: list[int]
+    sampling: SamplingConfig
+    options: GenerationOptions
+    tools: ToolPlan | None
+    constraint: Constraint | None  # a fresh matcher for its format or tool calls (built here: it can be slow)
 
 
 @dataclass(eq=False)
@@ -141,13 +152,26 @@ class BatchGenerator:
     def submit(self, prompt: Prompt, **options: Any) -> int:
         """Queue a sequence (a string, token ids or chat messages) with its own options
         (those of `stream_generate`); returns its uid. Bad options fail here."""
+        return self.enqueue(self.prepare(prompt, **options))
+
+    def prepare(self, prompt: Prompt, **options: Any) -> Prepared:
+        """Everything about a request that does not need the engine: options checked, the
+        prompt rendered and tokenized, its grammar compiled, its context checked. Touches no
+        engine state, so a server runs it on another thread: work that grows with a request's
+        size never stalls the sequences being decoded."""
         sampling, o = split_options({**self.defaults, **options}, self.model.config.vocab_size)
         tools = tool_plan(o, self.tokenizer)
         ids = request_tokens(self.tokenizer, prompt, self.model.config.vocab_size, tools)
         check_context(self.model, PromptCache.for_model(self.model, **_cache_options(o)), len(ids))
+        return Prepared(ids, sampling, o, tools, constraint_for(o, self.tokenizer, self.model.config.vocab_size, tools))
+
+    def enqueue(self, prepared: Prepared) -> int:
+        """Queue a prepared request (`prepare`); returns its uid."""
         uid = next(self._uids)
-        stats = Stats(prompt_tokens=len(ids))
-        self._waiting.append(_Sequence(uid, ids, o, Sampler(sampling, ids), stats, time.perf_counter(), tools=tools))
+        p = prepared
+        self._waiting.append(_Sequence(uid, p.ids, p.options, Sampler(p.sampling, p.ids),
+                                       Stats(prompt_tokens=len(p.ids)), time.perf_counter(), tools=p.tools,
+                                       constraint=p.constraint))
         self._known.add(uid)
         return uid
 
@@ -216,6 +240,7 @@ class BatchGenerator:
         the batched step also moves the sequence's constraint on (a speculative burst
         moves it itself)."""
         try:
+            drawn(token.id)
             if batched and s.constraint is not None:
                 s.constraint.accept(token.id)
             chunk = self._text_of(s, token)
@@ -286,7 +311,6 @@ class BatchGenerator:
         s.todo = s.cache.prepare(s.prompt)
         s.stats.prefill_tokens = len(s.todo)
         o = s.options
-        s.constraint = constraint_for(o, self.tokenizer, self.model.config.vocab_size, s.tools)
         if o.draft_model is not None or o.prompt_lookup:  # its own draft cache, never one shared by sequences
             s.speculative = token_source(self.model, s.cache, s.sampler, s.todo[-1], limit,
                                          replace(o, draft_cache=None), s.stats, s.constraint)
@@ -345,7 +369,7 @@ class BatchGenerator:
             logits = mx.concatenate([masked(logits[i : i + 1], s.constraint.mask()) if s.constraint is not None
                                      else logits[i : i + 1] for i, s in enumerate(members)])
         if all(s.sampler.argmax_only for s in members):  # one op for the batch, same argmax per row
-            tokens = logits.argmax(axis=-1)
+            tokens = greedy(logits)
         else:
             tokens = mx.concatenate([s.sampler(logits[i : i + 1]) for i, s in enumerate(members)])
         chosen, logprobs = chosen_logprobs(logits, tokens)

@@ -466,13 +466,20 @@ def bench(model_argument, model, dtype, prompt_tokens, gen_tokens, repeat, max_k
 @click.option("--prompt-lookup", is_flag=True, help="Draft tokens by copying from the context while one request runs.")
 @click.option("--api-key", help="Require 'Authorization: Bearer KEY' on /v1 requests.")
 @click.option("--cors", "cors", help="Allow browser requests from this origin.")
+@click.option("--allowed-host", "allowed_host", multiple=True, metavar="NAME",
+              help="Also answer requests whose Host header names NAME (repeatable; '*': any). Loopback names and "
+                   "the --host address are always allowed.")
+@click.option("--max-connections", type=click.IntRange(8), default=128, show_default=True,
+              help="Open connections at most (fewer when the descriptor limit is lower); past it the longest-idle "
+                   "one is closed.")
 @PIPELINE_OPTION
 def serve(model, dtype, host, port, max_concurrency, max_queue, max_kv_size, kv_bits, prompt_cache_bytes,
-          draft_model, prompt_lookup, api_key, cors, pipeline) -> None:
+          draft_model, prompt_lookup, api_key, cors, allowed_host, max_connections, pipeline) -> None:
     """Serve the model over OpenAI's HTTP API (chat and text completions, streaming).
     Concurrent requests are decoded together; Ctrl-C stops after the requests in flight."""
     from .batch import BatchGenerator
     from .pool import PromptCachePool, cache_nbytes
+    from .guard import allowed_hosts
     from .server import EngineThread, ServerConfig, create_app, follow, run
     from .shard import launched, summed, world
     from .shard import summary as shard_summary
@@ -501,11 +508,12 @@ def serve(model, dtype, host, port, max_concurrency, max_queue, max_kv_size, kv_
         return
     engine = EngineThread(batch, max_queued=max_queue, relay=relay)
     name = model_name(where)
-    config = ServerConfig(name, max_tokens=m.config.max_position_embeddings, api_key=api_key, cors=cors)
+    config = ServerConfig(name, max_tokens=m.config.max_position_embeddings, api_key=api_key, cors=cors,
+                          hosts=allowed_hosts(host, allowed_host))
     split = shard_summary(m)
     click.echo(f"serving {name} at http://{host}:{port}/v1 (Ctrl-C stops)" + (f" [{split}]" if split else ""),
                err=True)
-    run(create_app(engine, tokenizer, config), engine, host, port)
+    run(create_app(engine, tokenizer, config), engine, host, port, max_connections)
 
 
 def check_free(host: str, port: int) -> None:

@@ -19,7 +19,8 @@ import mlx.core as mx
 
 from .cache import PromptCache
 from .constrain import Constraint, masked
-from .sample import Sampler
+from .errors import SamplingError
+from .sample import NO_TOKEN, Sampler, finite
 
 
 @dataclass
@@ -76,9 +77,21 @@ class TokenSource(Protocol):
 def chosen_logprobs(logits: mx.array, tokens: mx.array) -> tuple[mx.array, mx.array]:
     """Log-probabilities [B] of `tokens` [B] under `logits` [B, V], and the whole rows
     [B, V] — lazily: the rows cost a pass over the vocabulary and are evaluated only
-    when someone reads them (top-k logprobs)."""
-    lse = mx.logsumexp(logits, axis=-1, keepdims=True)
-    return mx.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0] - lse[:, 0], logits - lse
+    when someone reads them (top-k logprobs). The logits are read as the sampler reads
+    them (`finite`), so a drawn token's log-probability is finite; masked-out tokens
+    are -inf in the rows."""
+    logits = finite(logits)
+    rows = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    return mx.take_along_axis(rows, mx.maximum(tokens, 0)[:, None], axis=-1)[:, 0], rows
+
+
+def drawn(token: int) -> int:
+    """A token id as a sampler drew it; `NO_TOKEN` (the step's distribution was empty) is
+    raised as the error that ends the sequence, so it never reaches a tokenizer or grammar."""
+    if token == NO_TOKEN:
+        raise SamplingError("the sampling distribution is empty: every token's logit is -inf or NaN (the model's "
+                            "logits overflowed, or the response format allows no token); the sequence ends here")
+    return token
 
 
 @dataclass
@@ -115,7 +128,7 @@ class PlainDecoder:
             if i + 1 < self.count:
                 nxt = self._step(step.token)
                 mx.async_eval(nxt.token, nxt.logprob)
-            yield Token(int(step.token.item()), step.logprob.item(), step.logprobs[0])
+            yield Token(drawn(step.token.item()), step.logprob.item(), step.logprobs[0])
             if nxt is None:
                 return
             step = nxt
@@ -145,6 +158,6 @@ class ConstrainedDecoder:
             if i + 1 < self.count:  # the next pass needs this token's value only once it runs
                 logits = self.cache.run(self.model, token)[-1:]
                 mx.async_eval(logits)
-            self.last = int(token.item())
+            self.last = drawn(token.item())
             self.constraint.accept(self.last)
             yield Token(self.last, chosen.item(), logprobs[0])

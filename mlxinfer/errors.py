@@ -39,3 +39,7 @@ class ConversionError(MlxinferError):
 
 class SessionFileError(MlxinferError):
     """A saved chat session that cannot be written or read back."""
+
+
+class SamplingError(MlxinferError):
+    """A step with nothing to draw from: every logit -inf or NaN (it ends that sequence)."""

@@ -6,9 +6,11 @@ same way: streaming detokenizer, stop strings, EOS, limits and timing stats."""
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import functools
+import math
 import time
 import warnings
 from dataclasses import dataclass, fields
@@ -29,6 +31,10 @@ from .speculative import LOOKUP_DRAFT, MODEL_DRAFT, SpeculativeDecoder, make_dra
 from .tokenizer import Tokenizer
 
 Prompt = str | Sequence[int] | Sequence[dict]
+# Stop strings are markers ("</answer>", "\nUser:"): OpenAI takes 4 of them. Matching costs
+# nothing per stop, but text that may begin one is held back from the stream, so a stop's
+# length is how far streaming can lag; 16 stops of 1,000 characters are generous for both.
+MAX_STOPS, MAX_STOP_CHARS = 16, 1000
 
 
 @dataclass
@@ -68,6 +74,12 @@ class GenerationOptions:
         integer("max_tokens", self.max_tokens, 0)
         if not isinstance(self.stop, tuple) or not all(isinstance(s, str) and s for s in self.stop):
             raise InvalidOptionError(f"stop must be a list of non-empty strings, got {self.stop!r}")
+        if len(self.stop) > MAX_STOPS:
+            raise InvalidOptionError(f"stop holds {len(self.stop)} strings; at most {MAX_STOPS} are allowed")
+        longest = max(self.stop, key=len, default="")
+        if len(longest) > MAX_STOP_CHARS:
+            raise InvalidOptionError(f"a stop string has {len(longest)} characters; at most {MAX_STOP_CHARS} are "
+                                     "allowed")
         flag("ignore_eos", self.ignore_eos)
         if self.max_kv_size is not None:
             integer("max_kv_size", self.max_kv_size, 2)
@@ -170,29 +182,110 @@ def generation_stream() -> mx.Stream:
 
 class StopMatcher:
     """Holds back text that might be the start of a stop string, so neither a
-    stop string nor a prefix of one that turns out to be one is ever emitted."""
+    stop string nor a prefix of one that turns out to be one is ever emitted.
+
+    The text so far is the concatenation of every push; a push that completes a
+    stop string emits the text before the earliest-starting one and drops the rest.
+    An Aho-Corasick automaton over the (non-empty) stop strings reads each character
+    once, whatever their number and length: its state is the longest suffix of the
+    text that is a prefix of some stop, which is exactly what must be held back.
+    Reading n characters costs at most 2n moves (`moves` counts them), so a push
+    costs what it brings, not what is held back or how long the stops are."""
 
     def __init__(self, stops: Sequence[str]):
         self.stops = list(stops)
-        self.pending = ""
+        self._goto: list[dict[str, int]] = [{}]  # trie edges; node 0 is the empty prefix
+        self._depth = [0]  # each node's prefix length
+        self._ends = [0]  # length of the longest stop that ends the node's prefix (0: none)
+        for stop in self.stops:
+            self._insert(stop)
+        self._fail = self._failure_links()
+        self._longest = max((len(s) for s in self.stops), default=0)
+        self._state = 0
+        self._held: collections.deque[str] = collections.deque()  # the last `_depth[_state]` characters read,
+        self._skip = 0  # in pieces, less the first `_skip` characters of the first piece (already released)
+        self.moves = 0
+
+    def _insert(self, stop: str) -> None:
+        node = 0
+        for ch in stop:
+            nxt = self._goto[node].get(ch)
+            if nxt is None:
+                nxt = self._goto[node][ch] = len(self._goto)
+                self._goto.append({})
+                self._depth.append(self._depth[node] + 1)
+                self._ends.append(0)
+            node = nxt
+        self._ends[node] = len(stop)
+
+    def _failure_links(self) -> list[int]:
+        """Each node's longest proper suffix that is also a node, breadth first; a node's
+        `_ends` also takes the stops that end its suffixes."""
+        fail = [0] * len(self._goto)
+        queue = collections.deque(self._goto[0].values())
+        while queue:
+            node = queue.popleft()
+            for ch, child in self._goto[node].items():
+                link = fail[node]
+                while link and ch not in self._goto[link]:
+                    link = fail[link]
+                fail[child] = self._goto[link].get(ch, 0)
+                self._ends[child] = self._ends[child] or self._ends[fail[child]]
+                queue.append(child)
+        return fail
+
+    def _step(self, state: int, ch: str) -> int:
+        goto, fail = self._goto, self._fail
+        while True:
+            self.moves += 1
+            nxt = goto[state].get(ch)
+            if nxt is not None:
+                return nxt
+            if not state:
+                return 0
+            state = fail[state]
 
     def push(self, text: str) -> tuple[str, bool]:
         """Returns (text safe to emit, whether a stop string was hit)."""
-        self.pending += text
         if not self.stops:
-            out, self.pending = self.pending, ""
-            return out, False
-        hits = [i for i in (self.pending.find(s) for s in self.stops) if i >= 0]
-        if hits:
-            out, self.pending = self.pending[: min(hits)], ""
+            return self.flush() + text, False
+        held = self._depth[self._state]
+        state, first = self._state, None  # first: where the earliest-starting stop found so far starts
+        for i, ch in enumerate(text):
+            state = self._step(state, ch)
+            if self._ends[state]:
+                start = i + 1 - self._ends[state]
+                first = start if first is None else min(first, start)
+            if first is not None and i + 1 - first >= self._longest:
+                break  # a stop ending later would be longer than the longest to start before `first`
+        if first is not None:  # `first` counts from the start of `text`; negative reaches into the held text
+            out = self._release(held + first) if first < 0 else self.flush() + text[:first]
+            self._held.clear()
+            self._skip = self._state = 0
             return out, True
-        hold = max((n for s in self.stops for n in range(1, len(s)) if self.pending.endswith(s[:n])), default=0)
-        cut = len(self.pending) - hold
-        out, self.pending = self.pending[:cut], self.pending[cut:]
-        return out, False
+        self._state = state
+        if text:
+            self._held.append(text)
+        return self._release(held + len(text) - self._depth[state]), False
+
+    def _release(self, n: int) -> str:
+        """The first n held characters (the rest may still begin a stop); a piece released
+        in parts is sliced, never copied whole again."""
+        out = []
+        while n:
+            piece = self._held[0]
+            take = min(n, len(piece) - self._skip)
+            out.append(piece[self._skip : self._skip + take])
+            self._skip += take
+            n -= take
+            if self._skip == len(piece):
+                self._held.popleft()
+                self._skip = 0
+        return "".join(out)
 
     def flush(self) -> str:
-        out, self.pending = self.pending, ""
+        out = self._release(self._depth[self._state])
+        self._state = 0
         return out
 
 
@@ -204,11 +297,13 @@ def context_limit(model, cache: PromptCache, n_prompt: int, max_tokens: int) -> 
 
 
 def top_logprobs(logprobs: mx.array, k: int) -> list[tuple[int, float]] | None:
-    """The `k` most likely tokens of a step and their log-probabilities (None for k = 0)."""
+    """The `k` most likely tokens of a step and their log-probabilities (None for k = 0).
+    Tokens that could not be drawn (-inf: masked out by a response format) are no
+    alternatives, and no JSON can carry their -inf: with fewer legal tokens, fewer entries."""
     if not k:
         return None
     best = mx.argsort(-logprobs)[:k]
-    return list(zip(best.tolist(), logprobs[best].tolist()))
+    return [(t, lp) for t, lp in zip(best.tolist(), logprobs[best].tolist()) if math.isfinite(lp)]
 
 
 class TextStream:

@@ -153,9 +153,20 @@ def _sharding_text(s: dict[str, Any]) -> str:
     ranks = ", ".join(f"rank {r}: {size(b)}" + (f" ({n} layers)" if s["mode"] == "pipeline" else "")
                       for r, (b, n) in enumerate(zip(s["weight_bytes"], s["layers"])))
     how = ("pipeline (each rank runs a run of layers and hands the hidden state on)" if s["mode"] == "pipeline" else
-           f"tensor-parallel ({s['heads_here']} query heads per rank, and their share of every matrix)")
+           f"tensor-parallel ({s['heads_here']} query heads per rank and their share of every matrix"
+           f"{_kv_split_text(s['kv_heads'])})")
     return (f"0. Sharding: {s['ranks']} ranks, {how}; weights {ranks}; {size(s['sent_per_token'])} sent per token "
             f"by each rank. What follows is rank {s['rank']}'s part.")
+
+
+def _kv_split_text(kv: dict[str, int] | None) -> str:
+    """How the KV heads (and their cache) sit on the ranks: split, or copied when fewer than the ranks."""
+    if kv is None:
+        return ""
+    if kv["replicas"] > 1:
+        each = "each " if kv["total"] > 1 else ""
+        return f"; KV heads: {kv['total']}, {each}replicated on {kv['replicas']} ranks"
+    return f"; KV heads: {kv['total']}, {kv['here']} per rank"
 
 
 def _tokens_text(tokens: list[dict[str, Any]], width: int) -> str:

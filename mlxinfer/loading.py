@@ -14,6 +14,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from .errors import ConfigError, CorruptCheckpointError, InvalidOptionError, ModelNotFoundError
+from .files import checkpoint_file, read_checkpoint_file
 from .models import CausalLM, build_model
 from .models.layers import fuse_projections
 from .shard import (Shard, Stage, check_same_model, layer_ranges, layer_sizes, materialize, shard_config,
@@ -71,14 +72,13 @@ def _download(repo_id: str, revision: str | None, patterns: list[str]) -> Path:
 def read_config(path: Path) -> dict[str, Any]:
     """config.json as a dict whose known keys are checked (`check_config`), errors naming the file."""
     file = path / "config.json"
-    if not file.is_file():
+    raw = read_checkpoint_file(path, file.name)
+    if raw is None:
         raise ModelNotFoundError(f"no config.json in '{path}'; is this a model folder?")
     try:
-        data = json.loads(file.read_text(encoding="utf-8"))
+        data = json.loads(raw.decode("utf-8"))
     except (ValueError, RecursionError) as e:  # JSONDecodeError, UnicodeDecodeError, too-long integers
         raise ConfigError(f"{file} is not valid JSON ({e})") from None
-    except OSError as e:
-        raise ConfigError(f"cannot read {file} ({e.strerror or e})") from None
     return check_config(data, str(file))
 
 
@@ -86,22 +86,20 @@ def weight_files(path: Path) -> list[Path]:
     """The safetensors files of a checkpoint, as its index lists them when it has one; every one
     inside the folder (an index or a link must not make us read files elsewhere)."""
     index = path / "model.safetensors.index.json"
-    if index.is_file():
-        names = _index_shards(index)
-        missing = [n for n in names if not (path / n).is_file()]
+    raw = read_checkpoint_file(path, index.name)
+    if raw is not None:
+        names = _index_shards(index, raw)
+        listed = [checkpoint_file(path, n) for n in names]
+        missing = [n for n, f in zip(names, listed) if f is None]
         if missing:
             raise CorruptCheckpointError(
                 f"shard '{missing[0]}' listed in {index.name} is missing from '{path}'; re-download the checkpoint"
             )
-        files = [path / n for n in names]
+        files = [f for f in listed if f is not None]
     else:
-        files = sorted(path.glob("model*.safetensors")) or sorted(path.glob("*.safetensors"))
+        found = sorted(path.glob("model*.safetensors")) or sorted(path.glob("*.safetensors"))
+        files = [f for f in (checkpoint_file(path, p.name) for p in found) if f is not None]
     if files:
-        outside = [f for f in files if not _inside(path, f)]
-        if outside:
-            raise CorruptCheckpointError(
-                f"weights file '{outside[0].name}' in '{path}' links outside the model folder; refusing to read it"
-            )
         return files
     pickles = sorted(p.name for p in path.iterdir() if p.suffix in PICKLE_SUFFIXES)
     if pickles:
@@ -112,11 +110,12 @@ def weight_files(path: Path) -> list[Path]:
     raise CorruptCheckpointError(f"no .safetensors weights in '{path}'")
 
 
-def _index_shards(index: Path) -> list[str]:
-    """The shard names in a `model.safetensors.index.json`: plain .safetensors names inside its folder."""
+def _index_shards(index: Path, raw: bytes) -> list[str]:
+    """The shard names in a `model.safetensors.index.json` (`raw`, its bytes): plain .safetensors
+    names inside its folder."""
     try:
-        data = json.loads(index.read_text(encoding="utf-8"))
-    except (OSError, ValueError, RecursionError) as e:
+        data = json.loads(raw.decode("utf-8"))
+    except (ValueError, RecursionError) as e:
         raise CorruptCheckpointError(f"cannot read {index} ({e}); re-download the checkpoint") from None
     weight_map = data.get("weight_map") if isinstance(data, dict) else None
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
@@ -132,16 +131,6 @@ def _index_shards(index: Path) -> list[str]:
                 "refusing to read it"
             )
     return names
-
-
-def _inside(folder: Path, file: Path) -> bool:
-    """Whether `file`, links followed, is in `folder` or, for a Hugging Face cache snapshot
-    (whose files link into the repo's `blobs`), in that repo's blobs."""
-    target = file.resolve()
-    homes = [folder.resolve()]
-    if folder.parent.name == "snapshots":
-        homes.append((folder.parent.parent / "blobs").resolve())
-    return any(target.is_relative_to(home) for home in homes)
 
 
 # safetensors dtypes and their element sizes in bytes (the format's spec); others are refused.
@@ -336,7 +325,7 @@ def load_model(path: Path, dtype: str | mx.Dtype | None = None, shard: str | Non
     weights = model.sanitize(weights)
     if place is not None and shard == "tensor":
         shrink_vocab(model, place)
-        weights = shard_weights(weights, place, config.get("quantization"))
+        weights = shard_weights(weights, place, config)
     elif place is not None:
         mine = layer_ranges(layer_sizes(weights, len(model.layers)), place.size)[place.rank]
         model.model.layers = model.model.layers[mine.start : mine.stop]

@@ -9,6 +9,8 @@ the engine's `Chunk`s into OpenAI's objects, streamed or whole.
 from __future__ import annotations
 
 import json
+import math
+import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -34,8 +36,16 @@ class RequestError(Exception):
         return {"error": {"message": str(self), "type": self.kind, "param": self.param, "code": None}}
 
 
+# Deepest nesting of a request body (a JSON Schema inside response_format included).
+MAX_BODY_DEPTH = 128
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
 class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    """Unknown fields refused, and no coercion: `temperature: true` or `max_tokens: "4"` is
+    a 400 naming the field, as OpenAI's own API answers, not a guess at what was meant."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class StreamOptions(Strict):
@@ -91,7 +101,7 @@ class Completion(Strict):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
-    logit_bias: dict[int, float] | None = None
+    logit_bias: dict[str, float] | None = None  # token id (a JSON key, so a string) -> bias
     response_format: dict[str, Any] | None = None  # checked by the engine (`constrain.response_format`)
     n: int | None = Field(None, ge=1)
     stream: bool = False
@@ -109,8 +119,10 @@ class Completion(Strict):
         if (self.n or 1) != 1:
             raise RequestError("only n=1 is supported: send one request per completion", "n")
         fields = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
-                  "repetition_penalty", "logit_bias", "response_format")
+                  "repetition_penalty", "response_format")
         options = {k: getattr(self, k) for k in fields if getattr(self, k) is not None}
+        if self.logit_bias is not None:
+            options["logit_bias"] = token_keys(self.logit_bias)
         limit = self.limit()
         options["max_tokens"] = default_max_tokens if limit is None else limit
         if self.stop:
@@ -134,6 +146,8 @@ class ChatCompletion(Completion):
     parallel_tool_calls: bool | None = None
 
     def options(self, default_max_tokens: int) -> dict[str, Any]:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise RequestError("top_logprobs needs logprobs: true", "top_logprobs")
         if self.parallel_tool_calls is False:
             raise RequestError("parallel_tool_calls=false is not supported: a reply may hold several calls",
                                "parallel_tool_calls")
@@ -175,12 +189,66 @@ class TextCompletion(Completion):
         return p
 
 
+def token_keys(bias: dict[str, float]) -> dict[int, float]:
+    """logit_bias's keys (JSON strings) as token ids."""
+    for key in bias:
+        if not (key.isascii() and key.isdigit()) or len(key) > 12:
+            raise RequestError(f"logit_bias keys must be token ids (non-negative integers), got {key[:40]!r}",
+                               "logit_bias")
+    return {int(k): v for k, v in bias.items()}
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON value")
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"the number {text[:40]} is out of range")
+    return value
+
+
+def load_json(raw: bytes) -> Any:
+    """Strict JSON (no NaN or Infinity, no number that overflows), nested at most
+    MAX_BODY_DEPTH deep, every string valid Unicode; anything else a 400 saying what is wrong."""
+    try:
+        data = json.loads(raw, parse_constant=_no_constant, parse_float=_finite)
+    except RecursionError:
+        raise RequestError(f"the request body is nested too deeply (the limit is {MAX_BODY_DEPTH})") from None
+    except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError, an integer of too many digits, bad bytes
+        raise RequestError(f"the request body is not valid JSON ({' '.join(str(e).split())[:200]})") from None
+    _check_tree(data)
+    return data
+
+
+def _check_tree(data: Any) -> None:
+    """Depth and strings of a parsed body, without recursion (a deep body must not overflow us)."""
+    stack: list[tuple[Any, tuple, int]] = [(data, (), 0)]
+    while stack:
+        value, path, depth = stack.pop()
+        if depth > MAX_BODY_DEPTH:
+            raise RequestError(f"the request body is nested over {MAX_BODY_DEPTH} deep; the limit is {MAX_BODY_DEPTH}",
+                               _dotted(path[:4]))
+        if isinstance(value, dict):
+            for key, item in value.items():
+                if _SURROGATE.search(key):
+                    raise RequestError("a key holds an unpaired UTF-16 surrogate (not valid Unicode)", _dotted(path))
+                stack.append((item, (*path, key), depth + 1))
+        elif isinstance(value, list):
+            stack.extend((item, (*path, i), depth + 1) for i, item in enumerate(value))
+        elif isinstance(value, str) and _SURROGATE.search(value):
+            raise RequestError(f"{_dotted(path) or 'the body'} holds an unpaired UTF-16 surrogate (not valid "
+                               "Unicode); send UTF-8 text", _dotted(path))
+
+
+def _dotted(path: tuple) -> str | None:
+    return ".".join(str(p) for p in path) or None
+
+
 def parse(raw: bytes, kind: type[Completion]) -> Completion:
     """A request body as `kind`, or a RequestError naming the first field at fault."""
-    try:
-        data = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise RequestError(f"the request body is not valid JSON ({e})") from None
+    data = load_json(raw)
     if not isinstance(data, dict):
         raise RequestError("the request body must be a JSON object")
     try:

@@ -4,6 +4,11 @@ Each filter maps logits [B, V] to logits with excluded tokens at -inf, so they
 compose in any order and the distribution after filtering is simply softmax.
 Order (as transformers applies them): penalties and bias, temperature, top-k,
 top-p, min-p.
+
+Every option is bounded where float32 would overflow (see `SamplingConfig`), and
+rows that are not finite anyway (the model's own logits) are drawn from as
+`kernels.sampling.finite` reads them: a row with nothing to draw from gives
+`NO_TOKEN`, which the token sources turn into an error for that sequence.
 """
 
 from __future__ import annotations
@@ -16,12 +21,19 @@ import mlx.core as mx
 from . import kernels
 from .checks import integer, number, token_ids
 from .errors import InvalidOptionError
-from .kernels.sampling import Filter, SamplingParams, warp_chain
+from .kernels.sampling import NO_TOKEN, Filter, SamplingParams, empty_rows, finite, warp_chain
 
 SEED_MAX = 2**64 - 1  # mx.random.key takes an unsigned 64-bit seed
-# Logits divided by a smaller temperature overflow float32 to inf, and the draw turns to NaN;
-# a temperature this low already picks the argmax, so ask for 0 instead.
-MIN_TEMPERATURE = 1e-6
+# A temperature this low already picks the argmax (ask for 0 instead); at the maximum a model's
+# logits, which span tens, are nearly flat already (OpenAI allows 0..2).
+MIN_TEMPERATURE, MAX_TEMPERATURE = 1e-6, 100.0
+# OpenAI's ranges: presence and frequency penalties in [-2, 2]; at most 300 biases, each in
+# [-100, 100] (-100 already bans a token, +100 forces it).
+PENALTY_LIMIT = 2.0
+LOGIT_BIAS_LIMIT, LOGIT_BIAS_ENTRIES = 100.0, 300
+# Repetition multiplies or divides a seen token's logit: CTRL uses 1.2, llama.cpp defaults to
+# 1.1; a factor past 100 either way only amplifies float32 logits towards overflow.
+REPETITION_RANGE = (0.01, 100.0)
 
 
 @dataclass(frozen=True)
@@ -40,22 +52,28 @@ class SamplingConfig:
     def __post_init__(self) -> None:
         """Types and ranges, so a bad value fails here and not inside MLX (token ids in
         `logit_bias` need the model's vocabulary: `check_vocab`)."""
-        number("temperature", self.temperature, f"0 (greedy) or >= {MIN_TEMPERATURE}",
-               lambda x: x == 0 or x >= MIN_TEMPERATURE)
+        number("temperature", self.temperature, f"0 (greedy) or in [{MIN_TEMPERATURE:g}, {MAX_TEMPERATURE:g}]",
+               lambda x: x == 0 or MIN_TEMPERATURE <= x <= MAX_TEMPERATURE)
         number("top_p", self.top_p, "in (0, 1]", lambda x: 0 < x <= 1)
         integer("top_k", self.top_k, 0)
         number("min_p", self.min_p, "in [0, 1)", lambda x: 0 <= x < 1)
-        number("repetition_penalty", self.repetition_penalty, "> 0", lambda x: x > 0)
-        number("presence_penalty", self.presence_penalty)
-        number("frequency_penalty", self.frequency_penalty)
+        low, high = REPETITION_RANGE
+        number("repetition_penalty", self.repetition_penalty, f"in [{low:g}, {high:g}]", lambda x: low <= x <= high)
+        for name in ("presence_penalty", "frequency_penalty"):
+            number(name, getattr(self, name), f"in [{-PENALTY_LIMIT:g}, {PENALTY_LIMIT:g}]",
+                   lambda x: abs(x) <= PENALTY_LIMIT)
         integer("penalty_window", self.penalty_window, 1)
         if self.seed is not None:
             integer("seed", self.seed, 0, SEED_MAX)
         if not isinstance(self.logit_bias, dict):
             raise InvalidOptionError(f"logit_bias must map token ids to biases, got {self.logit_bias!r}")
+        if len(self.logit_bias) > LOGIT_BIAS_ENTRIES:
+            raise InvalidOptionError(f"logit_bias has {len(self.logit_bias)} entries; at most {LOGIT_BIAS_ENTRIES} "
+                                     "are allowed")
         for token, bias in self.logit_bias.items():
             integer("a logit_bias key (a token id)", token, 0)
-            number(f"logit_bias[{token}]", bias)
+            number(f"logit_bias[{token}]", bias, f"in [{-LOGIT_BIAS_LIMIT:g}, {LOGIT_BIAS_LIMIT:g}]",
+                   lambda x: abs(x) <= LOGIT_BIAS_LIMIT)
 
     def check_vocab(self, vocab_size: int) -> None:
         """Every `logit_bias` key is a token id of a model with `vocab_size` tokens."""
@@ -113,11 +131,6 @@ def warpers(config: SamplingConfig) -> list[Filter]:
     return [] if config.greedy else warp_chain(config.warp)
 
 
-def filters(config: SamplingConfig, history: mx.array | None = None) -> list[Filter]:
-    """The whole filter chain a config implies, for the given recent-token history."""
-    return adjustments(config, history) + warpers(config)
-
-
 def apply_filters(logits: mx.array, chain: Sequence[Filter]) -> mx.array:
     logits = logits.astype(mx.float32)
     for f in chain:
@@ -125,12 +138,21 @@ def apply_filters(logits: mx.array, chain: Sequence[Filter]) -> mx.array:
     return logits
 
 
+def greedy(logits: mx.array) -> mx.array:
+    """Tokens [B]: each row's argmax (the first +inf where there is one; NaN never wins), or
+    `NO_TOKEN` for a row with nothing to choose."""
+    logits = finite(logits)
+    return mx.where(empty_rows(logits), NO_TOKEN, logits.argmax(axis=-1).astype(mx.int32))
+
+
 def filtered_probs(logits: mx.array, config: SamplingConfig, history: mx.array | None = None) -> mx.array:
-    """The distribution a sampler draws from (one-hot at the argmax when greedy)."""
-    filtered = apply_filters(logits, filters(config, history))
+    """The distribution a sampler draws from (one-hot at the argmax when greedy); all zero
+    for a row with nothing to draw from."""
+    adjusted = finite(apply_filters(logits, adjustments(config, history)))
     if config.greedy:
-        return (mx.arange(filtered.shape[-1]) == filtered.argmax(-1, keepdims=True)).astype(mx.float32)
-    return mx.softmax(filtered, axis=-1, precise=True)
+        return (mx.arange(adjusted.shape[-1]) == greedy(adjusted)[:, None]).astype(mx.float32)
+    probs = mx.softmax(apply_filters(adjusted, warpers(config)), axis=-1, precise=True)
+    return mx.where(empty_rows(adjusted)[:, None], 0.0, probs)
 
 
 class Sampler:
@@ -188,12 +210,13 @@ class Sampler:
         return mx.concatenate(rows, axis=0)
 
     def __call__(self, logits: mx.array) -> mx.array:
-        """Tokens [B] for logits [B, V] (B is 1 when penalised: the history is one sequence's)."""
+        """Tokens [B] for logits [B, V] (B is 1 when penalised: the history is one sequence's);
+        `NO_TOKEN` for a row with nothing to draw from (`decode.drawn` reports it)."""
         logits = apply_filters(logits, adjustments(self.config, self._window()))
         if self.config.greedy:
-            token = logits.argmax(axis=-1)
+            token = greedy(logits)
         else:
             u = mx.random.uniform(shape=logits.shape[:1], key=self.next_key())
             token = kernels.sample(logits, u, self.config.warp)
-        self.accept(token)
+        self.accept(mx.maximum(token, 0))  # NO_TOKEN ends the sequence; as an index it would scatter out of range
         return token

@@ -12,6 +12,7 @@ server. Request and response shapes live in `openai_schema`.
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import itertools
 import json
@@ -20,23 +21,32 @@ import resource
 import sys
 import threading
 import time
-from dataclasses import dataclass
-from typing import Any, AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Awaitable, TypeVar
 
 import mlx.core as mx
 import uvicorn
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
 
-from .batch import BatchGenerator
+from .batch import BatchGenerator, Prepared
 from .errors import MlxinferError
 from .generate import Chunk
 from .openai_schema import ChatCompletion, Completion, Logprobs, RequestError, TextCompletion, choice, parse, usage
+from .guard import LocalOnly, allowed_hosts, guarded_protocol
 from .relay import Relay
 from .tools import call_opener
 
 RETRY_AFTER_SECONDS = 1
-DISCONNECT_POLL_SECONDS = 0.25
+MAX_CONNECTIONS = 128  # under macOS's default of 256 descriptors a process
+KEEP_ALIVE_SECONDS = 5  # an idle connection between requests
+HEADER_SECONDS = 10  # from connecting (or the last response) to a request's last header
+BODY_SECONDS = 30  # from the headers to the body's last byte
+# Threads that prepare requests (render, tokenize, compile grammars) beside the engine thread.
+PREPARE_THREADS = 2
+T = TypeVar("T")
 
 
 @dataclass
@@ -46,19 +56,23 @@ class _Request:
     prompt: Any
     options: dict[str, Any]
     loop: asyncio.AbstractEventLoop
-    chunks: asyncio.Queue
+    chunks: asyncio.Queue = field(default_factory=asyncio.Queue)
+    prepared: Prepared | None = None
     uid: int | None = None
 
 
 class EngineThread:
-    """Runs a BatchGenerator on its own thread; `submit` and `cancel` are safe from any thread.
+    """Runs a BatchGenerator on its own thread; `reserve`, `prepare`, `submit` and `cancel`
+    are safe from any thread.
 
-    Each request gets its chunks, then `None`; a refused request gets a RequestError
-    instead. At most `max_batch + max_queued` requests are in flight (submitted and not
-    ended); past that `submit` refuses with a 503. The count drops when the engine ends a
-    request, so a request whose client vanished still frees its place when it stops.
-    `health` is a snapshot the engine thread refreshes after every step, so the event
-    loop never touches the engine. With a relay (a model sharded across ranks), the
+    A request first takes a place (`reserve`: at most `max_batch + max_queued` requests are
+    in flight, past that a 503), is prepared on a small pool of other threads (`prepare`:
+    rendering, tokenizing and compiling its grammar grow with the request, and must not
+    stall the streams being decoded), then joins the engine (`submit`). It gets its chunks,
+    then `None`; a refused request gets a RequestError instead. Its place is given back when
+    the engine ends it, so a request whose client vanished still frees its place when it
+    stops. `health` is a snapshot the engine thread refreshes before and after every step,
+    so the event loop never touches the engine. With a relay (a model sharded across ranks), the
     engine commands of each round are shared before its step, and the other ranks' engines
     (`follow`) take the same commands and steps."""
 
@@ -68,6 +82,8 @@ class EngineThread:
         self._ops: list[list[Any]] = []  # what this round did to the engine, for the relay
         self.health: dict[str, Any] = {}
         self._in_flight = 0
+        self.preparing = 0
+        self._preparer = ThreadPoolExecutor(PREPARE_THREADS, thread_name_prefix="mlxinfer-prepare")
         self._lock = threading.Lock()
         self._commands: queue.Queue = queue.Queue()
         self._requests: dict[int, _Request] = {}  # engine uid -> request
@@ -76,7 +92,8 @@ class EngineThread:
         self._thread = threading.Thread(target=self._run, name="mlxinfer-engine", daemon=True)
         self._thread.start()
 
-    def submit(self, request: _Request) -> None:
+    def reserve(self) -> None:
+        """Take a place for a new request, or refuse it (503) when all are taken."""
         limit = self.engine.max_batch + self.max_queued
         with self._lock:
             if self._stop.is_set():
@@ -85,6 +102,27 @@ class EngineThread:
                 raise RequestError(f"the server is busy ({limit} requests running or queued); retry shortly",
                                    status=503, kind="server_busy", headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
             self._in_flight += 1
+
+    def release(self) -> None:
+        """Give back the place of a request that never reached the engine."""
+        with self._lock:
+            self._in_flight -= 1
+
+    async def prepare(self, request: _Request) -> None:
+        """Prepare a reserved request off the engine thread; a bad one is a 400."""
+        with self._lock:
+            self.preparing += 1
+        try:
+            work = functools.partial(self.engine.prepare, request.prompt, **request.options)
+            request.prepared = await asyncio.get_running_loop().run_in_executor(self._preparer, work)
+        except MlxinferError as e:  # the request's own fault (options, prompt, context, grammar)
+            raise RequestError(str(e)) from None
+        finally:
+            with self._lock:
+                self.preparing -= 1
+
+    def submit(self, request: _Request) -> None:
+        """Hand a prepared request to the engine."""
         self._commands.put(("submit", request))
 
     def cancel(self, request: _Request) -> None:
@@ -98,6 +136,7 @@ class EngineThread:
     def stop(self, timeout: float = 10.0) -> None:
         self.shutdown()
         self._thread.join(timeout)
+        self._preparer.shutdown(wait=False, cancel_futures=True)
 
     def _deliver(self, request: _Request, item: Chunk | RequestError | None) -> None:
         try:
@@ -114,15 +153,15 @@ class EngineThread:
 
     def _handle(self, command: str, request: _Request | None) -> None:
         if command == "submit":
-            try:
-                request.uid = self.engine.submit(request.prompt, **request.options)
-                self._ops.append(["submit", request.prompt, request.options])
-            except MlxinferError as e:  # the request's own fault (options, prompt, context)
-                self._refuse(request, RequestError(str(e)))
+            if self._stop.is_set():  # prepared while the server began to stop
+                self._refuse(request, RequestError("the server is shutting down", status=503, kind="server_busy"))
                 return
+            try:
+                request.uid = self.engine.enqueue(request.prepared)
             except Exception as e:  # noqa: BLE001 - a fault of ours ends this request, not the server
                 self._refuse(request, server_error(f"{type(e).__name__}: {e}"))
                 return
+            self._ops.append(["submit", request.prompt, request.options])
             self._requests[request.uid] = request
         elif command == "cancel" and request.uid in self._requests:
             self._cancel(request.uid)
@@ -145,6 +184,7 @@ class EngineThread:
                     block = False
             except queue.Empty:
                 pass
+            self._snapshot()  # a request that just arrived shows as active while its prefill runs
             if self.relay is not None:
                 with self.relay.watchdog.bounded("a step"):
                     self.relay.share(self._ops)
@@ -186,8 +226,10 @@ class EngineThread:
 
     def _snapshot(self) -> None:
         e = self.engine
+        running = min(e.active, e.max_batch)  # a step admits every waiting sequence that has a slot first
         self.health = {
-            "active": e.active - e.waiting, "queued": e.waiting + self._commands.qsize(), "served": self.served,
+            "active": running, "queued": e.active - running + self._commands.qsize(),
+            "served": self.served,
             "cache_bytes": e.cache_bytes,
             "prompt_cache": dict(e.pool.stats.__dict__) if e.pool is not None else None,
             "memory": {"mlx_active_bytes": mx.get_active_memory(), "mlx_peak_bytes": mx.get_peak_memory()},
@@ -226,9 +268,13 @@ def follow(engine: BatchGenerator, relay: Relay) -> None:
                 engine.step()
 
 
-def run(app: FastAPI, engine: EngineThread, host: str, port: int) -> None:
-    """Serve until Ctrl-C or SIGTERM, then stop the engine."""
-    config = uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5)
+def run(app: FastAPI, engine: EngineThread, host: str, port: int, max_connections: int = MAX_CONNECTIONS) -> None:
+    """Serve until Ctrl-C or SIGTERM, then stop the engine. At most `max_connections` are
+    open at once (fewer when the descriptor limit says so); idle ones close after
+    KEEP_ALIVE_SECONDS, and a request's headers must arrive within HEADER_SECONDS."""
+    config = uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5,
+                            http=guarded_protocol(max_connections, HEADER_SECONDS),
+                            timeout_keep_alive=KEEP_ALIVE_SECONDS)
     try:
         _Uvicorn(config, engine).run()
     finally:
@@ -240,8 +286,15 @@ def server_error(message: str) -> RequestError:
 
 
 async def chunks_of(engine: EngineThread, prompt: Any, options: dict[str, Any]) -> AsyncIterator[Chunk]:
-    """A request's chunks as they come; leaving early (a client gone) cancels it."""
-    request = _Request(prompt, options, asyncio.get_running_loop(), asyncio.Queue())
+    """A request's chunks as they come: a place taken, the request prepared, then its engine
+    chunks. Leaving early (a client gone) gives the place back or cancels the sequence."""
+    request = _Request(prompt, options, asyncio.get_running_loop())
+    engine.reserve()
+    try:
+        await engine.prepare(request)
+    except BaseException:
+        engine.release()
+        raise
     engine.submit(request)
     finished = False
     try:
@@ -286,11 +339,13 @@ class ServerConfig:
     api_key: str | None = None
     cors: str | None = None
     max_body: int = 4 << 20
+    hosts: frozenset[str] | None = allowed_hosts("127.0.0.1", ())  # what a request's Host may name; None: any
 
 
 def create_app(engine: EngineThread, tokenizer, config: ServerConfig) -> FastAPI:
     """The FastAPI application: OpenAI's chat and text completions, models, and health."""
     app = FastAPI(title="mlxinfer", docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(LocalOnly, hosts=config.hosts, refusal=lambda status, message: RequestError(message).body())
     if config.cors:
         from fastapi.middleware.cors import CORSMiddleware
 
@@ -301,6 +356,11 @@ def create_app(engine: EngineThread, tokenizer, config: ServerConfig) -> FastAPI
     async def refused(_: Request, e: RequestError):
         return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, e: HTTPException):  # unknown path, wrong method: the API's shape too
+        message = f"{request.method} {request.url.path[:200]}: {e.detail}"
+        return JSONResponse(RequestError(message).body(), status_code=e.status_code, headers=e.headers)
+
     async def authorized(request: Request) -> None:
         if not check_key(request.headers.get("authorization"), config.api_key):
             raise RequestError("a valid API key is required (Authorization: Bearer KEY)", status=401,
@@ -309,20 +369,27 @@ def create_app(engine: EngineThread, tokenizer, config: ServerConfig) -> FastAPI
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(authorized)])
 
     async def body_of(request: Request) -> bytes:
-        """The body, read no further than the size limit."""
+        """The body, read no further than the size limit nor longer than BODY_SECONDS."""
         size = request.headers.get("content-length")
         if size is not None and size.isdigit() and int(size) > config.max_body:
             raise RequestError(f"the request body is over {config.max_body} bytes", status=413)
         body = bytearray()
-        async for part in request.stream():
-            body += part
-            if len(body) > config.max_body:
-                raise RequestError(f"the request body is over {config.max_body} bytes", status=413)
+
+        async def read() -> None:
+            async for part in request.stream():
+                body.extend(part)
+                if len(body) > config.max_body:
+                    raise RequestError(f"the request body is over {config.max_body} bytes", status=413)
+
+        try:
+            await asyncio.wait_for(read(), BODY_SECONDS)
+        except asyncio.TimeoutError:
+            raise RequestError(f"the request body did not arrive within {BODY_SECONDS} s", status=408) from None
         return bytes(body)
 
     @app.get("/health")
     async def health():
-        return {"status": "ok", "model": config.model_name, **engine.health,
+        return {"status": "ok", "model": config.model_name, **engine.health, "preparing": engine.preparing,
                 "limits": {"max_concurrency": engine.engine.max_batch, "max_queued": engine.max_queued},
                 "peak_rss_bytes": peak_rss_bytes()}
 
@@ -340,10 +407,15 @@ def create_app(engine: EngineThread, tokenizer, config: ServerConfig) -> FastAPI
                       Logprobs(tokenizer, chat, body.logprob_rows()) if body.logprob_rows() else None,
                       call_opener(tokenizer) if calls else None)
         stream = chunks_of(engine, prompt, options)
-        if not body.stream:
-            chunks = await collect(stream, request)
-            return JSONResponse(reply.whole(chunks)) if chunks is not None else Response(status_code=499)
-        first = await anext(stream, None)  # a refused request is a 400, not a broken stream
+        gone = asyncio.ensure_future(hung_up(request))
+        try:
+            if not body.stream:
+                return JSONResponse(reply.whole(await unless_gone(collect(stream), gone)))
+            first = await unless_gone(anext(stream, None), gone)  # a refused request is a 400, not a broken stream
+        except ClientGone:
+            return Response(status_code=499)
+        finally:
+            gone.cancel()  # once streaming, the response itself notices a disconnect
         return StreamingResponse(reply.events(first, stream, body.include_usage), media_type="text/event-stream")
 
     @v1.post("/chat/completions")
@@ -358,25 +430,34 @@ def create_app(engine: EngineThread, tokenizer, config: ServerConfig) -> FastAPI
     return app
 
 
-async def collect(stream: AsyncIterator[Chunk], request: Request) -> list[Chunk] | None:
-    """Every chunk of a non-streamed request; None when the client hung up (which cancels it)."""
-    chunks: list[Chunk] = []
+class ClientGone(Exception):
+    """The client hung up before its answer began."""
 
-    async def gather() -> None:
-        async for chunk in stream:
-            chunks.append(chunk)
 
-    task = asyncio.ensure_future(gather())
+async def hung_up(request: Request) -> None:
+    """Returns when the client closes its connection. The body has been read, so the next
+    message the server gives is the disconnect: an event, no polling."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def unless_gone(work: Awaitable[T], gone: asyncio.Future) -> T:
+    """`work`'s result, or ClientGone (with `work` cancelled, which cancels the request) as
+    soon as `gone` is done: preparing, queueing and prefill included."""
+    task = asyncio.ensure_future(work)
     try:
-        while not task.done():
-            await asyncio.wait({task}, timeout=DISCONNECT_POLL_SECONDS)
-            if not task.done() and await request.is_disconnected():
-                return None
-        task.result()  # a refused or failed request raises its RequestError here
-        return chunks
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+        if not task.done():
+            raise ClientGone
+        return task.result()  # a refused or failed request raises its RequestError here
     finally:
         if not task.done():
-            task.cancel()  # ends chunks_of, which cancels the sequence
+            task.cancel()
+
+
+async def collect(stream: AsyncIterator[Chunk]) -> list[Chunk]:
+    """Every chunk of a non-streamed request."""
+    return [chunk async for chunk in stream]
 
 
 @dataclass

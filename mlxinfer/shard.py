@@ -4,7 +4,10 @@ Each rank holds 1/N of every attention and feed-forward block: the query, key an
 projections and the gate/up projections are split by output rows (whole heads, whole
 expert columns), the output and down projections by input columns, so a block half
 computes a partial sum on every rank and one `all_sum` completes it. The KV cache is
-split with the heads. The embedding and LM head are split by vocabulary rows (a lookup
+split with the heads. A model with fewer KV heads than ranks (multi-query Gemma 3 1B,
+Qwen2.5-0.5B's 2) copies each KV head to the ranks whose query heads read it, as vLLM
+does: the ranks must be a multiple of the KV heads, and each rank's K/V projections and
+cache hold that one head. The embedding and LM head are split by vocabulary rows (a lookup
 is one `all_sum`, the logits one `all_gather`); norms and MoE routers stay whole.
 Latent attention (DeepSeek MLA) splits its heads the same way (rows of q_b_proj and
 kv_b_proj, or the per-head embed_q / unembed_out); its cache, one compressed latent and
@@ -30,10 +33,13 @@ import mlx.nn as nn
 
 from .errors import ConfigError
 
-COLUMN = re.compile(r"\.(q_proj|k_proj|v_proj|q_b_proj|kv_b_proj|gate_proj|up_proj)\.(weight|scales|biases|bias)$")
+COLUMN = re.compile(r"\.(q_proj|q_b_proj|kv_b_proj|gate_proj|up_proj)\.(weight|scales|biases|bias)$")
+KV = re.compile(r"\.(k_proj|v_proj)\.(weight|scales|biases|bias)$")  # rows by KV head, copied when fewer than ranks
 HEADS = re.compile(r"\.(embed_q|unembed_out)\.(weight|scales|biases)$")  # stored [heads, rows, cols]
 VOCAB = re.compile(r"(^|\.)(embed_tokens|lm_head)\.(weight|scales|biases)$")
 ROW = re.compile(r"\.(o_proj|down_proj)\.(weight|scales|biases|bias)$")
+# in a rank's config: on how many ranks each KV head is (1: split; size / KV heads: replicated)
+REPLICAS = "kv_head_replicas"
 SPLIT_SIZES = ("intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size")
 
 
@@ -77,44 +83,80 @@ def _divisors(n: int, most: int = 16) -> str:
     return ", ".join(str(d) for d in range(1, most + 1) if n % d == 0)
 
 
-def shard_config(config: dict[str, Any], size: int) -> dict[str, Any]:
-    """The config one rank's model is built from: 1/size of the heads and feed-forward
-    widths, head_dim made explicit. Sizes that do not divide are refused, naming the
-    rank counts that work."""
+def _kv_heads(config: dict[str, Any]) -> int:
     heads = config["num_attention_heads"]
     latent = bool(config.get("kv_lora_rank"))  # DeepSeek MLA: every head has its own keys
-    kv = heads if latent else config.get("num_key_value_heads") or heads
+    return heads if latent else config.get("num_key_value_heads") or heads
+
+
+def _fits(config: dict[str, Any], size: int) -> bool:
+    """Whether `size` ranks can split the model: query heads divide, KV heads divide or
+    are replicated whole (ranks a multiple of them), feed-forward widths divide."""
+    heads, kv = config["num_attention_heads"], _kv_heads(config)
+    return (heads % size == 0 and (kv % size == 0 or size % kv == 0)
+            and all(config[key] % size == 0 for key in SPLIT_SIZES if config.get(key)))
+
+
+def _working(config: dict[str, Any], most: int = 16) -> str:
+    return ", ".join(str(n) for n in range(1, most + 1) if _fits(config, n))
+
+
+def shard_config(config: dict[str, Any], size: int) -> dict[str, Any]:
+    """The config one rank's model is built from: 1/size of the heads and feed-forward
+    widths, head_dim made explicit. With fewer KV heads than ranks each rank keeps one
+    (`REPLICAS` records on how many ranks each is). Sizes that do not divide are
+    refused, naming the rank counts that work."""
+    heads, kv = config["num_attention_heads"], _kv_heads(config)
     out = dict(config, head_dim=config.get("head_dim") or config["hidden_size"] // heads)
-    for name, value in (("attention heads", heads), ("KV heads", kv)):
-        if value % size:
-            raise ConfigError(f"tensor sharding needs the model's {value} {name} to divide among {size} ranks; "
-                              f"use {_divisors(kv)} ranks")
-    out["num_attention_heads"], out["num_key_value_heads"] = heads // size, kv // size
+    if heads % size:
+        raise ConfigError(f"tensor sharding needs the model's {heads} attention heads to divide among {size} ranks; "
+                          f"use {_working(config)} ranks")
+    if kv % size and size % kv:
+        raise ConfigError(f"tensor sharding needs the model's {kv} KV heads to divide among {size} ranks, or "
+                          f"{size} ranks to be a multiple of them (each KV head copied to several); "
+                          f"use {_working(config)} ranks")
+    out["num_attention_heads"], out["num_key_value_heads"] = heads // size, max(kv // size, 1)
+    out[REPLICAS] = max(size // kv, 1)
     for key in SPLIT_SIZES:
         if config.get(key):
             if config[key] % size:
                 raise ConfigError(f"tensor sharding needs {key} {config[key]} to divide among {size} ranks; "
-                                  f"use {_divisors(config[key])} ranks")
+                                  f"use {_working(config)} ranks")
             out[key] = config[key] // size
     return out
 
 
-def _part(x: mx.array, axis: int, shard: Shard) -> mx.array:
-    n = x.shape[axis] // shard.size
+def _rows(x: mx.array, axis: int, start: int, stop: int) -> mx.array:
     index = [slice(None)] * x.ndim
-    index[axis] = slice(shard.rank * n, (shard.rank + 1) * n)
+    index[axis] = slice(start, stop)
     return x[tuple(index)]
 
 
-def shard_weights(weights: dict[str, mx.array], shard: Shard, quantization: dict[str, Any] | None) -> dict[str, mx.array]:
-    """This rank's slice of every tensor (lazily: nothing is read until evaluated)."""
-    group_size = (quantization or {}).get("group_size", 64)
+def _part(x: mx.array, axis: int, shard: Shard) -> mx.array:
+    n = x.shape[axis] // shard.size
+    return _rows(x, axis, shard.rank * n, (shard.rank + 1) * n)
+
+
+def _kv_part(x: mx.array, axis: int, shard: Shard, config: dict[str, Any]) -> mx.array:
+    """This rank's KV heads of a K/V projection: its 1/size of them, or the one head its
+    query heads read, copied whole (a quantized head's rows keep all their groups)."""
+    here, rows = config["num_key_value_heads"], config["head_dim"]
+    first = shard.rank // config[REPLICAS] * here
+    return _rows(x, axis, first * rows, (first + here) * rows)
+
+
+def shard_weights(weights: dict[str, mx.array], shard: Shard, config: dict[str, Any]) -> dict[str, mx.array]:
+    """This rank's slice of every tensor (lazily: nothing is read until evaluated), for
+    the rank's config from `shard_config`."""
+    group_size = (config.get("quantization") or {}).get("group_size", 64)
     out = {}
     for name, w in weights.items():
         if VOCAB.search(name):
             out[name] = _part(w, 0, shard) if w.shape[0] % shard.size == 0 else w
         elif HEADS.search(name):
             out[name] = _part(w, 0, shard)
+        elif KV.search(name):
+            out[name] = _kv_part(w, w.ndim - 1 if name.endswith(".bias") else w.ndim - 2, shard, config)
         elif COLUMN.search(name):
             # rows are outputs: the last axis but one of a matrix (or a stack of expert matrices); a bias's last
             out[name] = _part(w, w.ndim - 1 if name.endswith(".bias") else w.ndim - 2, shard)
@@ -306,7 +348,18 @@ def layout(model) -> dict[str, Any] | None:
     return {"mode": "pipeline" if pipeline else "tensor", "ranks": place.size, "rank": place.rank,
             "weight_bytes": [b for b, _ in every], "layers": [n for _, n in every],
             "heads_here": None if pipeline else model.config.num_attention_heads,
+            "kv_heads": None if pipeline else _kv_layout(model.config.raw, place.size),
             "sent_per_token": sent_per_token(model)}
+
+
+def _kv_layout(config: dict[str, Any], size: int) -> dict[str, int] | None:
+    """The model's KV heads, how many each rank holds (with its cache) and on how many
+    ranks each is, from a rank's config (`shard_config`); None for latent attention,
+    whose one latent cache is whole on every rank."""
+    if config.get("kv_lora_rank"):
+        return None
+    here, replicas = config["num_key_value_heads"], config[REPLICAS]
+    return {"total": here * size // replicas, "here": here, "replicas": replicas}
 
 
 # --- pipeline parallelism ---

@@ -22,7 +22,7 @@ from numpy.lib.stride_tricks import sliding_window_view
 from . import kernels
 from .cache import PromptCache
 from .constrain import Constraint, masked
-from .decode import ConstrainedDecoder, PlainDecoder, Stats, Token, chosen_logprobs
+from .decode import NO_TOKEN, ConstrainedDecoder, PlainDecoder, Stats, Token, chosen_logprobs, drawn
 from .errors import InvalidOptionError
 from .sample import Sampler
 
@@ -41,7 +41,9 @@ def verify(p: mx.array, drafts: Sequence[int], q: mx.array | None, sampler: Samp
     """
     u = mx.random.uniform(shape=(len(drafts) + 1,), key=sampler.next_key())
     n, token = kernels.verify(p, drafts, q, u).tolist()
-    return n, token
+    if p[n].max().item() <= 0:  # the target's distribution there is empty: no token was chosen
+        token = NO_TOKEN
+    return n, drawn(token)
 
 
 @dataclass

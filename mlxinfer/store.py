@@ -20,7 +20,7 @@ from convert.sources import is_gguf
 from .cachedir import Notify, convert_into, is_model_folder, models_dir, stderr_line
 from .demo import demo_model
 from .errors import MlxinferError, ModelNotFoundError
-from .loading import load, read_config, safetensors_header
+from .loading import load, read_config, safetensors_header, weight_files
 from .models import FAMILIES
 from .shard import launched
 from .terminal import spinner
@@ -145,7 +145,7 @@ def describe(name: str, where: str, path: Path) -> LocalModel:
     try:
         size = sum(p.stat().st_size for p in path.iterdir() if p.is_file())
         config = read_config(path)
-        headers = [safetensors_header(f) for f in sorted(path.glob("*.safetensors"))]
+        headers = [safetensors_header(f) for f in weight_files(path)]  # as loading reads them: links checked
     except (MlxinferError, OSError) as e:
         return LocalModel(name, where, path, "broken", 0, "?", 0, error=str(e) or type(e).__name__)
     tensors = {k: v for h in headers for k, v in h.items()}

@@ -31,6 +31,7 @@ from tokenizers import AddedToken, Regex, decoders, normalizers, pre_tokenizers
 
 from . import sandbox
 from .errors import ConfigError, ModelNotFoundError, TokenizerError
+from .files import read_checkpoint_file
 
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
@@ -233,10 +234,11 @@ def load_tokenizer_from_dir(path: str | os.PathLike) -> Tokenizer:
 
 def _read_json(file: Path) -> dict[str, Any]:
     """A JSON object file's content, or {} when the optional file is absent."""
-    if not file.is_file():
+    raw = read_checkpoint_file(file.parent, file.name)
+    if raw is None:
         return {}
     try:
-        data = json.loads(file.read_text(encoding="utf-8"))
+        data = json.loads(raw.decode("utf-8"))
     except (ValueError, RecursionError) as exc:  # JSONDecodeError, UnicodeDecodeError, too-long integers
         raise ConfigError(f"{file} is not valid JSON ({_one_line(exc)}); fix or re-download it") from exc
     if not isinstance(data, dict):
@@ -257,16 +259,17 @@ def _tokenizer_config(folder: Path) -> dict[str, Any]:
 
 def _read_backend(file: Path) -> tuple[tokenizers.Tokenizer, bool]:
     """The parsed tokenizer.json and whether it mentions ByteLevel (transformers checks the raw text)."""
-    if not file.is_file():
+    raw = read_checkpoint_file(file.parent, file.name)
+    if raw is None:
         raise TokenizerError(
             f"{file} not found; mlxinfer needs the fast-tokenizer file, "
             "re-save the tokenizer with transformers' save_pretrained to create it"
         )
     try:
-        backend = tokenizers.Tokenizer.from_file(str(file))
+        backend = tokenizers.Tokenizer.from_str(raw.decode("utf-8"))
     except Exception as exc:  # tokenizers raises a bare Exception for any malformed file
         raise TokenizerError(f"{file} is not a valid tokenizer file ({_one_line(exc)}); re-download it") from exc
-    return backend, b'"ByteLevel"' in file.read_bytes()
+    return backend, b'"ByteLevel"' in raw
 
 
 def _token_text(value: Any, key: str, folder: Path) -> str | None:
@@ -355,9 +358,10 @@ def _eos_token_ids(
 def _chat_template(folder: Path, config: Mapping[str, Any]) -> str | None:
     """The default chat template: chat_template.jinja, else chat_template.json, else the tokenizer config."""
     jinja_file = folder / CHAT_TEMPLATE_JINJA_FILE
-    if jinja_file.is_file():
-        try:
-            return jinja_file.read_text(encoding="utf-8")
+    raw = read_checkpoint_file(folder, jinja_file.name)
+    if raw is not None:
+        try:  # newlines as text mode reads them, as transformers does
+            return raw.decode("utf-8").replace("\r\n", "\n").replace("\r", "\n")
         except UnicodeDecodeError as exc:
             raise TokenizerError(f"{jinja_file} is not UTF-8 text ({_one_line(exc)}); fix or re-download it") from None
     template = _read_json(folder / CHAT_TEMPLATE_JSON_FILE).get("chat_template", config.get("chat_template"))

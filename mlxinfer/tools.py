@@ -27,11 +27,16 @@ import numpy as np
 
 from .constrain import JSON_LAYOUT, Constraint, Format, compiled_lark
 from .errors import InvalidOptionError
+from .grammar_checks import MAX_TOOLS_BYTES, check_schema
 from .tokenizer import Tokenizer
 
 FALLBACK_PROMPT = ("You can call these functions:\n{tools}\nTo call one, reply with only a JSON object "
                    '{{"name": <function name>, "arguments": <an object of its arguments>}} and nothing else.')
 _call_ids = itertools.count()
+# JSON in a reply nested deeper than this is left as text: reading it (and writing its
+# arguments back out) would recurse that deep, and a RecursionError would lose the reply.
+CALL_DEPTH = 128
+_STRING = re.compile(r'"(?:\\.|[^"\\])*"')
 
 
 @dataclass(frozen=True)
@@ -92,7 +97,12 @@ def check_tools(tools: Any) -> list[dict[str, Any]]:
             raise InvalidOptionError(f"tools[{i}]: the function name '{name}' is used twice")
         if not isinstance(function.get("parameters", {}), Mapping):
             raise InvalidOptionError(f"tools[{i}].function.parameters must be a JSON Schema object")
+        check_schema(dict(function.get("parameters") or {}), f"tools[{i}].function.parameters")
         names.add(name)
+    size = sum(len(json.dumps(t["function"].get("parameters") or {})) for t in tools)
+    if size > MAX_TOOLS_BYTES:
+        raise InvalidOptionError(f"the tools' parameters take {size} bytes together; the limit is {MAX_TOOLS_BYTES} "
+                                 "(256 KiB)")
     return [dict(t) for t in tools]
 
 
@@ -110,11 +120,32 @@ def chosen_functions(tools: list[dict[str, Any]], tool_choice: Any) -> tuple[str
 
 
 def call_schema(functions: list[dict[str, Any]], key: str) -> dict[str, Any]:
-    """A JSON Schema for one call to any of `functions`, its arguments following their parameters."""
-    options = [{"type": "object", "additionalProperties": False, "required": ["name", key],
-                "properties": {"name": {"const": f["name"]}, key: f.get("parameters") or {"type": "object"}}}
-               for f in functions]
-    return {**(options[0] if len(options) == 1 else {"anyOf": options}), "x-guidance": JSON_LAYOUT}
+    """A JSON Schema for one call to any of `functions`, its arguments following their
+    parameters (whose local `$ref`s are rebased to where the parameters now sit)."""
+    def option(f: dict[str, Any], at: str) -> dict[str, Any]:
+        parameters = _rebased(f.get("parameters") or {"type": "object"}, f"{at}/properties/{key}")
+        return {"type": "object", "additionalProperties": False, "required": ["name", key],
+                "properties": {"name": {"const": f["name"]}, key: parameters}}
+
+    if len(functions) == 1:
+        return {**option(functions[0], "#"), "x-guidance": JSON_LAYOUT}
+    return {"anyOf": [option(f, f"#/anyOf/{i}") for i, f in enumerate(functions)], "x-guidance": JSON_LAYOUT}
+
+
+def _rebased(schema: Any, base: str) -> Any:
+    """`schema` with each local `$ref` ("#/$defs/x") pointing into it from `base` (a JSON
+    pointer); values (const, enum, default, examples) are copied as they are."""
+    if isinstance(schema, list):
+        return [_rebased(s, base) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for k, v in schema.items():
+        if k == "$ref" and isinstance(v, str) and v.startswith("#"):
+            out[k] = base + v[1:]
+        else:
+            out[k] = v if k in ("const", "enum", "default", "examples") else _rebased(v, base)
+    return out
 
 
 def _token(tokenizer: Tokenizer, text: str) -> str:
@@ -254,8 +285,8 @@ def _template_message(message: Mapping[str, Any]) -> dict[str, Any]:
             function = dict(call.get("function", call))
             if isinstance(function.get("arguments"), str):
                 try:
-                    function["arguments"] = json.loads(function["arguments"])
-                except json.JSONDecodeError:
+                    function["arguments"] = _read_json(function["arguments"])
+                except ValueError:
                     pass
             calls.append({**call, "function": function})
         out["tool_calls"] = calls
@@ -266,8 +297,8 @@ def _arguments(call: Mapping[str, Any], key: str) -> dict[str, Any]:
     args = call.get(key, call.get("arguments", call.get("parameters", {})))
     if isinstance(args, str):
         try:
-            args = json.loads(args)
-        except json.JSONDecodeError:
+            args = _read_json(args)
+        except ValueError:
             return {}
     return args if isinstance(args, dict) else {}
 
@@ -287,7 +318,21 @@ def _find_calls(text: str, syntax: Syntax) -> tuple[list[Any], str]:
 
 
 def _loads(text: str) -> Any:
+    """The JSON in `text`, or None when there is none to read."""
+    try:
+        return _read_json(text)
+    except ValueError:
+        return None
+
+
+def _read_json(text: str) -> Any:
+    """json.loads for a model's (or a client's) text: ValueError when it is not JSON or nests
+    deeper than CALL_DEPTH (measured first, without recursion)."""
+    brackets = re.sub(r"[^\[\]{}]+", "", _STRING.sub("", text))
+    depth = max(itertools.accumulate(1 if c in "[{" else -1 for c in brackets), default=0)
+    if depth > CALL_DEPTH:
+        raise ValueError(f"JSON nested {depth} deep")
     try:
         return json.loads(text)
-    except json.JSONDecodeError:
-        return None
+    except RecursionError:
+        raise ValueError("JSON nested too deep") from None

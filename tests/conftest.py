@@ -6,21 +6,49 @@ config, saved with `save_pretrained`, and cached for the whole test session.
 
 from __future__ import annotations
 
+import atexit
 import base64
 import hashlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import tempfile
 import zipfile
 from pathlib import Path
 from typing import Any, Callable
 
 import pytest
 
+# The test-asset cache stays in the user's home, so PyPI fetches are reused across runs.
+ASSETS = Path(os.environ.get("MLXINFER_TEST_ASSETS", Path.home() / ".cache" / "mlxinfer-test-assets"))
+
+# The session's own homes, set before anything reads them (huggingface_hub reads its cache paths on
+# import) and inherited by every subprocess: a model a user's `mlxinfer chat` put in ~/.cache/mlxinfer,
+# their Hugging Face cache or settings are never seen, and nothing the tests write lands there.
+SESSION_HOME = Path(tempfile.mkdtemp(prefix="mlxinfer-tests-"))
+atexit.register(shutil.rmtree, SESSION_HOME, ignore_errors=True)
+HOMES = {
+    "MLXINFER_HOME": "mlxinfer",
+    "HF_HOME": "huggingface",
+    "HF_HUB_CACHE": "huggingface/hub",
+    "XDG_CACHE_HOME": "xdg-cache",
+    "XDG_CONFIG_HOME": "xdg-config",
+    "XDG_DATA_HOME": "xdg-data",
+}
+os.environ.update({name: str(SESSION_HOME / sub) for name, sub in HOMES.items()})
+# Other pointers into a user's caches and the demo-model source would bypass the homes above.
+for _name in ("MLXINFER_DEMO_SOURCE", "HF_XET_CACHE", "HF_ASSETS_CACHE", "HF_TOKEN_PATH", "HUGGINGFACE_HUB_CACHE",
+              "TRANSFORMERS_CACHE"):
+    os.environ.pop(_name, None)
 # Nothing in the suite may download weights; set before huggingface_hub is imported.
 os.environ["HF_HUB_OFFLINE"] = "1"
+# Ctrl-C as a terminal delivers it: a suite started where SIGINT is ignored (a background job of a
+# script, nohup) would pass that on to every child it starts, and the Ctrl-C tests would wait in vain.
+signal.signal(signal.SIGINT, signal.default_int_handler)
+
 
 from hypothesis import settings  # noqa: E402
 
@@ -33,7 +61,6 @@ if os.environ.get("CI"):
 import mlxinfer  # noqa: E402,F401  (first: it picks MLX's BLAS, which must happen before mlx.core loads)
 
 SHARED = Path(__file__).resolve().parents[2] / "shared"
-ASSETS = Path(os.environ.get("MLXINFER_TEST_ASSETS", Path.home() / ".cache" / "mlxinfer-test-assets"))
 VOCAB = 512
 
 BASE_CONFIG: dict[str, Any] = dict(

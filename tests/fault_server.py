@@ -7,6 +7,9 @@ Environment:
   raises in prefill (a request that fails before its first token).
 - MLXINFER_TEST_EMIT_FAULT: token ids; a sequence whose prompt holds them raises when its
   third token is emitted (a request that fails mid-stream).
+- MLXINFER_TEST_GATE: a file path; MLXINFER_TEST_GATE_PREPARE / MLXINFER_TEST_GATE_PREFILL: token
+  ids. Preparing (or prefilling) a prompt that holds them waits until the file exists (at most
+  120 s), so a test can hold a request in that stage for as long as it needs.
 """
 
 from __future__ import annotations
@@ -31,7 +34,15 @@ def holds(tokens, marker: list[int]) -> bool:
 
 DELAY = float(os.environ.get("MLXINFER_TEST_STEP_DELAY", "0"))
 PREFILL_FAULT, EMIT_FAULT = ids("MLXINFER_TEST_PREFILL_FAULT"), ids("MLXINFER_TEST_EMIT_FAULT")
-step, prefill, emit = BatchGenerator.step, PromptCache.prefill, TextStream.emit
+GATE, GATE_PREPARE, GATE_PREFILL = os.environ.get("MLXINFER_TEST_GATE"), ids("MLXINFER_TEST_GATE_PREPARE"), \
+    ids("MLXINFER_TEST_GATE_PREFILL")
+step, prefill, emit, prepare = BatchGenerator.step, PromptCache.prefill, TextStream.emit, BatchGenerator.prepare
+
+
+def wait_for_gate() -> None:
+    deadline = time.monotonic() + 120
+    while not os.path.exists(GATE) and time.monotonic() < deadline:
+        time.sleep(0.01)
 
 
 def slow_step(self):
@@ -39,9 +50,18 @@ def slow_step(self):
     return step(self)
 
 
+def gated_prepare(self, prompt, **options):
+    prepared = prepare(self, prompt, **options)
+    if holds(prepared.ids, GATE_PREPARE):
+        wait_for_gate()
+    return prepared
+
+
 def faulty_prefill(self, model, tokens, *args, **kwargs):
     if holds(tokens, PREFILL_FAULT):
         raise RuntimeError("planted prefill fault")
+    if holds(tokens, GATE_PREFILL):
+        wait_for_gate()
     return prefill(self, model, tokens, *args, **kwargs)
 
 
@@ -54,6 +74,7 @@ def faulty_emit(self, token):
 BatchGenerator.step = slow_step
 PromptCache.prefill = faulty_prefill
 TextStream.emit = faulty_emit
+BatchGenerator.prepare = gated_prepare
 
 if __name__ == "__main__":
     main()

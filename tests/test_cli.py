@@ -267,8 +267,8 @@ def test_generate_ignore_eos(tiny, loaded, copy_checkpoint):
 
 
 @pytest.mark.parametrize("flag,value,name", [("--repetition-penalty", 5.0, "repetition"),
-                                             ("--presence-penalty", 5.0, "presence"),
-                                             ("--frequency-penalty", 3.0, "frequency")])
+                                             ("--presence-penalty", 2.0, "presence"),
+                                             ("--frequency-penalty", 1.5, "frequency")])
 def test_generate_penalties_against_numpy(tiny, loaded, flag, value, name):
     model, tok = loaded
     prompt = prompt_ids(tok, QUESTION)

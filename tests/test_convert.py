@@ -10,7 +10,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import mlx.core as mx
@@ -415,37 +414,45 @@ def test_ctrl_c_during_eval_ppl_keeps_the_written_output(hf_checkpoint, tmp_path
     assert quant_config(tmp_path / "out")["bits"] == 4
 
 
-SLOW_CONVERT = """
-import sys, time
+PAUSED_CONVERT = """
+import sys
 import convert.writer as writer
 from mlxinfer.cli import main
-run, delay = writer.run, float(sys.argv[3]) if len(sys.argv) > 3 else 0.05
-writer.run = lambda job: (time.sleep(delay), run(job))[1]
+save, saved = writer._save, []
+def save_then_wait(file, arrays):
+    save(file, arrays)
+    saved.append(file)
+    if len(saved) == 2:  # two shards on disk: say so, then wait for a line on stdin (or a signal)
+        print("paused", flush=True)
+        sys.stdin.readline()
+writer._save = save_then_wait
 main(["convert", sys.argv[1], "-o", sys.argv[2], "-q", "--shard-size", "8KB"])
 """
 
 
-def start_slow_conversion(src: Path, out: Path, delay: float = 0.05) -> subprocess.Popen:
-    """A conversion in another process, returned once it has written its second shard."""
+def start_paused_conversion(src: Path, out: Path) -> subprocess.Popen:
+    """A conversion in another process, returned once it has written its second shard; it waits
+    there until a line arrives on its stdin, so nothing the test does races its progress."""
     proc = subprocess.Popen(
-        [sys.executable, "-c", SLOW_CONVERT, str(src), str(out), str(delay)],
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        [sys.executable, "-c", PAUSED_CONVERT, str(src), str(out)],
+        cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
-    deadline = time.monotonic() + 60
-    while not list(out.parent.glob(f".{out.name}.partial-*/model-00002-of-*.safetensors")):
-        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0]
-        time.sleep(0.02)
-    return proc
+    said = []
+    for line in proc.stdout:  # anything before the marker (a one-time notice) is kept for the failure message
+        if line == "paused\n":
+            return proc
+        said.append(line)
+    raise AssertionError(f"the conversion ended before its second shard: {''.join(said)}")
 
 
 def test_concurrent_conversions_to_one_output(hf_checkpoint, tmp_path):
     """Another process converts to the same folder: its live stage folder is not taken for
     an abandoned one, exactly one result lands, and the later one is refused in one line."""
     src, out = hf_checkpoint("llama"), tmp_path / "out"
-    other = start_slow_conversion(src, out, delay=0.3)
+    other = start_paused_conversion(src, out)
     ours = run_cli(src, "-o", out, "--bits", "8")
     assert ours.exit_code == 0, ours.output
-    output = other.communicate(timeout=120)[0]
+    output = other.communicate("go on\n", timeout=120)[0]
     assert other.returncode == 1, output
     assert output.count("\n") == 1 and "was filled by something else" in output, output
     assert quant_config(out)["bits"] == 8
@@ -455,9 +462,12 @@ def test_concurrent_conversions_to_one_output(hf_checkpoint, tmp_path):
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGKILL])
 def test_killed_conversion_leaves_no_output(hf_checkpoint, tmp_path, sig):
     out = tmp_path / "out"
-    proc = start_slow_conversion(hf_checkpoint("llama"), out)
+    proc = start_paused_conversion(hf_checkpoint("llama"), out)
     proc.send_signal(sig)
-    output = proc.communicate(timeout=60)[0]
+    proc.wait(timeout=60)  # stdin stays open: the conversion can only end by the signal
+    output = proc.stdout.read()
+    proc.stdin.close()
+    proc.stdout.close()
     assert proc.returncode != 0, output
     assert not out.exists()
     if sig != signal.SIGKILL:  # a clean stop also removes the hidden partial folder

@@ -20,7 +20,6 @@ from test_convert_gguf import IDS, llama_permute, logits, model_metadata, tokeni
 
 import mlxinfer
 from convert import convert
-from mlxinfer.errors import ConversionError
 
 gguf = pytest.importorskip("gguf")
 from gguf import GGMLQuantizationType as Q  # noqa: E402
@@ -249,17 +248,3 @@ def test_deepseek2_gguf_matches_transformers(hf_checkpoint, tmp_path, variant):
     with torch.no_grad():
         want = model(torch.tensor(IDS)).logits.numpy()
     np.testing.assert_allclose(logits(mlxinfer.load(tmp_path / "out")[0]), want, atol=1e-4, rtol=0)
-
-
-def test_rope_freqs_unlike_llama3_is_refused(hf_checkpoint, tmp_path):
-    """A rope_freqs tensor no Llama 3 setting reproduces is refused, never run with wrong frequencies."""
-    model_type, arch, overrides = FAMILIES["llama3-rope-freqs"]
-    src = hf_checkpoint(model_type, **overrides)
-    write_family_gguf(tmp_path / "model.gguf", src, arch)
-    data = bytearray((tmp_path / "model.gguf").read_bytes())
-    freqs = llama3_rope_freqs(src).tobytes()
-    at = data.index(freqs)
-    data[at : at + 4] = np.float32(1.5).tobytes()  # the highest frequency, which Llama 3 never scales
-    (tmp_path / "bad.gguf").write_bytes(bytes(data))
-    with pytest.raises(ConversionError, match="rope_freqs tensor does not match Llama 3 rope scaling"):
-        convert(tmp_path / "bad.gguf", tmp_path / "out")

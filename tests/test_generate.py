@@ -1,17 +1,27 @@
 """The generation loop against oracles: greedy recomputation from full-sequence
-logits (numpy argmax), mlx-lm's greedy generate, explicit sink-window masks."""
+logits (numpy argmax), mlx-lm's greedy generate, explicit sink-window masks; the
+log-probabilities a constrained reply reports against the `regex` package's partial
+matching, and a model whose logits are all NaN."""
 
 from __future__ import annotations
+
+import json
+import re
 
 import mlx.core as mx
 import numpy as np
 import pytest
+import regex
+from scipy.special import logsumexp
 
 import mlxinfer
+from mlxinfer.batch import BatchGenerator
 from mlxinfer.cache import PromptCache, load_prompt_cache, save_prompt_cache
-from mlxinfer.errors import InvalidOptionError
-from mlxinfer.generate import StopMatcher, stream_generate
+from mlxinfer.decode import chosen_logprobs
+from mlxinfer.errors import InvalidOptionError, SamplingError
+from mlxinfer.generate import StopMatcher, stream_generate, top_logprobs
 
+from conftest import VOCAB
 from test_cache import SinkWindowOracle
 
 
@@ -181,9 +191,14 @@ def test_prompt_longer_than_context(hf_checkpoint):
     assert out[-1].stats.generated_tokens == 2
 
 
-def test_greedy_with_penalties_equals_numpy_recomputation(loaded):
+@pytest.mark.parametrize("rep,pres,freq,bias", [
+    (1.5, 0.3, 0.2, {}),
+    (0.01, -2.0, -2.0, {7: 100.0, 300: -100.0}),  # every option at the end of its range: nothing overflows
+    (100.0, 2.0, 2.0, {7: -100.0, 300: 100.0}),
+])
+def test_greedy_with_penalties_equals_numpy_recomputation(loaded, rep, pres, freq, bias):
     model, tok = loaded
-    rep, pres, freq, window = 1.5, 0.3, 0.2, 6
+    window = 6
     seq = list(PROMPT)
     for _ in range(12):
         logits = np.array(model(mx.array([seq]))[0, -1], dtype=np.float64)
@@ -191,7 +206,117 @@ def test_greedy_with_penalties_equals_numpy_recomputation(loaded):
         seen = counts > 0
         logits[seen] = np.where(logits[seen] > 0, logits[seen] / rep, logits[seen] * rep)
         logits -= pres * seen + freq * counts
+        for t, b in bias.items():
+            logits[t] += b
         seq.append(int(logits.argmax()))
-    out = tokens_of(stream_generate(model, tok, PROMPT, max_tokens=12, ignore_eos=True, repetition_penalty=rep,
-                                    presence_penalty=pres, frequency_penalty=freq, penalty_window=window))
-    assert out == seq[len(PROMPT):]
+    chunks = list(stream_generate(model, tok, PROMPT, max_tokens=12, ignore_eos=True, repetition_penalty=rep,
+                                  presence_penalty=pres, frequency_penalty=freq, penalty_window=window,
+                                  logit_bias=bias, logprobs=3))
+    assert tokens_of(chunks) == seq[len(PROMPT):]
+    json.dumps([(c.logprob, c.top_logprobs) for c in chunks], allow_nan=False)
+
+
+# ---- log-probabilities are finite; an empty distribution is an error, never token 0 --------------------------
+
+def test_chosen_and_top_logprobs_of_non_finite_rows_are_their_limits():
+    """Against numpy's log-softmax of each row's limit (NaN as -inf, +inf rows even among
+    their +inf): the drawn token's log-probability is finite, and the top list holds only
+    tokens that could be drawn."""
+    inf, nan = np.inf, np.nan
+    rows = np.array([[nan, 1.0, 2.0, -inf, 0.5], [1.0, inf, nan, inf, -inf], [-inf, 3.0, -inf, -inf, -inf]], np.float32)
+    limit = np.where(np.isnan(rows), -inf, rows.astype(np.float64))
+    limit[1] = np.where(limit[1] == inf, 0.0, -inf)
+    expected = limit - logsumexp(limit, axis=-1, keepdims=True)
+    tokens = np.array([2, 3, 1])
+    chosen, whole = chosen_logprobs(mx.array(rows), mx.array(tokens))
+    np.testing.assert_allclose(np.array(chosen), expected[np.arange(3), tokens], atol=1e-6)
+    for i in range(3):
+        top = top_logprobs(whole[i], 5)
+        legal = np.isfinite(expected[i])
+        assert len(top) == legal.sum() and all(legal[t] for t, _ in top)
+        np.testing.assert_allclose([lp for _, lp in top], np.sort(expected[i][legal])[::-1], atol=1e-6)
+
+
+PATTERN = "[qz]+"  # in the test tokenizer, exactly two tokens spell only q and z: "q" and "z"
+REGEX = {"type": "regex", "pattern": PATTERN}
+
+
+def legal_after(tok, text: str) -> set[int]:
+    """What may follow `text` under PATTERN, by the `regex` package: a token whose text keeps
+    a partial match, and end of sequence once the text matches whole."""
+    ends = set(tok.eos_token_ids) if re.fullmatch(PATTERN, text) else set()
+    spelled = {t: tok.decode([t]) for t in range(VOCAB)}
+    return ends | {t for t, s in spelled.items() if s and regex.fullmatch(PATTERN, text + s, partial=True)}
+
+
+def check_constrained_logprobs(tok, chunks, k: int) -> None:
+    """Every token's log-probability and top list finite (JSON without NaN or Infinity), and
+    the top list exactly the legal tokens when fewer than k are legal."""
+    text, seen = "", 0
+    for c in chunks:
+        if c.token is None:
+            continue
+        json.dumps({"logprob": c.logprob, "top": c.top_logprobs}, allow_nan=False)
+        legal = legal_after(tok, text)
+        assert len(legal) < k and c.token in legal
+        assert {t for t, _ in c.top_logprobs} == legal, (text, c.top_logprobs)
+        assert c.top_logprobs[0][1] >= c.logprob - 1e-6
+        text += tok.decode([c.token]) if c.token not in tok.eos_token_ids else ""
+        seen += 1
+    assert seen >= 2
+
+
+@pytest.mark.parametrize("sampling", [{}, {"temperature": 1.0, "seed": 3}])
+def test_constrained_logprobs_list_only_legal_tokens(loaded, sampling):
+    model, tok = loaded
+    chunks = list(stream_generate(model, tok, PROMPT, max_tokens=6, logprobs=5, response_format=REGEX, **sampling))
+    check_constrained_logprobs(tok, chunks, 5)
+
+
+def test_batched_constrained_logprobs_list_only_legal_tokens(loaded):
+    """Beside an unconstrained sequence, so the masked row goes through the batched step."""
+    model, tok = loaded
+    engine = BatchGenerator(model, tok)
+    held = engine.submit(PROMPT, max_tokens=6, logprobs=5, response_format=REGEX)
+    free = engine.submit(PROMPT[::-1], max_tokens=6, logprobs=5, ignore_eos=True)
+    chunks: dict[int, list] = {held: [], free: []}
+    for uid, chunk in engine.stream():
+        chunks[uid].append(chunk)
+    check_constrained_logprobs(tok, chunks[held], 5)
+    assert all(len(c.top_logprobs) == 5 for c in chunks[free] if c.token is not None)
+
+
+class NaNLogits:
+    """The model, but every logit NaN (what a float16 model whose activations overflowed gives)."""
+
+    def __init__(self, model):
+        self._model = model
+
+    def __getattr__(self, name):
+        return getattr(self._model, name)
+
+    def __call__(self, *args, **kwargs):
+        return self._model(*args, **kwargs) * float("nan")
+
+
+@pytest.mark.parametrize("options", [{}, {"temperature": 0.8, "seed": 1}, {"response_format": REGEX}],
+                         ids=["greedy", "sampled", "constrained"])
+def test_an_empty_distribution_ends_the_generation_with_an_error(loaded, options):
+    model, tok = loaded
+    chunks = []
+    with pytest.raises(SamplingError, match="sampling distribution is empty") as e:
+        for chunk in stream_generate(NaNLogits(model), tok, PROMPT, max_tokens=4, **options):
+            chunks.append(chunk)
+    assert chunks == [] and "\n" not in str(e.value)
+
+
+
+@pytest.mark.parametrize("options", [{}, {"temperature": 0.8, "seed": 1}, {"response_format": REGEX}],
+                         ids=["greedy", "sampled", "constrained"])
+def test_an_empty_distribution_ends_a_batched_sequence_with_an_error(loaded, options):
+    model, tok = loaded
+    engine = BatchGenerator(NaNLogits(model), tok)
+    engine.submit(PROMPT, max_tokens=3, **options)
+    chunks = [chunk for _, chunk in engine.stream()]
+    assert [(c.token, c.finish_reason) for c in chunks] == [(None, "error")]
+    assert "sampling distribution is empty" in chunks[0].error

@@ -68,6 +68,20 @@ BAD_SAMPLING = [
     (dict(logit_bias={3: "high"}), "logit_bias[3]"),
 ]
 
+# Finite values that overflowed float32 in the sampler (token 0, again and again): each refused
+# with the field, the value and the limit.
+OUT_OF_RANGE = [
+    (dict(temperature=100.5), "temperature must be 0 (greedy) or in [1e-06, 100], got 100.5"),
+    (dict(repetition_penalty=1e-38), "repetition_penalty must be in [0.01, 100], got 1e-38"),
+    (dict(repetition_penalty=101), "repetition_penalty must be in [0.01, 100], got 101"),
+    (dict(presence_penalty=3.4e38), "presence_penalty must be in [-2, 2], got 3.4e+38"),
+    (dict(frequency_penalty=-2.5), "frequency_penalty must be in [-2, 2], got -2.5"),
+    (dict(logit_bias={3: 3e38}), "logit_bias[3] must be in [-100, 100], got 3e+38"),
+    (dict(logit_bias={3: -100.5}), "logit_bias[3] must be in [-100, 100], got -100.5"),
+    (dict(logit_bias={t: 1.0 for t in range(301)}), "logit_bias has 301 entries; at most 300"),
+]
+BAD_SAMPLING += OUT_OF_RANGE
+
 
 @pytest.mark.parametrize("bad,fact", BAD_SAMPLING)
 def test_sampling_config_rejects(bad, fact):
@@ -108,6 +122,8 @@ BAD_GENERATION = [
     (dict(stop=["ok", 3]), "stop"),
     (dict(stop=[""]), "stop"),
     (dict(draft_cache="cache"), "draft_cache"),
+    (dict(stop=[str(i) for i in range(17)]), "stop holds 17 strings; at most 16"),
+    (dict(stop=["x" * 1001]), "a stop string has 1001 characters; at most 1000"),
 ]
 
 
@@ -252,15 +268,15 @@ def test_any_options_give_an_option_error_or_a_generation(loaded, options, promp
 
 
 VALID = {
-    "temperature": st.one_of(st.just(0.0), st.floats(1e-6, 50)),
+    "temperature": st.one_of(st.just(0.0), st.floats(1e-6, 100)),
     "top_p": st.floats(1e-6, 1),
     "top_k": st.one_of(st.integers(0, 4), st.integers(VOCAB - 1, 2**31 - 1)),
     "min_p": st.floats(0, 0.99),
-    "repetition_penalty": st.floats(1e-3, 1e3),
-    "presence_penalty": st.floats(-1e3, 1e3),
-    "frequency_penalty": st.floats(-1e3, 1e3),
+    "repetition_penalty": st.floats(0.01, 100),
+    "presence_penalty": st.floats(-2, 2),
+    "frequency_penalty": st.floats(-2, 2),
     "penalty_window": st.one_of(st.integers(1, 4), st.just(2**31 - 1)),
-    "logit_bias": st.dictionaries(st.integers(0, VOCAB - 1), st.floats(-1e3, 1e3), max_size=3),
+    "logit_bias": st.dictionaries(st.integers(0, VOCAB - 1), st.floats(-100, 100), max_size=3),
     "seed": st.one_of(st.integers(0, 5), st.just(2**64 - 1)),
     "max_tokens": st.integers(0, 5),
     "stop": st.lists(st.text(min_size=1, max_size=2), max_size=2),
@@ -280,9 +296,11 @@ VALID = {
        prompt=st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=12))
 def test_valid_options_at_their_edges_generate(loaded, options, prompt):
     """Values inside the ranges, down to the smallest rotating cache and up to the 32-bit
-    limits, combined with speculation and a quantized cache, all generate."""
+    limits, combined with speculation and a quantized cache, all generate, and every number
+    they report is finite."""
     model, tok = loaded
     chunks = list(stream_generate(model, tok, prompt, **options))
     assert all(0 <= c.token < VOCAB for c in chunks if c.token is not None)
     assert chunks[-1].finish_reason in ("stop", "length")
     assert all(len(c.top_logprobs or ()) <= VOCAB for c in chunks)
+    json.dumps([(c.logprob, c.top_logprobs) for c in chunks], allow_nan=False)

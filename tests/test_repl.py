@@ -12,7 +12,7 @@ import os
 import re
 import shutil
 import sys
-import time
+import threading
 from pathlib import Path
 
 import mlx.core as mx
@@ -262,18 +262,29 @@ def test_drafted_tokens_are_coloured_unless_no_color(tiny, tmp_path, color):
 
 
 class FakeTerminal(io.StringIO):
+    """A terminal that says when the spinner first drew on it."""
+
+    def __init__(self):
+        super().__init__()
+        self.drawn = threading.Event()
+
     def isatty(self) -> bool:
         return True
+
+    def write(self, text: str) -> int:
+        written = super().write(text)
+        self.drawn.set()
+        return written
 
 
 def test_spinner_shows_only_on_a_terminal_and_cleans_up():
     screen = FakeTerminal()
     with spinner("loading model", screen, delay=0.0):
-        time.sleep(0.3)
+        assert screen.drawn.wait(60)  # however busy the machine, the block lasts until the spinner drew
     assert "loading model" in screen.getvalue() and screen.getvalue().endswith("\r\x1b[K")
-    quiet = io.StringIO()
+    quiet, threads = io.StringIO(), threading.active_count()
     with spinner("loading model", quiet, delay=0.0):
-        time.sleep(0.2)
+        assert threading.active_count() == threads  # not a terminal: nothing is started that could draw later
     assert quiet.getvalue() == ""
 
 

@@ -1,5 +1,7 @@
 """Sampling filters against numpy implementations of their definitions, and
-draw frequencies against the filtered distribution (chi-square, fixed seed)."""
+draw frequencies against the filtered distribution (chi-square, fixed seed); rows
+that are not finite against their limit written in numpy, through the sampler, the
+fused reference and the Metal kernel (compiled and run on the CPU)."""
 
 from __future__ import annotations
 
@@ -9,7 +11,9 @@ import pytest
 from scipy import stats
 
 from mlxinfer.errors import InvalidOptionError
-from mlxinfer.sample import Sampler, SamplingConfig, filtered_probs
+from mlxinfer.kernels import sampling
+from mlxinfer.kernels.emulate import build, compiler
+from mlxinfer.sample import NO_TOKEN, Sampler, SamplingConfig, filtered_probs
 
 
 def softmax(x: np.ndarray) -> np.ndarray:
@@ -117,3 +121,86 @@ def test_bad_values_rejected(bad):
     with pytest.raises(InvalidOptionError) as e:
         SamplingConfig(**bad)
     assert list(bad)[0] in str(e.value)
+
+
+# ---- rows that are not finite ---------------------------------------------------------------------------------
+
+inf, nan = np.inf, np.nan
+NON_FINITE = np.array([
+    [nan, 1.0, 2.0, nan, 0.5, -inf, 1.5, 0.0],  # NaN supports nothing: as -inf
+    [1.0, inf, 3.0, nan, inf, -inf, inf, 2.0],  # three +inf: even odds among them, nothing else
+    [3e38, 2.9e38, -3e38, 1e38, -inf, nan, 3e38, 0.0],  # finite, at float32's edge
+    [-inf] * 8,  # nothing left to draw from ...
+    [nan] * 8,
+    [nan, -inf, nan, -inf, -inf, nan, -inf, nan],
+], np.float32)
+EMPTY = [3, 4, 5]
+DRAWN = [i for i in range(len(NON_FINITE)) if i not in EMPTY]
+EXTREME = {
+    "temperature": SamplingConfig(temperature=0.7),
+    "cold": SamplingConfig(temperature=1e-6),  # a finite logit over it overflows float32
+    "combined": SamplingConfig(temperature=0.8, top_k=3, top_p=0.9, min_p=0.02),
+}
+
+
+def np_limit(logits: np.ndarray) -> np.ndarray:
+    """The definition: NaN is -inf; a row holding +inf is the limit of softmax as those logits
+    grow (0 at each +inf, -inf elsewhere); rows of finite numbers as they are (in float64)."""
+    x = np.where(np.isnan(logits), -inf, logits.astype(np.float64))
+    top = x == inf
+    return np.where(top.any(-1, keepdims=True), np.where(top, 0.0, -inf), x)
+
+
+def test_greedy_takes_the_limits_argmax_and_no_token_from_an_empty_row():
+    tokens = np.array(Sampler(SamplingConfig())(mx.array(NON_FINITE))).tolist()
+    expected = [NO_TOKEN if i in EMPTY else int(np.argmax(np_limit(NON_FINITE[i]))) for i in range(len(NON_FINITE))]
+    assert tokens == expected
+
+
+@pytest.mark.parametrize("name", sorted(EXTREME))
+def test_filtered_distribution_of_non_finite_rows_is_their_limits(name):
+    cfg = EXTREME[name]
+    ours = np.array(filtered_probs(mx.array(NON_FINITE), cfg))
+    np.testing.assert_allclose(ours[DRAWN], np_filtered(np_limit(NON_FINITE[DRAWN]), cfg), atol=1e-6)
+    assert not ours[EMPTY].any(), "a row with nothing to draw from has no distribution"
+
+
+@pytest.mark.parametrize("name", sorted(EXTREME))
+def test_draws_from_non_finite_rows_follow_their_limits(name):
+    """Every draw is a token the limit distribution gives mass to (chi-square where it
+    gives mass to several); an empty row draws NO_TOKEN, never token 0."""
+    cfg = SamplingConfig(**{**EXTREME[name].__dict__, "seed": 99})
+    draws = 3000
+    for i, row in enumerate(NON_FINITE):
+        tokens = np.array(Sampler(cfg)(mx.broadcast_to(mx.array(row[None]), (draws, row.size))))
+        if i in EMPTY:
+            assert (tokens == NO_TOKEN).all(), f"row {i}"
+            continue
+        expected = np_filtered(np_limit(row[None]), cfg)[0]
+        assert tokens.min() >= 0 and expected[tokens].min() > 0, f"row {i}: drew a token of no mass"
+        support = expected > 0
+        if support.sum() > 1:
+            counts = np.bincount(tokens, minlength=row.size)[support]
+            assert stats.chisquare(counts, expected[support] * draws).pvalue > 1e-3, f"row {i}"
+
+
+@pytest.mark.skipif(compiler() is None, reason="no C++ compiler (g++) to build the Metal emulation")
+def test_metal_kernel_draws_non_finite_rows_as_the_reference_does(tmp_path):
+    """The Metal source, compiled for the CPU: NaN, +inf and empty rows as the reference reads
+    them, token for token, at the same uniforms."""
+    rng = np.random.default_rng(10)
+    logits = mx.array(np.repeat(NON_FINITE, 4, axis=0))
+    emulated = None
+    for params in (sampling.SamplingParams(0.7), sampling.SamplingParams(1e-6), sampling.SamplingParams(0.8, 3, 0.9),
+                   sampling.SamplingParams(1.0, min_p=0.1)):
+        for _ in range(3):
+            u = mx.array(rng.random(logits.shape[0]).astype(np.float32))
+            launch = sampling.launch(logits, u, params, threads=64)
+            emulated = emulated or build(sampling.KERNEL, launch, tmp_path)
+            got = emulated.run(launch)[0]
+            assert got.tolist() == np.array(sampling.reference(logits, u, params)).tolist(), params
+            rows = np.repeat(np.arange(len(NON_FINITE)), 4)
+            assert all((got[j] == NO_TOKEN) == (rows[j] in EMPTY) for j in range(got.size))
+            limit = np_limit(np.array(logits))
+            assert all(np.isfinite(limit[j, got[j]]) for j in range(got.size) if got[j] != NO_TOKEN)
+

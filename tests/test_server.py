@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
-import os
 import signal
 import socket
 import subprocess
@@ -26,66 +25,11 @@ from click.testing import CliRunner
 import mlxinfer
 from convert import convert
 from mlxinfer.cli import main
+from serving import KEY, Server, answers_health, free_port, marker, post  # noqa: F401 (test_shard imports two)
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
-KEY = "test-key"
 HERE = Path(__file__).parent
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def answers_health(url: str, proc: subprocess.Popen, seconds: float) -> bool:
-    """Wait until the server at `url` answers /health (True) or `seconds` pass (False); fail
-    at once with its output if its process exits first."""
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        try:
-            urllib.request.urlopen(f"{url}/health", timeout=1)
-            return True
-        except (urllib.error.URLError, ConnectionError):
-            if proc.poll() is not None:
-                pytest.fail(f"the server exited: {proc.communicate()}")
-            time.sleep(0.1)
-    return False
-
-
-class Server:
-    """A `serve` subprocess on a free loopback port, ready when /health answers."""
-
-    def __init__(self, args: list[str], env: dict[str, str] | None = None, script: list[str] | None = None):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        command = script or [sys.executable, "-m", "mlxinfer.cli"]
-        self.proc = subprocess.Popen([*command, "serve", "--port", str(self.port), *args], stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, text=True, env={**os.environ, **(env or {})})
-        if not answers_health(self.url, self.proc, 60):
-            self.proc.kill()
-            pytest.fail("the server did not start in 60 s")
-
-    def health(self) -> dict:
-        return json.load(urllib.request.urlopen(f"{self.url}/health", timeout=5))
-
-    def wait_for(self, condition, seconds: float = 5.0) -> dict:
-        deadline = time.monotonic() + seconds
-        while True:
-            health = self.health()
-            if condition(health) or time.monotonic() > deadline:
-                return health
-            time.sleep(0.05)
-
-    def stop(self, sig: int = signal.SIGINT) -> tuple[int, str]:
-        self.proc.send_signal(sig)
-        try:
-            rc = self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            rc = self.proc.wait()
-        return rc, self.proc.stdout.read()
 
 
 @pytest.fixture(scope="module")
@@ -98,11 +42,6 @@ def server(tiny):
 @pytest.fixture(scope="module")
 def tokenizer(loaded):
     return loaded[1]
-
-
-def marker(tokenizer, word: str) -> list[int]:
-    """Token ids that `word` becomes inside a sentence (its first and last piece may merge with neighbours)."""
-    return tokenizer.encode(f" {word} ", add_special_tokens=False)[1:-1]
 
 
 FAULTY_PREFILL, FAULTY_EMIT = "zebrafaultprefill", "zebrafaultemit"
@@ -147,19 +86,6 @@ def user(text: str) -> list[dict]:
 
 def chat(client, text: str, **kwargs):
     return client.chat.completions.create(model="tiny", messages=user(text), temperature=0, **kwargs)
-
-
-def post(url: str, body: bytes | dict, key: str | None = KEY, path: str = "/v1/chat/completions",
-         headers: dict | None = None) -> tuple[int, dict, dict]:
-    """(status, JSON body, headers) of a raw POST."""
-    data = body if isinstance(body, bytes) else json.dumps(body).encode()
-    h = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {}), **(headers or {})}
-    request = urllib.request.Request(url + path, data=data, headers=h)
-    try:
-        with urllib.request.urlopen(request, timeout=60) as r:
-            return r.status, json.load(r), dict(r.headers)
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read() or b"{}"), dict(e.headers)
 
 
 # --- completions equal the engine run in-process ---
@@ -297,7 +223,7 @@ def test_malformed_bodies_are_400_naming_the_field(server):
 def test_body_size_limit(server):
     """Refused from its Content-Length, before the body is read."""
     with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
-        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                      + f"Authorization: Bearer {KEY}\r\nContent-Length: {5 << 20}\r\n\r\n".encode())
         reply = b""
         while b"bytes" not in reply and (more := sock.recv(65536)):  # headers and body may come apart
@@ -361,7 +287,7 @@ def open_stream(url: str, body: dict) -> socket.socket:
     data = json.dumps({**body, "stream": True}).encode()
     host, port = url.removeprefix("http://").split(":")
     sock = socket.create_connection((host, int(port)), timeout=30)
-    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                  + f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
     return sock
 
@@ -388,7 +314,7 @@ def test_a_client_that_disconnects_mid_stream_is_cancelled(slow, slow_client):
 def test_a_non_streaming_client_that_hangs_up_is_cancelled(slow):
     data = json.dumps({"messages": user("keep talking"), "max_tokens": 200, "temperature": 0}).encode()
     sock = socket.create_connection(("127.0.0.1", slow.port), timeout=30)
-    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                  + f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
     assert slow.wait_for(lambda h: h["active"] == 1)["active"] == 1
     sock.close()

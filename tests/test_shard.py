@@ -9,6 +9,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -26,6 +27,7 @@ from test_parity import VARIANTS as PARITY
 
 import mlxinfer
 from mlxinfer.errors import ConfigError, InvalidOptionError
+from mlxinfer.inspection import render
 from mlxinfer.shard import resident_bytes, shard_config
 
 HERE = Path(__file__).parent
@@ -98,19 +100,77 @@ def checkpoint(hf_checkpoint, family: str, **more) -> Path:
     return hf_checkpoint(arch, **{**overrides, **more})
 
 
-def check(ranks: list[dict], folder: Path, dtype: str | None = "float32") -> None:
+def tensor_bytes(folder: Path) -> dict[str, int]:
+    """Every tensor's byte count, read straight from the safetensors headers."""
+    out = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        with open(file, "rb") as f:
+            header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+        out.update({name: meta["data_offsets"][1] - meta["data_offsets"][0]
+                    for name, meta in header.items() if name != "__metadata__"})
+    return out
+
+
+SPLIT = re.compile(r"\.(q_proj|gate_proj|up_proj)\.|\.(o_proj|down_proj)\.(weight|scales|biases)$")
+KV_PROJ = re.compile(r"\.(k_proj|v_proj)\.")
+VOCAB_ROWS = re.compile(r"(embed_tokens|lm_head)\.")
+
+
+def kv_heads(folder: Path, ranks: int) -> dict[str, int] | None:
+    """How the KV heads should sit on `ranks` ranks (the vLLM rule): split when they divide,
+    else each copied to ranks / heads ranks; None for latent attention (no KV heads)."""
+    config = json.loads((folder / "config.json").read_text())
+    if config.get("kv_lora_rank"):
+        return None
+    kv = config.get("num_key_value_heads") or config["num_attention_heads"]
+    return {"total": kv, "here": max(kv // ranks, 1), "replicas": max(ranks // kv, 1)}
+
+
+def rank_bytes(folder: Path, ranks: int) -> int:
+    """One rank's weight bytes for a dense model, from the checkpoint's shapes: 1/ranks of every
+    attention and MLP matrix (and of the vocabulary when it divides), its KV heads' rows of the K/V
+    projections (whole heads, so the share is over 1/ranks when they are copied), norms whole."""
+    config = json.loads((folder / "config.json").read_text())
+    kv = kv_heads(folder, ranks)
+    total = 0
+    for name, size in tensor_bytes(folder).items():
+        if KV_PROJ.search(name):
+            total += size * kv["here"] // kv["total"]
+        elif SPLIT.search(name) or (VOCAB_ROWS.search(name) and config["vocab_size"] % ranks == 0):
+            total += size // ranks
+        else:
+            total += size
+    return total
+
+
+def check(ranks: list[dict], folder: Path, dtype: str | None = "float32", exact_bytes: bool = False) -> None:
+    """Logits and greedy tokens equal one process's on every rank, each rank's KV cache holds its
+    KV heads only, and each rank holds its share of the weight bytes: about 1/N, or, for a dense
+    model (`exact_bytes`), exactly what the checkpoint's shapes give."""
     logits, tokens, total = alone(folder, dtype)
+    n = ranks[0]["size"]
+    kv = kv_heads(folder, n)
+    if exact_bytes:
+        assert rank_bytes(folder, 1) == total  # the header's accounting covers the whole model
     for r in ranks:
         np.testing.assert_allclose(np.array(r["logits"]), logits, atol=1e-4, rtol=0, err_msg=f"rank {r['rank']}")
         assert r["tokens"] == tokens, f"rank {r['rank']}"
+        if exact_bytes:
+            assert r["bytes"] == rank_bytes(folder, n), f"rank {r['rank']}"
         share = r["bytes"] / total
-        assert abs(share - 1 / r["size"]) < 0.05, f"rank {r['rank']} holds {share:.1%} of the weights"
+        assert abs(share - 1 / n) < 0.05, f"rank {r['rank']} holds {share:.1%} of the weights"
+        assert r["layout"]["kv_heads"] == kv, f"rank {r['rank']}"
+        if kv is not None:
+            assert set(r["cached_kv_heads"]) == {kv["here"]}, f"rank {r['rank']}"
+
+
+DENSE = ("llama", "qwen3", "gemma3_text")
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_two_ranks_equal_one_process(can_launch, hf_checkpoint, tmp_path, family):
     folder = checkpoint(hf_checkpoint, family)
-    check(sharded(folder, tmp_path, 2), folder)
+    check(sharded(folder, tmp_path, 2), folder, exact_bytes=family in DENSE)
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3_text", "mixtral", "qwen3_moe", "deepseek_v3"])
@@ -118,13 +178,34 @@ def test_two_ranks_equal_one_process_4bit(can_launch, hf_checkpoint, mlx_lm_quan
     # each rank's half of an expert's 64 columns: one whole group of 32
     wider = {"moe_intermediate_size": 64} if family in ("qwen3_moe", "deepseek_v3") else {}
     folder = mlx_lm_quantized(checkpoint(hf_checkpoint, family, **wider), bits=4, group_size=32)
-    check(sharded(folder, tmp_path, 2, None), folder, None)
+    check(sharded(folder, tmp_path, 2, None), folder, None, exact_bytes=family in DENSE)
 
 
 def test_four_ranks_where_the_heads_divide(can_launch, hf_checkpoint, tmp_path):
     arch, overrides = PARITY["llama-gqa4"]
     folder = hf_checkpoint(arch, **{**overrides, "num_key_value_heads": 4})
-    check(sharded(folder, tmp_path, 4), folder)
+    check(sharded(folder, tmp_path, 4), folder, exact_bytes=True)
+
+
+# Fewer KV heads than ranks (Gemma 3 1B has 1, Qwen2.5-0.5B 2): each rank keeps the KV head its
+# query heads read, copied whole, and only that head in its cache.
+REPLICATED = {
+    "llama-1-kv-head-2-ranks": ("llama", {"num_key_value_heads": 1}, 2),
+    "qwen2-2-kv-heads-4-ranks": ("qwen2", {"num_attention_heads": 8, "num_key_value_heads": 2}, 4),  # q/k/v bias
+    "gemma3_text-1-kv-head-2-ranks": ("gemma3_text", {**GEMMA["gemma3_text"][1], "num_key_value_heads": 1}, 2),
+}
+
+
+@pytest.mark.parametrize("case", sorted(REPLICATED))
+def test_fewer_kv_heads_than_ranks_are_replicated(can_launch, hf_checkpoint, tmp_path, case):
+    arch, overrides, ranks = REPLICATED[case]
+    folder = hf_checkpoint(arch, **overrides)
+    check(sharded(folder, tmp_path, ranks), folder, exact_bytes=True)
+
+
+def test_fewer_kv_heads_than_ranks_4bit(can_launch, hf_checkpoint, mlx_lm_quantized, tmp_path):
+    folder = mlx_lm_quantized(hf_checkpoint("llama", num_key_value_heads=1), bits=4, group_size=32)
+    check(sharded(folder, tmp_path, 2, None), folder, None, exact_bytes=True)
 
 
 def test_quantization_groups_that_do_not_split_are_refused(can_launch, hf_checkpoint, mlx_lm_quantized, tmp_path):
@@ -144,13 +225,19 @@ def test_ranks_with_different_model_files_refuse(can_launch, hf_checkpoint, tmp_
 
 
 def test_sizes_that_do_not_divide_are_refused_naming_what_works():
-    config = {"num_attention_heads": 8, "num_key_value_heads": 2, "hidden_size": 64, "intermediate_size": 96}
+    # Qwen2.5-1.5B's sizes: on 3 ranks the 12 query heads divide, but 3 ranks can neither split its
+    # 2 KV heads nor hold whole copies of them (rank 1's query heads 4-7 read both)
+    config = {"num_attention_heads": 12, "num_key_value_heads": 2, "hidden_size": 1536, "intermediate_size": 8960}
     with pytest.raises(ConfigError) as e:
-        shard_config(config, 4)
-    assert "2 KV heads" in str(e.value) and "use 1, 2 ranks" in str(e.value)
+        shard_config(config, 3)
+    assert "2 KV heads" in str(e.value) and "3 ranks" in str(e.value) and "use 1, 2, 4 ranks" in str(e.value)
+    with pytest.raises(ConfigError, match="12 attention heads .* use 1, 2, 4 ranks"):
+        shard_config(config, 8)
+    with pytest.raises(ConfigError, match="intermediate_size 8960 .* use 1, 2, 4 ranks"):
+        shard_config(config, 6)
     with pytest.raises(ConfigError, match="6 attention heads"):  # latent attention: the heads are what split
         shard_config({**config, "num_attention_heads": 6, "kv_lora_rank": 16}, 4)
-    assert shard_config(config, 2)["num_key_value_heads"] == 1 and shard_config(config, 2)["head_dim"] == 8
+    assert shard_config(config, 2)["num_key_value_heads"] == 1 and shard_config(config, 2)["head_dim"] == 128
 
 
 def test_one_process_and_bad_modes(loaded, tiny):
@@ -214,7 +301,7 @@ def test_chat_under_mlx_launch_equals_one_process(can_launch, chatty, split, sam
 
 @pytest.mark.parametrize("split", ["tensor", "pipeline"])
 def test_inspect_under_mlx_launch_shows_the_sharding(can_launch, hf_checkpoint, split):
-    folder = hf_checkpoint("llama", head_dim=32, num_hidden_layers=3)
+    folder = hf_checkpoint("llama", head_dim=32, num_hidden_layers=3, num_key_value_heads=1)  # multi-query
     args = ["inspect", "-m", str(folder), "--dtype", "float32", "hello there", "--steps", "3", "--json"]
     one = json.loads(subprocess.run([mlxinfer_cli(), *args], capture_output=True, text=True, check=True).stdout)
     done = launch(2, "--", mlxinfer_cli(), *args, *(["--pipeline"] if split == "pipeline" else []))
@@ -226,9 +313,11 @@ def test_inspect_under_mlx_launch_shows_the_sharding(can_launch, hf_checkpoint, 
     assert (s["mode"], s["ranks"], s["rank"]) == (split, 2, 0)
     total = resident_bytes(mlxinfer.load(folder, dtype="float32")[0])
     if split == "tensor":
-        assert all(abs(b / total - 0.5) < 0.05 for b in s["weight_bytes"]) and s["layers"] == [3, 3]
+        assert s["weight_bytes"] == [rank_bytes(folder, 2)] * 2 and s["layers"] == [3, 3]
+        assert s["kv_heads"] == {"total": 1, "here": 1, "replicas": 2}
+        assert "KV heads: 1, replicated on 2 ranks" in render(got, "t")
     else:
-        assert sorted(s["layers"]) == [1, 2] and sum(s["weight_bytes"]) > total
+        assert sorted(s["layers"]) == [1, 2] and sum(s["weight_bytes"]) > total and s["kv_heads"] is None
     assert s["sent_per_token"] > 0
 
 

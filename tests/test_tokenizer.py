@@ -103,17 +103,15 @@ def pair() -> Callable[[str], Pair]:
 
 
 def variant(tmp_path: Path, name: str, config_changes: dict[str, Any] | None = None, **files: Any) -> Path:
-    """A copy of fixture `name` (tokenizer.json linked, not copied) with its config edited and extra files.
+    """A copy of fixture `name` with its config edited and extra files (a copy: a link out of
+    the folder is refused).
 
     `files` maps file names (dots as `__`) to JSON-able content or text.
     """
     folder = tmp_path / f"{name}-variant"
     folder.mkdir()
     for src in (FIXTURES / name).iterdir():
-        if src.name == "tokenizer.json":
-            (folder / src.name).symlink_to(src)
-        else:
-            shutil.copy(src, folder / src.name)
+        shutil.copy(src, folder / src.name)
     config = json.loads((folder / "tokenizer_config.json").read_text())
     config.update(config_changes or {})
     (folder / "tokenizer_config.json").write_text(json.dumps(config))
@@ -344,6 +342,14 @@ def test_chat_template_jinja_file_takes_precedence(tmp_path, pair):
     folder = variant(tmp_path, "smollm2", chat_template__jinja=template)
     ours, hf = load_tokenizer_from_dir(folder), hf_load(folder)
     assert ours.chat_template == template
+    assert_same_rendering(ours, hf, MULTI, add_generation_prompt=True)
+
+
+def test_chat_template_jinja_file_with_windows_line_ends_reads_as_transformers_does(tmp_path):
+    folder = variant(tmp_path, "smollm2")
+    (folder / "chat_template.jinja").write_bytes(b"{% for m in messages %}{{ m.content }}\r\n{% endfor %}\r>")
+    ours, hf = load_tokenizer_from_dir(folder), hf_load(folder)
+    assert ours.chat_template == hf.chat_template
     assert_same_rendering(ours, hf, MULTI, add_generation_prompt=True)
 
 

@@ -234,3 +234,32 @@ def test_chat_session_offers_tools_every_turn(roomy):
     jsonschema.validate(last.tool_calls[0].arguments, PARAMETERS[last.tool_calls[0].name])
     session.set_option("tool_choice", "none")
     assert list(session.send("thanks"))[-1].tool_calls is None
+
+
+ITEM = {"type": "object", "properties": {"n": {"type": "integer"},
+                                         "child": {"anyOf": [{"$ref": "#/$defs/Item"}, {"type": "null"}]}},
+        "required": ["n", "child"], "additionalProperties": False}
+NESTED = {"type": "object", "properties": {"item": {"$ref": "#/$defs/Item"}}, "required": ["item"],
+          "additionalProperties": False, "$defs": {"Item": ITEM}}
+
+
+@pytest.mark.parametrize("count", [1, 2])
+def test_parameters_with_defs_and_refs_are_enforced(loaded, count):
+    """Pydantic writes nested models as `$defs` + `$ref`: they resolve inside the call
+    grammar, for one function and under anyOf for several (before: "Pointer '/$defs/Item'
+    does not exist"). `jsonschema` says which arguments are valid."""
+    _, tok = loaded
+    tools = [{"type": "function", "function": {"name": f"f{i}", "parameters": NESTED}} for i in range(count)]
+    fmt = plan(tok, tools, "required").grammar
+    good = {"item": {"n": 1, "child": {"n": 2, "child": None}}}
+    bad = {"item": {"n": 1, "child": {"n": "two", "child": None}}}
+    jsonschema.validate(good, NESTED)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(bad, NESTED)
+    for arguments, valid in ((good, True), (bad, False)):
+        c = Constraint(fmt, tok, tok.vocab_size)
+        ids = tok.encode(json.dumps({"name": f"f{count - 1}", "arguments": arguments}), add_special_tokens=False)
+        taken = c.valid_prefix(ids)
+        for t in ids[:taken]:
+            c.accept(t)
+        assert (taken == len(ids) and c.complete) == valid

@@ -287,6 +287,97 @@ def test_weights_linked_from_outside_are_refused(llama, copy_checkpoint, tmp_pat
     assert "outside the model folder" in one_line(e)
 
 
+SECRET = "SECRET-7f3a"  # stands for a private file's content: it must reach no prompt and no converted output
+OUTSIDE = {  # a valid stand-in for each file a checkpoint may hold, so following the link would go unnoticed
+    "chat_template.jinja": SECRET + "{% for m in messages %}{{ m['content'] }}{% endfor %}",
+    "chat_template.json": json.dumps({"chat_template": SECRET + "{{ messages[0]['content'] }}"}),
+    "special_tokens_map.json": json.dumps({"eos_token": "<|im_end|>", "additional_special_tokens": [SECRET]}),
+}
+
+
+@pytest.mark.parametrize("name", ["chat_template.jinja", "tokenizer_config.json", "special_tokens_map.json",
+                                  "generation_config.json", "tokenizer.json", "chat_template.json", "config.json",
+                                  "model.safetensors.index.json"])
+def test_a_file_linked_from_outside_is_refused_by_load_and_convert(llama, copy_checkpoint, tmp_path, name):
+    """Every file read from a checkpoint, not only the weights: a link out of the folder is one line
+    naming the file, for loading, for the tokenizer alone, for listing and for `convert`, which
+    writes nothing."""
+    from convert import convert
+    from mlxinfer.store import describe
+
+    folder = copy_checkpoint(llama)
+    outside = tmp_path / "private" / name
+    outside.parent.mkdir()
+    if name == "model.safetensors.index.json":
+        outside.write_text(json.dumps({"weight_map": dict.fromkeys(mx.load(str(folder / "model.safetensors")),
+                                                                   "model.safetensors")}))
+    elif name in OUTSIDE:
+        outside.write_text(OUTSIDE[name])
+    else:
+        content = json.loads((folder / name).read_text()) if name.endswith(".json") else None
+        if isinstance(content, dict) and name != "tokenizer.json":
+            content["note"] = SECRET
+            outside.write_text(json.dumps(content))
+        else:
+            shutil.copyfile(folder / name, outside)
+        (folder / name).unlink()
+    os.symlink(outside, folder / name)
+
+    loaders = [lambda: mlxinfer.load(folder), lambda: convert(folder, tmp_path / "out")]
+    if name != "model.safetensors.index.json":
+        loaders.append(lambda: mlxinfer.load_tokenizer(folder))
+    for load in loaders:
+        with pytest.raises(CorruptCheckpointError) as e:
+            load()
+        assert name in one_line(e) and "outside the model folder" in one_line(e)
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out.*"))
+    if name in ("config.json", "model.safetensors.index.json"):  # what `mlxinfer models` reads
+        assert describe("x", "folder", folder).family == "broken"
+
+
+def test_a_hugging_face_cache_snapshot_links_into_its_blobs(llama, tmp_path):
+    """The HF cache's own layout (snapshots/<rev>/file -> ../../blobs/<hash>) loads and converts;
+    a snapshot file linking into another repo's blobs does not."""
+    from convert import convert
+
+    repo = tmp_path / "hub" / "models--org--tiny"
+    snapshot = repo / "snapshots" / "0123abcd"
+    (repo / "blobs").mkdir(parents=True)
+    snapshot.mkdir(parents=True)
+    for f in llama.iterdir():
+        blob = f"blob-{f.name}"
+        shutil.copyfile(f, repo / "blobs" / blob)
+        os.symlink(Path("..", "..", "blobs", blob), snapshot / f.name)
+    model, tok = mlxinfer.load(snapshot)
+    assert tok.encode("hello there") == mlxinfer.load_tokenizer(llama).encode("hello there")
+    convert(snapshot, tmp_path / "out")
+    assert (tmp_path / "out" / "tokenizer.json").read_bytes() == (llama / "tokenizer.json").read_bytes()
+    assert not (tmp_path / "out" / "tokenizer.json").is_symlink()
+
+    other = tmp_path / "hub" / "models--org--other" / "blobs"
+    other.mkdir(parents=True)
+    shutil.copyfile(llama / "tokenizer.json", other / "stray")
+    (snapshot / "tokenizer.json").unlink()
+    os.symlink(Path("..", "..", "..", "models--org--other", "blobs", "stray"), snapshot / "tokenizer.json")
+    with pytest.raises(CorruptCheckpointError, match="outside the model folder"):
+        mlxinfer.load_tokenizer(snapshot)
+
+
+@pytest.mark.parametrize("content", [b"{not json", b'{"model": {"type": "BPE"}}', b"\xff\xfe"])
+def test_a_malformed_tokenizer_fails_the_conversion_not_the_first_load(llama, copy_checkpoint, tmp_path, content):
+    from click.testing import CliRunner
+
+    from mlxinfer.cli import main
+
+    folder = copy_checkpoint(llama)
+    (folder / "tokenizer.json").write_bytes(content)
+    result = CliRunner().invoke(main, ["convert", str(folder), "-o", str(tmp_path / "out")])
+    assert result.exit_code == 1
+    assert result.output.count("\n") == 1 and result.output.startswith("error: "), result.output
+    assert "tokenizer.json" in result.output and "nothing was written" in result.output, result.output
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out.*"))
+
+
 def test_index_outside_the_folder_is_refused_by_convert(llama, copy_checkpoint, tmp_path):
     from convert import convert
 
@@ -325,8 +416,8 @@ def test_fuzzed_tokenizer_files_only_raise_mlxinfer_errors(llama, data):
     content = data.draw(mutated(original, rounds=2))
     with scratch() as folder:
         for f in llama.iterdir():
-            if f.name != name:
-                os.symlink(f, folder / f.name)
+            if f.name != name and f.suffix != ".safetensors":
+                shutil.copyfile(f, folder / f.name)
         (folder / name).write_text(json.dumps(content))
         try:
             tok = load_tokenizer_from_dir(folder)
@@ -348,8 +439,11 @@ def test_models_lists_a_broken_folder_as_broken(llama, tmp_path):
     (tmp_path / "bad-config" / "config.json").write_text("[1, 2]")
     shutil.copytree(llama, tmp_path / "bad-header")
     write_safetensors(tmp_path / "bad-header" / "model.safetensors", {"w": {"dtype": "F32", "shape": [1]}})
+    shutil.copytree(llama, tmp_path / "linked-out", ignore=shutil.ignore_patterns("*.safetensors"))
+    os.symlink(llama / "model.safetensors", tmp_path / "linked-out" / "model.safetensors")
     found = {Path(m.path).name: m for m in local_models([tmp_path])}
-    assert set(found) == {"good", "bad-config", "bad-header"}
+    assert set(found) == {"good", "bad-config", "bad-header", "linked-out"}
+    assert found["linked-out"].family == "broken" and "outside the model folder" in found["linked-out"].error
     assert found["good"].family == "llama" and found["good"].error is None
     assert found["bad-config"].family == "broken" and "JSON object" in found["bad-config"].error
     assert found["bad-header"].family == "broken" and "data_offsets" in found["bad-header"].as_dict()["error"]

@@ -10,6 +10,11 @@ smallest t whose mass above is below p of the top-k mass); min-p keeps
 e >= min_p. Ties at a cut-off are all kept, as the filters below do. The draw
 is the inverse CDF at a uniform u per row, so the kernel and the reference map
 the same u to the same token.
+
+Rows need not be finite (a model's logits can overflow, a mask leaves -inf): NaN
+counts as -inf, a row holding +inf draws evenly among its +inf entries (the limit
+of softmax as they grow), and a row with nothing left draws `NO_TOKEN`, never a
+token the distribution did not choose.
 """
 
 from __future__ import annotations
@@ -24,12 +29,29 @@ from .common import HELPERS, ROW_PREAMBLE, inverse_cdf
 from .metal import Launch, MetalKernel
 
 NEG_INF = float("-inf")
+NO_TOKEN = -1  # what a draw gives for a row with nothing to draw from (every logit -inf or NaN)
 Filter = Callable[[mx.array], mx.array]
 THREADS = 1024
 
 
+def finite(logits: mx.array) -> mx.array:
+    """Logits [B, V] every filter and draw can take: NaN becomes -inf (nothing supports the
+    token), and a row holding +inf becomes 0 at its +inf entries and -inf elsewhere (softmax's
+    limit as those logits grow: even odds among them), so no step ever computes inf - inf."""
+    logits = mx.where(mx.isnan(logits), NEG_INF, logits)
+    top = logits == float("inf")
+    return mx.where(top.any(axis=-1, keepdims=True), mx.where(top, 0.0, NEG_INF), logits)
+
+
+def empty_rows(logits: mx.array) -> mx.array:
+    """Rows [B] of `finite` logits that hold nothing to draw: every entry -inf."""
+    return (logits == NEG_INF).all(axis=-1)
+
+
 def temperature(t: float) -> Filter:
-    return lambda logits: logits / t
+    """Logits divided by t, shifted so the largest is 0 first: a finite logit over a small t
+    would overflow to +inf, but a difference from the maximum only falls towards -inf."""
+    return lambda logits: (logits - logits.max(axis=-1, keepdims=True)) / t
 
 
 def top_k(k: int) -> Filter:
@@ -98,17 +120,19 @@ def _compiled_reference(params: SamplingParams) -> Callable[[mx.array, mx.array]
     chain = warp_chain(params)
 
     def draw(logits: mx.array, u: mx.array) -> mx.array:
-        logits = logits.astype(mx.float32)
+        logits = finite(logits.astype(mx.float32))
+        nothing = empty_rows(logits)
         for f in chain:
             logits = f(logits)
         weights = mx.exp(logits - logits.max(axis=-1, keepdims=True))
-        return inverse_cdf(weights, u)
+        return mx.where(nothing, NO_TOKEN, inverse_cdf(weights, u))
 
     return mx.compile(draw)
 
 
 def reference(logits: mx.array, u: mx.array, params: SamplingParams) -> mx.array:
-    """Tokens [B] drawn from logits [B, V] after the filters, at uniforms u [B]."""
+    """Tokens [B] drawn from logits [B, V] after the filters, at uniforms u [B] (`NO_TOKEN`
+    for a row with nothing to draw)."""
     return _compiled_reference(params)(logits, u)
 
 
@@ -119,10 +143,17 @@ SOURCE = ROW_PREAMBLE + """
   const uint row = threadgroup_position_in_grid.y;
   const device T* x = logits + size_t(row) * size_t(V);
 
-  float top = -INFINITY;
-  for (int j = int(tid); j < V; j += int(nt)) top = metal::max(top, float(x[j]));
+  float top = -INFINITY;  // NaN skipped: it counts as -inf
+  for (int j = int(tid); j < V; j += int(nt)) {
+    const float xj = float(x[j]);
+    if (!is_nan(xj)) top = metal::max(top, xj);
+  }
   top = tg_max(top, fscratch, lane, sg, nsg);
-  const MaxNormalised<T> e{x, top, inv_t};
+  if (as_type<uint>(top) == NEG_INF_BITS) {  // nothing to draw from (every thread sees the same top)
+    if (tid == 0) out[row] = -1;
+    return;
+  }
+  const MaxNormalised<T> e{x, top, inv_t, as_type<uint>(top) == POS_INF_BITS};
 
   uint k_bits = 0;  // top-k: the largest t with count(e >= t) >= K
   if (K > 0 && K < V) {
@@ -160,11 +191,21 @@ SOURCE = ROW_PREAMBLE + """
 """
 
 HEADER = HELPERS + """
+// Infinities and NaN told apart by their bits, which fast math cannot fold away.
+static constexpr constant uint POS_INF_BITS = 0x7f800000u, NEG_INF_BITS = 0xff800000u;
+inline bool is_nan(float x) { return (as_type<uint>(x) & 0x7fffffffu) > POS_INF_BITS; }
+
+// e = exp((x - top) / T) in [0, 1]: 0 for NaN; with +inf on the row, 1 at each +inf and 0 elsewhere.
 template <typename T>
 struct MaxNormalised {
   const device T* x;
   float top, inv_t;
-  float operator()(int j) const { return metal::exp((float(x[j]) - top) * inv_t); }
+  bool infinite_top;
+  float operator()(int j) const {
+    const float xj = float(x[j]);
+    if (infinite_top) return as_type<uint>(xj) == POS_INF_BITS ? 1.0f : 0.0f;
+    return is_nan(xj) ? 0.0f : metal::exp((xj - top) * inv_t);
+  }
 };
 
 template <typename T>

@@ -21,11 +21,11 @@ from .config import ModelConfig, RopeConfig
 ROPE_KINDS = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
 
 
-def _inv_freq(base: float, dims: int) -> np.ndarray:
+def inv_freq(base: float, dims: int) -> np.ndarray:
     return 1.0 / base ** (np.arange(0, dims, 2, dtype=np.float64) / dims)
 
 
-def _llama3_inv_freq(inv: np.ndarray, p: dict[str, Any]) -> np.ndarray:
+def llama3_inv_freq(inv: np.ndarray, p: dict[str, Any]) -> np.ndarray:
     """Llama 3.1: divide low frequencies by `factor`, keep high ones, blend between."""
     factor, low, high = p["factor"], p.get("low_freq_factor", 1.0), p.get("high_freq_factor", 4.0)
     old_ctx = p["original_max_position_embeddings"]
@@ -80,10 +80,10 @@ def _longrope(inv: np.ndarray, p: dict[str, Any], max_pos: int) -> tuple[np.ndar
 class RoPE:
     """Rotary embedding with the scaling variants real checkpoints use.
 
-    Every variant except `dynamic` and `longrope` is a fixed frequency table handed
-    to `mx.fast.rope`; those two depend on the sequence length at each call, as in
-    transformers (`dynamic` recomputes its base, `longrope` switches tables past the
-    original context), so cached keys keep the rotation they were written with.
+    Every variant except `dynamic` and a `longrope` with two different tables is a fixed
+    frequency table handed to `mx.fast.rope`; those two depend on the sequence length at
+    each call, as in transformers (`dynamic` recomputes its base, `longrope` switches
+    tables past the original context), so cached keys keep the rotation they were written with.
     """
 
     def __init__(self, cfg: ModelConfig, rope: RopeConfig | None = None, traditional: bool = False):
@@ -101,16 +101,17 @@ class RoPE:
         self.attention_factor = 1.0
         self.long_freqs: mx.array | None = None
         self.original = self.max_pos
-        inv = _inv_freq(r.theta, self.dims)
+        inv = inv_freq(r.theta, self.dims)
         if r.kind == "linear":
             inv = inv / r.params["factor"]
         elif r.kind == "llama3":
-            inv = _llama3_inv_freq(inv, r.params)
+            inv = llama3_inv_freq(inv, r.params)
         elif r.kind == "yarn":
             inv, self.attention_factor = _yarn_inv_freq(inv, r.theta, self.dims, r.params, self.max_pos)
         elif r.kind == "longrope":
             inv, long, self.original, self.attention_factor = _longrope(inv, r.params, self.max_pos)
-            self.long_freqs = mx.array(1.0 / long, dtype=mx.float32)
+            if not np.array_equal(long, inv):  # equal tables (a GGUF's own frequencies) never switch
+                self.long_freqs = mx.array(1.0 / long, dtype=mx.float32)
         self.freqs = None if r.kind in ("default", "dynamic") else mx.array(1.0 / inv, dtype=mx.float32)
 
     def _base(self, seq_len: int) -> float:
@@ -124,7 +125,7 @@ class RoPE:
         """Rotate `x` [B, heads, T, dims] for positions from `offset`, or from `offset[i]`
         for row i (a batch of sequences: one call, identical to rotating each row alone)."""
         if isinstance(offset, list):
-            if self.kind in ("dynamic", "longrope"):  # the table depends on each row's length
+            if self.kind == "dynamic" or self.long_freqs is not None:  # the table depends on each row's length
                 return mx.concatenate([self(r, o) for r, o in zip(mx.split(x, len(offset)), offset)])
             return self._rotate(x, mx.array(offset), self.freqs, None if self.freqs is not None else self.base)
         seq_len = offset + x.shape[-2]
