@@ -28,6 +28,10 @@ import threading
 import time
 import urllib.request
 
+import mlxinfer  # noqa: F401  (first: it picks MLX's BLAS)
+from mlxinfer.loading import load_tokenizer
+from mlxinfer.store import resolve_model
+
 PREFILL_STEP = 512  # the engine's default chunk
 
 
@@ -74,24 +78,31 @@ def main() -> None:
         else:
             sys.exit("the server did not start")
         threading.Thread(target=lambda: server.stderr.read(), daemon=True).start()
+        while True:  # the banner comes just before it listens
+            try:
+                urllib.request.urlopen(f"{base}/health", timeout=5).read()
+                break
+            except OSError:
+                time.sleep(0.1)
         # B's prompt: plain words, about one token each; its real length comes back in usage
         words = ("river stone light cloud garden paper window music silver forest " * (args.prompt_tokens // 10 + 1))
         long_prompt = " ".join(words.split()[: args.prompt_tokens])
         post(f"{base}/v1/completions", {"prompt": "warm up", "max_tokens": 4}).read()
         times: list[float] = []
         stop = threading.Event()
+        no_end = {str(t): -100 for t in load_tokenizer(resolve_model(args.model)).eos_token_ids}  # A must outlast B
         a = threading.Thread(target=stream_times, args=(f"{base}/v1/completions", {
-            "prompt": "Count from 1 to 2000: 1, 2, 3, 4, 5,", "max_tokens": 4000, "temperature": 0}, times, stop))
+            "prompt": "Once upon a time", "max_tokens": 4000, "temperature": 0, "logit_bias": no_end}, times, stop))
         a.start()
         while len(times) < 40:
             time.sleep(0.01)
         sent = time.perf_counter()
         reply = json.load(post(f"{base}/v1/completions", {"prompt": long_prompt, "max_tokens": 1}))
         done = time.perf_counter()
+        if not a.is_alive():
+            sys.exit("A ended before B was answered: nothing measured (try another --model)")
         stop.set()
         a.join()
-        if times[-1] < done:
-            sys.exit("A ended before B was answered: nothing measured (try another --model)")
         before = [b - a for a, b in zip(times, times[1:]) if b < sent]
         during = [b - a for a, b in zip(times, times[1:]) if b > sent and a < done]
         n = reply["usage"]["prompt_tokens"]

@@ -249,6 +249,66 @@ def test_no_body_makes_the_server_fail(server, field, value):
     assert status == 200 or (400 <= status < 500 and set(reply["error"]) >= {"message", "type"}), (status, reply)
 
 
+def ref_chain(n: int) -> dict:
+    """A JSON Schema whose $refs run n deep before reaching a string (3,000 crashed llguidance's compiler)."""
+    defs = {f"d{i}": {"$ref": f"#/$defs/d{i + 1}"} for i in range(n)}
+    defs[f"d{n}"] = {"type": "string"}
+    return {"$defs": defs, "$ref": "#/$defs/d0"}
+
+
+def json_schema(schema: dict) -> dict:
+    return {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+
+
+def tool(parameters: dict) -> list[dict]:
+    return [{"type": "function", "function": {"name": "f", "parameters": parameters}}]
+
+
+LARK_CHAIN = "start: r0\n" + "".join(f"r{i}: r{i + 1}\n" for i in range(5000)) + 'r5000: "x"\n'
+HOSTILE_GRAMMARS = [
+    ({"response_format": json_schema(ref_chain(3000))}, "limit"),
+    ({"tools": tool(ref_chain(3000)), "tool_choice": "required"}, "limit"),
+    ({"response_format": {"type": "grammar", "lark": LARK_CHAIN}}, "limit"),
+    ({"response_format": json_schema({"$ref": "#"})}, "never complete"),
+    ({"response_format": json_schema({"$defs": {"a": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"})},
+     "never complete"),
+    ({"response_format": {"type": "grammar", "lark": 'start: a\na: a "x"\n'}}, "never complete"),
+    ({"tools": tool({"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}),
+      "tool_choice": "required"}, "never complete"),
+]
+
+
+@pytest.mark.parametrize("fields,fact", HOSTILE_GRAMMARS, ids=range(len(HOSTILE_GRAMMARS)))
+def test_hostile_grammars_are_400_and_the_server_lives(server, fields, fact):
+    """Grammars that crashed the native compiler (taking every client with it) or could
+    never complete (a 200 with nothing in it): a 400 naming why, and the server answers on."""
+    status, reply, _ = post(server.url, {"messages": user("hi"), "max_tokens": 4, **fields}, key=None)
+    assert status == 400, reply
+    assert fact in reply["error"]["message"], reply
+    assert server.health()["status"] == "ok"
+
+
+EXTREME = [({"logit_bias": {"5": 1e30}}, "logit_bias"), ({"presence_penalty": 3e38}, "presence_penalty"),
+           ({"frequency_penalty": -3e38}, "frequency_penalty"), ({"repetition_penalty": 1e-30}, "repetition_penalty"),
+           ({"temperature": 1e30}, "temperature"), ({"logit_bias": {str(i): 1 for i in range(301)}}, "logit_bias"),
+           ({"stop": ["x" * 1_000_000]}, "stop"), ({"stop": [f"s{i}" for i in range(17)]}, "stop")]
+
+
+@pytest.mark.parametrize("fields,name", EXTREME, ids=[name for _, name in EXTREME])
+def test_values_that_overflow_or_grow_without_bound_are_400(server, fields, name):
+    """Finite values that overflowed float32 in the sampler (token 0 over and over), and
+    stop strings whose matching cost grew with their length on the engine thread."""
+    status, reply, _ = post(server.url, {"messages": user("hi"), "max_tokens": 4, **fields}, key=None)
+    assert status == 400 and name in reply["error"]["message"], reply
+
+
+def test_a_long_stop_string_under_the_limit_costs_other_streams_nothing(client):
+    """Stops at the limit (16 of 1,000 characters) are matched in time linear in the text."""
+    stops = [f"{i:02d}" + "z" * 998 for i in range(16)]
+    r = client.chat.completions.create(model="tiny", messages=user("hello"), max_tokens=40, temperature=0, stop=stops)
+    assert r.choices[0].finish_reason in ("stop", "length")
+
+
 # --- 3. output is always valid ---
 
 def test_logprobs_with_a_format_are_finite_streamed_and_not(client, server):
