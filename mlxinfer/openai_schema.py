@@ -13,7 +13,8 @@ import math
 import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic_core import PydanticCustomError
 
 from .generate import Chunk, Stats
 
@@ -68,16 +69,41 @@ class MessageToolCall(Strict):
     function: FunctionCall
 
 
+# Content parts OpenAI defines that a text-only model cannot read.
+MEDIA_PARTS = ("image_url", "input_audio", "file")
+
+
 class Message(Strict):
+    """A message as a client sends it back, including what the SDK's own message objects
+    carry (`refusal`, `annotations`, and `audio` / `function_call` when null)."""
+
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     tool_calls: list[MessageToolCall] | None = None  # an assistant's earlier calls
     tool_call_id: str | None = None  # a tool message: the call it answers
-    name: str | None = None  # a tool message: the function's name
+    name: str | None = None  # a participant's name, or a tool message's function
+    refusal: str | None = None  # an assistant's earlier refusal: its text stands for the content
+    annotations: list[dict[str, Any]] | None = None  # citations on an earlier reply: nothing to render
+    audio: None = None  # an earlier audio reply: this server never makes one
+    function_call: None = None  # the legacy call field, null in every reply of ours
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def text_only(cls, content: Any) -> Any:
+        """An image, audio or file part is refused by name, not as a shape mismatch."""
+        if isinstance(content, list):
+            for i, part in enumerate(content):
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind in MEDIA_PARTS:
+                    raise PydanticCustomError("text_only", f"this model takes text only: remove the {kind} part "
+                                              f"(content.{i}) or send its text", {})
+        return content
 
     def for_template(self) -> dict[str, Any]:
         """The message as chat templates take it ("developer" is OpenAI's new name for "system")."""
         text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content or [])
+        if self.content is None and self.refusal is not None:
+            text = self.refusal
         out: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": text}
         if self.tool_calls:
             out["tool_calls"] = [c.model_dump() for c in self.tool_calls]
@@ -104,7 +130,7 @@ class Completion(Strict):
     logit_bias: dict[str, float] | None = None  # token id (a JSON key, so a string) -> bias
     response_format: dict[str, Any] | None = None  # checked by the engine (`constrain.response_format`)
     n: int | None = Field(None, ge=1)
-    stream: bool = False
+    stream: bool | None = False  # null: not streamed
     stream_options: StreamOptions | None = None
     user: str | None = None
 
@@ -121,6 +147,9 @@ class Completion(Strict):
         fields = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
                   "repetition_penalty", "response_format")
         options = {k: getattr(self, k) for k in fields if getattr(self, k) is not None}
+        if options.get("top_p") == 0:  # OpenAI's reading: keep only the most likely token, i.e. greedy
+            del options["top_p"]
+            options["temperature"] = 0.0
         if self.logit_bias is not None:
             options["logit_bias"] = token_keys(self.logit_bias)
         limit = self.limit()
@@ -144,6 +173,12 @@ class ChatCompletion(Completion):
     tools: list[dict[str, Any]] | None = None  # checked by the engine (`tools.check_tools`)
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
+    # OpenAI's bookkeeping and routing; no effect on a local model (accepted as documented no-ops)
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
 
     def options(self, default_max_tokens: int) -> dict[str, Any]:
         if self.top_logprobs is not None and not self.logprobs:

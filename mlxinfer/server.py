@@ -393,10 +393,19 @@ def create_app(engine: EngineThread, tokenizer, config: ServerConfig) -> FastAPI
                 "limits": {"max_concurrency": engine.engine.max_batch, "max_queued": engine.max_queued},
                 "peak_rss_bytes": peak_rss_bytes()}
 
+    def model_object() -> dict[str, Any]:
+        return {"id": config.model_name, "object": "model", "created": int(time.time()), "owned_by": "mlxinfer"}
+
     @v1.get("/models")
     async def models():
-        return {"object": "list", "data": [{"id": config.model_name, "object": "model", "created": int(time.time()),
-                                            "owned_by": "mlxinfer"}]}
+        return {"object": "list", "data": [model_object()]}
+
+    @v1.get("/models/{name:path}")
+    async def model(name: str):
+        if name != config.model_name:
+            raise RequestError(f"the model '{name[:200]}' does not exist; this server serves '{config.model_name}'",
+                               "model", status=404, kind="not_found_error")
+        return model_object()
 
     async def complete(request: Request, kind: type[Completion]) -> Response:
         body = parse(await body_of(request), kind)

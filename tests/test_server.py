@@ -485,3 +485,47 @@ def test_tool_calls_through_the_openai_client(roomy):
         assert again.choices[0].finish_reason in ("stop", "length") and again.choices[0].message.tool_calls is None
     finally:
         s.stop()
+
+
+# --- what apps send back: the SDK's own objects, OpenAI's no-op fields ---
+
+def test_an_agent_loop_can_send_back_the_sdks_own_message(client, loaded):
+    """`message.model_dump()` carries refusal, annotations, audio and function_call (null):
+    sent back as the history of the next turn, it is the same as the plain message."""
+    first = chat(client, "hello there", max_tokens=6)
+    sent = first.choices[0].message.model_dump()
+    assert {"refusal", "annotations", "audio", "function_call"} <= set(sent)
+    history = [*user("hello there"), sent, *user("and then?")]
+    r = client.chat.completions.create(model="tiny", messages=history, max_tokens=5, temperature=0)
+    plain = [*user("hello there"), {"role": "assistant", "content": first.choices[0].message.content},
+             *user("and then?")]
+    assert r.choices[0].message.content == text_of(alone(loaded, plain, max_tokens=5))
+
+
+def test_openais_bookkeeping_fields_are_accepted_and_change_nothing(client):
+    plain = chat(client, "what is up", max_tokens=6).choices[0].message.content
+    r = chat(client, "what is up", max_tokens=6, store=True, metadata={"app": "test"}, service_tier="auto",
+             safety_identifier="user-1", prompt_cache_key="k", user="u", stream=None)
+    assert r.choices[0].message.content == plain
+
+
+def test_top_p_zero_is_greedy(client, loaded):
+    r = client.chat.completions.create(model="tiny", messages=user("once upon"), max_tokens=8, temperature=0.9,
+                                       top_p=0, seed=3)
+    assert r.choices[0].message.content == text_of(alone(loaded, user("once upon"), max_tokens=8))
+
+
+def test_a_model_is_retrieved_by_its_id(client):
+    name = client.models.list().data[0].id
+    assert client.models.retrieve(name).id == name
+    with pytest.raises(openai.NotFoundError) as e:
+        client.models.retrieve("no-such-model")
+    assert "does not exist" in str(e.value)
+
+
+def test_an_image_part_is_refused_as_text_only(server):
+    parts = [{"type": "text", "text": "what is this?"},
+             {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}]
+    status, body, _ = post(server.url, {"messages": [{"role": "user", "content": parts}]})
+    assert status == 400 and "text only" in body["error"]["message"] and "image_url" in body["error"]["message"]
+    assert body["error"]["param"] == "messages.0.content"
