@@ -66,7 +66,8 @@ class Server:
     def health(self) -> dict:
         return json.load(urllib.request.urlopen(f"{self.url}/health", timeout=5))
 
-    def wait_for(self, condition, seconds: float = 5.0) -> dict:
+    def wait_for(self, condition, seconds: float = 60.0) -> dict:
+        """Health once `condition` holds (polled; `seconds` is only a hang guard)."""
         deadline = time.monotonic() + seconds
         while True:
             health = self.health()

@@ -14,7 +14,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import mlx.core as mx
@@ -353,15 +352,15 @@ class LaunchedServer:
                 return int(stat.parent.name)
         raise AssertionError("rank 0 is not running")
 
-    def stop(self) -> tuple[float, str]:
-        started = time.monotonic()
+    def stop(self) -> str:
+        """Ctrl-C to rank 0; the group must end by itself (the wait is only a hang guard)."""
         os.kill(self.rank0(), signal.SIGINT)
         try:
-            _, err = self.proc.communicate(timeout=30)
+            _, err = self.proc.communicate(timeout=120)
         except subprocess.TimeoutExpired:
             self.kill()
             raise
-        return time.monotonic() - started, err
+        return err
 
     def kill(self) -> None:
         os.killpg(self.proc.pid, signal.SIGKILL)
@@ -402,26 +401,24 @@ def test_serve_under_mlx_launch_equals_one_process(can_launch, chatty, split):
     except BaseException:
         server.kill()
         raise
-    took, err = server.stop()
-    assert took < 20 and server.proc.returncode == 0 and "Traceback" not in err, err
+    err = server.stop()
+    assert server.proc.returncode == 0 and "Traceback" not in err, err
 
 
 def test_a_rank_that_dies_ends_the_group_in_bounded_time(can_launch, tiny):
-    started = time.monotonic()
+    """Bounded by `launch`'s timeout: a group left hanging is killed there and the test fails."""
     done = launch(2, "--", str(HERE / "dying_rank.py"), "generate", "-m", str(tiny), "--prompt", "hello there",
-                  "--max-tokens", "200", "--temp", "0", "--dtype", "float32", timeout=60)
-    assert time.monotonic() - started < 30
+                  "--max-tokens", "200", "--temp", "0", "--dtype", "float32", timeout=120)
     assert "rank 1 exited with code 3" in done.stdout + done.stderr
 
 
 def test_a_rank_that_hangs_ends_the_group_in_bounded_time(can_launch, tiny):
     """Rank 1 stops answering mid-generation (alive, connections open): rank 0's watchdog ends
-    it with one line after MLXINFER_PEER_TIMEOUT, and mlx.launch stops rank 1."""
-    started = time.monotonic()
+    it with one line after MLXINFER_PEER_TIMEOUT, and mlx.launch stops rank 1 (without the
+    watchdog the group would hang until `launch`'s timeout kills it and the test fails)."""
     done = launch(2, "--", str(HERE / "dying_rank.py"), "generate", "-m", str(tiny), "--prompt", "hello there",
-                  "--max-tokens", "200", "--temp", "0", "--dtype", "float32", timeout=60,
+                  "--max-tokens", "200", "--temp", "0", "--dtype", "float32", timeout=120,
                   env={"MLXINFER_TEST_FAULT": "hang", "MLXINFER_PEER_TIMEOUT": "3"})
-    assert time.monotonic() - started < 30
     errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
     assert errors == ["error: rank 0: a token waited 3 s on the other ranks (one is hung or unreachable); every "
                       "rank stops (MLXINFER_PEER_TIMEOUT sets the limit)"], done.stderr
