@@ -229,7 +229,8 @@ class ChatSession:
             return ""
         extra: dict[str, Any] = {}
         if self._options.get("tools"):  # shown the way stream_generate shows them to a lone request
-            tools = plan_tools(self.tokenizer, self._options["tools"], self._options.get("tool_choice"))
+            tools = plan_tools(self.tokenizer, self._options["tools"], self._options.get("tool_choice"),
+                               self._options.get("parallel_tool_calls", True))
             messages, native = tools.messages(self.tokenizer, messages)
             extra = {"tools": tools.tools} if native else {}
         return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **extra)

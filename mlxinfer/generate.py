@@ -68,6 +68,7 @@ class GenerationOptions:
     response_format: Any = None  # OpenAI's shape, or {"type": "regex"|"grammar", ...}: see `constrain`
     tools: Any = None  # OpenAI's tools list: see `tools`
     tool_choice: Any = None  # "auto" (default), "none", "required" or {"type": "function", "function": {"name"}}
+    parallel_tool_calls: bool = True  # False: a reply makes at most one call (held to the grammar)
 
     def __post_init__(self) -> None:
         """Types and ranges, so a bad value fails before any work and not inside MLX."""
@@ -81,6 +82,7 @@ class GenerationOptions:
             raise InvalidOptionError(f"a stop string has {len(longest)} characters; at most {MAX_STOP_CHARS} are "
                                      "allowed")
         flag("ignore_eos", self.ignore_eos)
+        flag("parallel_tool_calls", self.parallel_tool_calls)
         if self.max_kv_size is not None:
             integer("max_kv_size", self.max_kv_size, 2)
         if self.kv_bits is not None and (not is_integer(self.kv_bits) or self.kv_bits not in KV_BITS):
@@ -356,7 +358,9 @@ class TextStream:
 
 
 def tool_plan(options: GenerationOptions, tokenizer: Tokenizer) -> ToolPlan | None:
-    return plan_tools(tokenizer, options.tools, options.tool_choice) if options.tools is not None else None
+    if options.tools is None:
+        return None
+    return plan_tools(tokenizer, options.tools, options.tool_choice, options.parallel_tool_calls)
 
 
 def request_tokens(tokenizer: Tokenizer, prompt: Prompt, vocab_size: int, tools: ToolPlan | None) -> list[int]:
@@ -420,7 +424,8 @@ def stream_generate(
     reuse across calls), num_draft_tokens, prompt_lookup; response_format holds the
     reply to a JSON Schema, any JSON object, a regex or a Lark grammar (`constrain`);
     tools and tool_choice offer the app's functions (`tools`): a reply that calls them
-    ends with finish_reason "tool_calls" and the calls on its last chunk.
+    ends with finish_reason "tool_calls" and the calls on its last chunk (at most one
+    with parallel_tool_calls=False).
     Pass a `PromptCache` to reuse the longest common prefix across calls.
     """
     sampling, o = split_options(options, model.config.vocab_size)

@@ -183,12 +183,11 @@ class ChatCompletion(Completion):
     def options(self, default_max_tokens: int) -> dict[str, Any]:
         if self.top_logprobs is not None and not self.logprobs:
             raise RequestError("top_logprobs needs logprobs: true", "top_logprobs")
-        if self.parallel_tool_calls is False:
-            raise RequestError("parallel_tool_calls=false is not supported: a reply may hold several calls",
-                               "parallel_tool_calls")
         options = super().options(default_max_tokens)
         if self.tools:
             options["tools"] = self.tools
+            if self.parallel_tool_calls is False:
+                options["parallel_tool_calls"] = False
             if self.tool_choice is not None:
                 options["tool_choice"] = self.tool_choice
         elif self.tool_choice not in (None, "none"):

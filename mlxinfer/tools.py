@@ -154,14 +154,16 @@ def _token(tokenizer: Tokenizer, text: str) -> str:
     return f"<[{token}]>" if token is not None and text.startswith(("<", "[")) else json.dumps(text)
 
 
-def call_grammar(tokenizer: Tokenizer, syntax: Syntax, functions: list[dict[str, Any]]) -> str:
-    """Lark for one or more calls in `syntax`."""
+def call_grammar(tokenizer: Tokenizer, syntax: Syntax, functions: list[dict[str, Any]], parallel: bool = True) -> str:
+    """Lark for one or more calls in `syntax` (exactly one unless `parallel`)."""
     schema = json.dumps(call_schema(functions, syntax.key))
     if syntax.listed:
-        return f'start: {_token(tokenizer, syntax.open)} " "? "[" call (", " call)* "]"\ncall: %json {schema}'
+        more = ' (", " call)*' if parallel else ""
+        return f'start: {_token(tokenizer, syntax.open)} " "? "[" call{more} "]"\ncall: %json {schema}'
     if syntax.open:
         block = f'{_token(tokenizer, syntax.open)} "\\n" call "\\n" {_token(tokenizer, syntax.close)}'
-        return f'start: block ("\\n" block)*\nblock: {block}\ncall: %json {schema}'
+        more = ' ("\\n" block)*' if parallel else ""
+        return f'start: block{more}\nblock: {block}\ncall: %json {schema}'
     return f"start: call\ncall: %json {schema}"
 
 
@@ -234,12 +236,14 @@ def call_opener(tokenizer: Tokenizer) -> str:
     return call_syntax(tokenizer).open or "{"
 
 
-def plan(tokenizer: Tokenizer, tools: Any, tool_choice: Any = None) -> ToolPlan:
-    """Check `tools` / `tool_choice` and work out how to render, constrain and read them."""
+def plan(tokenizer: Tokenizer, tools: Any, tool_choice: Any = None, parallel: bool = True) -> ToolPlan:
+    """Check `tools` / `tool_choice` and work out how to render, constrain and read them; a
+    reply holds at most one call unless `parallel` (OpenAI's `parallel_tool_calls`)."""
     tools = check_tools(tools)
     choice, functions = chosen_functions(tools, tool_choice)
     syntax = call_syntax(tokenizer)
-    grammar = None if choice == "none" else compiled_lark(call_grammar(tokenizer, syntax, functions), "tool call")
+    grammar = None if choice == "none" else compiled_lark(call_grammar(tokenizer, syntax, functions, parallel),
+                                                          "tool call")
     return ToolPlan(tools, choice, syntax, grammar)
 
 

@@ -485,6 +485,8 @@ def test_tool_calls_through_the_openai_client(roomy):
         deltas = [tc for e in events if e.choices for tc in (e.choices[0].delta.tool_calls or [])]
         assert [json.loads(d.function.arguments) for d in deltas] == [arguments]
         assert events[-1].choices[0].finish_reason == "tool_calls"
+        single = c.chat.completions.create(**ask, parallel_tool_calls=False)  # LangChain's and openai-agents' setting
+        assert single.choices[0].finish_reason == "tool_calls" and len(single.choices[0].message.tool_calls) == 1
         follow = user("weather?") + [choice.message.model_dump(exclude_none=True),
                                      {"role": "tool", "tool_call_id": call.id, "content": "sunny"}]
         again = c.chat.completions.create(model="m", messages=follow, tools=TOOLS, tool_choice="none",

@@ -123,6 +123,27 @@ def test_call_grammar_accepts_valid_calls_and_refuses_invalid_ones(name, syntax)
     assert content is None and all(c.id.startswith("call_") for c in read)
 
 
+@needs_fixtures
+@pytest.mark.parametrize("name, syntax", [("qwen3", HERMES), ("mistral-instruct-v0.3", MISTRAL)])
+def test_without_parallel_calls_the_grammar_admits_exactly_one(name, syntax):
+    """OpenAI's parallel_tool_calls=false: one call completes the reply, a second cannot start."""
+    tok = tokenizer(name)
+    functions = [t["function"] for t in TOOLS]
+    from mlxinfer.constrain import compiled_lark
+
+    calls = [CALL, {"name": "add", "arguments": {"a": 2, "b": 40}}]
+    for parallel, two_allowed in ((True, True), (False, False)):
+        fmt = compiled_lark(call_grammar(tok, syntax, functions, parallel), "tool call")
+        one = tok.encode(written(syntax, calls[:1]), add_special_tokens=False)
+        two = tok.encode(written(syntax, calls), add_special_tokens=False)
+        c = Constraint(fmt, tok, tok.vocab_size)
+        assert c.valid_prefix(one) == len(one)
+        assert (c.valid_prefix(two) == len(two)) == two_allowed
+        for t in one:
+            c.accept(t)
+        assert c.complete
+
+
 @pytest.fixture(scope="module")
 def roomy(hf_checkpoint):
     """The tiny Llama with a context long enough for the tool listing (its tokenizer spells words out)."""
