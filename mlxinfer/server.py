@@ -117,6 +117,8 @@ class EngineThread:
             request.prepared = await asyncio.get_running_loop().run_in_executor(self._preparer, work)
         except MlxinferError as e:  # the request's own fault (options, prompt, context, grammar)
             raise RequestError(str(e)) from None
+        except Exception as e:  # noqa: BLE001 - a fault of ours ends this request, not the server
+            raise server_error(f"{type(e).__name__}: {' '.join(str(e).split())}") from None
         finally:
             with self._lock:
                 self.preparing -= 1

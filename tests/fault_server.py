@@ -7,6 +7,8 @@ Environment:
   raises in prefill (a request that fails before its first token).
 - MLXINFER_TEST_EMIT_FAULT: token ids; a sequence whose prompt holds them raises when its
   third token is emitted (a request that fails mid-stream).
+- MLXINFER_TEST_PREPARE_FAULT: token ids; preparing a prompt that holds them raises (a fault
+  of ours before the request reaches the engine).
 - MLXINFER_TEST_GATE: a file path; MLXINFER_TEST_GATE_PREPARE / MLXINFER_TEST_GATE_PREFILL: token
   ids. Preparing (or prefilling) a prompt that holds them waits until the file exists (at most
   120 s), so a test can hold a request in that stage for as long as it needs.
@@ -34,6 +36,7 @@ def holds(tokens, marker: list[int]) -> bool:
 
 DELAY = float(os.environ.get("MLXINFER_TEST_STEP_DELAY", "0"))
 PREFILL_FAULT, EMIT_FAULT = ids("MLXINFER_TEST_PREFILL_FAULT"), ids("MLXINFER_TEST_EMIT_FAULT")
+PREPARE_FAULT = ids("MLXINFER_TEST_PREPARE_FAULT")
 GATE, GATE_PREPARE, GATE_PREFILL = os.environ.get("MLXINFER_TEST_GATE"), ids("MLXINFER_TEST_GATE_PREPARE"), \
     ids("MLXINFER_TEST_GATE_PREFILL")
 step, prefill, emit, prepare = BatchGenerator.step, PromptCache.prefill, TextStream.emit, BatchGenerator.prepare
@@ -52,6 +55,8 @@ def slow_step(self):
 
 def gated_prepare(self, prompt, **options):
     prepared = prepare(self, prompt, **options)
+    if holds(prepared.ids, PREPARE_FAULT):
+        raise RuntimeError("planted prepare fault")
     if holds(prepared.ids, GATE_PREPARE):
         wait_for_gate()
     return prepared

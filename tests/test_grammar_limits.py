@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, example, given, settings, strategies as st
 
 import mlxinfer
 from mlxinfer.constrain import Constraint, _CompilerProcess, grammar_tokenizer, response_format
@@ -361,6 +361,10 @@ def reply_in(syntax, call_json: str) -> str:
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(depth=st.integers(0, 20_000), syntax=st.sampled_from([HERMES, MISTRAL, JSON_CALL]),
        bracket=st.sampled_from(["[]", "{}"]))
+@example(depth=CALL_DEPTH - 2, syntax=HERMES, bracket="[]")  # the deepest that is still read
+@example(depth=CALL_DEPTH - 1, syntax=HERMES, bracket="[]")
+@example(depth=CALL_DEPTH - 3, syntax=MISTRAL, bracket="{}")
+@example(depth=CALL_DEPTH - 2, syntax=MISTRAL, bracket="{}")
 def test_fuzz_a_deep_reply_comes_back_as_text_or_a_call(loaded, depth, syntax, bracket):
     """Before: a reply nested 10,000 deep raised RecursionError and the reply was lost."""
     _, tok = loaded
@@ -370,7 +374,8 @@ def test_fuzz_a_deep_reply_comes_back_as_text_or_a_call(loaded, depth, syntax, b
     call_json = json.dumps(CALL)[:-2] + f', "deep": {inner}}}}}'
     text = reply_in(syntax, call_json)
     content, calls = p.parse(text)
-    if depth + 3 <= CALL_DEPTH:
+    enclosing = 3 if syntax == MISTRAL else 2  # the call and its arguments (and Mistral's list) hold `inner`
+    if depth + enclosing <= CALL_DEPTH:
         assert [(c.name, c.arguments) for c in calls] == [(CALL["name"], json.loads(call_json)["arguments"])]
         json.dumps(calls[0].openai())  # and it can be written back out
     else:

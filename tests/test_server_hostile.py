@@ -50,7 +50,7 @@ def client(server):
     return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=HANG_GUARD)
 
 
-GATED_PREPARE, GATED_PREFILL = "zebragateprepare", "zebragateprefill"
+GATED_PREPARE, GATED_PREFILL, FAULTY_PREPARE = "zebragateprepare", "zebragateprefill", "zebrafaultprepare"
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +60,8 @@ def gated(tiny, tokenizer, tmp_path_factory):
     gate = tmp_path_factory.mktemp("gate") / "open"
     env = {"MLXINFER_TEST_STEP_DELAY": "0.05", "MLXINFER_TEST_GATE": str(gate),
            "MLXINFER_TEST_GATE_PREPARE": ",".join(map(str, marker(tokenizer, GATED_PREPARE))),
-           "MLXINFER_TEST_GATE_PREFILL": ",".join(map(str, marker(tokenizer, GATED_PREFILL)))}
+           "MLXINFER_TEST_GATE_PREFILL": ",".join(map(str, marker(tokenizer, GATED_PREFILL))),
+           "MLXINFER_TEST_PREPARE_FAULT": ",".join(map(str, marker(tokenizer, FAULTY_PREPARE)))}
     s = Server(["-m", str(tiny), "--dtype", "float32", "--max-concurrency", "1", "--max-queue", "4"],
                env=env, script=[sys.executable, str(HERE / "fault_server.py")])
     s.gate = gate
@@ -149,6 +150,17 @@ def test_a_client_that_leaves_during_preparation_frees_its_place(gated):
         gated.gate.touch()
     health = gated.wait_for(lambda h: h["active"] == 0 and h["queued"] == 0, HANG_GUARD)
     assert (health["active"], health["queued"]) == (0, 0)
+
+
+def test_a_fault_while_preparing_is_a_500_in_openais_shape_and_frees_its_place(gated):
+    gated.gate.touch()
+    for _ in range(6):  # more than the server's places (1 running + 4 queued): each one was given back
+        status, reply, _ = post(gated.url, {"messages": user(f"hello {FAULTY_PREPARE} there"), "max_tokens": 2},
+                                key=None)
+        assert status == 500 and reply["error"]["type"] == "server_error", reply
+        assert "planted prepare fault" in reply["error"]["message"]
+    status, reply, _ = post(gated.url, {"messages": user("hello there"), "max_tokens": 2}, key=None)
+    assert status == 200, reply
 
 
 def test_idle_and_slow_connections_do_not_starve_the_server(tiny):
