@@ -479,7 +479,7 @@ def serve(model, dtype, host, port, max_concurrency, max_queue, max_kv_size, kv_
     Concurrent requests are decoded together; Ctrl-C stops after the requests in flight."""
     from .batch import BatchGenerator
     from .pool import PromptCachePool, cache_nbytes
-    from .guard import allowed_hosts
+    from .guard import LOOPBACK_NAMES, allowed_hosts
     from .server import EngineThread, ServerConfig, create_app, follow, run
     from .shard import launched, summed, world
     from .shard import summary as shard_summary
@@ -491,7 +491,7 @@ def serve(model, dtype, host, port, max_concurrency, max_queue, max_kv_size, kv_
     leader = not launched() or world() is None or world().rank() == 0
     if leader:
         check_free(host, port)
-    if host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
+    if host not in LOOPBACK_NAMES and api_key is None:
         click.echo(f"warning: listening on {host} without --api-key: anyone who can reach it can use it", err=True)
     m, tokenizer, where = open_model(model, dtype, pipeline=pipeline)
     relay = relay_for(m)
