@@ -21,7 +21,7 @@ import mlx.core as mx
 from . import kernels
 from .checks import integer, number, token_ids
 from .errors import InvalidOptionError
-from .kernels.sampling import NO_TOKEN, Filter, SamplingParams, empty_rows, finite, warp_chain
+from .kernels.sampling import NEG_INF, NO_TOKEN, Filter, SamplingParams, empty_rows, finite, warp_chain
 
 SEED_MAX = 2**64 - 1  # mx.random.key takes an unsigned 64-bit seed
 # A temperature this low already picks the argmax (ask for 0 instead); at the maximum a model's
@@ -141,8 +141,10 @@ def apply_filters(logits: mx.array, chain: Sequence[Filter]) -> mx.array:
 def greedy(logits: mx.array) -> mx.array:
     """Tokens [B]: each row's argmax (the first +inf where there is one; NaN never wins), or
     `NO_TOKEN` for a row with nothing to choose."""
-    logits = finite(logits)
-    return mx.where(empty_rows(logits), NO_TOKEN, logits.argmax(axis=-1).astype(mx.int32))
+    logits = mx.where(mx.isnan(logits), NEG_INF, logits)  # argmax already takes the first +inf
+    best = logits.argmax(axis=-1)
+    top = mx.take_along_axis(logits, best[:, None], axis=-1)[:, 0]  # every pass over the row costs per token
+    return mx.where(top == NEG_INF, NO_TOKEN, best.astype(mx.int32))
 
 
 def filtered_probs(logits: mx.array, config: SamplingConfig, history: mx.array | None = None) -> mx.array:

@@ -34,10 +34,12 @@ Filter = Callable[[mx.array], mx.array]
 THREADS = 1024
 
 
+@mx.compile
 def finite(logits: mx.array) -> mx.array:
     """Logits [B, V] every filter and draw can take: NaN becomes -inf (nothing supports the
     token), and a row holding +inf becomes 0 at its +inf entries and -inf elsewhere (softmax's
-    limit as those logits grow: even odds among them), so no step ever computes inf - inf."""
+    limit as those logits grow: even odds among them), so no step ever computes inf - inf.
+    Compiled: it runs on every decode step, and fused it is about one pass over the row."""
     logits = mx.where(mx.isnan(logits), NEG_INF, logits)
     top = logits == float("inf")
     return mx.where(top.any(axis=-1, keepdims=True), mx.where(top, 0.0, NEG_INF), logits)
