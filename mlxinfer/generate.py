@@ -49,6 +49,7 @@ class Chunk:
     error: str | None = None  # why a sequence ended with finish_reason "error" (batch engine)
     tool_calls: list[ToolCall] | None = None  # on the last chunk of a reply that called tools
     content: str | None = None  # with tool_calls: the reply's text outside the calls
+    reasoning: str = ""  # thinking this token added (a reasoning model's <think> part); `text` is the answer only
 
 
 @dataclass(frozen=True)
