@@ -9,10 +9,14 @@ sequence gets alone and an answer does not depend on who else is being served. N
 bounded number of tokens per step, between decode steps, so a long prompt never
 freezes the others' streams for its whole length.
 
-Speculative decoding (a draft model or prompt lookup) runs while its sequence is the only
-one in the engine; when others join it is decoded in the shared batch, and it resumes
-drafting when it is alone again (`stats.note` says when that happened). At the switch
-the pipeline drains first, so the cache always holds everything but the next input.
+Speculative decoding (a draft model, prompt lookup or a predicted output) runs while its
+sequence is the only one in the engine; when others join it is decoded in the shared batch,
+and it resumes drafting when it is alone again (`stats.note` says when that happened). At
+the switch the pipeline drains first, so the cache always holds everything but the next input.
+
+A request for n choices (`enqueue_choices`) is n sequences sharing one prefill: the first
+admitted runs the prompt, the others wait and then start from copies of its cache. Each
+has its own sampler (seeded per choice: `SamplingConfig.for_choice`), constraint and text.
 """
 
 from __future__ import annotations
@@ -31,12 +35,12 @@ from .constrain import Constraint, masked
 from .decode import Stats, Token, chosen_logprobs, drawn
 from .errors import InvalidOptionError
 from .generate import (Chunk, GenerationOptions, Prompt, TextStream, check_context, context_limit,
-                       constraint_for, generation_stream, read_tool_calls, request_tokens,
+                       constraint_for, generation_stream, predicted_tokens, read_tool_calls, request_tokens,
                        token_source, tool_plan, wired_limit)
-from .pool import PromptCachePool
+from .pool import PromptCachePool, prefix_copy
 from .request import Request
 from .sample import Sampler, SamplingConfig, greedy
-from .speculative import SpeculativeDecoder
+from .speculative import PredictedOutput, SpeculativeDecoder
 from .tools import ToolPlan
 from .tokenizer import Tokenizer
 
@@ -54,7 +58,23 @@ class Prepared:
     sampling: SamplingConfig
     options: GenerationOptions
     tools: ToolPlan | None
-    constraint: Constraint | None  # a fresh matcher for its format or tool calls (built here: it can be slow)
+    # a fresh matcher for its format or tool calls per choice (built here: it can be slow), or Nones
+    constraints: tuple[Constraint | None, ...]
+    predicted: tuple[int, ...] | None  # the prediction's tokens, when it has one
+
+
+@dataclass(eq=False)
+class _SharedPrompt:
+    """The prompt of a request's n choices: the first of them admitted prefills it (`runner`);
+    the rest wait until `cache` holds a copy of the prefilled prompt and start from copies of
+    that. Should the runner end before its prompt is in, the next choice admitted runs it."""
+
+    runner: _Sequence | None = None
+    cache: PromptCache | None = None
+
+    def ready(self) -> bool:
+        """Whether a waiting choice may start now: from the prompt's copy, or as its runner."""
+        return self.cache is not None or self.runner is None or self.runner.cache is None
 
 
 @dataclass(eq=False)
@@ -76,6 +96,9 @@ class _Sequence:
     constraint: Constraint | None = None  # its response format or tool-call grammar, when it has one
     tools: ToolPlan | None = None  # what its tools are and how its calls are read
     reply: list[str] = field(default_factory=list)  # its text so far, kept only when it has tools
+    index: int = 0  # which of its request's choices it is
+    shared: _SharedPrompt | None = None  # with n > 1: the prompt it shares with the other choices, until it starts
+    predicted: tuple[int, ...] | None = None  # the prediction it drafts from while alone
 
     @property
     def cache_options(self) -> dict[str, Any]:
@@ -152,7 +175,8 @@ class BatchGenerator:
 
     def submit(self, prompt: Prompt, **options: Any) -> int:
         """Queue a sequence (a string, token ids or chat messages) with its own options
-        (those of `stream_generate`); returns its uid. Bad options fail here."""
+        (those of `stream_generate`); returns its uid. Bad options fail here. For n > 1
+        choices: `enqueue_choices`."""
         return self.enqueue(self.prepare(self.request(prompt, **options)))
 
     def request(self, prompt: Prompt, **options: Any) -> Request:
@@ -168,17 +192,31 @@ class BatchGenerator:
         tools = tool_plan(o, self.tokenizer)
         ids = request_tokens(self.tokenizer, request.prompt, vocab, tools)
         check_context(self.model, PromptCache.for_model(self.model, **_cache_options(o)), len(ids))
-        return Prepared(ids, request.sampling, o, tools, constraint_for(o, self.tokenizer, vocab, tools))
+        constraints = tuple(constraint_for(o, self.tokenizer, vocab, tools) for _ in range(o.n))
+        return Prepared(ids, request.sampling, o, tools, constraints, predicted_tokens(self.tokenizer, o, vocab))
 
     def enqueue(self, prepared: Prepared) -> int:
-        """Queue a prepared request (`prepare`); returns its uid."""
-        uid = next(self._uids)
+        """Queue a prepared request (`prepare`) of one choice; returns its uid."""
+        if prepared.options.n != 1:
+            raise InvalidOptionError(f"this request asks for n={prepared.options.n} choices: queue it with "
+                                     "enqueue_choices, which returns one uid per choice")
+        return self.enqueue_choices(prepared)[0]
+
+    def enqueue_choices(self, prepared: Prepared) -> list[int]:
+        """Queue a prepared request's n choices (`options.n`) as n sequences that prefill its
+        prompt once; their uids, in choice order. With seed s, choice i samples with seed
+        `sample.choice_seed(s, i)` (choice 0 with s: the first of n is what n=1 gives)."""
         p = prepared
-        self._waiting.append(_Sequence(uid, p.ids, p.options, Sampler(p.sampling, p.ids),
-                                       Stats(prompt_tokens=len(p.ids)), time.perf_counter(), tools=p.tools,
-                                       constraint=p.constraint))
-        self._known.add(uid)
-        return uid
+        shared = _SharedPrompt() if p.options.n > 1 else None
+        uids = []
+        for i, constraint in enumerate(p.constraints):
+            uid = next(self._uids)
+            self._waiting.append(_Sequence(uid, p.ids, p.options, Sampler(p.sampling.for_choice(i), p.ids),
+                                           Stats(prompt_tokens=len(p.ids)), time.perf_counter(), tools=p.tools,
+                                           constraint=constraint, index=i, shared=shared, predicted=p.predicted))
+            self._known.add(uid)
+            uids.append(uid)
+        return uids
 
     def cancel(self, uid: int) -> None:
         """Stop a sequence; its last chunk (finish_reason "cancelled") comes with the next
@@ -277,7 +315,8 @@ class BatchGenerator:
                 group.remove(s)
         s.stats.finish_reason = "error"
         message = " ".join(str(error).split())  # one line, whatever the exception held
-        out.append((s.uid, Chunk("", None, None, "error", s.stats, error=f"{type(error).__name__}: {message}")))
+        out.append((s.uid, Chunk("", None, None, "error", s.stats, error=f"{type(error).__name__}: {message}",
+                                 index=s.index)))
         s.cache = s.speculative = s.constraint = None
 
     def _drop_cancelled(self, out: list[tuple[int, Chunk]]) -> None:
@@ -292,8 +331,14 @@ class BatchGenerator:
         self._cancelled.clear()
 
     def _admit(self, out: list[tuple[int, Chunk]]) -> None:
-        while self._waiting and len(self._prefilling) + len(self._decoding) < self.max_batch:
-            s = self._waiting.popleft()
+        """Start waiting sequences in order while slots are free; a choice whose prompt another
+        choice is prefilling stays in the queue (others behind it may start) until that is done."""
+        for s in list(self._waiting):
+            if len(self._prefilling) + len(self._decoding) >= self.max_batch:
+                return
+            if s.shared is not None and not s.shared.ready():
+                continue
+            self._waiting.remove(s)
             try:
                 limit = self._start(s)
             except Exception as e:  # noqa: BLE001 - one sequence's failure ends that sequence only
@@ -307,23 +352,32 @@ class BatchGenerator:
 
     def _start(self, s: _Sequence) -> int:
         """Give an admitted sequence its cache (from the pool when one shares its prefix) and
-        text layer; returns how many tokens it may generate."""
-        opts = s.cache_options
-        s.cache = self.pool.fetch(self.model, s.prompt, **opts) if self.pool else PromptCache.for_model(
-            self.model, **opts)
+        text layer; returns how many tokens it may generate. A choice whose prompt another
+        choice prefilled starts from a copy of that cache, with only its last token to run."""
+        opts, shared = s.cache_options, s.shared
+        if shared is not None and shared.cache is not None:
+            s.cache = prefix_copy(shared.cache, len(shared.cache.tokens))
+            s.shared = None  # once every waiting choice has started, nothing holds the copy
+        else:
+            if shared is not None:
+                shared.runner = s
+            s.cache = self.pool.fetch(self.model, s.prompt, **opts) if self.pool else PromptCache.for_model(
+                self.model, **opts)
         limit = context_limit(self.model, s.cache, len(s.prompt), s.options.max_tokens)
         s.text = self._text(s, s.cache, limit)
         s.todo = s.cache.prepare(s.prompt)
         s.stats.prefill_tokens = len(s.todo)
         o = s.options
-        if o.draft_model is not None or o.prompt_lookup:  # its own draft cache, never one shared by sequences
+        if o.draft_model is not None or o.prompt_lookup or s.predicted is not None:
+            prediction = PredictedOutput(s.predicted, len(s.prompt)) if s.predicted is not None else None
+            # its own draft cache, never one shared by sequences
             s.speculative = token_source(self.model, s.cache, s.sampler, s.todo[-1], limit,
-                                         replace(o, draft_cache=None), s.stats, s.constraint)
+                                         replace(o, draft_cache=None), s.stats, s.constraint, prediction)
         return limit
 
     def _text(self, s: _Sequence, cache: PromptCache, limit: int) -> TextStream:
         # time to first token includes the wait for a slot
-        return TextStream(self.tokenizer, s.options, s.stats, limit, cache, start=s.submitted)
+        return TextStream(self.tokenizer, s.options, s.stats, limit, cache, start=s.submitted, index=s.index)
 
     def _prefill_some(self, out: list[tuple[int, Chunk]]) -> None:
         """Prefill chunks (cut where a lone generation cuts them) until about `prefill_step`
@@ -344,6 +398,8 @@ class BatchGenerator:
             if s.prefilled < len(s.todo) - 1:
                 break
             self._prefilling.remove(s)
+            if s.shared is not None:  # its prompt is in: the other choices start from copies of it
+                s.shared.cache, s.shared = prefix_copy(s.cache, len(s.cache.tokens)), None
             s.next_input = mx.array(s.todo[-1:])
             self._decoding.append(s)
 

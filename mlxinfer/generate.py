@@ -27,7 +27,7 @@ from .tools import plan as plan_tools
 from .decode import ConstrainedDecoder, PlainDecoder, Stats, Token, TokenSource
 from .errors import InvalidOptionError
 from .sample import Sampler, SamplingConfig
-from .speculative import LOOKUP_DRAFT, MODEL_DRAFT, SpeculativeDecoder, make_drafter
+from .speculative import LOOKUP_DRAFT, MODEL_DRAFT, PREDICTION_DRAFT, PredictedOutput, SpeculativeDecoder, make_drafter
 from .tokenizer import Tokenizer
 
 Prompt = str | Sequence[int] | Sequence[dict]
@@ -35,6 +35,8 @@ Prompt = str | Sequence[int] | Sequence[dict]
 # nothing per stop, but text that may begin one is held back from the stream, so a stop's
 # length is how far streaming can lag; 16 stops of 1,000 characters are generous for both.
 MAX_STOPS, MAX_STOP_CHARS = 16, 1000
+# Choices one request may ask for (`n`): each is a sequence of its own in the batch engine.
+MAX_CHOICES = 16
 
 
 @dataclass
@@ -50,6 +52,7 @@ class Chunk:
     tool_calls: list[ToolCall] | None = None  # on the last chunk of a reply that called tools
     content: str | None = None  # with tool_calls: the reply's text outside the calls
     reasoning: str = ""  # thinking this token added (a reasoning model's <think> part); `text` is the answer only
+    index: int = 0  # which of the request's `n` choices this chunk belongs to
 
 
 @dataclass(frozen=True)
@@ -70,6 +73,8 @@ class GenerationOptions:
     tools: Any = None  # OpenAI's tools list: see `tools`
     tool_choice: Any = None  # "auto" (default), "none", "required" or {"type": "function", "function": {"name"}}
     parallel_tool_calls: bool = True  # False: a reply makes at most one call (held to the grammar)
+    n: int = 1  # choices: the batch engine runs n sequences from one prefill (`BatchGenerator.enqueue_choices`)
+    prediction: str | None = None  # the expected output (Predicted Outputs): the speculative draft, in place of others
 
     def __post_init__(self) -> None:
         """Types and ranges, so a bad value fails before any work and not inside MLX."""
@@ -98,6 +103,10 @@ class GenerationOptions:
         if self.num_draft_tokens is not None:
             integer("num_draft_tokens", self.num_draft_tokens, 1)
         flag("prompt_lookup", self.prompt_lookup)
+        integer("n", self.n, 1, MAX_CHOICES)
+        if self.prediction is not None and not isinstance(self.prediction, str):
+            raise InvalidOptionError(f"prediction must be the expected output as text, got "
+                                     f"{type(self.prediction).__name__}")
         if self.draft_model is not None and self.prompt_lookup:
             raise InvalidOptionError("choose one drafter: a draft model or prompt lookup, not both")
         if response_format(self.response_format) is not None and self.ignore_eos:
@@ -311,11 +320,12 @@ def top_logprobs(logprobs: mx.array, k: int) -> list[tuple[int, float]] | None:
 
 class TextStream:
     """One sequence's tokens → chunks: streamed text, stop strings, EOS, limits, stats.
-    Its time to first token counts from `start` (default: now)."""
+    Its time to first token counts from `start` (default: now); its chunks carry `index`,
+    the choice it is of a request's n."""
 
     def __init__(self, tokenizer: Tokenizer, options: GenerationOptions, stats: Stats, limit: int,
-                 cache: PromptCache, start: float | None = None):
-        self.options, self.stats, self.limit, self.cache = options, stats, limit, cache
+                 cache: PromptCache, start: float | None = None, index: int = 0):
+        self.options, self.stats, self.limit, self.cache, self.index = options, stats, limit, cache, index
         self.detok = tokenizer.detokenizer()
         self.stop = StopMatcher(options.stop)
         self.eos = set() if options.ignore_eos else set(tokenizer.eos_token_ids)
@@ -342,7 +352,7 @@ class TextStream:
         if finish:
             self._finish(finish)
         return Chunk(text, token.id, token.logprob, finish, stats, top_logprobs(token.logprobs, self.options.logprobs),
-                     token.drafted)
+                     token.drafted, index=self.index)
 
     def _finish(self, reason: str) -> None:
         self.stats.finish_reason = reason
@@ -355,7 +365,7 @@ class TextStream:
         text held back for a possible stop string is released."""
         self._finish(reason)
         text = "" if not self.generated else self.stop.push(self.detok.finalize())[0] + self.stop.flush()
-        return Chunk(text, None, None, reason, self.stats)
+        return Chunk(text, None, None, reason, self.stats, index=self.index)
 
 
 def tool_plan(options: GenerationOptions, tokenizer: Tokenizer) -> ToolPlan | None:
@@ -398,18 +408,31 @@ def read_tool_calls(chunk: Chunk, reply: str, tools: ToolPlan | None) -> Chunk:
     return dataclasses.replace(chunk, finish_reason="tool_calls", tool_calls=calls, content=content)
 
 
+def predicted_tokens(tokenizer: Tokenizer, options: GenerationOptions, vocab_size: int) -> tuple[int, ...] | None:
+    """The prediction's token ids (None without one). Ids the model has no row for (a tokenizer
+    may know more tokens than the model) could never be drawn, so they are left out."""
+    if options.prediction is None:
+        return None
+    return tuple(t for t in tokenizer.encode(options.prediction, add_special_tokens=False) if t < vocab_size)
+
+
 def token_source(model, cache: PromptCache, sampler: Sampler, last: int, limit: int, options: GenerationOptions,
-                 stats: Stats, constraint: Constraint | None = None) -> TokenSource:
-    """Plain decoding, or speculative decoding when a drafter is asked for; held to
-    `constraint` when there is one."""
+                 stats: Stats, constraint: Constraint | None = None,
+                 prediction: PredictedOutput | None = None) -> TokenSource:
+    """Plain decoding, or speculative decoding when a drafter is asked for (a `prediction`
+    comes first: it is what the caller expects this very output to be); held to `constraint`
+    when there is one."""
     o = options
-    if o.draft_model is None and not o.prompt_lookup:
+    if prediction is not None:
+        drafter, max_draft = prediction, o.num_draft_tokens or PREDICTION_DRAFT
+    elif o.draft_model is None and not o.prompt_lookup:
         if constraint is not None:
             return ConstrainedDecoder(model, cache, sampler, constraint, last, limit)
         return PlainDecoder(model, cache, sampler, last, limit)
-    drafter = make_drafter(model, sampler, o.draft_model, o.draft_cache, constraint,
-                           max_kv_size=o.max_kv_size, kv_bits=o.kv_bits, kv_group_size=o.kv_group_size)
-    max_draft = o.num_draft_tokens or (LOOKUP_DRAFT if o.prompt_lookup else MODEL_DRAFT)
+    else:
+        drafter = make_drafter(model, sampler, o.draft_model, o.draft_cache, constraint,
+                               max_kv_size=o.max_kv_size, kv_bits=o.kv_bits, kv_group_size=o.kv_group_size)
+        max_draft = o.num_draft_tokens or (LOOKUP_DRAFT if o.prompt_lookup else MODEL_DRAFT)
     return SpeculativeDecoder(model, cache, sampler, drafter, last, limit, stats, max_draft, constraint=constraint)
 
 
@@ -422,14 +445,20 @@ def stream_generate(
     presence_penalty, frequency_penalty, penalty_window, logit_bias, seed, stop,
     ignore_eos, max_kv_size, kv_bits, kv_group_size, prefill_step, logprobs, and
     for speculative decoding draft_model, draft_cache (the draft's PromptCache, to
-    reuse across calls), num_draft_tokens, prompt_lookup; response_format holds the
+    reuse across calls), num_draft_tokens, prompt_lookup, and prediction (the output
+    expected, e.g. the file being edited: drafts are taken from it, and the output is
+    the same as without it); response_format holds the
     reply to a JSON Schema, any JSON object, a regex or a Lark grammar (`constrain`);
     tools and tool_choice offer the app's functions (`tools`): a reply that calls them
     ends with finish_reason "tool_calls" and the calls on its last chunk (at most one
-    with parallel_tool_calls=False).
+    with parallel_tool_calls=False). One completion: for n choices of one prompt, see
+    `BatchGenerator.enqueue_choices`.
     Pass a `PromptCache` to reuse the longest common prefix across calls.
     """
     sampling, o = split_options(options, model.config.vocab_size)
+    if o.n != 1:
+        raise InvalidOptionError(f"stream_generate makes one completion, not n={o.n}: queue the request's choices "
+                                 "with BatchGenerator.enqueue_choices (they share one prefill)")
     tools = tool_plan(o, tokenizer)
     ids = request_tokens(tokenizer, prompt, model.config.vocab_size, tools)
     cache = prompt_cache or PromptCache.for_model(
@@ -449,7 +478,9 @@ def stream_generate(
             return
         cache.prefill(model, todo[:-1], o.prefill_step)
         constraint = constraint_for(o, tokenizer, model.config.vocab_size, tools)
-        source = token_source(model, cache, Sampler(sampling, ids), todo[-1], limit, o, stats, constraint)
+        predicted = predicted_tokens(tokenizer, o, model.config.vocab_size)
+        source = token_source(model, cache, Sampler(sampling, ids), todo[-1], limit, o, stats, constraint,
+                              PredictedOutput(predicted, len(ids)) if predicted is not None else None)
         reply = []
         for token in source:
             chunk = text.emit(token)

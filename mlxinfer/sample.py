@@ -14,7 +14,7 @@ rows that are not finite anyway (the model's own logits) are drawn from as
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import mlx.core as mx
 
@@ -24,6 +24,9 @@ from .errors import InvalidOptionError
 from .kernels.sampling import NEG_INF, NO_TOKEN, Filter, SamplingParams, empty_rows, finite, warp_chain
 
 SEED_MAX = 2**64 - 1  # mx.random.key takes an unsigned 64-bit seed
+# The step between the seeds of a request's choices: 2^64 over the golden ratio (splitmix64's
+# increment), so the choices of nearby seeds (seed 5 choice 1, seed 6 choice 0) do not coincide.
+CHOICE_SEED_STEP = 0x9E3779B97F4A7C15
 # A temperature this low already picks the argmax (ask for 0 instead); at the maximum a model's
 # logits, which span tens, are nearly flat already (OpenAI allows 0..2).
 MIN_TEMPERATURE, MAX_TEMPERATURE = 1e-6, 100.0
@@ -83,6 +86,14 @@ class SamplingConfig:
     def greedy(self) -> bool:
         return self.temperature == 0
 
+    def for_choice(self, index: int) -> SamplingConfig:
+        """The config of choice `index` of a request with n choices: with seed s it draws with
+        `choice_seed(s, index)` (choice 0 with s itself, so n=1 and the first of n agree);
+        without a seed every choice draws from the shared random state, so each differs."""
+        if self.seed is None or index == 0:
+            return self
+        return replace(self, seed=choice_seed(self.seed, index))
+
     @property
     def warp(self) -> SamplingParams:
         """What the fused sampling kernel applies after penalties and bias."""
@@ -91,6 +102,12 @@ class SamplingConfig:
     @property
     def penalised(self) -> bool:
         return (self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0)
+
+
+def choice_seed(seed: int, index: int) -> int:
+    """The seed choice `index` draws with when the request's seed is `seed`:
+    (seed + index * 0x9E3779B97F4A7C15) mod 2^64."""
+    return (seed + index * CHOICE_SEED_STEP) % (SEED_MAX + 1)
 
 
 def penalties(history: mx.array, repetition: float, presence: float, frequency: float) -> Filter:

@@ -68,6 +68,41 @@ class PromptLookup:
         return [], None
 
 
+class PredictedOutput:
+    """Drafts from the output the caller expects (OpenAI's Predicted Outputs: the file an
+    edit rewrites, say), followed through it as the reply goes. Before the reply's first
+    token the prediction's beginning is proposed; after it, what follows the place in the
+    prediction where the reply's last n tokens occur, n from `max_ngram` down to 1. A reply
+    runs through its prediction in order, so the place chosen is the first at or after
+    where the reply was last found (the cursor), else the last one before it. Short matches
+    are ambiguous (code repeats `=`, `(`, ` None` everywhere), so one shorter than
+    `max_ngram` counts only within `reach` tokens after the cursor: that is where a reply
+    rejoins its prediction after a small edit (a renamed variable); after a larger one it
+    is found again by a full-length match. Where the reply departs from the prediction
+    nothing matches and tokens are decoded plainly. `prompt_tokens`: where the reply
+    starts in the context."""
+
+    def __init__(self, predicted: Sequence[int], prompt_tokens: int, max_ngram: int = 4, reach: int = 32):
+        self.ids = np.asarray(predicted, dtype=np.int64)
+        self.start, self.max_ngram, self.reach = prompt_tokens, max_ngram, reach
+        self.cursor = 0  # where in the prediction the reply was last found to end
+
+    def propose(self, context: Sequence[int], k: int) -> tuple[list[int], None]:
+        reply = np.asarray(context[self.start :], dtype=np.int64)
+        if not len(reply):
+            return self.ids[:k].tolist(), None
+        for n in range(min(self.max_ngram, len(reply), len(self.ids)), 0, -1):
+            windows = sliding_window_view(self.ids, n)
+            ends = np.flatnonzero((windows == reply[-n:]).all(axis=1)) + n
+            if n < self.max_ngram:
+                ends = ends[(ends >= self.cursor) & (ends <= self.cursor + self.reach)]
+            if len(ends):
+                ahead = ends[ends >= self.cursor]
+                self.cursor = int(ahead[0] if len(ahead) else ends[-1])
+                return self.ids[self.cursor : self.cursor + k].tolist(), None
+        return [], None
+
+
 class DraftModel:
     """A small model sharing the target's vocabulary, with its own cache kept in
     step with the accepted tokens (trimmed back on rejection). It draws with the
@@ -237,6 +272,8 @@ PLAIN_BURST = 4
 # costs under twice one decode step (memory-bound on every backend); a model
 # draft pays per token, so it starts shorter.
 LOOKUP_DRAFT, MODEL_DRAFT = 8, 4
+# A prediction is meant to be the output itself: its drafts may run longer.
+PREDICTION_DRAFT = 16
 
 
 class SpeculativeDecoder:
