@@ -4,14 +4,15 @@ The engine (`batch.BatchGenerator`) runs on one dedicated thread, so MLX work ne
 blocks the event loop: requests reach it through a queue of commands (submit, cancel,
 a call to run between steps), and each request's chunks come back through its own
 asyncio queue. Concurrent requests share decode steps; a client that disconnects cancels
-its sequence at once. Requests beyond the engine's slots wait in its queue, which is
-bounded: past it, a 503 with Retry-After. One request's failure ends that request (500 or
-an error event), never the server.
+its sequences at once. Requests beyond the engine's slots wait in its queue, which is
+bounded: past it, a 503 with Retry-After. A request for n choices is n sequences and takes
+n places. One request's failure ends that request (500 or an error event), never the server.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import queue
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -33,7 +34,7 @@ PREPARE_THREADS = 2
 T = TypeVar("T")
 
 
-@dataclass
+@dataclass(eq=False)
 class _Job:
     """One request inside the engine thread: what to run and where its chunks go."""
 
@@ -41,7 +42,13 @@ class _Job:
     loop: asyncio.AbstractEventLoop
     chunks: asyncio.Queue = field(default_factory=asyncio.Queue)
     prepared: Prepared | None = None
-    uid: int | None = None
+    running: set[int] = field(default_factory=set)  # engine uids of its choices that have not ended
+    failed: bool = False  # one choice failed: the request is over, the rest are being cancelled
+
+    @property
+    def places(self) -> int:
+        """The places it takes: one per choice."""
+        return self.request.options.n
 
 
 class EngineThread:
@@ -75,24 +82,34 @@ class EngineThread:
         self._thread = threading.Thread(target=self._run, name="mlxinfer-engine", daemon=True)
         self._thread.start()
 
-    def reserve(self) -> None:
-        """Take a place for a new request, or refuse it (503) when all are taken."""
+    def reserve(self, places: int = 1) -> None:
+        """Take `places` places (one per choice of a request), or refuse: 400 when there are
+        never that many, 503 when they are taken now."""
         limit = self.engine.max_batch + self.max_queued
+        if places > limit:
+            raise RequestError(f"n={places} choices need {places} places, but this server runs "
+                               f"{self.engine.max_batch} sequences and queues {self.max_queued} (--max-concurrency, "
+                               f"--max-queue); ask for at most n={limit}", "n")
         with self._lock:
             if self._stop.is_set():
                 raise RequestError("the server is shutting down", status=503, kind="server_busy")
-            if self._in_flight >= limit:
+            if self._in_flight + places > limit:
                 raise RequestError(f"the server is busy ({limit} requests running or queued); retry shortly",
                                    status=503, kind="server_busy", headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
-            self._in_flight += 1
+            self._in_flight += places
 
-    def release(self) -> None:
-        """Give back the place of a request that never reached the engine."""
+    def release(self, places: int = 1) -> None:
+        """Give back places: a request's that never reached the engine, or a choice's that ended."""
         with self._lock:
-            self._in_flight -= 1
+            self._in_flight -= places
 
     async def prepare(self, request: _Job) -> None:
-        """Prepare a reserved request off the engine thread; a bad one is a 400."""
+        """Prepare a reserved request off the engine thread; a bad one is a 400. Across ranks a
+        prediction is dropped: speculation would have each rank choose its passes by its own
+        timings, and a prediction never changes what is generated, only how fast."""
+        if self.relay is not None and request.request.options.prediction is not None:
+            request.request = dataclasses.replace(
+                request.request, options=dataclasses.replace(request.request.options, prediction=None))
         with self._lock:
             self.preparing += 1
         try:
@@ -133,18 +150,35 @@ class EngineThread:
         self._thread.join(timeout)
         self._preparer.shutdown(wait=False, cancel_futures=True)
 
-    def _deliver(self, request: _Job, item: Chunk | RequestError | None) -> None:
+    @staticmethod
+    def _deliver(request: _Job, item: Chunk | RequestError | None) -> None:
         try:
             request.loop.call_soon_threadsafe(request.chunks.put_nowait, item)
         except RuntimeError:  # the event loop has closed (the server stopped): nobody is listening
             pass
-        if item is None:
-            with self._lock:
-                self._in_flight -= 1
 
     def _refuse(self, request: _Job, error: RequestError) -> None:
+        """End a request that never reached the engine with `error`, giving back its places."""
         self._deliver(request, error)
         self._deliver(request, None)
+        self.release(request.places)
+
+    def _fail(self, request: _Job, error: RequestError) -> None:
+        """One of the request's choices failed: it gets `error`, and its other choices are cancelled."""
+        if not request.failed:
+            request.failed = True
+            self._deliver(request, error)
+        for uid in request.running:
+            self._cancel(uid)
+
+    def _ended(self, uid: int) -> None:
+        """A choice's sequence ended: its place is free; the request ends with its last choice."""
+        request = self._requests.pop(uid)
+        request.running.discard(uid)
+        self.release()
+        if not request.running:
+            self._deliver(request, None)
+            self.served += 1
 
     def _handle(self, command: str, request: _Job | None) -> None:
         if command == "submit":
@@ -152,16 +186,18 @@ class EngineThread:
                 self._refuse(request, RequestError("the server is shutting down", status=503, kind="server_busy"))
                 return
             try:
-                request.uid = self.engine.enqueue(request.prepared)
+                uids = self.engine.enqueue_choices(request.prepared)
             except Exception as e:  # noqa: BLE001 - a fault of ours ends this request, not the server
                 self._refuse(request, server_error(f"{type(e).__name__}: {e}"))
                 return
             self._ops.append(["submit", request.request.to_json()])
-            self._requests[request.uid] = request
+            request.running.update(uids)
+            self._requests.update(dict.fromkeys(uids, request))
         elif command == "call":
             self._call(*request)
-        elif command == "cancel" and request.uid in self._requests:
-            self._cancel(request.uid)
+        elif command == "cancel":
+            for uid in request.running:
+                self._cancel(uid)
         elif command == "shutdown":
             with self._lock:
                 self._stop.set()
@@ -209,8 +245,9 @@ class EngineThread:
             self._snapshot()
         if self.relay is not None:
             self.relay.share(None)
-        for uid in list(self._requests):  # stopping: end the streams that are left
-            self._deliver(self._requests.pop(uid), None)
+        for request in set(self._requests.values()):  # stopping: end the streams that are left
+            self._deliver(request, None)
+        self._requests.clear()
 
     def _step(self) -> None:
         try:
@@ -220,24 +257,20 @@ class EngineThread:
                 with self.relay.watchdog.bounded("a step"):
                     produced = self.engine.step()
         except Exception as e:  # noqa: BLE001 - the engine ends a failed sequence itself; this is the last guard
-            for uid, request in list(self._requests.items()):
-                self._cancel(uid)
-                self._refuse(request, server_error(f"{type(e).__name__}: {e}"))
-            self._requests.clear()
+            for uid in list(self._requests):
+                self._fail(self._requests[uid], server_error(f"{type(e).__name__}: {e}"))
+                self._ended(uid)
             return
         for uid, chunk in produced:
             request = self._requests.get(uid)
             if request is None:
                 continue
             if chunk.finish_reason == "error":
-                self._refuse(request, server_error(chunk.error or "generation failed"))
-            else:
+                self._fail(request, server_error(chunk.error or "generation failed"))
+            elif not request.failed:
                 self._deliver(request, chunk)
-                if chunk.finish_reason:
-                    self._deliver(request, None)
             if chunk.finish_reason:
-                del self._requests[uid]
-                self.served += 1
+                self._ended(uid)
 
     def _snapshot(self) -> None:
         e = self.engine
@@ -259,7 +292,7 @@ def follow(engine: BatchGenerator, relay: Relay) -> None:
         with relay.watchdog.bounded("a step"):
             for op in ops:
                 if op[0] == "submit":
-                    engine.enqueue(engine.prepare(Request.from_json(op[1])))
+                    engine.enqueue_choices(engine.prepare(Request.from_json(op[1])))
                 else:
                     engine.cancel(op[1])
             if engine.active:
@@ -267,14 +300,15 @@ def follow(engine: BatchGenerator, relay: Relay) -> None:
 
 
 async def chunks_of(engine: EngineThread, request: Request) -> AsyncIterator[Chunk]:
-    """A request's chunks as they come: a place taken, the request prepared, then its engine
-    chunks. Leaving early (a client gone) gives the place back or cancels the sequence."""
+    """A request's chunks as they come: its places taken, the request prepared, then its engine
+    chunks (those of n choices interleaved, each with its `index`). Leaving early (a client
+    gone) gives the places back or cancels every choice."""
     job = _Job(request, asyncio.get_running_loop())
-    engine.reserve()
+    engine.reserve(job.places)
     try:
         await engine.prepare(job)
     except BaseException:
-        engine.release()
+        engine.release(job.places)
         raise
     engine.submit(job)
     finished = False

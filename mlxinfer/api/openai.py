@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
 from fastapi import APIRouter, Request
@@ -46,9 +46,8 @@ def router(ctx: Context) -> APIRouter:
         chat = kind is ChatCompletion
         o = typed.options
         calls = chat and o.tools and o.tool_choice != "none"
-        reply = Reply(f"{'chatcmpl' if chat else 'cmpl'}-{next(ids)}", chat, config.model_name,
-                      Logprobs(tokenizer, chat, body.logprob_rows()) if body.logprob_rows() else None,
-                      call_opener(tokenizer) if calls else None)
+        reply = Reply(f"{'chatcmpl' if chat else 'cmpl'}-{next(ids)}", chat, config.model_name, tokenizer,
+                      body.logprob_rows(), call_opener(tokenizer) if calls else None, o.prediction is not None)
         stream = chunks_of(engine, typed)
         gone = asyncio.ensure_future(hung_up(request))
         try:
@@ -74,13 +73,17 @@ def router(ctx: Context) -> APIRouter:
 
 @dataclass
 class Reply:
-    """One request's response: the whole object, or its Server-Sent Events."""
+    """One request's response, over its n choices: the whole object, or its Server-Sent Events
+    (each choice's chunks carry its index, interleaved as the engine makes them)."""
 
     rid: str
     chat: bool
     model: str
-    logprobs: Logprobs | None
+    tokenizer: Any
+    logprob_rows: int  # 0: no logprobs
     opener: str | None = None  # with tools: the text a call starts with
+    predicted: bool = False  # the request sent a prediction: usage reports its accepted and rejected tokens
+    _logprobs: dict[int, Logprobs] = field(default_factory=dict)  # per choice (the legacy shape counts offsets)
 
     def _object(self, choices: list[dict[str, Any]], chunk: bool, **extra: Any) -> dict[str, Any]:
         kind = "chat.completion" if self.chat else "text_completion"
@@ -88,12 +91,30 @@ class Reply:
         return {"id": self.rid, "object": kind, "created": int(time.time()), "model": self.model,
                 "choices": choices, **extra}
 
+    def _logprobs_of(self, chunks: list[Chunk]) -> dict[str, Any] | None:
+        """The logprobs of these chunks (all of one choice), when the request asked for them."""
+        if not self.logprob_rows:
+            return None
+        index = chunks[-1].index
+        if index not in self._logprobs:
+            self._logprobs[index] = Logprobs(self.tokenizer, self.chat, self.logprob_rows)
+        return self._logprobs[index].of(chunks)
+
+    def _usage(self, lasts: dict[int, Chunk]) -> dict[str, Any]:
+        return usage([lasts[i].stats for i in sorted(lasts)], self.predicted)
+
     def whole(self, chunks: list[Chunk]) -> dict[str, Any]:
-        last = chunks[-1]
-        text = last.content if last.tool_calls else "".join(c.text for c in chunks)
-        lp = self.logprobs.of(chunks) if self.logprobs else None
-        return self._object([choice(self.chat, text, last.finish_reason, lp, delta=False, calls=last.tool_calls)],
-                            chunk=False, usage=usage(last.stats))
+        per_choice: dict[int, list[Chunk]] = {}
+        for c in chunks:
+            per_choice.setdefault(c.index, []).append(c)
+        choices = []
+        for index in sorted(per_choice):
+            mine = per_choice[index]
+            last = mine[-1]
+            text = last.content if last.tool_calls else "".join(c.text for c in mine)
+            choices.append(choice(self.chat, text, last.finish_reason, self._logprobs_of(mine), delta=False,
+                                  calls=last.tool_calls, index=index))
+        return self._object(choices, chunk=False, usage=self._usage({i: cs[-1] for i, cs in per_choice.items()}))
 
     def _could_call(self, text: str) -> bool:
         start = text.lstrip()
@@ -101,21 +122,26 @@ class Reply:
 
     async def events(self, first: Chunk | None, stream: AsyncIterator[Chunk],
                      include_usage: bool) -> AsyncIterator[bytes]:
-        """The stream; with tools, text that may be the start of a call is held back until
-        it is known: a call goes out as one `tool_calls` delta, anything else as text."""
-        last, held, sent = first, [], False
+        """The stream, each event one choice's; with tools, text that may be the start of a call
+        is held back until it is known: a call goes out as one `tool_calls` delta, anything
+        else as text."""
+        lasts: dict[int, Chunk] = {}  # each choice's latest chunk
+        held: dict[int, list[Chunk]] = {}  # per choice: chunks held back while they may open a call
+        sent: set[int] = set()  # choices that have had an event
         try:
             if first is not None:
                 async for chunk in _chain(first, stream):
-                    last = chunk
-                    if not sent and self._could_call("".join(c.text for c in (*held, chunk))) \
+                    index = chunk.index
+                    lasts[index] = chunk
+                    pending = [*held.pop(index, []), chunk]
+                    if index not in sent and self._could_call("".join(c.text for c in pending)) \
                             and not chunk.finish_reason:
-                        held.append(chunk)
+                        held[index] = pending
                         continue
-                    yield sse(self._event([*held, chunk], first=not sent))
-                    held, sent = [], True
-            if include_usage and last is not None:
-                yield sse(self._object([], chunk=True, usage=usage(last.stats)))
+                    yield sse(self._event(pending, first=index not in sent))
+                    sent.add(index)
+            if include_usage and lasts:
+                yield sse(self._object([], chunk=True, usage=self._usage(lasts)))
         except RequestError as e:
             yield sse(e.body())
         finally:
@@ -124,10 +150,9 @@ class Reply:
 
     def _event(self, chunks: list[Chunk], first: bool = False) -> dict[str, Any]:
         last = chunks[-1]
-        lp = self.logprobs.of(chunks) if self.logprobs else None
         text = last.content if last.tool_calls else "".join(c.text for c in chunks)
-        return self._object([choice(self.chat, text, last.finish_reason, lp, delta=True, first=first,
-                                    calls=last.tool_calls)], chunk=True)
+        return self._object([choice(self.chat, text, last.finish_reason, self._logprobs_of(chunks), delta=True,
+                                    first=first, calls=last.tool_calls, index=last.index)], chunk=True)
 
 
 async def _chain(first: Chunk, rest: AsyncIterator[Chunk]) -> AsyncIterator[Chunk]:

@@ -13,13 +13,13 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from pydantic_core import PydanticCustomError
 
-from ..generate import Chunk, Stats
+from ..generate import MAX_CHOICES, Chunk, Stats
 from .common import RequestError, load_json
 
 # Fields of OpenAI's API that change the output and that this server does not implement yet.
 NOT_YET = {"functions": "legacy function calls (use tools)", "function_call": "legacy function calls (use tools)",
            "best_of": "best_of", "echo": "echo", "suffix": "suffix", "audio": "audio output",
-           "modalities": "audio output", "prediction": "predicted outputs", "reasoning_effort": "reasoning effort",
+           "modalities": "audio output", "reasoning_effort": "reasoning effort",
            "web_search_options": "web search"}
 
 
@@ -48,6 +48,17 @@ class MessageToolCall(Strict):
     id: str
     type: Literal["function"] = "function"
     function: FunctionCall
+
+
+class Prediction(Strict):
+    """Predicted Outputs: text the reply is expected to repeat (a file being edited). It is the
+    speculative draft, so it changes the speed, never the output."""
+
+    type: Literal["content"]
+    content: str | list[TextPart]
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
 
 
 # Content parts OpenAI defines that a text-only model cannot read.
@@ -111,6 +122,7 @@ class Completion(Strict):
     logit_bias: dict[str, float] | None = None  # token id (a JSON key, so a string) -> bias
     response_format: dict[str, Any] | None = None  # checked by the engine (`constrain.response_format`)
     n: int | None = Field(None, ge=1)
+    prediction: Prediction | None = None
     stream: bool | None = False  # null: not streamed
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -123,10 +135,11 @@ class Completion(Strict):
 
     def options(self, default_max_tokens: int) -> dict[str, Any]:
         """The engine options this request asks for."""
-        if (self.n or 1) != 1:
-            raise RequestError("only n=1 is supported: send one request per completion", "n")
+        if (self.n or 1) > MAX_CHOICES:
+            raise RequestError(f"n is {self.n}; at most {MAX_CHOICES} choices per request are allowed: ask for fewer "
+                               "or send several requests", "n")
         fields = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
-                  "repetition_penalty", "response_format")
+                  "repetition_penalty", "response_format", "n")
         options = {k: getattr(self, k) for k in fields if getattr(self, k) is not None}
         if options.get("top_p") == 0:  # OpenAI's reading: keep only the most likely token, i.e. greedy
             del options["top_p"]
@@ -139,6 +152,8 @@ class Completion(Strict):
             options["stop"] = [self.stop] if isinstance(self.stop, str) else self.stop
         if self.logprob_rows():
             options["logprobs"] = self.logprob_rows()
+        if self.prediction is not None:
+            options["prediction"] = self.prediction.text()
         return options
 
     @property
@@ -242,10 +257,19 @@ def finish(reason: str | None) -> str | None:
     return "stop" if reason == "cancelled" else reason
 
 
-def usage(stats: Stats) -> dict[str, Any]:
-    return {"prompt_tokens": stats.prompt_tokens, "completion_tokens": stats.generated_tokens,
-            "total_tokens": stats.prompt_tokens + stats.generated_tokens,
-            "prompt_tokens_details": {"cached_tokens": max(stats.prompt_tokens - stats.prefill_tokens, 0)}}
+def usage(finals: list[Stats], predicted: bool = False) -> dict[str, Any]:
+    """Usage of a request from its choices' last stats: the prompt counted once (its choices
+    share it; the one that prefilled it ran the most of it), every choice's tokens; with a
+    prediction, its drafted tokens the model accepted and rejected (the rejected ones cost a
+    verification each, not a token of the reply)."""
+    prompt = finals[0].prompt_tokens
+    completion = sum(s.generated_tokens for s in finals)
+    accepted = sum(s.accepted for s in finals) if predicted else 0
+    rejected = sum(s.drafted - s.accepted for s in finals) if predicted else 0
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": max(prompt - max(s.prefill_tokens for s in finals), 0)},
+            "completion_tokens_details": {"accepted_prediction_tokens": accepted,
+                                          "rejected_prediction_tokens": rejected}}
 
 
 class Logprobs:
@@ -274,9 +298,9 @@ class Logprobs:
 
 
 def choice(chat: bool, text: str | None, reason: str | None, logprobs: dict[str, Any] | None, delta: bool,
-           first: bool = False, calls: list | None = None) -> dict[str, Any]:
-    """One choice of a response (`delta`: of a streamed chunk); `calls`: the tool calls it made."""
-    out: dict[str, Any] = {"index": 0}
+           first: bool = False, calls: list | None = None, index: int = 0) -> dict[str, Any]:
+    """Choice `index` of a response (`delta`: of a streamed chunk); `calls`: the tool calls it made."""
+    out: dict[str, Any] = {"index": index}
     if not chat:
         out["text"] = text
     elif delta:
