@@ -192,7 +192,7 @@ def test_models_and_health(client, server, tiny):
     (dict(extra_body={"functions": [{"name": "f"}]}), "'functions' is not supported"),
     (dict(response_format={"type": "xml"}), "'xml' is not supported"),
     (dict(response_format={"type": "json_schema", "json_schema": {"schema": {"not": {}}}}), "not"),
-    (dict(n=2), "only n=1"),
+    (dict(n=17), "at most 16"),
     (dict(temperature=-1.0), "temperature"),
     (dict(max_tokens=-3), "max_tokens"),
     (dict(top_logprobs=50, logprobs=True), "top_logprobs"),
