@@ -31,9 +31,10 @@ from .constrain import Constraint, masked
 from .decode import Stats, Token, chosen_logprobs, drawn
 from .errors import InvalidOptionError
 from .generate import (Chunk, GenerationOptions, Prompt, TextStream, check_context, context_limit,
-                       constraint_for, generation_stream, read_tool_calls, request_tokens, split_options,
-                       token_source, tool_plan, wired_limit)
+                       constraint_for, generation_stream, read_tool_calls, reasoning_of, request_tokens,
+                       split_options, token_source, tool_plan, wired_limit)
 from .pool import PromptCachePool
+from .reasoning import Reasoning
 from .sample import Sampler, SamplingConfig, greedy
 from .speculative import SpeculativeDecoder
 from .tools import ToolPlan
@@ -54,6 +55,7 @@ class Prepared:
     options: GenerationOptions
     tools: ToolPlan | None
     constraint: Constraint | None  # a fresh matcher for its format or tool calls (built here: it can be slow)
+    reasoning: Reasoning | None = None  # how its reply splits into thinking and answer
 
 
 @dataclass(eq=False)
@@ -75,6 +77,7 @@ class _Sequence:
     constraint: Constraint | None = None  # its response format or tool-call grammar, when it has one
     tools: ToolPlan | None = None  # what its tools are and how its calls are read
     reply: list[str] = field(default_factory=list)  # its text so far, kept only when it has tools
+    reasoning: Reasoning | None = None  # how its reply splits into thinking and answer
 
     @property
     def cache_options(self) -> dict[str, Any]:
@@ -161,9 +164,10 @@ class BatchGenerator:
         size never stalls the sequences being decoded."""
         sampling, o = split_options({**self.defaults, **options}, self.model.config.vocab_size)
         tools = tool_plan(o, self.tokenizer)
-        ids = request_tokens(self.tokenizer, prompt, self.model.config.vocab_size, tools)
+        ids = request_tokens(self.tokenizer, prompt, self.model.config.vocab_size, tools, o.chat_template_kwargs)
         check_context(self.model, PromptCache.for_model(self.model, **_cache_options(o)), len(ids))
-        return Prepared(ids, sampling, o, tools, constraint_for(o, self.tokenizer, self.model.config.vocab_size, tools))
+        return Prepared(ids, sampling, o, tools, constraint_for(o, self.tokenizer, self.model.config.vocab_size, tools),
+                        reasoning_of(o, self.tokenizer, ids))
 
     def enqueue(self, prepared: Prepared) -> int:
         """Queue a prepared request (`prepare`); returns its uid."""
@@ -171,7 +175,7 @@ class BatchGenerator:
         p = prepared
         self._waiting.append(_Sequence(uid, p.ids, p.options, Sampler(p.sampling, p.ids),
                                        Stats(prompt_tokens=len(p.ids)), time.perf_counter(), tools=p.tools,
-                                       constraint=p.constraint))
+                                       constraint=p.constraint, reasoning=p.reasoning))
         self._known.add(uid)
         return uid
 
@@ -318,7 +322,7 @@ class BatchGenerator:
 
     def _text(self, s: _Sequence, cache: PromptCache, limit: int) -> TextStream:
         # time to first token includes the wait for a slot
-        return TextStream(self.tokenizer, s.options, s.stats, limit, cache, start=s.submitted)
+        return TextStream(self.tokenizer, s.options, s.stats, limit, cache, start=s.submitted, reasoning=s.reasoning)
 
     def _prefill_some(self, out: list[tuple[int, Chunk]]) -> None:
         """Prefill chunks (cut where a lone generation cuts them) until about `prefill_step`

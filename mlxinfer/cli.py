@@ -147,6 +147,9 @@ GENERATION_OPTIONS = [
                  help="Subtract this from the logits of tokens among the last 64 (0: off)."),
     click.option("--frequency-penalty", type=float,
                  help="Subtract this times each token's count among the last 64 (0: off)."),
+    click.option("--think/--no-think", default=None,
+                 help="Let a thinking model (Qwen3, SmolLM3) think before it answers, or not [default: as its "
+                      "template does]."),
 ]
 # CLI parameter -> stream_generate option
 OPTION_NAMES = {
@@ -196,6 +199,7 @@ class Run:
     draft_model: str | None
     system: str | None
     options: dict[str, Any]
+    think: bool | None = None  # --think / --no-think: checked against the model's template once it is loaded
 
     @classmethod
     def from_params(cls, params: dict[str, Any]) -> Run:
@@ -228,7 +232,7 @@ class Run:
                 "type": "function", "function": {"name": choice}}
         split_options(options)  # a bad value fails now, before a model is fetched and loaded
         system = typed_text(params["system"]) if params["system"] is not None else None
-        return cls(params["model"], params["dtype"], params["draft_model"], system, options)
+        return cls(params["model"], params["dtype"], params["draft_model"], system, options, params.get("think"))
 
     def load(self, pipeline: bool = False):
         """(model, tokenizer, where it came from, draft model or None)."""
@@ -238,6 +242,14 @@ class Run:
         model, tokenizer, where = open_model(self.model, self.dtype, pipeline=pipeline)
         draft = open_model(self.draft_model, self.dtype)[0] if self.draft_model else None
         return model, tokenizer, where, draft
+
+    def options_for(self, tokenizer) -> dict[str, Any]:
+        """The options, with --think / --no-think as the template's switch (refused by a model without one)."""
+        from .reasoning import thinking_switch
+
+        if self.think is None:
+            return self.options
+        return {**self.options, "chat_template_kwargs": thinking_switch(tokenizer, self.think)}
 
 
 @main.command()
@@ -255,7 +267,7 @@ def chat(verbose: bool, pipeline: bool, **params) -> None:
     run = Run.from_params(params)
     model, tokenizer, where, draft = run.load(pipeline=pipeline)
     relay = relay_for(model)
-    session = ChatSession(model, tokenizer, system=run.system, draft_model=draft, **run.options)
+    session = ChatSession(model, tokenizer, system=run.system, draft_model=draft, **run.options_for(tokenizer))
     split = shard_summary(model)
     click.echo(f"mlxinfer chat: {model_name(where)}" + (f" [{split}]" if split else ""), err=True)
     run_repl(session, home() / "chat_history", color=use_color(sys.stdout), verbose=verbose, relay=relay)
@@ -287,7 +299,7 @@ def chat_prompt(tokenizer, text: str, system: str | None, raw: bool) -> str | li
 def generate(prompt: str, raw: bool, as_json: bool, no_stream: bool, pipeline: bool, **params) -> None:
     """Complete one prompt: text on stdout (streamed), stats on stderr."""
     from .generate import stream_generate
-    from .terminal import stats_line, typed_text
+    from .terminal import stats_line, typed_text, use_color
     from .shard import summary as shard_summary
     from .tools import describe_call
 
@@ -298,39 +310,64 @@ def generate(prompt: str, raw: bool, as_json: bool, no_stream: bool, pipeline: b
     if not text.strip():
         raise InvalidOptionError("the prompt is empty; pass --prompt TEXT, or --prompt - and text on stdin")
     model, tokenizer, where, draft = run.load(pipeline=pipeline)
-    options = {**run.options, "draft_model": draft} if draft else run.options
+    options = run.options_for(tokenizer)
+    prompt_or_messages = chat_prompt(tokenizer, text, run.system, raw)
+    if run.think is not None and raw:
+        raise InvalidOptionError("--think and --no-think switch the chat template, which --raw skips; drop one")
+    options = {**options, "draft_model": draft} if draft else options
     if getattr(model, "shard", None) is not None and options.get("temperature", 0.3) > 0 and "seed" not in options:
         from .shard import agreed_seed
 
         options["seed"] = agreed_seed(model.shard.group)  # every rank must draw the same tokens
     stream = not (no_stream or as_json)
-    pieces, tokens, stats = [], [], None
+    pieces, thoughts, tokens, stats = [], [], [], None
     last = None
-    chunks = stream_generate(model, tokenizer, chat_prompt(tokenizer, text, run.system, raw), **options)
+    shown = use_color(sys.stderr)
+    thinking = False  # thoughts shown on stderr whose line is not ended yet
+    chunks = stream_generate(model, tokenizer, prompt_or_messages, **options)
     if getattr(model, "shard", None) is not None:
         from .relay import Watchdog, peer_timeout
 
         chunks = Watchdog(peer_timeout(), model.shard.rank).chunks(chunks)
     for chunk in chunks:
         pieces.append(chunk.text)
+        thoughts.append(chunk.reasoning)
         stats, last = chunk.stats, chunk
         if params["logprobs"] is not None and chunk.token is not None:
             tokens.append(token_logprobs(tokenizer, chunk))
         if stream:
+            thinking = show_thinking(chunk.reasoning, shown) or thinking
+            if chunk.text and thinking:
+                click.echo(err=True)
+                thinking = False
             click.echo(chunk.text, nl=False)
             sys.stdout.flush()
     if as_json:
         logprobs = {"tokens": tokens} if params["logprobs"] is not None else {}
         calls = {"tool_calls": [c.openai() for c in last.tool_calls]} if last and last.tool_calls else {}
-        click.echo(json.dumps({"model": str(where), "prompt": text, "text": "".join(pieces),
-                               "finish_reason": stats.finish_reason, "stats": asdict(stats), **logprobs, **calls}))
+        click.echo(json.dumps({"model": str(where), "prompt": text, "reasoning": "".join(thoughts),
+                               "text": "".join(pieces), "finish_reason": stats.finish_reason, "stats": asdict(stats),
+                               **logprobs, **calls}))
         return
+    if thinking or (not stream and show_thinking("".join(thoughts), shown)):
+        click.echo(err=True)
     click.echo("" if stream else "".join(pieces))
     for call in last.tool_calls or []:
         click.echo(f"tool call: {describe_call(call)}", err=True)
     click.echo(stats_line(stats), err=True)
     if (split := shard_summary(model)) is not None:
         click.echo(f"[{split}]", err=True)
+
+
+def show_thinking(text: str, color: bool) -> bool:
+    """A thinking model's thoughts on stderr (dimmed on a terminal): stdout keeps the answer
+    alone. Whether there were any."""
+    from .terminal import DIM, paint
+
+    if text:
+        click.echo(paint(text, DIM, color), nl=False, err=True)
+        sys.stderr.flush()
+    return bool(text)
 
 
 def token_logprobs(tokenizer, chunk) -> dict[str, Any]:

@@ -2,7 +2,8 @@
 
 Whatever produces the tokens (plain, speculative or batched decoding: `decode`,
 `speculative`, `batch`), `TextStream` turns one sequence's tokens into `Chunk`s the
-same way: streaming detokenizer, stop strings, EOS, limits and timing stats."""
+same way: streaming detokenizer, thinking apart from the answer, stop strings, EOS,
+limits and timing stats."""
 
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from .tools import ToolCall, ToolPlan, check_tools
 from .tools import plan as plan_tools
 from .decode import ConstrainedDecoder, PlainDecoder, Stats, Token, TokenSource
 from .errors import InvalidOptionError
+from .reasoning import Reasoning, reasoning_for, tags_for
 from .sample import Sampler, SamplingConfig
 from .speculative import LOOKUP_DRAFT, MODEL_DRAFT, SpeculativeDecoder, make_drafter
 from .tokenizer import Tokenizer
@@ -70,6 +72,8 @@ class GenerationOptions:
     tools: Any = None  # OpenAI's tools list: see `tools`
     tool_choice: Any = None  # "auto" (default), "none", "required" or {"type": "function", "function": {"name"}}
     parallel_tool_calls: bool = True  # False: a reply makes at most one call (held to the grammar)
+    chat_template_kwargs: dict[str, Any] | None = None  # extra template variables, e.g. {"enable_thinking": False}
+    split_reasoning: bool = True  # a thinking model's thoughts in Chunk.reasoning, not in the text (`reasoning`)
 
     def __post_init__(self) -> None:
         """Types and ranges, so a bad value fails before any work and not inside MLX."""
@@ -84,6 +88,8 @@ class GenerationOptions:
                                      "allowed")
         flag("ignore_eos", self.ignore_eos)
         flag("parallel_tool_calls", self.parallel_tool_calls)
+        flag("split_reasoning", self.split_reasoning)
+        check_template_kwargs(self.chat_template_kwargs)
         if self.max_kv_size is not None:
             integer("max_kv_size", self.max_kv_size, 2)
         if self.kv_bits is not None and (not is_integer(self.kv_bits) or self.kv_bits not in KV_BITS):
@@ -112,6 +118,23 @@ class GenerationOptions:
             raise InvalidOptionError("tool_choice needs tools")
 
 
+# Variables the renderer sets itself: a template kwarg may not replace them.
+RESERVED_TEMPLATE_KWARGS = ("messages", "add_generation_prompt", "tools")
+
+
+def check_template_kwargs(kwargs: Any) -> None:
+    """chat_template_kwargs: template variables by name; never one the renderer sets itself."""
+    if kwargs is None:
+        return
+    if not isinstance(kwargs, dict) or not all(isinstance(k, str) and k.isidentifier() for k in kwargs):
+        raise InvalidOptionError('chat_template_kwargs must be an object of template variables, e.g. '
+                                 '{"enable_thinking": false}')
+    taken = [k for k in RESERVED_TEMPLATE_KWARGS if k in kwargs]
+    if taken:
+        raise InvalidOptionError(f"chat_template_kwargs cannot set '{taken[0]}': it comes from the request itself"
+                                 + (" (pass tools as the tools option)" if taken[0] == "tools" else ""))
+
+
 def split_options(options: dict[str, Any], vocab_size: int | None = None) -> tuple[SamplingConfig, GenerationOptions]:
     """Route keyword options to the sampling and generation configs, validated (token ids
     against `vocab_size`, the model's, when it is known); reject unknown ones."""
@@ -129,14 +152,16 @@ def split_options(options: dict[str, Any], vocab_size: int | None = None) -> tup
     return config, GenerationOptions(**gen)
 
 
-def prompt_tokens(tokenizer: Tokenizer, prompt: Prompt, vocab_size: int) -> list[int]:
-    """A string, token ids, or chat messages (rendered with the chat template), as ids
-    checked against the model's `vocab_size` (a tokenizer may know more tokens than
-    the model has embedding rows)."""
+def prompt_tokens(tokenizer: Tokenizer, prompt: Prompt, vocab_size: int,
+                  template_kwargs: dict[str, Any] | None = None) -> list[int]:
+    """A string, token ids, or chat messages (rendered with the chat template and
+    `template_kwargs`), as ids checked against the model's `vocab_size` (a tokenizer may
+    know more tokens than the model has embedding rows)."""
     if isinstance(prompt, str):
         ids = tokenizer.encode(prompt) if prompt else []
     elif isinstance(prompt, Sequence) and prompt and isinstance(prompt[0], dict):
-        ids = tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True, tokenize=True)
+        ids = tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True, tokenize=True,
+                                            **(template_kwargs or {}))
     else:
         ids = prompt
     ids = token_ids(ids, vocab_size, "the prompt")
@@ -310,13 +335,15 @@ def top_logprobs(logprobs: mx.array, k: int) -> list[tuple[int, float]] | None:
 
 
 class TextStream:
-    """One sequence's tokens → chunks: streamed text, stop strings, EOS, limits, stats.
-    Its time to first token counts from `start` (default: now)."""
+    """One sequence's tokens → chunks: streamed text, thinking told apart from the answer
+    (`reasoning`: how, for a thinking model), stop strings and tool calls on the answer
+    only, EOS, limits, stats. Its time to first token counts from `start` (default: now)."""
 
     def __init__(self, tokenizer: Tokenizer, options: GenerationOptions, stats: Stats, limit: int,
-                 cache: PromptCache, start: float | None = None):
+                 cache: PromptCache, start: float | None = None, reasoning: Reasoning | None = None):
         self.options, self.stats, self.limit, self.cache = options, stats, limit, cache
         self.detok = tokenizer.detokenizer()
+        self.split = reasoning.splitter() if reasoning is not None else None
         self.stop = StopMatcher(options.stop)
         self.eos = set() if options.ignore_eos else set(tokenizer.eos_token_ids)
         self.generated = 0
@@ -334,15 +361,30 @@ class TextStream:
         else:
             stats.decode_tps = (n - 1) / max(time.perf_counter() - self.first_token_at, 1e-9)
         stopped_by_eos = token.id in self.eos
-        text, hit = ("", False) if stopped_by_eos else self.stop.push(self.detok.add(token.id))
+        thinking, answer = ("", "") if stopped_by_eos else self._parts(self.detok.add(token.id))
+        text, hit = self.stop.push(answer)
         finish = "stop" if (stopped_by_eos or hit) else ("length" if n >= self.limit else None)
         if finish and not hit:
-            text += self.stop.push(self.detok.finalize())[0] + self.stop.flush()
+            more, rest = self._rest()
+            thinking, text = thinking + more, text + rest
         stats.generated_tokens = n
         if finish:
             self._finish(finish)
         return Chunk(text, token.id, token.logprob, finish, stats, top_logprobs(token.logprobs, self.options.logprobs),
-                     token.drafted)
+                     token.drafted, reasoning=thinking)
+
+    def _parts(self, text: str) -> tuple[str, str]:
+        """(thinking, answer) in newly decoded text."""
+        return self.split.push(text) if self.split is not None else ("", text)
+
+    def _rest(self) -> tuple[str, str]:
+        """(thinking, answer) held back at the end of a sequence: by the detokenizer, the
+        reasoning split and the stop matcher."""
+        thinking, answer = self._parts(self.detok.finalize())
+        if self.split is not None:
+            more, tail = self.split.flush()
+            thinking, answer = thinking + more, answer + tail
+        return thinking, self.stop.push(answer)[0] + self.stop.flush()
 
     def _finish(self, reason: str) -> None:
         self.stats.finish_reason = reason
@@ -354,8 +396,8 @@ class TextStream:
         be generated ("length": max_tokens=0 or a full context), or it was cancelled;
         text held back for a possible stop string is released."""
         self._finish(reason)
-        text = "" if not self.generated else self.stop.push(self.detok.finalize())[0] + self.stop.flush()
-        return Chunk(text, None, None, reason, self.stats)
+        thinking, text = self._rest() if self.generated else ("", "")
+        return Chunk(text, None, None, reason, self.stats, reasoning=thinking)
 
 
 def tool_plan(options: GenerationOptions, tokenizer: Tokenizer) -> ToolPlan | None:
@@ -364,18 +406,33 @@ def tool_plan(options: GenerationOptions, tokenizer: Tokenizer) -> ToolPlan | No
     return plan_tools(tokenizer, options.tools, options.tool_choice, options.parallel_tool_calls)
 
 
-def request_tokens(tokenizer: Tokenizer, prompt: Prompt, vocab_size: int, tools: ToolPlan | None) -> list[int]:
+def request_tokens(tokenizer: Tokenizer, prompt: Prompt, vocab_size: int, tools: ToolPlan | None,
+                   template_kwargs: dict[str, Any] | None = None) -> list[int]:
     """The prompt's ids; with tools, chat messages rendered with them (by the template, or the
-    fallback). Token ids are taken as rendered with the tools already (a chat session does that)."""
+    fallback). Token ids are taken as rendered with the tools already (a chat session does that).
+    `template_kwargs` reach the template when there are messages to render."""
     if tools is None or (isinstance(prompt, Sequence) and prompt and not isinstance(prompt[0], dict)
                          and not isinstance(prompt, str)):
-        return prompt_tokens(tokenizer, prompt, vocab_size)
+        return prompt_tokens(tokenizer, prompt, vocab_size, template_kwargs)
     if isinstance(prompt, str):
         raise InvalidOptionError("tools need chat messages as the prompt (a list of {'role', 'content'} dicts)")
     messages, native = tools.messages(tokenizer, list(prompt))
     extra = {"tools": tools.tools} if native else {}
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **extra)
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                        **(template_kwargs or {}), **extra)
     return prompt_tokens(tokenizer, ids, vocab_size)
+
+
+# Prompt tokens read for where a reply starts (inside an opened thinking or not): the end of a
+# generation prompt, its tag and the blank space after it, without decoding a long prompt whole.
+REASONING_TAIL = 32
+
+
+def reasoning_of(options: GenerationOptions, tokenizer: Tokenizer, ids: Sequence[int]) -> Reasoning | None:
+    """How a reply to `ids` splits into thinking and answer (None: it does not)."""
+    if not options.split_reasoning or tags_for(tokenizer) is None:
+        return None
+    return reasoning_for(tokenizer, tokenizer.decode(ids[-REASONING_TAIL:]))
 
 
 def constraint_for(options: GenerationOptions, tokenizer: Tokenizer, vocab_size: int,
@@ -426,12 +483,14 @@ def stream_generate(
     reply to a JSON Schema, any JSON object, a regex or a Lark grammar (`constrain`);
     tools and tool_choice offer the app's functions (`tools`): a reply that calls them
     ends with finish_reason "tool_calls" and the calls on its last chunk (at most one
-    with parallel_tool_calls=False).
+    with parallel_tool_calls=False); chat_template_kwargs reach the chat template (e.g.
+    {"enable_thinking": False}). A thinking model's thoughts come in `Chunk.reasoning`
+    and its answer in `Chunk.text` (split_reasoning=False: all of it as text, tags included).
     Pass a `PromptCache` to reuse the longest common prefix across calls.
     """
     sampling, o = split_options(options, model.config.vocab_size)
     tools = tool_plan(o, tokenizer)
-    ids = request_tokens(tokenizer, prompt, model.config.vocab_size, tools)
+    ids = request_tokens(tokenizer, prompt, model.config.vocab_size, tools, o.chat_template_kwargs)
     cache = prompt_cache or PromptCache.for_model(
         model, max_kv_size=o.max_kv_size, kv_bits=o.kv_bits, kv_group_size=o.kv_group_size
     )
@@ -441,7 +500,7 @@ def stream_generate(
     with wired_limit(model), mx.stream(generation_stream()):
         mx.reset_peak_memory()
         limit = context_limit(model, cache, len(ids), o.max_tokens)
-        text = TextStream(tokenizer, o, stats, limit, cache)
+        text = TextStream(tokenizer, o, stats, limit, cache, reasoning=reasoning_of(o, tokenizer, ids))
         todo = cache.prepare(ids)
         stats.prefill_tokens = len(todo)
         if limit <= 0:

@@ -1,0 +1,276 @@
+"""Reasoning: a thinking model's thoughts told apart from its answer.
+
+A tiny random-weight Qwen3 with the real Qwen3 tokenizer and template is made to think by a
+Lark grammar (`<think>` words `</think>` words, the tags as their own tokens), so its replies
+have both parts. The oracle is the reply generated without the split (the raw text, tags
+included), cut by hand at the tags; the prompts the engine renders are checked against
+transformers' `apply_chat_template` on the same tokenizer files."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+import mlxinfer
+from conftest import SHARED
+from mlxinfer.batch import BatchGenerator
+from mlxinfer.chat import ChatSession
+from mlxinfer.errors import InvalidOptionError
+from mlxinfer.generate import stream_generate
+from mlxinfer.reasoning import THINK, Splitter, effort_kwargs, thinking_switch
+from mlxinfer.terminal import DIM
+
+QWEN3 = SHARED / "fixtures" / "tokenizers" / "qwen3"
+needs_qwen3 = pytest.mark.skipif(not QWEN3.is_dir(), reason="../shared/fixtures/tokenizers/qwen3 is absent")
+ROOT = Path(__file__).resolve().parents[1]
+THINK_ID, END_THINK_ID = 151667, 151668  # Qwen3's <think> and </think>
+WORDS = "/[a-z]{3,8}( [a-z]{2,8}){1,3}/"
+# A reply that thinks, then answers: the tags are Qwen3's own tokens, the words free.
+THINKING = {"type": "grammar", "lark": f'start: <[{THINK_ID}]> "\\n" {WORDS} "\\n" <[{END_THINK_ID}]> "\\n\\n" {WORDS}'}
+ASK = [{"role": "user", "content": "What is two plus two?"}]
+
+
+def by_hand(raw: str, inside: bool = False) -> tuple[str, str]:
+    """(thinking, answer) of a raw reply, cut at the tags: the thinking between them without
+    its surrounding newlines, the answer after them without its leading ones (Qwen3's template
+    cuts a reply it renders back the same way)."""
+    text = "<think>" + raw if inside else raw
+    if not text.lstrip().startswith("<think>"):
+        return "", text
+    before, closed, after = text.lstrip()[len("<think>"):].partition("</think>")
+    return before.strip("\n"), after.lstrip("\n") if closed else ""
+
+
+# --- the splitter on its own ---
+
+PIECES = ["<think>", "</think>", "<", "</", "think", ">", "\n", "\n\n", "a", "b c", " "]
+
+
+@given(st.lists(st.sampled_from(PIECES), max_size=24), st.booleans(), st.data())
+def test_streamed_parts_join_to_the_reply_cut_by_hand(pieces, inside, data):
+    text = "".join(pieces)
+    cuts = sorted(data.draw(st.lists(st.integers(0, len(text)), max_size=8)))
+    splitter, thinking, answer = Splitter(THINK, inside), [], []
+    for start, end in zip([0, *cuts], [*cuts, len(text)]):
+        parts = splitter.push(text[start:end])
+        thinking.append(parts[0])
+        answer.append(parts[1])
+    rest = splitter.flush()
+    assert ("".join(thinking) + rest[0], "".join(answer) + rest[1]) == by_hand(text, inside)
+
+
+# --- a thinking Qwen3 ---
+
+@pytest.fixture(scope="module")
+def thinker(hf_checkpoint, tmp_path_factory) -> Path:
+    """A random-weight Qwen3 with the real Qwen3 tokenizer and chat template."""
+    if not QWEN3.is_dir():
+        pytest.skip("../shared/fixtures/tokenizers/qwen3 is absent")
+    src = hf_checkpoint("qwen3", vocab_size=151936, tie_word_embeddings=True, head_dim=32,
+                        max_position_embeddings=1024)
+    folder = tmp_path_factory.mktemp("thinker") / "model"
+    shutil.copytree(src, folder)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(QWEN3 / name, folder / name)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def r1(thinker, tmp_path_factory) -> Path:
+    """The same model under a DeepSeek-R1-style template: the prompt ends inside an opened <think>."""
+    folder = tmp_path_factory.mktemp("r1") / "model"
+    shutil.copytree(thinker, folder)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    template = config["chat_template"]
+    assert template.count("'<|im_start|>assistant\\n' }}") == 1
+    config["chat_template"] = template.replace("'<|im_start|>assistant\\n' }}", "'<|im_start|>assistant\\n<think>\\n' }}")
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def model(thinker):
+    return mlxinfer.load(thinker, dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def hf_tokenizer(thinker):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(thinker)
+
+
+def parts(chunks) -> tuple[str, str]:
+    return "".join(c.reasoning for c in chunks), "".join(c.text for c in chunks)
+
+
+def test_thinking_and_answer_split_as_the_raw_reply_cut_by_hand(model):
+    m, tok = model
+    raw = "".join(c.text for c in stream_generate(m, tok, ASK, temperature=0.0, max_tokens=80,
+                                                  response_format=THINKING, split_reasoning=False))
+    assert raw.startswith("<think>\n") and "\n</think>\n\n" in raw  # the grammar made it think
+    chunks = list(stream_generate(m, tok, ASK, temperature=0.0, max_tokens=80, response_format=THINKING))
+    thinking, answer = by_hand(raw)
+    assert thinking and answer
+    assert parts(chunks) == (thinking, answer)
+    # no piece of a tag ever reaches either part; each token's chunk says which part it added to
+    assert not any("<" in c.reasoning or "<" in c.text or ">" in c.text for c in chunks)
+    assert chunks[-1].finish_reason == "stop"
+
+    engine = BatchGenerator(m, tok, max_batch=2)  # the batched engine splits the same way, side by side
+    uids = [engine.submit(ASK, temperature=0.0, max_tokens=80, response_format=THINKING) for _ in range(2)]
+    got: dict[int, list] = {uid: [] for uid in uids}
+    for uid, chunk in engine.stream():
+        got[uid].append(chunk)
+    assert all(parts(got[uid]) == (thinking, answer) for uid in uids)
+
+
+def test_stop_strings_apply_to_the_answer_only(model):
+    m, tok = model
+    whole = list(stream_generate(m, tok, ASK, temperature=0.0, max_tokens=80, response_format=THINKING))
+    thinking, answer = parts(whole)
+    word, last = thinking.split()[0], answer.split()[-1]
+    stopped = list(stream_generate(m, tok, ASK, temperature=0.0, max_tokens=80, response_format=THINKING,
+                                   stop=[word, last]))
+    # the thinking holds a stop string yet runs whole; the answer is cut before the first it holds
+    cut = min(i for i in (answer.find(word), answer.find(last)) if i >= 0)
+    assert parts(stopped) == (thinking, answer[:cut])
+    assert stopped[-1].finish_reason == "stop"
+
+
+def test_enable_thinking_false_renders_transformers_empty_block(model, hf_tokenizer):
+    m, tok = model
+    expected = hf_tokenizer.apply_chat_template(ASK, add_generation_prompt=True, tokenize=True,
+                                                enable_thinking=False, return_dict=False)
+    assert tok.decode(expected).endswith("<think>\n\n</think>\n\n")
+    cache = mlxinfer.PromptCache.for_model(m)
+    chunks = list(stream_generate(m, tok, ASK, prompt_cache=cache, temperature=0.0, max_tokens=6,
+                                  chat_template_kwargs={"enable_thinking": False}))
+    assert chunks[-1].stats.prompt_tokens == len(expected) and cache.tokens[: len(expected)] == list(expected)
+    raw = "".join(c.text for c in stream_generate(m, tok, ASK, temperature=0.0, max_tokens=6,
+                                                  chat_template_kwargs={"enable_thinking": False},
+                                                  split_reasoning=False))
+    assert parts(chunks) == ("", raw)  # the prompt closed the thinking: the reply is all answer
+
+
+def test_a_prompt_that_opens_the_thinking_starts_the_reply_in_it(r1):
+    m, tok = mlxinfer.load(r1, dtype="float32")
+    assert tok.apply_chat_template(ASK).endswith("<think>\n")
+    rest = {"type": "grammar", "lark": f'start: {WORDS} "\\n" <[{END_THINK_ID}]> "\\n\\n" {WORDS}'}
+    for fmt in (rest, None):  # thinking that closes, and thinking that runs to max_tokens
+        raw = "".join(c.text for c in stream_generate(m, tok, ASK, temperature=0.0, max_tokens=30,
+                                                      response_format=fmt, split_reasoning=False))
+        chunks = list(stream_generate(m, tok, ASK, temperature=0.0, max_tokens=30, response_format=fmt))
+        assert parts(chunks) == by_hand(raw, inside=True)
+        assert parts(chunks)[0]
+
+
+def test_chat_session_keeps_the_thinking_apart_and_renders_the_next_turn_as_transformers(model, hf_tokenizer):
+    m, tok = model
+    session = ChatSession(m, tok, temperature=0.0, max_tokens=80, response_format=THINKING)
+    chunks = list(session.send("What is two plus two?"))
+    thinking, answer = parts(chunks)
+    assert thinking and session.reply == answer
+    assert session.messages[-1] == {"role": "assistant", "content": answer, "reasoning_content": thinking}
+    session.set_option("response_format", None)
+    session.set_option("max_tokens", 3)
+    second = list(session.send("And three plus three?"))
+    # the oracle: transformers renders the first reply as the model wrote it, tags and all
+    raw = f"<think>\n{thinking}\n</think>\n\n{answer}"
+    messages = [*ASK, {"role": "assistant", "content": raw}, {"role": "user", "content": "And three plus three?"}]
+    expected = hf_tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                return_dict=False)
+    assert thinking not in tok.decode(expected)  # Qwen3's template drops old thinking
+    assert second[-1].stats.prompt_tokens == len(expected)
+    assert session.cache.tokens[: len(expected)] == list(expected)
+    assert session.undo() and session.cache.tokens == list(
+        hf_tokenizer.apply_chat_template([*ASK, {"role": "assistant", "content": raw}], tokenize=True,
+                                         return_dict=False))
+
+
+def test_thinking_switch_and_effort_follow_the_template(model, r1):
+    _, tok = model
+    assert thinking_switch(tok, False) == {"enable_thinking": False}
+    assert effort_kwargs(tok, "none") == {"enable_thinking": False} == effort_kwargs(tok, "minimal")
+    assert effort_kwargs(tok, "high") == {"enable_thinking": True} and effort_kwargs(tok, None) == {}
+    with pytest.raises(InvalidOptionError, match="reasoning_effort must be one of"):
+        effort_kwargs(tok, "max")
+    r1_tok = mlxinfer.load_tokenizer(r1)
+    assert "enable_thinking" in r1_tok.template_variables  # (the copied template still reads it)
+    plain = mlxinfer.load_tokenizer(SHARED / "fixtures" / "tokenizers" / "llama3.1")
+    with pytest.raises(InvalidOptionError, match="does not think"):
+        thinking_switch(plain, True)
+    assert effort_kwargs(plain, "none") == {}  # no switch: a documented no-op
+
+
+@pytest.mark.parametrize("kwargs", [{"messages": []}, {"tools": []}, {"add_generation_prompt": False}, ["x"],
+                                    {"not a name": 1}])
+def test_bad_template_kwargs_are_refused(model, kwargs):
+    m, tok = model
+    with pytest.raises(InvalidOptionError, match="chat_template_kwargs"):
+        list(stream_generate(m, tok, ASK, max_tokens=1, chat_template_kwargs=kwargs))
+
+
+# --- the command line and the REPL ---
+
+def cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "mlxinfer.cli", *args], cwd=str(ROOT), capture_output=True,
+                          text=True, timeout=300, env={**os.environ, "NO_COLOR": "1", **(env or {})})
+
+
+def test_generate_json_puts_the_thinking_under_its_own_key(r1, hf_tokenizer):
+    done = cli("generate", "-m", str(r1), "-p", "hi", "--temp", "0", "--max-tokens", "12", "--json",
+               "--logprobs", "0")
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout)
+    ids = [t["id"] for t in out["tokens"]][: -1 if out["finish_reason"] == "stop" else None]  # EOS is no text
+    raw = hf_tokenizer.decode(ids)  # the reply's own tokens, decoded by transformers
+    assert (out["reasoning"], out["text"]) == by_hand(raw, inside=True) and out["reasoning"]
+    plain = cli("generate", "-m", str(r1), "-p", "hi", "--temp", "0", "--max-tokens", "12")
+    assert plain.returncode == 0 and plain.stdout == out["text"] + "\n"  # stdout holds the answer alone ...
+    assert out["reasoning"] in plain.stderr  # ... the thinking goes to stderr
+    refused = cli("generate", "-m", str(r1), "-p", "hi", "--no-think", "--raw")
+    assert refused.returncode == 1 and refused.stderr.strip().splitlines()[-1].startswith("error: --think")
+
+
+@pytest.mark.parametrize("color", [True, False])
+def test_repl_shows_thinking_dimmed_and_think_off_renders_the_empty_block(thinker, hf_tokenizer, tmp_path, color):
+    from test_repl import quit_, say, spawn
+
+    grammar = tmp_path / "think.lark"
+    grammar.write_text(THINKING["lark"])
+    child = spawn(thinker, tmp_path / "home", "--max-tokens", "80", color=color)
+    say(child, f"/format lark {grammar}")
+    child.expect_exact(">>>")
+    say(child, "What is two plus two?")
+    child.expect(r"\[TTFT")
+    shown = re.sub(r"\r\n", "\n", child.before)
+    child.expect_exact(">>>")
+    assert ((DIM + "Thinking...") in shown) == color and (DIM in shown) == color
+    plain = re.sub(r"\x1b\[[0-9;]*m", "", shown)
+    found = re.search(r"Thinking\.\.\.\n(.*?)\n\.\.\.done thinking\.\n\n([^\n]*)\n", plain, re.S)
+    assert found, plain
+    answer = found.group(2)
+    for line in ("/think off", "/format off"):
+        say(child, line)
+        child.expect_exact(">>>")
+    say(child, "And three?")
+    child.expect(r"\[TTFT")
+    child.expect_exact(">>>")
+    say(child, "/stats")
+    child.expect(r"last reply: (\d+) prompt tokens")
+    messages = [*ASK, {"role": "assistant", "content": answer}, {"role": "user", "content": "And three?"}]
+    expected = hf_tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                enable_thinking=False, return_dict=False)
+    assert int(child.match.group(1)) == len(expected)
+    child.expect_exact(">>>")
+    quit_(child)
