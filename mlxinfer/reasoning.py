@@ -38,7 +38,7 @@ class Tags:
 THINK = Tags("<think>", "</think>")
 KNOWN = (THINK,)
 # OpenAI's reasoning_effort values; "none" and "minimal" turn thinking off where the template can.
-EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
+EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 SWITCH = "enable_thinking"  # the template variable Qwen3's and SmolLM3's templates read
 
 

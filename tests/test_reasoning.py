@@ -203,7 +203,7 @@ def test_thinking_switch_and_effort_follow_the_template(model, r1):
     assert effort_kwargs(tok, "none") == {"enable_thinking": False} == effort_kwargs(tok, "minimal")
     assert effort_kwargs(tok, "high") == {"enable_thinking": True} and effort_kwargs(tok, None) == {}
     with pytest.raises(InvalidOptionError, match="reasoning_effort must be one of"):
-        effort_kwargs(tok, "max")
+        effort_kwargs(tok, "extreme")
     r1_tok = mlxinfer.load_tokenizer(r1)
     assert "enable_thinking" in r1_tok.template_variables  # (the copied template still reads it)
     plain = mlxinfer.load_tokenizer(SHARED / "fixtures" / "tokenizers" / "llama3.1")
