@@ -274,3 +274,86 @@ def test_repl_shows_thinking_dimmed_and_think_off_renders_the_empty_block(thinke
     assert int(child.match.group(1)) == len(expected)
     child.expect_exact(">>>")
     quit_(child)
+
+
+# --- the server, with the official openai client ---
+
+@pytest.fixture(scope="module")
+def served(thinker):
+    from serving import Server
+
+    pytest.importorskip("fastapi")
+    s = Server(["-m", str(thinker), "--dtype", "float32"])
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def client(served):
+    openai = pytest.importorskip("openai")
+    return openai.OpenAI(base_url=f"{served.url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def raw_reply(model, messages, **options) -> str:
+    m, tok = model
+    return "".join(c.text for c in stream_generate(m, tok, messages, temperature=0.0, split_reasoning=False,
+                                                   **options))
+
+
+def test_server_returns_the_thinking_apart(client, model):
+    thinking, answer = by_hand(raw_reply(model, ASK, max_tokens=80, response_format=THINKING))
+    assert thinking and answer
+    r = client.chat.completions.create(model="m", messages=ASK, temperature=0, max_tokens=80,
+                                       response_format=THINKING)
+    message = r.choices[0].message
+    assert (message.reasoning_content, message.reasoning, message.content) == (thinking, thinking, answer)
+
+    events = list(client.chat.completions.create(model="m", messages=ASK, temperature=0, max_tokens=80,
+                                                 response_format=THINKING, stream=True))
+    deltas = [e.choices[0].delta for e in events if e.choices]
+    assert deltas[0].role == "assistant"
+    streamed = ["".join(getattr(d, key, None) or "" for d in deltas) for key in ("reasoning_content", "reasoning")]
+    assert streamed == [thinking, thinking]
+    assert "".join(d.content or "" for d in deltas) == answer
+    assert not any("<" in (getattr(d, "reasoning_content", None) or "") + (d.content or "") for d in deltas)
+
+
+def test_server_thinking_switches_and_a_reply_sent_back(client, model, hf_tokenizer):
+    off = hf_tokenizer.apply_chat_template(ASK, add_generation_prompt=True, tokenize=True, enable_thinking=False,
+                                           return_dict=False)
+    on = hf_tokenizer.apply_chat_template(ASK, add_generation_prompt=True, tokenize=True, return_dict=False)
+    asked = {"none": off, "minimal": off, "low": on, "high": on}
+    for effort, expected in asked.items():
+        r = client.chat.completions.create(model="m", messages=ASK, max_tokens=1, reasoning_effort=effort)
+        assert r.usage.prompt_tokens == len(expected), effort
+    r = client.chat.completions.create(model="m", messages=ASK, max_tokens=1,
+                                       extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert r.usage.prompt_tokens == len(off) != len(on)
+
+    first = client.chat.completions.create(model="m", messages=ASK, temperature=0, max_tokens=80,
+                                           response_format=THINKING).choices[0].message
+    follow = {"role": "user", "content": "And three?"}
+    # the SDK's own message object sent back as it is: its thinking (reasoning_content, reasoning) included
+    r = client.chat.completions.create(model="m", messages=[*ASK, first.model_dump(), follow], max_tokens=1)
+    sent_back = {"role": "assistant", "content": first.content, "reasoning_content": first.reasoning_content}
+    # the oracle's template sees the thinking under reasoning_content: here it is the last turn's, so it is kept
+    expected = hf_tokenizer.apply_chat_template([*ASK, sent_back], tokenize=True, return_dict=False)
+    assert first.reasoning_content in hf_tokenizer.decode(expected)
+    expected_next = hf_tokenizer.apply_chat_template([*ASK, sent_back, follow], add_generation_prompt=True,
+                                                     tokenize=True, return_dict=False)
+    assert r.usage.prompt_tokens == len(expected_next)
+
+
+def test_server_text_completions_stay_raw_and_bad_switches_are_400(client, model, hf_tokenizer):
+    openai = pytest.importorskip("openai")
+    prompt = hf_tokenizer.apply_chat_template(ASK, add_generation_prompt=True, tokenize=False)
+    raw = raw_reply(model, prompt, max_tokens=80, response_format=THINKING)
+    r = client.completions.create(model="m", prompt=prompt, temperature=0, max_tokens=80,
+                                  extra_body={"response_format": THINKING})
+    assert r.choices[0].text == raw and raw.startswith("<think>")
+    for body, field in (({"reasoning_effort": "extreme"}, "reasoning_effort"),
+                        ({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs"),
+                        ({"chat_template_kwargs": "on"}, "chat_template_kwargs")):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model="m", messages=ASK, max_tokens=1, extra_body=body)
+        assert field in str(e.value)

@@ -42,8 +42,11 @@ def router(ctx: Context) -> APIRouter:
 
     async def complete(request: Request, kind: type[Completion]) -> Response:
         body = parse(await body_of(request, config.max_body), kind)
-        typed = engine.engine.request(body.engine_prompt(), **body.options(config.max_tokens))
         chat = kind is ChatCompletion
+        options = body.options(config.max_tokens)
+        if chat and (template := body.template_kwargs(tokenizer)):
+            options["chat_template_kwargs"] = template
+        typed = engine.engine.request(body.engine_prompt(), **options)
         o = typed.options
         calls = chat and o.tools and o.tool_choice != "none"
         reply = Reply(f"{'chatcmpl' if chat else 'cmpl'}-{next(ids)}", chat, config.model_name,
@@ -92,7 +95,8 @@ class Reply:
         last = chunks[-1]
         text = last.content if last.tool_calls else "".join(c.text for c in chunks)
         lp = self.logprobs.of(chunks) if self.logprobs else None
-        return self._object([choice(self.chat, text, last.finish_reason, lp, delta=False, calls=last.tool_calls)],
+        return self._object([choice(self.chat, text, last.finish_reason, lp, delta=False, calls=last.tool_calls,
+                                    reasoning="".join(c.reasoning for c in chunks))],
                             chunk=False, usage=usage(last.stats))
 
     def _could_call(self, text: str) -> bool:
@@ -101,19 +105,24 @@ class Reply:
 
     async def events(self, first: Chunk | None, stream: AsyncIterator[Chunk],
                      include_usage: bool) -> AsyncIterator[bytes]:
-        """The stream; with tools, text that may be the start of a call is held back until
-        it is known: a call goes out as one `tool_calls` delta, anything else as text."""
-        last, held, sent = first, [], False
+        """The stream; with tools, answer text that may be the start of a call is held back
+        until it is known: a call goes out as one `tool_calls` delta, anything else as text.
+        Thinking before the answer is never held."""
+        last, held, sent, started = first, [], False, False
         try:
             if first is not None:
                 async for chunk in _chain(first, stream):
                     last = chunk
                     if not sent and self._could_call("".join(c.text for c in (*held, chunk))) \
                             and not chunk.finish_reason:
-                        held.append(chunk)
+                        if chunk.text or not chunk.reasoning or any(c.text for c in held):
+                            held.append(chunk)
+                            continue
+                        yield sse(self._event([*held, chunk], first=not started))  # thinking: out at once
+                        held, started = [], True
                         continue
-                    yield sse(self._event([*held, chunk], first=not sent))
-                    held, sent = [], True
+                    yield sse(self._event([*held, chunk], first=not started))
+                    held, sent, started = [], True, True
             if include_usage and last is not None:
                 yield sse(self._object([], chunk=True, usage=usage(last.stats)))
         except RequestError as e:
@@ -127,7 +136,8 @@ class Reply:
         lp = self.logprobs.of(chunks) if self.logprobs else None
         text = last.content if last.tool_calls else "".join(c.text for c in chunks)
         return self._object([choice(self.chat, text, last.finish_reason, lp, delta=True, first=first,
-                                    calls=last.tool_calls)], chunk=True)
+                                    calls=last.tool_calls, reasoning="".join(c.reasoning for c in chunks))],
+                            chunk=True)
 
 
 async def _chain(first: Chunk, rest: AsyncIterator[Chunk]) -> AsyncIterator[Chunk]:

@@ -14,13 +14,14 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from pydantic_core import PydanticCustomError
 
 from ..generate import Chunk, Stats
+from ..reasoning import EFFORTS, effort_kwargs
+from ..tokenizer import Tokenizer
 from .common import RequestError, load_json
 
 # Fields of OpenAI's API that change the output and that this server does not implement yet.
 NOT_YET = {"functions": "legacy function calls (use tools)", "function_call": "legacy function calls (use tools)",
            "best_of": "best_of", "echo": "echo", "suffix": "suffix", "audio": "audio output",
-           "modalities": "audio output", "prediction": "predicted outputs", "reasoning_effort": "reasoning effort",
-           "web_search_options": "web search"}
+           "modalities": "audio output", "prediction": "predicted outputs", "web_search_options": "web search"}
 
 
 class Strict(BaseModel):
@@ -67,6 +68,8 @@ class Message(Strict):
     annotations: list[dict[str, Any]] | None = None  # citations on an earlier reply: nothing to render
     audio: None = None  # an earlier audio reply: this server never makes one
     function_call: None = None  # the legacy call field, null in every reply of ours
+    reasoning_content: str | None = None  # an assistant's earlier thinking (our replies carry it under both names);
+    reasoning: str | None = None  # the template decides whether to show it again (Qwen3's drops it from old turns)
 
     @field_validator("content", mode="before")
     @classmethod
@@ -91,6 +94,9 @@ class Message(Strict):
         for key in ("tool_call_id", "name"):
             if getattr(self, key) is not None:
                 out[key] = getattr(self, key)
+        thinking = self.reasoning_content if self.reasoning_content is not None else self.reasoning
+        if thinking is not None:
+            out["reasoning_content"] = thinking
         return out
 
 
@@ -160,6 +166,14 @@ class ChatCompletion(Completion):
     service_tier: str | None = None
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
+    # thinking: reasoning_effort switches it where the template can (`reasoning.effort_kwargs`), and
+    # chat_template_kwargs reach the template as given (vLLM's and llama.cpp's extension; they win)
+    reasoning_effort: Literal[EFFORTS] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def template_kwargs(self, tokenizer: Tokenizer) -> dict[str, Any]:
+        """The chat template's extra variables this request asks for."""
+        return {**effort_kwargs(tokenizer, self.reasoning_effort), **(self.chat_template_kwargs or {})}
 
     def options(self, default_max_tokens: int) -> dict[str, Any]:
         if self.top_logprobs is not None and not self.logprobs:
@@ -192,6 +206,10 @@ class TextCompletion(Completion):
 
     def logprob_rows(self) -> int:
         return self.logprobs or 0
+
+    def options(self, default_max_tokens: int) -> dict[str, Any]:
+        # a text completion is raw text (no chat template): a thinking model's tags stay in it, as with OpenAI
+        return {**super().options(default_max_tokens), "split_reasoning": False}
 
     def engine_prompt(self) -> str | list[int]:
         p = self.prompt
@@ -274,17 +292,21 @@ class Logprobs:
 
 
 def choice(chat: bool, text: str | None, reason: str | None, logprobs: dict[str, Any] | None, delta: bool,
-           first: bool = False, calls: list | None = None) -> dict[str, Any]:
-    """One choice of a response (`delta`: of a streamed chunk); `calls`: the tool calls it made."""
+           first: bool = False, calls: list | None = None, reasoning: str = "") -> dict[str, Any]:
+    """One choice of a response (`delta`: of a streamed chunk); `calls`: the tool calls it made;
+    `reasoning`: a thinking model's thoughts, under both names peers use (vLLM and llama.cpp's
+    `reasoning_content`, the newer `reasoning`)."""
     out: dict[str, Any] = {"index": 0}
+    thinking = {"reasoning_content": reasoning, "reasoning": reasoning} if reasoning else {}
     if not chat:
         out["text"] = text
     elif delta:
-        out["delta"] = {"role": "assistant", "content": text} if first else {"content": text}
+        content = {"content": text} if text or not reasoning else {}  # a delta of thinking alone has no content
+        out["delta"] = {"role": "assistant", **content, **thinking} if first else {**content, **thinking}
         if calls:
             out["delta"]["tool_calls"] = [{"index": i, **c.openai()} for i, c in enumerate(calls)]
     else:
-        out["message"] = {"role": "assistant", "content": text}
+        out["message"] = {"role": "assistant", "content": text, **thinking}
         if calls:
             out["message"]["tool_calls"] = [c.openai() for c in calls]
     out["logprobs"] = logprobs
