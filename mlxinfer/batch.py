@@ -31,9 +31,10 @@ from .constrain import Constraint, masked
 from .decode import Stats, Token, chosen_logprobs, drawn
 from .errors import InvalidOptionError
 from .generate import (Chunk, GenerationOptions, Prompt, TextStream, check_context, context_limit,
-                       constraint_for, generation_stream, read_tool_calls, request_tokens, split_options,
+                       constraint_for, generation_stream, read_tool_calls, request_tokens,
                        token_source, tool_plan, wired_limit)
 from .pool import PromptCachePool
+from .request import Request
 from .sample import Sampler, SamplingConfig, greedy
 from .speculative import SpeculativeDecoder
 from .tools import ToolPlan
@@ -124,7 +125,7 @@ class BatchGenerator:
         self.model, self.tokenizer = model, tokenizer
         self.max_batch, self.prefill_step, self.pool = max_batch, prefill_step, pool
         self.defaults = {"prefill_step": prefill_step, **defaults}
-        split_options(self.defaults, model.config.vocab_size)
+        Request.of("", model.config.vocab_size, self.defaults)  # bad defaults fail here, not per request
         self.stats = BatchStats()
         self._uids = itertools.count()
         self._waiting: deque[_Sequence] = deque()
@@ -152,18 +153,22 @@ class BatchGenerator:
     def submit(self, prompt: Prompt, **options: Any) -> int:
         """Queue a sequence (a string, token ids or chat messages) with its own options
         (those of `stream_generate`); returns its uid. Bad options fail here."""
-        return self.enqueue(self.prepare(prompt, **options))
+        return self.enqueue(self.prepare(self.request(prompt, **options)))
 
-    def prepare(self, prompt: Prompt, **options: Any) -> Prepared:
-        """Everything about a request that does not need the engine: options checked, the
-        prompt rendered and tokenized, its grammar compiled, its context checked. Touches no
-        engine state, so a server runs it on another thread: work that grows with a request's
-        size never stalls the sequences being decoded."""
-        sampling, o = split_options({**self.defaults, **options}, self.model.config.vocab_size)
+    def request(self, prompt: Prompt, **options: Any) -> Request:
+        """The typed request for `prompt` and keyword options, over this engine's defaults."""
+        return Request.of(prompt, self.model.config.vocab_size, self.defaults, **options)
+
+    def prepare(self, request: Request) -> Prepared:
+        """Everything about a request that does not need the engine: the prompt rendered and
+        tokenized, its grammar compiled, its context checked. Touches no engine state, so a
+        server runs it on another thread: work that grows with a request's size never stalls
+        the sequences being decoded."""
+        o, vocab = request.options, self.model.config.vocab_size
         tools = tool_plan(o, self.tokenizer)
-        ids = request_tokens(self.tokenizer, prompt, self.model.config.vocab_size, tools)
+        ids = request_tokens(self.tokenizer, request.prompt, vocab, tools)
         check_context(self.model, PromptCache.for_model(self.model, **_cache_options(o)), len(ids))
-        return Prepared(ids, sampling, o, tools, constraint_for(o, self.tokenizer, self.model.config.vocab_size, tools))
+        return Prepared(ids, request.sampling, o, tools, constraint_for(o, self.tokenizer, vocab, tools))
 
     def enqueue(self, prepared: Prepared) -> int:
         """Queue a prepared request (`prepare`); returns its uid."""

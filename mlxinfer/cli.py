@@ -537,7 +537,7 @@ def serve(model, dtype, host, port, max_concurrency, max_queue, max_kv_size, kv_
     split = shard_summary(m)
     click.echo(f"serving {name} at http://{host}:{port}/v1 (Ctrl-C stops)" + (f" [{split}]" if split else ""),
                err=True)
-    run(create_app(engine, tokenizer, config), engine, host, port, max_connections)
+    run(create_app(engine, m, tokenizer, config), engine, host, port, max_connections)
 
 
 def check_free(host: str, port: int) -> None:

@@ -53,8 +53,8 @@ def slow_step(self):
     return step(self)
 
 
-def gated_prepare(self, prompt, **options):
-    prepared = prepare(self, prompt, **options)
+def gated_prepare(self, request):
+    prepared = prepare(self, request)
     if holds(prepared.ids, PREPARE_FAULT):
         raise RuntimeError("planted prepare fault")
     if holds(prepared.ids, GATE_PREPARE):

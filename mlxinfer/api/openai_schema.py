@@ -8,38 +8,19 @@ the engine's `Chunk`s into OpenAI's objects, streamed or whole.
 
 from __future__ import annotations
 
-import json
-import math
-import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from pydantic_core import PydanticCustomError
 
-from .generate import Chunk, Stats
+from ..generate import Chunk, Stats
+from .common import RequestError, load_json
 
 # Fields of OpenAI's API that change the output and that this server does not implement yet.
 NOT_YET = {"functions": "legacy function calls (use tools)", "function_call": "legacy function calls (use tools)",
            "best_of": "best_of", "echo": "echo", "suffix": "suffix", "audio": "audio output",
            "modalities": "audio output", "prediction": "predicted outputs", "reasoning_effort": "reasoning effort",
            "web_search_options": "web search"}
-
-
-class RequestError(Exception):
-    """A request the server refuses: HTTP `status` with an OpenAI-shaped error body."""
-
-    def __init__(self, message: str, param: str | None = None, status: int = 400,
-                 kind: str = "invalid_request_error", headers: dict[str, str] | None = None):
-        super().__init__(message)
-        self.param, self.status, self.kind, self.headers = param, status, kind, headers
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": str(self), "type": self.kind, "param": self.param, "code": None}}
-
-
-# Deepest nesting of a request body (a JSON Schema inside response_format included).
-MAX_BODY_DEPTH = 128
-_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 class Strict(BaseModel):
@@ -230,54 +211,6 @@ def token_keys(bias: dict[str, float]) -> dict[int, float]:
             raise RequestError(f"logit_bias keys must be token ids (non-negative integers), got {key[:40]!r}",
                                "logit_bias")
     return {int(k): v for k, v in bias.items()}
-
-
-def _no_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not a JSON value")
-
-
-def _finite(text: str) -> float:
-    value = float(text)
-    if not math.isfinite(value):
-        raise ValueError(f"the number {text[:40]} is out of range")
-    return value
-
-
-def load_json(raw: bytes) -> Any:
-    """Strict JSON (no NaN or Infinity, no number that overflows), nested at most
-    MAX_BODY_DEPTH deep, every string valid Unicode; anything else a 400 saying what is wrong."""
-    try:
-        data = json.loads(raw, parse_constant=_no_constant, parse_float=_finite)
-    except RecursionError:
-        raise RequestError(f"the request body is nested too deeply (the limit is {MAX_BODY_DEPTH})") from None
-    except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError, an integer of too many digits, bad bytes
-        raise RequestError(f"the request body is not valid JSON ({' '.join(str(e).split())[:200]})") from None
-    _check_tree(data)
-    return data
-
-
-def _check_tree(data: Any) -> None:
-    """Depth and strings of a parsed body, without recursion (a deep body must not overflow us)."""
-    stack: list[tuple[Any, tuple, int]] = [(data, (), 0)]
-    while stack:
-        value, path, depth = stack.pop()
-        if depth > MAX_BODY_DEPTH:
-            raise RequestError(f"the request body is nested over {MAX_BODY_DEPTH} deep; the limit is {MAX_BODY_DEPTH}",
-                               _dotted(path[:4]))
-        if isinstance(value, dict):
-            for key, item in value.items():
-                if _SURROGATE.search(key):
-                    raise RequestError("a key holds an unpaired UTF-16 surrogate (not valid Unicode)", _dotted(path))
-                stack.append((item, (*path, key), depth + 1))
-        elif isinstance(value, list):
-            stack.extend((item, (*path, i), depth + 1) for i, item in enumerate(value))
-        elif isinstance(value, str) and _SURROGATE.search(value):
-            raise RequestError(f"{_dotted(path) or 'the body'} holds an unpaired UTF-16 surrogate (not valid "
-                               "Unicode); send UTF-8 text", _dotted(path))
-
-
-def _dotted(path: tuple) -> str | None:
-    return ".".join(str(p) for p in path) or None
 
 
 def parse(raw: bytes, kind: type[Completion]) -> Completion:

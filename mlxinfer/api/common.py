@@ -1,0 +1,192 @@
+"""What every HTTP API of `mlxinfer serve` shares: errors in each API's own shape, strict
+JSON bodies read within bounds, Server-Sent Events, and noticing a client that left.
+
+Each API module (`openai`, `responses`, `anthropic`, `embeddings`, ...) is a thin
+translation from its wire shapes to the typed `Request` and back; this module is what
+they have in common, so none of them reaches into another.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import re
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Awaitable, TypeVar
+
+from fastapi import Request
+
+from ..generate import Chunk
+from ..guard import allowed_hosts
+
+BODY_SECONDS = 30  # from the headers to the body's last byte
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """How the server was started, as the API modules need it."""
+
+    model_name: str
+    max_tokens: int  # default for requests that give none: the model's context
+    api_key: str | None = None
+    cors: str | None = None
+    max_body: int = 4 << 20
+    hosts: frozenset[str] | None = allowed_hosts("127.0.0.1", ())  # what a request's Host may name; None: any
+
+
+@dataclass(frozen=True)
+class Context:
+    """What each API module is given: the engine (an `EngineThread`), the model and its
+    tokenizer, and the server's config."""
+
+    engine: Any
+    model: Any
+    tokenizer: Any
+    config: ServerConfig
+
+
+class RequestError(Exception):
+    """A request the server refuses: HTTP `status`, a one-line message, and what kind of
+    error it is; each API writes it in its own shape (`body`, `anthropic_body`)."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400,
+                 kind: str = "invalid_request_error", headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.param, self.status, self.kind, self.headers = param, status, kind, headers
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": str(self), "type": self.kind, "param": self.param, "code": None}}
+
+    def anthropic_body(self) -> dict[str, Any]:
+        """Anthropic's error shape, with Anthropic's names for the kinds that differ."""
+        kind = ANTHROPIC_KINDS.get(self.kind, self.kind)
+        return {"type": "error", "error": {"type": kind, "message": str(self)}}
+
+
+# OpenAI's error types as Anthropic names them (the rest are spelled alike).
+ANTHROPIC_KINDS = {"server_error": "api_error", "server_busy": "overloaded_error", "not_found_error": "not_found_error",
+                   "authentication_error": "authentication_error"}
+
+
+def server_error(message: str) -> RequestError:
+    return RequestError(message, status=500, kind="server_error")
+
+
+# Deepest nesting of a request body (a JSON Schema inside response_format included).
+MAX_BODY_DEPTH = 128
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON value")
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"the number {text[:40]} is out of range")
+    return value
+
+
+def load_json(raw: bytes) -> Any:
+    """Strict JSON (no NaN or Infinity, no number that overflows), nested at most
+    MAX_BODY_DEPTH deep, every string valid Unicode; anything else a 400 saying what is wrong."""
+    try:
+        data = json.loads(raw, parse_constant=_no_constant, parse_float=_finite)
+    except RecursionError:
+        raise RequestError(f"the request body is nested too deeply (the limit is {MAX_BODY_DEPTH})") from None
+    except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError, an integer of too many digits, bad bytes
+        raise RequestError(f"the request body is not valid JSON ({' '.join(str(e).split())[:200]})") from None
+    _check_tree(data)
+    return data
+
+
+def _check_tree(data: Any) -> None:
+    """Depth and strings of a parsed body, without recursion (a deep body must not overflow us)."""
+    stack: list[tuple[Any, tuple, int]] = [(data, (), 0)]
+    while stack:
+        value, path, depth = stack.pop()
+        if depth > MAX_BODY_DEPTH:
+            raise RequestError(f"the request body is nested over {MAX_BODY_DEPTH} deep; the limit is {MAX_BODY_DEPTH}",
+                               _dotted(path[:4]))
+        if isinstance(value, dict):
+            for key, item in value.items():
+                if _SURROGATE.search(key):
+                    raise RequestError("a key holds an unpaired UTF-16 surrogate (not valid Unicode)", _dotted(path))
+                stack.append((item, (*path, key), depth + 1))
+        elif isinstance(value, list):
+            stack.extend((item, (*path, i), depth + 1) for i, item in enumerate(value))
+        elif isinstance(value, str) and _SURROGATE.search(value):
+            raise RequestError(f"{_dotted(path) or 'the body'} holds an unpaired UTF-16 surrogate (not valid "
+                               "Unicode); send UTF-8 text", _dotted(path))
+
+
+def _dotted(path: tuple) -> str | None:
+    return ".".join(str(p) for p in path) or None
+
+
+async def body_of(request: Request, max_body: int) -> bytes:
+    """The body, read no further than `max_body` bytes nor longer than BODY_SECONDS."""
+    size = request.headers.get("content-length")
+    if size is not None and size.isdigit() and int(size) > max_body:
+        raise RequestError(f"the request body is over {max_body} bytes", status=413)
+    body = bytearray()
+
+    async def read() -> None:
+        async for part in request.stream():
+            body.extend(part)
+            if len(body) > max_body:
+                raise RequestError(f"the request body is over {max_body} bytes", status=413)
+
+    try:
+        await asyncio.wait_for(read(), BODY_SECONDS)
+    except asyncio.TimeoutError:
+        raise RequestError(f"the request body did not arrive within {BODY_SECONDS} s", status=408) from None
+    return bytes(body)
+
+
+async def json_body(request: Request, max_body: int) -> dict[str, Any]:
+    """The body as a JSON object (strict: `load_json`)."""
+    data = load_json(await body_of(request, max_body))
+    if not isinstance(data, dict):
+        raise RequestError("the request body must be a JSON object")
+    return data
+
+
+def sse(data: dict[str, Any] | str, event: str | None = None) -> bytes:
+    """One Server-Sent Event; `event` names it (the Responses and Messages APIs do, OpenAI's chat does not)."""
+    body = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
+    return (f"event: {event}\n" if event else "").encode() + f"data: {body}\n\n".encode()
+
+
+class ClientGone(Exception):
+    """The client hung up before its answer began."""
+
+
+async def hung_up(request: Request) -> None:
+    """Returns when the client closes its connection. The body has been read, so the next
+    message the server gives is the disconnect: an event, no polling."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def unless_gone(work: Awaitable[T], gone: asyncio.Future) -> T:
+    """`work`'s result, or ClientGone (with `work` cancelled, which cancels the request) as
+    soon as `gone` is done: preparing, queueing and prefill included."""
+    task = asyncio.ensure_future(work)
+    try:
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+        if not task.done():
+            raise ClientGone
+        return task.result()  # a refused or failed request raises its RequestError here
+    finally:
+        if not task.done():
+            task.cancel()
+
+
+async def collect(stream: AsyncIterator[Chunk]) -> list[Chunk]:
+    """Every chunk of a non-streamed request."""
+    return [chunk async for chunk in stream]
+

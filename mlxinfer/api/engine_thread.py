@@ -1,0 +1,293 @@
+"""The engine behind `mlxinfer serve`, on a thread of its own.
+
+The engine (`batch.BatchGenerator`) runs on one dedicated thread, so MLX work never
+blocks the event loop: requests reach it through a queue of commands (submit, cancel,
+a call to run between steps), and each request's chunks come back through its own
+asyncio queue. Concurrent requests share decode steps; a client that disconnects cancels
+its sequence at once. Requests beyond the engine's slots wait in its queue, which is
+bounded: past it, a 503 with Retry-After. One request's failure ends that request (500 or
+an error event), never the server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Callable, TypeVar
+
+import mlx.core as mx
+
+from ..batch import BatchGenerator, Prepared
+from ..errors import MlxinferError
+from ..generate import Chunk
+from ..relay import Relay
+from ..request import Request
+from .common import RequestError, server_error
+
+RETRY_AFTER_SECONDS = 1
+# Threads that prepare requests (render, tokenize, compile grammars) beside the engine thread.
+PREPARE_THREADS = 2
+T = TypeVar("T")
+
+
+@dataclass
+class _Job:
+    """One request inside the engine thread: what to run and where its chunks go."""
+
+    request: Request
+    loop: asyncio.AbstractEventLoop
+    chunks: asyncio.Queue = field(default_factory=asyncio.Queue)
+    prepared: Prepared | None = None
+    uid: int | None = None
+
+
+class EngineThread:
+    """Runs a BatchGenerator on its own thread; `reserve`, `prepare`, `submit` and `cancel`
+    are safe from any thread.
+
+    A request first takes a place (`reserve`: at most `max_batch + max_queued` requests are
+    in flight, past that a 503), is prepared on a small pool of other threads (`prepare`:
+    rendering, tokenizing and compiling its grammar grow with the request, and must not
+    stall the streams being decoded), then joins the engine (`submit`). It gets its chunks,
+    then `None`; a refused request gets a RequestError instead. Its place is given back when
+    the engine ends it, so a request whose client vanished still frees its place when it
+    stops. `health` is a snapshot the engine thread refreshes before and after every step,
+    so the event loop never touches the engine. With a relay (a model sharded across ranks), the
+    engine commands of each round are shared before its step, and the other ranks' engines
+    (`follow`) take the same commands and steps."""
+
+    def __init__(self, engine: BatchGenerator, max_queued: int = 32, relay: Relay | None = None):
+        self.engine, self.max_queued, self.relay = engine, max_queued, relay
+        self.served = 0
+        self._ops: list[list[Any]] = []  # what this round did to the engine, for the relay
+        self.health: dict[str, Any] = {}
+        self._in_flight = 0
+        self.preparing = 0
+        self._preparer = ThreadPoolExecutor(PREPARE_THREADS, thread_name_prefix="mlxinfer-prepare")
+        self._lock = threading.Lock()
+        self._commands: queue.Queue = queue.Queue()
+        self._requests: dict[int, _Job] = {}  # engine uid -> request
+        self._stop = threading.Event()
+        self._snapshot()
+        self._thread = threading.Thread(target=self._run, name="mlxinfer-engine", daemon=True)
+        self._thread.start()
+
+    def reserve(self) -> None:
+        """Take a place for a new request, or refuse it (503) when all are taken."""
+        limit = self.engine.max_batch + self.max_queued
+        with self._lock:
+            if self._stop.is_set():
+                raise RequestError("the server is shutting down", status=503, kind="server_busy")
+            if self._in_flight >= limit:
+                raise RequestError(f"the server is busy ({limit} requests running or queued); retry shortly",
+                                   status=503, kind="server_busy", headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
+            self._in_flight += 1
+
+    def release(self) -> None:
+        """Give back the place of a request that never reached the engine."""
+        with self._lock:
+            self._in_flight -= 1
+
+    async def prepare(self, request: _Job) -> None:
+        """Prepare a reserved request off the engine thread; a bad one is a 400."""
+        with self._lock:
+            self.preparing += 1
+        try:
+            request.prepared = await asyncio.get_running_loop().run_in_executor(self._preparer, self.engine.prepare,
+                                                                                request.request)
+        except MlxinferError as e:  # the request's own fault (options, prompt, context, grammar)
+            raise RequestError(str(e)) from None
+        except Exception as e:  # noqa: BLE001 - a fault of ours ends this request, not the server
+            raise server_error(f"{type(e).__name__}: {' '.join(str(e).split())}") from None
+        finally:
+            with self._lock:
+                self.preparing -= 1
+
+    def submit(self, request: _Job) -> None:
+        """Hand a prepared request to the engine."""
+        self._commands.put(("submit", request))
+
+    async def call(self, fn: Callable[[], T]) -> T:
+        """`fn()` run on the engine thread between steps (MLX work that is not a generation,
+        such as embeddings or scoring, must not run beside a step on another thread)."""
+        if self.relay is not None:  # the other ranks replay engine rounds only: they would not join its collectives
+            raise RequestError("this endpoint is not available while the model is sharded across ranks")
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future = loop.create_future()
+        self._commands.put(("call", (fn, done, loop)))
+        return await done
+
+    def cancel(self, request: _Job) -> None:
+        self._commands.put(("cancel", request))
+
+    def shutdown(self) -> None:
+        """Refuse new requests and end those in flight now, each with its last chunk (the
+        text it has); returns at once (safe in a signal handler)."""
+        self._commands.put(("shutdown", None))
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self.shutdown()
+        self._thread.join(timeout)
+        self._preparer.shutdown(wait=False, cancel_futures=True)
+
+    def _deliver(self, request: _Job, item: Chunk | RequestError | None) -> None:
+        try:
+            request.loop.call_soon_threadsafe(request.chunks.put_nowait, item)
+        except RuntimeError:  # the event loop has closed (the server stopped): nobody is listening
+            pass
+        if item is None:
+            with self._lock:
+                self._in_flight -= 1
+
+    def _refuse(self, request: _Job, error: RequestError) -> None:
+        self._deliver(request, error)
+        self._deliver(request, None)
+
+    def _handle(self, command: str, request: _Job | None) -> None:
+        if command == "submit":
+            if self._stop.is_set():  # prepared while the server began to stop
+                self._refuse(request, RequestError("the server is shutting down", status=503, kind="server_busy"))
+                return
+            try:
+                request.uid = self.engine.enqueue(request.prepared)
+            except Exception as e:  # noqa: BLE001 - a fault of ours ends this request, not the server
+                self._refuse(request, server_error(f"{type(e).__name__}: {e}"))
+                return
+            self._ops.append(["submit", request.request.to_json()])
+            self._requests[request.uid] = request
+        elif command == "call":
+            self._call(*request)
+        elif command == "cancel" and request.uid in self._requests:
+            self._cancel(request.uid)
+        elif command == "shutdown":
+            with self._lock:
+                self._stop.set()
+            for uid in self._requests:
+                self._cancel(uid)
+
+    @staticmethod
+    def _call(fn: Callable[[], Any], done: asyncio.Future, loop: asyncio.AbstractEventLoop) -> None:
+        try:
+            result, error = fn(), None
+        except MlxinferError as e:  # the request's own fault
+            result, error = None, RequestError(str(e))
+        except Exception as e:  # noqa: BLE001 - a fault of ours ends this request, not the server
+            result, error = None, server_error(f"{type(e).__name__}: {' '.join(str(e).split())}")
+
+        def settle() -> None:
+            if not done.cancelled():
+                done.set_exception(error) if error is not None else done.set_result(result)
+
+        try:
+            loop.call_soon_threadsafe(settle)
+        except RuntimeError:  # the event loop has closed: nobody is waiting
+            pass
+
+    def _cancel(self, uid: int) -> None:
+        self.engine.cancel(uid)
+        self._ops.append(["cancel", uid])
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            block = not self.engine.active
+            try:
+                while True:
+                    self._handle(*self._commands.get(block=block))
+                    block = False
+            except queue.Empty:
+                pass
+            self._snapshot()  # a request that just arrived shows as active while its prefill runs
+            if self.relay is not None:
+                with self.relay.watchdog.bounded("a step"):
+                    self.relay.share(self._ops)
+            self._ops = []
+            if self.engine.active:
+                self._step()
+            self._snapshot()
+        if self.relay is not None:
+            self.relay.share(None)
+        for uid in list(self._requests):  # stopping: end the streams that are left
+            self._deliver(self._requests.pop(uid), None)
+
+    def _step(self) -> None:
+        try:
+            if self.relay is None:
+                produced = self.engine.step()
+            else:
+                with self.relay.watchdog.bounded("a step"):
+                    produced = self.engine.step()
+        except Exception as e:  # noqa: BLE001 - the engine ends a failed sequence itself; this is the last guard
+            for uid, request in list(self._requests.items()):
+                self._cancel(uid)
+                self._refuse(request, server_error(f"{type(e).__name__}: {e}"))
+            self._requests.clear()
+            return
+        for uid, chunk in produced:
+            request = self._requests.get(uid)
+            if request is None:
+                continue
+            if chunk.finish_reason == "error":
+                self._refuse(request, server_error(chunk.error or "generation failed"))
+            else:
+                self._deliver(request, chunk)
+                if chunk.finish_reason:
+                    self._deliver(request, None)
+            if chunk.finish_reason:
+                del self._requests[uid]
+                self.served += 1
+
+    def _snapshot(self) -> None:
+        e = self.engine
+        running = min(e.active, e.max_batch)  # a step admits every waiting sequence that has a slot first
+        self.health = {
+            "active": running, "queued": e.active - running + self._commands.qsize(),
+            "served": self.served,
+            "cache_bytes": e.cache_bytes,
+            "prompt_cache": dict(e.pool.stats.__dict__) if e.pool is not None else None,
+            "memory": {"mlx_active_bytes": mx.get_active_memory(), "mlx_peak_bytes": mx.get_peak_memory()},
+        }
+
+
+
+def follow(engine: BatchGenerator, relay: Relay) -> None:
+    """A rank other than 0: the engine commands and steps rank 0's `EngineThread` shares,
+    until it stops. Waiting for the next round is not bounded (the server may be idle)."""
+    while (ops := relay.share()) is not None:
+        with relay.watchdog.bounded("a step"):
+            for op in ops:
+                if op[0] == "submit":
+                    engine.enqueue(engine.prepare(Request.from_json(op[1])))
+                else:
+                    engine.cancel(op[1])
+            if engine.active:
+                engine.step()
+
+
+async def chunks_of(engine: EngineThread, request: Request) -> AsyncIterator[Chunk]:
+    """A request's chunks as they come: a place taken, the request prepared, then its engine
+    chunks. Leaving early (a client gone) gives the place back or cancels the sequence."""
+    job = _Job(request, asyncio.get_running_loop())
+    engine.reserve()
+    try:
+        await engine.prepare(job)
+    except BaseException:
+        engine.release()
+        raise
+    engine.submit(job)
+    finished = False
+    try:
+        while True:
+            item = await job.chunks.get()
+            if item is None:
+                finished = True
+                return
+            if isinstance(item, RequestError):
+                finished = True
+                raise item
+            yield item
+    finally:
+        if not finished:
+            engine.cancel(job)

@@ -1,0 +1,76 @@
+"""The typed request: what to generate, parsed once where it enters and passed down unchanged.
+
+Every front end (the Python API, the CLI, the chat session, each HTTP API) turns its own
+input into one `Request`: the prompt (text, token ids or chat messages), the sampling
+config and the generation options, each checked when it is made. The engine takes it as
+it is; nothing below re-validates a loose dict. `to_json`/`from_json` carry it across
+ranks of a sharded model (and anywhere else a request is stored) as plain data.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from .errors import InvalidOptionError
+from .generate import GenerationOptions, Prompt, split_options
+from .sample import SamplingConfig
+
+# Options that hold runtime objects (a loaded draft model, its cache): they configure this
+# process only, so a request carrying them cannot be written out.
+RUNTIME_OPTIONS = ("draft_model", "draft_cache")
+
+
+@dataclass(frozen=True)
+class Request:
+    """One generation request, validated at construction (`Request.of`)."""
+
+    prompt: str | tuple[int, ...] | tuple[Mapping[str, Any], ...]
+    sampling: SamplingConfig
+    options: GenerationOptions
+
+    @classmethod
+    def of(cls, prompt: Prompt, vocab_size: int | None = None, defaults: Mapping[str, Any] | None = None,
+           **options: Any) -> Request:
+        """The one place keyword options (`stream_generate`'s) become typed configs; `defaults`
+        (an engine's) are overridden by `options`; token ids are checked against `vocab_size`."""
+        sampling, generation = split_options({**(defaults or {}), **options}, vocab_size)
+        return cls(_frozen(prompt), sampling, generation)
+
+    @property
+    def messages(self) -> bool:
+        """Whether the prompt is chat messages (rendered with the model's template)."""
+        return bool(self.prompt) and isinstance(self.prompt, tuple) and isinstance(self.prompt[0], Mapping)
+
+    def to_json(self) -> dict[str, Any]:
+        """Plain JSON data (`from_json` reads it back to an equal request)."""
+        held = [k for k in RUNTIME_OPTIONS if getattr(self.options, k) is not None]
+        if held:
+            raise InvalidOptionError(f"a request with {held[0]} (a loaded object) cannot be written out")
+        sampling = dataclasses.asdict(self.sampling)
+        sampling["logit_bias"] = {str(k): v for k, v in self.sampling.logit_bias.items()}
+        options = {f.name: getattr(self.options, f.name) for f in dataclasses.fields(self.options)
+                   if f.name not in RUNTIME_OPTIONS}
+        options["stop"] = list(self.options.stop)
+        prompt = self.prompt if isinstance(self.prompt, str) else [dict(m) if isinstance(m, Mapping) else m
+                                                                   for m in self.prompt]
+        return {"prompt": prompt, "sampling": sampling, "options": options}
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Request:
+        sampling = dict(data["sampling"])
+        sampling["logit_bias"] = {int(k): v for k, v in sampling["logit_bias"].items()}
+        options = dict(data["options"])
+        options["stop"] = tuple(options["stop"])
+        return cls(_frozen(data["prompt"]), SamplingConfig(**sampling), GenerationOptions(**options))
+
+
+def _frozen(prompt: Prompt) -> str | tuple:
+    """The prompt as an immutable value: text, or a tuple of token ids or of messages."""
+    if isinstance(prompt, str):
+        return prompt
+    if not isinstance(prompt, Sequence):
+        raise InvalidOptionError(f"the prompt must be text, token ids or chat messages, got {type(prompt).__name__}")
+    return tuple(prompt)
