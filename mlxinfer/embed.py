@@ -11,7 +11,6 @@ token never sees the padding after it, so a text's vector is the same alone or i
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Union
 
 import mlx.core as mx
 import numpy as np
@@ -22,11 +21,11 @@ from .models import CausalLM
 from .models.pooling import pool
 from .tokenizer import Tokenizer
 
-Text = Union[str, Sequence[int]]
+Text = str | Sequence[int]
 BATCH_SIZE = 32
 # Padded tokens per forward pass, beyond one text: bounds the memory of the attention scores.
 BATCH_TOKENS = 8192
-EPS = 1e-12  # below this norm a vector is left as it is (torch's `normalize`, which sentence-transformers uses)
+EPS = 1e-12  # a norm below this divides as this (torch's `normalize`, which sentence-transformers uses)
 
 
 def embed(model: CausalLM, tokenizer: Tokenizer, texts: Text | Sequence[Text], *, dimensions: int | None = None,
@@ -40,7 +39,8 @@ def embed(model: CausalLM, tokenizer: Tokenizer, texts: Text | Sequence[Text], *
                         batch_size=batch_size)
 
 
-def encode_texts(model: CausalLM, tokenizer: Tokenizer, texts: Text | Sequence[Text], what: str = "text") -> list[list[int]]:
+def encode_texts(model: CausalLM, tokenizer: Tokenizer, texts: Text | Sequence[Text],
+                 what: str = "text") -> list[list[int]]:
     """The token ids of each text, checked: none empty, none longer than the model's context
     (a longer text would have to be cut, which changes its vector). Errors name the text as
     `what` and its index. A list of integers is one text as token ids, as OpenAI reads it."""
@@ -60,7 +60,7 @@ def _ids(model: CausalLM, tokenizer: Tokenizer, text: Text, name: str) -> list[i
         ids = tokenizer.encode(text)
     else:
         ids = token_ids(text, model.config.vocab_size, name)
-    if not ids:
+    if not ids or (isinstance(text, str) and not text):  # "" too, though a tokenizer adding EOS gives it a token
         raise InvalidOptionError(f"{name} is empty; give some text or token ids")
     limit = model.config.max_position_embeddings
     if len(ids) > limit:
@@ -69,15 +69,11 @@ def _ids(model: CausalLM, tokenizer: Tokenizer, text: Text, name: str) -> list[i
     return ids
 
 
-def embed_tokens(model: CausalLM, ids: Sequence[Sequence[int]], *, dimensions: int | None = None, normalize: bool = True,
-                 batch_size: int = BATCH_SIZE) -> np.ndarray:
+def embed_tokens(model: CausalLM, ids: Sequence[Sequence[int]], *, dimensions: int | None = None,
+                 normalize: bool = True, batch_size: int = BATCH_SIZE) -> np.ndarray:
     """`embed` of texts already tokenized (and checked) by `encode_texts`."""
     config = model.sentence_embedding
-    if config.refusal is not None:
-        raise ConfigError(f"this model cannot embed: {config.refusal}")
-    width = model.config.hidden_size * len(config.modes)
-    if dimensions is not None:
-        integer("dimensions", dimensions, 1, width)
+    width = check_dimensions(model, dimensions)
     integer("batch_size", batch_size, 1)
     vectors = np.empty((len(ids), width), dtype=np.float32)
     for rows in _batches(ids, batch_size):
@@ -87,6 +83,18 @@ def embed_tokens(model: CausalLM, ids: Sequence[Sequence[int]], *, dimensions: i
     if dimensions is not None:
         vectors = vectors[:, :dimensions]
     return _unit(vectors) if normalize else np.ascontiguousarray(vectors)
+
+
+def check_dimensions(model: CausalLM, dimensions: int | None) -> int:
+    """The width of the model's vectors, after checking that it can embed at all and that
+    `dimensions` (None: all) is a width it can cut them to."""
+    config = model.sentence_embedding
+    if config.refusal is not None:
+        raise ConfigError(f"this model cannot embed: {config.refusal}")
+    width = model.config.hidden_size * len(config.modes)
+    if dimensions is not None:
+        integer("dimensions", dimensions, 1, width)
+    return width
 
 
 def _batches(ids: Sequence[Sequence[int]], batch_size: int) -> list[list[int]]:

@@ -75,21 +75,24 @@ def _download(repo_id: str, revision: str | None, patterns: list[str]) -> Path:
 
 def read_config(path: Path) -> dict[str, Any]:
     """config.json as a dict whose known keys are checked (`check_config`), errors naming the file."""
-    data = checkpoint_json(path, "config.json")
-    if data is None:
+    file = path / "config.json"
+    raw = read_checkpoint_file(path, file.name)
+    if raw is None:
         raise ModelNotFoundError(f"no config.json in '{path}'; is this a model folder?")
-    return check_config(data, str(path / "config.json"))
+    return check_config(_json(file, raw), str(file))
 
 
 def checkpoint_json(path: Path, name: str) -> Any:
     """The JSON file `name` of the checkpoint in `path` (None if it has none)."""
     raw = read_checkpoint_file(path, name)
-    if raw is None:
-        return None
+    return None if raw is None else _json(path / name, raw)
+
+
+def _json(file: Path, raw: bytes) -> Any:
     try:
         return json.loads(raw.decode("utf-8"))
     except (ValueError, RecursionError) as e:  # JSONDecodeError, UnicodeDecodeError, too-long integers
-        raise ConfigError(f"{path / name} is not valid JSON ({e})") from None
+        raise ConfigError(f"{file} is not valid JSON ({e})") from None
 
 
 def read_embedding_config(path: Path) -> EmbeddingConfig:
@@ -132,10 +135,10 @@ def _message_modality(path: Path, folder: str) -> bool:
     return isinstance(modalities, dict) and "message" in modalities
 
 
-LEGACY_POOLING = {"pooling_mode_cls_token": "cls", "pooling_mode_lasttoken": "lasttoken",
-                  "pooling_mode_max_tokens": "max", "pooling_mode_mean_tokens": "mean",
-                  "pooling_mode_mean_sqrt_len_tokens": "mean_sqrt_len_tokens",
-                  "pooling_mode_weightedmean_tokens": "weightedmean"}
+# The older Pooling config's flags, in the order their vectors are concatenated.
+LEGACY_POOLING = {"pooling_mode_cls_token": "cls", "pooling_mode_max_tokens": "max",
+                  "pooling_mode_mean_tokens": "mean", "pooling_mode_mean_sqrt_len_tokens": "mean_sqrt_len_tokens",
+                  "pooling_mode_weightedmean_tokens": "weightedmean", "pooling_mode_lasttoken": "lasttoken"}
 
 
 def _pooling_modes(path: Path, folder: str) -> tuple[str, ...]:

@@ -8,7 +8,7 @@ the engine's `Chunk`s into OpenAI's objects, streamed or whole.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from pydantic_core import PydanticCustomError
@@ -28,6 +28,9 @@ class Strict(BaseModel):
     a 400 naming the field, as OpenAI's own API answers, not a guess at what was meant."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
+
+
+S = TypeVar("S", bound=Strict)
 
 
 class StreamOptions(Strict):
@@ -213,7 +216,7 @@ def token_keys(bias: dict[str, float]) -> dict[int, float]:
     return {int(k): v for k, v in bias.items()}
 
 
-def parse(raw: bytes, kind: type[Completion]) -> Completion:
+def parse(raw: bytes, kind: type[S]) -> S:
     """A request body as `kind`, or a RequestError naming the first field at fault."""
     data = load_json(raw)
     if not isinstance(data, dict):
