@@ -14,7 +14,7 @@ import math
 import time
 import warnings
 from dataclasses import dataclass, fields
-from typing import Any, Iterator, Sequence
+from typing import Any, Sequence
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
@@ -24,7 +24,7 @@ from .checks import flag, integer, is_integer, token_ids
 from .constrain import Constraint, response_format
 from .tools import ToolCall, ToolPlan, check_tools
 from .tools import plan as plan_tools
-from .decode import ConstrainedDecoder, PlainDecoder, Stats, Token, TokenSource
+from .decode import Stats, Token
 from .errors import InvalidOptionError
 from .sample import Sampler, SamplingConfig
 from .speculative import LOOKUP_DRAFT, MODEL_DRAFT, SpeculativeDecoder, make_drafter
@@ -398,68 +398,13 @@ def read_tool_calls(chunk: Chunk, reply: str, tools: ToolPlan | None) -> Chunk:
     return dataclasses.replace(chunk, finish_reason="tool_calls", tool_calls=calls, content=content)
 
 
-def token_source(model, cache: PromptCache, sampler: Sampler, last: int, limit: int, options: GenerationOptions,
-                 stats: Stats, constraint: Constraint | None = None) -> TokenSource:
-    """Plain decoding, or speculative decoding when a drafter is asked for; held to
-    `constraint` when there is one."""
+def speculative_source(model, cache: PromptCache, sampler: Sampler, last: int, limit: int,
+                       options: GenerationOptions, stats: Stats, constraint: Constraint | None = None
+                       ) -> SpeculativeDecoder:
+    """Speculative decoding with the drafter the options ask for (a draft model or prompt
+    lookup), held to `constraint` when there is one."""
     o = options
-    if o.draft_model is None and not o.prompt_lookup:
-        if constraint is not None:
-            return ConstrainedDecoder(model, cache, sampler, constraint, last, limit)
-        return PlainDecoder(model, cache, sampler, last, limit)
     drafter = make_drafter(model, sampler, o.draft_model, o.draft_cache, constraint,
                            max_kv_size=o.max_kv_size, kv_bits=o.kv_bits, kv_group_size=o.kv_group_size)
     max_draft = o.num_draft_tokens or (LOOKUP_DRAFT if o.prompt_lookup else MODEL_DRAFT)
     return SpeculativeDecoder(model, cache, sampler, drafter, last, limit, stats, max_draft, constraint=constraint)
-
-
-def stream_generate(
-    model, tokenizer: Tokenizer, prompt: Prompt, prompt_cache: PromptCache | None = None, **options: Any
-) -> Iterator[Chunk]:
-    """Stream a completion chunk by chunk (one chunk per generated token).
-
-    Options: max_tokens, temperature, top_p, top_k, min_p, repetition_penalty,
-    presence_penalty, frequency_penalty, penalty_window, logit_bias, seed, stop,
-    ignore_eos, max_kv_size, kv_bits, kv_group_size, prefill_step, logprobs, and
-    for speculative decoding draft_model, draft_cache (the draft's PromptCache, to
-    reuse across calls), num_draft_tokens, prompt_lookup; response_format holds the
-    reply to a JSON Schema, any JSON object, a regex or a Lark grammar (`constrain`);
-    tools and tool_choice offer the app's functions (`tools`): a reply that calls them
-    ends with finish_reason "tool_calls" and the calls on its last chunk (at most one
-    with parallel_tool_calls=False).
-    Pass a `PromptCache` to reuse the longest common prefix across calls.
-    """
-    sampling, o = split_options(options, model.config.vocab_size)
-    tools = tool_plan(o, tokenizer)
-    ids = request_tokens(tokenizer, prompt, model.config.vocab_size, tools)
-    cache = prompt_cache or PromptCache.for_model(
-        model, max_kv_size=o.max_kv_size, kv_bits=o.kv_bits, kv_group_size=o.kv_group_size
-    )
-    cache.check_fits(model)
-    check_context(model, cache, len(ids))
-    stats = Stats(prompt_tokens=len(ids))
-    with wired_limit(model), mx.stream(generation_stream()):
-        mx.reset_peak_memory()
-        limit = context_limit(model, cache, len(ids), o.max_tokens)
-        text = TextStream(tokenizer, o, stats, limit, cache)
-        todo = cache.prepare(ids)
-        stats.prefill_tokens = len(todo)
-        if limit <= 0:
-            yield text.end("length")
-            return
-        cache.prefill(model, todo[:-1], o.prefill_step)
-        constraint = constraint_for(o, tokenizer, model.config.vocab_size, tools)
-        source = token_source(model, cache, Sampler(sampling, ids), todo[-1], limit, o, stats, constraint)
-        reply = []
-        for token in source:
-            chunk = text.emit(token)
-            reply.append(chunk.text)
-            if chunk.finish_reason:
-                yield read_tool_calls(chunk, "".join(reply), tools)
-                return
-            yield chunk
-
-
-def generate(model, tokenizer: Tokenizer, prompt: Prompt, **options: Any) -> str:
-    """The whole completion as one string (same options as `stream_generate`)."""
-    return "".join(chunk.text for chunk in stream_generate(model, tokenizer, prompt, **options))

@@ -100,9 +100,8 @@ def create_app(engine: EngineThread, model, tokenizer, config: ServerConfig) -> 
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, e: HTTPException):  # unknown path, wrong method: the API's shape too
-        kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
         message = f"{request.method} {request.url.path[:200]}: {e.detail}"
-        return error_response(request, RequestError(message, status=e.status_code, kind=kind, headers=e.headers))
+        return error_response(request, RequestError(message, status=e.status_code, headers=e.headers))
 
     async def authorized(request: Request) -> None:
         if not key_given(request, config.api_key):

@@ -60,14 +60,15 @@ class RequestError(Exception):
         return {"error": {"message": str(self), "type": self.kind, "param": self.param, "code": None}}
 
     def anthropic_body(self) -> dict[str, Any]:
-        """Anthropic's error shape, with Anthropic's names for the kinds that differ."""
-        kind = ANTHROPIC_KINDS.get(self.kind, self.kind)
+        """Anthropic's error shape; its error type follows the status, as Anthropic's does."""
+        kind = ANTHROPIC_KINDS.get(self.status, "api_error" if self.status >= 500 else "invalid_request_error")
         return {"type": "error", "error": {"type": kind, "message": str(self)}}
 
 
-# OpenAI's error types as Anthropic names them (the rest are spelled alike).
-ANTHROPIC_KINDS = {"server_error": "api_error", "server_busy": "overloaded_error", "not_found_error": "not_found_error",
-                   "authentication_error": "authentication_error"}
+# Anthropic's error type for each HTTP status it documents (other 4xx: invalid_request_error).
+ANTHROPIC_KINDS = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
+                   413: "request_too_large", 429: "rate_limit_error", 500: "api_error", 503: "overloaded_error",
+                   529: "overloaded_error"}
 
 
 def server_error(message: str) -> RequestError:
