@@ -189,7 +189,7 @@ def test_models_and_health(client, server, tiny):
 @pytest.mark.parametrize("kwargs, fact", [
     (dict(tools=[{"type": "function", "function": {"description": "no name"}}]), "tools[0]"),
     (dict(tool_choice="required"), "tool_choice needs tools"),
-    (dict(extra_body={"functions": [{"name": "f"}]}), "'functions' is not supported"),
+    (dict(extra_body={"web_search_options": {}}), "'web_search_options' (web search) is not supported"),
     (dict(response_format={"type": "xml"}), "'xml' is not supported"),
     (dict(response_format={"type": "json_schema", "json_schema": {"schema": {"not": {}}}}), "not"),
     (dict(n=2), "only n=1"),
