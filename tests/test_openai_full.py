@@ -21,6 +21,7 @@ import pytest
 import mlxinfer
 from conftest import SHARED
 from serving import KEY, Server, post
+from test_server import alone, text_of
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
@@ -45,16 +46,8 @@ BASE = {"model": "m", "messages": [{"role": "user", "content": "tell me a story"
 
 
 @pytest.fixture(scope="module")
-def roomy(hf_checkpoint):
-    """The tiny Llama with room for a tool listing in its context."""
-    return hf_checkpoint("llama", head_dim=32, max_position_embeddings=2048)
-
-
-@pytest.fixture(scope="module")
-def server(roomy):
-    s = Server(["-m", str(roomy), "--dtype", "float32", "--api-key", KEY])
-    yield s
-    s.stop()
+def server(roomy_server):
+    return roomy_server
 
 
 @pytest.fixture(scope="module")
@@ -65,16 +58,6 @@ def client(server):
 @pytest.fixture(scope="module")
 def loaded_roomy(roomy):
     return mlxinfer.load(roomy, dtype="float32")
-
-
-def alone(loaded, prompt, **options) -> list:
-    """The chunks of the same generation run in-process, greedy."""
-    model, tokenizer = loaded
-    return list(mlxinfer.stream_generate(model, tokenizer, prompt, **{"temperature": 0.0, **options}))
-
-
-def text_of(chunks) -> str:
-    return "".join(c.text for c in chunks)
 
 
 def content(body: dict) -> str:

@@ -456,12 +456,6 @@ WEATHER = {"type": "object", "properties": {"unit": {"enum": ["celsius", "fahren
 TOOLS = [{"type": "function", "function": {"name": "forecast", "description": "Weather", "parameters": WEATHER}}]
 
 
-@pytest.fixture(scope="module")
-def roomy(hf_checkpoint):
-    """The tiny Llama with room for a tool listing in its context."""
-    return hf_checkpoint("llama", head_dim=32, max_position_embeddings=2048)
-
-
 def test_tool_calls_through_the_openai_client(roomy):
     jsonschema = pytest.importorskip("jsonschema")
     s = Server(["-m", str(roomy), "--dtype", "float32"])
