@@ -48,7 +48,7 @@ def router(ctx: Context) -> APIRouter:
         calls = chat and o.tools and o.tool_choice != "none"
         reply = Reply(f"{'chatcmpl' if chat else 'cmpl'}-{next(ids)}", chat, config.model_name,
                       Logprobs(tokenizer, chat, body.logprob_rows()) if body.logprob_rows() else None,
-                      call_opener(tokenizer) if calls else None)
+                      call_opener(tokenizer) if calls else None, chat and body.legacy)
         stream = chunks_of(engine, typed)
         gone = asyncio.ensure_future(hung_up(request))
         try:
@@ -81,6 +81,7 @@ class Reply:
     model: str
     logprobs: Logprobs | None
     opener: str | None = None  # with tools: the text a call starts with
+    legacy: bool = False  # called with the legacy `functions`: a call goes out as `function_call`
 
     def _object(self, choices: list[dict[str, Any]], chunk: bool, **extra: Any) -> dict[str, Any]:
         kind = "chat.completion" if self.chat else "text_completion"
@@ -92,8 +93,8 @@ class Reply:
         last = chunks[-1]
         text = last.content if last.tool_calls else "".join(c.text for c in chunks)
         lp = self.logprobs.of(chunks) if self.logprobs else None
-        return self._object([choice(self.chat, text, last.finish_reason, lp, delta=False, calls=last.tool_calls)],
-                            chunk=False, usage=usage(last.stats))
+        return self._object([choice(self.chat, text, last.finish_reason, lp, delta=False, calls=last.tool_calls,
+                                    legacy=self.legacy)], chunk=False, usage=usage(last.stats))
 
     def _could_call(self, text: str) -> bool:
         start = text.lstrip()
@@ -127,7 +128,7 @@ class Reply:
         lp = self.logprobs.of(chunks) if self.logprobs else None
         text = last.content if last.tool_calls else "".join(c.text for c in chunks)
         return self._object([choice(self.chat, text, last.finish_reason, lp, delta=True, first=first,
-                                    calls=last.tool_calls)], chunk=True)
+                                    calls=last.tool_calls, legacy=self.legacy)], chunk=True)
 
 
 async def _chain(first: Chunk, rest: AsyncIterator[Chunk]) -> AsyncIterator[Chunk]:
