@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from pydantic_core import PydanticCustomError
 
 from ..generate import Chunk, Stats
-from .common import RequestError, load_json
+from .common import RequestError, model_body
 
 # Fields of OpenAI's API that change the output and that this server does not implement yet.
 NOT_YET = {"functions": "legacy function calls (use tools)", "function_call": "legacy function calls (use tools)",
@@ -215,13 +215,7 @@ def token_keys(bias: dict[str, float]) -> dict[int, float]:
 
 def parse(raw: bytes, kind: type[Completion]) -> Completion:
     """A request body as `kind`, or a RequestError naming the first field at fault."""
-    data = load_json(raw)
-    if not isinstance(data, dict):
-        raise RequestError("the request body must be a JSON object")
-    try:
-        return kind.model_validate(data)
-    except ValidationError as e:
-        raise _refusal(e) from None
+    return model_body(raw, kind, _refusal)
 
 
 def _refusal(e: ValidationError) -> RequestError:
