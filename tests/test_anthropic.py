@@ -208,6 +208,7 @@ def call(name: str, **arguments):
      ["text", "tool_use"], "tool_use"),
     ([chunk("{"), chunk("", "length")], ["text"], "max_tokens"),
     ([chunk("a"), chunk("b", "stop", stop="STOP")], ["text"], "stop_sequence"),
+    ([chunk("{"), chunk("}", "tool_calls", calls=[call("f")], stop="STOP")], ["tool_use"], "tool_use"),
 ])
 def test_what_the_stream_builds_is_the_whole_message(chunks, blocks, reason):
     """The SDK's own accumulator over our events equals the non-streamed message: thinking,
@@ -231,6 +232,7 @@ def test_what_the_stream_builds_is_the_whole_message(chunks, blocks, reason):
             snapshot = accumulate_event(event=event, current_snapshot=snapshot, json_bufs=buffers)
     assert snapshot.model_dump(exclude_none=True) == anthropic.types.Message(**whole).model_dump(exclude_none=True)
     assert [b["type"] for b in whole["content"]] == blocks and whole["stop_reason"] == reason
+    assert (whole["stop_sequence"] is not None) == (reason == "stop_sequence")
 
 
 # --- token counts equal the template rendered by transformers, tokenized by `tokenizers` ---
@@ -366,6 +368,7 @@ IMAGE = {"type": "image", "source": {"type": "base64", "media_type": "image/png"
                                                                                   "media_type": "text/plain"}}]}]),
      "this model takes text only"),
     (dict(tools=[{"type": "web_search_20250305", "name": "web_search"}]), "one of Anthropic's own tools"),
+    (dict(tools=[{"name": "get weather", "input_schema": WEATHER}]), "tools.0.name"),
     (dict(extra_body={"mcp_servers": [{"type": "url", "url": "https://example.com", "name": "x"}]}), "mcp_servers"),
     (dict(container="container_1"), "'container' is not supported"),
     (dict(messages=[*user("hi"), {"role": "assistant", "content": "The answer is"}]), "prefill"),

@@ -49,11 +49,11 @@ def router(ctx: Context) -> APIRouter:
 
 
 def stop_reason(last: Chunk, max_tokens: int) -> str:
-    """Anthropic's name for why a reply ended."""
-    if last.stop_sequence is not None:
-        return "stop_sequence"
+    """Anthropic's name for why a reply ended (calls before a stop string that cut them short)."""
     if last.finish_reason == "tool_calls":
         return "tool_use"
+    if last.stop_sequence is not None:
+        return "stop_sequence"
     if last.finish_reason == "length":
         return "max_tokens" if last.stats.generated_tokens >= max_tokens else "model_context_window_exceeded"
     return "end_turn"  # the end of the turn, or a reply cut short by the server stopping
@@ -86,10 +86,10 @@ class Reply:
         """The message, whole once `last` (the last chunk) came; before, as message_start has
         it: no content and no output yet."""
         done = last is not None
+        reason = stop_reason(last, self.max_tokens) if done else None
         return {"id": self.rid, "type": "message", "role": "assistant", "model": self.model,
-                "content": self.content if done else [],
-                "stop_reason": stop_reason(last, self.max_tokens) if done else None,
-                "stop_sequence": last.stop_sequence if done else None,
+                "content": self.content if done else [], "stop_reason": reason,
+                "stop_sequence": last.stop_sequence if reason == "stop_sequence" else None,
                 "usage": usage(stats) if done else {**usage(stats), "output_tokens": 0}}
 
     def whole(self, chunks: list[Chunk]) -> dict[str, Any]:

@@ -178,7 +178,7 @@ class Message(Strict):
 class Tool(Strict):
     """A custom tool (the only kind a local model can be given)."""
 
-    name: str
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
     input_schema: dict[str, Any]
     description: str | None = None
     type: Literal["custom"] | None = None
