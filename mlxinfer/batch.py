@@ -38,6 +38,7 @@ from .request import Request
 from .sample import Sampler, SamplingConfig, greedy
 from .speculative import SpeculativeDecoder
 from .tools import ToolPlan
+from .tools import plan as plan_tools
 from .tokenizer import Tokenizer
 
 CACHE_OPTIONS = ("max_kv_size", "kv_bits", "kv_group_size")
@@ -171,6 +172,14 @@ class BatchGenerator:
         ids = request_tokens(self.tokenizer, request.prompt, vocab, tools)
         check_context(self.model, PromptCache.for_model(self.model, **_cache_options(o)), len(ids))
         return Prepared(ids, request.sampling, o, tools, constraint_for(o, self.tokenizer, vocab, tools))
+
+    def count(self, request: Request) -> int:
+        """How many tokens the request's prompt is as `prepare` renders it, tools included
+        (they render alike whatever tool_choice says); no grammar is compiled and nothing is
+        checked against the context, so a client can measure a prompt before sending it."""
+        o = request.options
+        shown = plan_tools(self.tokenizer, o.tools, "none") if o.tools is not None else None
+        return len(request_tokens(self.tokenizer, request.prompt, self.model.config.vocab_size, shown))
 
     def enqueue(self, prepared: Prepared, cache: PromptCache | None = None) -> int:
         """Queue a prepared request (`prepare`); returns its uid. With `cache` (the caller's,

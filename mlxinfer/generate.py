@@ -50,6 +50,7 @@ class Chunk:
     tool_calls: list[ToolCall] | None = None  # on the last chunk of a reply that called tools
     content: str | None = None  # with tool_calls: the reply's text outside the calls
     reasoning: str = ""  # thinking this token added (a reasoning model's <think> part); `text` is the answer only
+    stop_sequence: str | None = None  # the stop string that ended the reply (Anthropic's API names it)
 
 
 @dataclass(frozen=True)
@@ -193,13 +194,14 @@ class StopMatcher:
     once, whatever their number and length: its state is the longest suffix of the
     text that is a prefix of some stop, which is exactly what must be held back.
     Reading n characters costs at most 2n moves (`moves` counts them), so a push
-    costs what it brings, not what is held back or how long the stops are."""
+    costs what it brings, not what is held back or how long the stops are. `matched` is the
+    stop string the last push hit (the earliest-starting one; of those, the shortest)."""
 
     def __init__(self, stops: Sequence[str]):
         self.stops = list(stops)
         self._goto: list[dict[str, int]] = [{}]  # trie edges; node 0 is the empty prefix
         self._depth = [0]  # each node's prefix length
-        self._ends = [0]  # length of the longest stop that ends the node's prefix (0: none)
+        self._ends = [""]  # the longest stop that ends the node's prefix ("": none)
         for stop in self.stops:
             self._insert(stop)
         self._fail = self._failure_links()
@@ -208,6 +210,7 @@ class StopMatcher:
         self._held: collections.deque[str] = collections.deque()  # the last `_depth[_state]` characters read,
         self._skip = 0  # in pieces, less the first `_skip` characters of the first piece (already released)
         self.moves = 0
+        self.matched: str | None = None
 
     def _insert(self, stop: str) -> None:
         node = 0
@@ -217,9 +220,9 @@ class StopMatcher:
                 nxt = self._goto[node][ch] = len(self._goto)
                 self._goto.append({})
                 self._depth.append(self._depth[node] + 1)
-                self._ends.append(0)
+                self._ends.append("")
             node = nxt
-        self._ends[node] = len(stop)
+        self._ends[node] = stop
 
     def _failure_links(self) -> list[int]:
         """Each node's longest proper suffix that is also a node, breadth first; a node's
@@ -250,6 +253,7 @@ class StopMatcher:
 
     def push(self, text: str) -> tuple[str, bool]:
         """Returns (text safe to emit, whether a stop string was hit)."""
+        self.matched = None
         if not self.stops:
             return self.flush() + text, False
         held = self._depth[self._state]
@@ -257,8 +261,9 @@ class StopMatcher:
         for i, ch in enumerate(text):
             state = self._step(state, ch)
             if self._ends[state]:
-                start = i + 1 - self._ends[state]
-                first = start if first is None else min(first, start)
+                start = i + 1 - len(self._ends[state])
+                if first is None or start < first:
+                    first, self.matched = start, self._ends[state]
             if first is not None and i + 1 - first >= self._longest:
                 break  # a stop ending later would be longer than the longest to start before `first`
         if first is not None:  # `first` counts from the start of `text`; negative reaches into the held text
@@ -342,7 +347,7 @@ class TextStream:
         if finish:
             self._finish(finish)
         return Chunk(text, token.id, token.logprob, finish, stats, top_logprobs(token.logprobs, self.options.logprobs),
-                     token.drafted)
+                     token.drafted, stop_sequence=self.stop.matched)
 
     def _finish(self, reason: str) -> None:
         self.stats.finish_reason = reason
