@@ -22,10 +22,9 @@ from hypothesis import strategies as st
 
 import mlxinfer
 from conftest import SHARED
-from mlxinfer.batch import BatchGenerator
+from mlxinfer.batch import BatchGenerator, stream_generate
 from mlxinfer.chat import ChatSession
 from mlxinfer.errors import InvalidOptionError
-from mlxinfer.generate import stream_generate
 from mlxinfer.reasoning import THINK, Splitter, effort_kwargs, thinking_switch
 from mlxinfer.terminal import DIM
 
