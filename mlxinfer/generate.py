@@ -24,7 +24,7 @@ from .checks import flag, integer, is_integer, token_ids
 from .constrain import Constraint, response_format
 from .tools import ToolCall, ToolPlan, check_tools
 from .tools import plan as plan_tools
-from .decode import ConstrainedDecoder, PlainDecoder, Stats, Token, TokenSource
+from .decode import ConstrainedDecoder, PlainDecoder, Score, Stats, Token, TokenSource, scored_prefill
 from .errors import InvalidOptionError
 from .sample import Sampler, SamplingConfig
 from .speculative import LOOKUP_DRAFT, MODEL_DRAFT, SpeculativeDecoder, make_drafter
@@ -35,6 +35,18 @@ Prompt = str | Sequence[int] | Sequence[dict]
 # nothing per stop, but text that may begin one is held back from the stream, so a stop's
 # length is how far streaming can lag; 16 stops of 1,000 characters are generous for both.
 MAX_STOPS, MAX_STOP_CHARS = 16, 1000
+
+
+@dataclass(frozen=True)
+class PromptToken:
+    """One token of an echoed prompt: its id, the text it adds, and (when the prompt is scored)
+    its log-probability given the tokens before it with the most likely tokens there. The first
+    token has none: nothing comes before it."""
+
+    id: int
+    text: str
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] | None = None
 
 
 @dataclass
@@ -50,6 +62,7 @@ class Chunk:
     tool_calls: list[ToolCall] | None = None  # on the last chunk of a reply that called tools
     content: str | None = None  # with tool_calls: the reply's text outside the calls
     reasoning: str = ""  # thinking this token added (a reasoning model's <think> part); `text` is the answer only
+    prompt: list[PromptToken] | None = None  # echo: the prompt's tokens, on a first chunk whose `text` is the prompt
 
 
 @dataclass(frozen=True)
@@ -70,6 +83,8 @@ class GenerationOptions:
     tools: Any = None  # OpenAI's tools list: see `tools`
     tool_choice: Any = None  # "auto" (default), "none", "required" or {"type": "function", "function": {"name"}}
     parallel_tool_calls: bool = True  # False: a reply makes at most one call (held to the grammar)
+    echo: bool = False  # the prompt comes back first, as one chunk (its text and tokens), before the reply
+    prompt_logprobs: int | None = None  # with echo: score the prompt's tokens, with this many top alternatives
 
     def __post_init__(self) -> None:
         """Types and ranges, so a bad value fails before any work and not inside MLX."""
@@ -84,6 +99,11 @@ class GenerationOptions:
                                      "allowed")
         flag("ignore_eos", self.ignore_eos)
         flag("parallel_tool_calls", self.parallel_tool_calls)
+        flag("echo", self.echo)
+        if self.prompt_logprobs is not None:
+            integer("prompt_logprobs", self.prompt_logprobs, 0)
+            if not self.echo:
+                raise InvalidOptionError("prompt_logprobs needs echo=True: the scores come with the echoed prompt")
         if self.max_kv_size is not None:
             integer("max_kv_size", self.max_kv_size, 2)
         if self.kv_bits is not None and (not is_integer(self.kv_bits) or self.kv_bits not in KV_BITS):
@@ -316,6 +336,7 @@ class TextStream:
     def __init__(self, tokenizer: Tokenizer, options: GenerationOptions, stats: Stats, limit: int,
                  cache: PromptCache, start: float | None = None):
         self.options, self.stats, self.limit, self.cache = options, stats, limit, cache
+        self.tokenizer = tokenizer
         self.detok = tokenizer.detokenizer()
         self.stop = StopMatcher(options.stop)
         self.eos = set() if options.ignore_eos else set(tokenizer.eos_token_ids)
@@ -343,6 +364,18 @@ class TextStream:
             self._finish(finish)
         return Chunk(text, token.id, token.logprob, finish, stats, top_logprobs(token.logprobs, self.options.logprobs),
                      token.drafted)
+
+    def prompt(self, ids: Sequence[int], scores: Sequence[Score] | None = None) -> Chunk:
+        """The echoed prompt as one chunk: its text, and each token with the text it adds (the
+        pieces join to the text) and, when `scores` (one per token after the first) are given,
+        its log-probability and the most likely tokens at its position."""
+        detok = self.tokenizer.detokenizer()
+        pieces = [detok.add(t) for t in ids]
+        pieces[-1] += detok.finalize()
+        scored = [None, *scores] if scores is not None else [None] * len(ids)
+        tokens = [PromptToken(t, piece, s.logprob if s else None, s.top_logprobs if s else None)
+                  for t, piece, s in zip(ids, pieces, scored)]
+        return Chunk("".join(pieces), None, None, None, self.stats, prompt=tokens)
 
     def _finish(self, reason: str) -> None:
         self.stats.finish_reason = reason
@@ -398,6 +431,16 @@ def read_tool_calls(chunk: Chunk, reply: str, tools: ToolPlan | None) -> Chunk:
     return dataclasses.replace(chunk, finish_reason="tool_calls", tool_calls=calls, content=content)
 
 
+def score_prompt(model, cache: PromptCache, todo: Sequence[int], step: int, top: int) -> list[Score]:
+    """Prefill `todo` but its last token in the chunks a plain prefill uses, scoring each
+    token's successor (`decode.scored_prefill`): the scores of `todo[1:]`."""
+    scores: list[Score] = []
+    for i in range(0, len(todo) - 1, step):
+        chunk = todo[i : min(i + step, len(todo) - 1)]
+        scores += scored_prefill(model, cache, chunk, todo[i + 1 : i + 1 + len(chunk)], top)
+    return scores
+
+
 def token_source(model, cache: PromptCache, sampler: Sampler, last: int, limit: int, options: GenerationOptions,
                  stats: Stats, constraint: Constraint | None = None) -> TokenSource:
     """Plain decoding, or speculative decoding when a drafter is asked for; held to
@@ -426,8 +469,10 @@ def stream_generate(
     reply to a JSON Schema, any JSON object, a regex or a Lark grammar (`constrain`);
     tools and tool_choice offer the app's functions (`tools`): a reply that calls them
     ends with finish_reason "tool_calls" and the calls on its last chunk (at most one
-    with parallel_tool_calls=False).
-    Pass a `PromptCache` to reuse the longest common prefix across calls.
+    with parallel_tool_calls=False). With echo the first chunk is the prompt (`Chunk.prompt`
+    holds its tokens), and prompt_logprobs scores them (max_tokens=0 scores without generating).
+    Pass a `PromptCache` to reuse the longest common prefix across calls (not when scoring the
+    prompt: every position of it runs).
     """
     sampling, o = split_options(options, model.config.vocab_size)
     tools = tool_plan(o, tokenizer)
@@ -442,12 +487,20 @@ def stream_generate(
         mx.reset_peak_memory()
         limit = context_limit(model, cache, len(ids), o.max_tokens)
         text = TextStream(tokenizer, o, stats, limit, cache)
+        if o.prompt_logprobs is not None:
+            cache.reset()  # what a cache already held was never scored: the whole prompt runs
         todo = cache.prepare(ids)
         stats.prefill_tokens = len(todo)
+        scores = None
+        if o.prompt_logprobs is not None:
+            scores = score_prompt(model, cache, todo, o.prefill_step, o.prompt_logprobs)
+        elif limit > 0:
+            cache.prefill(model, todo[:-1], o.prefill_step)
+        if o.echo:
+            yield text.prompt(ids, scores)
         if limit <= 0:
             yield text.end("length")
             return
-        cache.prefill(model, todo[:-1], o.prefill_step)
         constraint = constraint_for(o, tokenizer, model.config.vocab_size, tools)
         source = token_source(model, cache, Sampler(sampling, ids), todo[-1], limit, o, stats, constraint)
         reply = []
