@@ -42,24 +42,28 @@ def router(ctx: Context) -> APIRouter:
 
     async def complete(request: Request, kind: type[Completion]) -> Response:
         body = parse(await body_of(request, config.max_body), kind)
-        typed = engine.engine.request(body.engine_prompt(), **body.options(config.max_tokens))
+        options = body.options(config.max_tokens)
+        places = engine.engine.max_batch + engine.max_queued
+        typed = [engine.engine.request(p, **options) for p in body.engine_prompts(places)]
         chat = kind is ChatCompletion
-        o = typed.options
+        o = typed[0].options
         calls = chat and o.tools and o.tool_choice != "none"
+        rows = body.logprob_rows()
         reply = Reply(f"{'chatcmpl' if chat else 'cmpl'}-{next(ids)}", chat, config.model_name,
-                      Logprobs(tokenizer, chat, body.logprob_rows()) if body.logprob_rows() else None,
+                      [Logprobs(tokenizer, chat, rows) for _ in typed] if rows else None,
                       call_opener(tokenizer) if calls else None)
-        stream = chunks_of(engine, typed)
+        streams = [chunks_of(engine, t) for t in typed]  # each prompt its own sequence, decoded together
         gone = asyncio.ensure_future(hung_up(request))
         try:
             if not body.stream:
-                return JSONResponse(reply.whole(await unless_gone(collect(stream), gone)))
-            first = await unless_gone(anext(stream, None), gone)  # a refused request is a 400, not a broken stream
+                return JSONResponse(reply.whole(await unless_gone(collect_all(streams), gone)))
+            # a refused request is a 400, not a broken stream
+            firsts = await unless_gone(first_chunks(streams), gone)
         except ClientGone:
             return Response(status_code=499)
         finally:
             gone.cancel()  # once streaming, the response itself notices a disconnect
-        return StreamingResponse(reply.events(first, stream, body.include_usage), media_type="text/event-stream")
+        return StreamingResponse(reply.events(firsts, streams, body.include_usage), media_type="text/event-stream")
 
     @api.post("/chat/completions")
     async def chat_completions(request: Request):
@@ -74,12 +78,12 @@ def router(ctx: Context) -> APIRouter:
 
 @dataclass
 class Reply:
-    """One request's response: the whole object, or its Server-Sent Events."""
+    """One request's response, a choice per prompt: the whole object, or its Server-Sent Events."""
 
     rid: str
     chat: bool
     model: str
-    logprobs: Logprobs | None
+    logprobs: list[Logprobs] | None  # one per choice
     opener: str | None = None  # with tools: the text a call starts with
 
     def _object(self, choices: list[dict[str, Any]], chunk: bool, **extra: Any) -> dict[str, Any]:
@@ -88,50 +92,110 @@ class Reply:
         return {"id": self.rid, "object": kind, "created": int(time.time()), "model": self.model,
                 "choices": choices, **extra}
 
-    def whole(self, chunks: list[Chunk]) -> dict[str, Any]:
+    def _choice(self, index: int, chunks: list[Chunk], delta: bool, first: bool = False) -> dict[str, Any]:
         last = chunks[-1]
         text = last.content if last.tool_calls else "".join(c.text for c in chunks)
-        lp = self.logprobs.of(chunks) if self.logprobs else None
-        return self._object([choice(self.chat, text, last.finish_reason, lp, delta=False, calls=last.tool_calls)],
-                            chunk=False, usage=usage(last.stats))
+        lp = self.logprobs[index].of(chunks) if self.logprobs else None
+        return choice(self.chat, text, last.finish_reason, lp, delta=delta, first=first, calls=last.tool_calls,
+                      index=index)
+
+    def whole(self, choices: list[list[Chunk]]) -> dict[str, Any]:
+        return self._object([self._choice(i, chunks, delta=False) for i, chunks in enumerate(choices)],
+                            chunk=False, usage=usage([chunks[-1].stats for chunks in choices]))
 
     def _could_call(self, text: str) -> bool:
         start = text.lstrip()
         return self.opener is not None and (start.startswith(self.opener) or self.opener.startswith(start))
 
-    async def events(self, first: Chunk | None, stream: AsyncIterator[Chunk],
+    async def events(self, firsts: list[Chunk | None], streams: list[AsyncIterator[Chunk]],
                      include_usage: bool) -> AsyncIterator[bytes]:
-        """The stream; with tools, text that may be the start of a call is held back until
-        it is known: a call goes out as one `tool_calls` delta, anything else as text."""
-        last, held, sent = first, [], False
+        """The stream, each event one choice's chunk (its `index` says whose); with tools,
+        text that may be the start of a call is held back until it is known: a call goes out
+        as one `tool_calls` delta, anything else as text."""
+        last: dict[int, Chunk] = {}
+        held: dict[int, list[Chunk]] = {}
+        sent: set[int] = set()
+        chunks = merged(firsts, streams)
         try:
-            if first is not None:
-                async for chunk in _chain(first, stream):
-                    last = chunk
-                    if not sent and self._could_call("".join(c.text for c in (*held, chunk))) \
-                            and not chunk.finish_reason:
-                        held.append(chunk)
-                        continue
-                    yield sse(self._event([*held, chunk], first=not sent))
-                    held, sent = [], True
-            if include_usage and last is not None:
-                yield sse(self._object([], chunk=True, usage=usage(last.stats)))
+            async for i, chunk in chunks:
+                last[i] = chunk
+                pending = [*held.pop(i, ()), chunk]
+                if i not in sent and self._could_call("".join(c.text for c in pending)) and not chunk.finish_reason:
+                    held[i] = pending
+                    continue
+                yield sse(self._object([self._choice(i, pending, delta=True, first=i not in sent)], chunk=True))
+                sent.add(i)
+            if include_usage and last:
+                yield sse(self._object([], chunk=True, usage=usage([c.stats for c in last.values()])))
         except RequestError as e:
             yield sse(e.body())
         finally:
-            await stream.aclose()
+            await chunks.aclose()
         yield sse("[DONE]")
 
-    def _event(self, chunks: list[Chunk], first: bool = False) -> dict[str, Any]:
-        last = chunks[-1]
-        lp = self.logprobs.of(chunks) if self.logprobs else None
-        text = last.content if last.tool_calls else "".join(c.text for c in chunks)
-        return self._object([choice(self.chat, text, last.finish_reason, lp, delta=True, first=first,
-                                    calls=last.tool_calls)], chunk=True)
+
+async def collect_all(streams: list[AsyncIterator[Chunk]]) -> list[list[Chunk]]:
+    """Every chunk of each stream, the streams run together; one that fails ends the others."""
+    tasks = [asyncio.ensure_future(collect(s)) for s in streams]
+    try:
+        return list(await asyncio.gather(*tasks))
+    finally:
+        for task in tasks:
+            task.cancel()  # a stream left early cancels its sequence
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def _chain(first: Chunk, rest: AsyncIterator[Chunk]) -> AsyncIterator[Chunk]:
-    yield first
-    async for chunk in rest:
-        yield chunk
+async def first_chunks(streams: list[AsyncIterator[Chunk]]) -> list[Chunk | None]:
+    """The first chunk of each stream (None: it ended with none); one refused ends the others."""
 
+    async def first(stream: AsyncIterator[Chunk]) -> Chunk | None:
+        return await anext(stream, None)
+
+    tasks = [asyncio.ensure_future(first(s)) for s in streams]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for stream in streams:
+            await stream.aclose()
+        raise
+
+
+async def merged(firsts: list[Chunk | None], streams: list[AsyncIterator[Chunk]]) -> AsyncIterator[tuple[int, Chunk]]:
+    """(index, chunk) from every stream as each comes, after their first chunks; closing it
+    closes every stream (cancelling the sequences still running)."""
+    for i, chunk in enumerate(firsts):
+        if chunk is not None:
+            yield i, chunk
+    if len(streams) == 1:  # one stream needs no relay
+        try:
+            async for chunk in streams[0]:
+                yield 0, chunk
+        finally:
+            await streams[0].aclose()
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def relay(i: int, stream: AsyncIterator[Chunk]) -> None:
+        try:
+            async for chunk in stream:
+                queue.put_nowait((i, chunk))
+            queue.put_nowait((i, None))
+        except Exception as e:  # noqa: BLE001 - raised where the chunks are read
+            queue.put_nowait((i, e))
+
+    tasks = [asyncio.ensure_future(relay(i, s)) for i, s in enumerate(streams) if firsts[i] is not None]
+    try:
+        for _ in tasks:
+            while (item := await queue.get())[1] is not None:
+                if isinstance(item[1], Exception):
+                    raise item[1]
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for stream in streams:
+            await stream.aclose()
