@@ -286,7 +286,7 @@ def chat_prompt(tokenizer, text: str, system: str | None, raw: bool) -> str | li
 @PIPELINE_OPTION
 def generate(prompt: str, raw: bool, as_json: bool, no_stream: bool, pipeline: bool, **params) -> None:
     """Complete one prompt: text on stdout (streamed), stats on stderr."""
-    from .generate import stream_generate
+    from .batch import stream_generate
     from .terminal import stats_line, typed_text
     from .shard import summary as shard_summary
     from .tools import describe_call

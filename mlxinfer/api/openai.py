@@ -4,18 +4,17 @@ models list, translated to the typed `Request` and back; the wire shapes live in
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import time
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response
 
 from ..generate import Chunk
 from ..tools import call_opener
-from .common import ClientGone, Context, RequestError, collect, hung_up, sse, unless_gone, body_of
+from .common import Context, RequestError, body_of, merged, respond_each, sse
 from .engine_thread import chunks_of
 from .openai_schema import ChatCompletion, Completion, Logprobs, TextCompletion, choice, parse, usage
 
@@ -51,19 +50,10 @@ def router(ctx: Context) -> APIRouter:
         rows = body.logprob_rows()
         reply = Reply(f"{'chatcmpl' if chat else 'cmpl'}-{next(ids)}", chat, config.model_name,
                       [Logprobs(tokenizer, chat, rows) for _ in typed] if rows else None,
-                      call_opener(tokenizer) if calls else None)
+                      call_opener(tokenizer) if calls else None, chat and body.legacy)
         streams = [chunks_of(engine, t) for t in typed]  # each prompt its own sequence, decoded together
-        gone = asyncio.ensure_future(hung_up(request))
-        try:
-            if not body.stream:
-                return JSONResponse(reply.whole(await unless_gone(collect_all(streams), gone)))
-            # a refused request is a 400, not a broken stream
-            firsts = await unless_gone(first_chunks(streams), gone)
-        except ClientGone:
-            return Response(status_code=499)
-        finally:
-            gone.cancel()  # once streaming, the response itself notices a disconnect
-        return StreamingResponse(reply.events(firsts, streams, body.include_usage), media_type="text/event-stream")
+        return await respond_each(request, streams, bool(body.stream), reply.whole,
+                                  lambda firsts, rest: reply.events(firsts, rest, body.include_usage))
 
     @api.post("/chat/completions")
     async def chat_completions(request: Request):
@@ -85,6 +75,7 @@ class Reply:
     model: str
     logprobs: list[Logprobs] | None  # one per choice
     opener: str | None = None  # with tools: the text a call starts with
+    legacy: bool = False  # called with the legacy `functions`: a call goes out as `function_call`
 
     def _object(self, choices: list[dict[str, Any]], chunk: bool, **extra: Any) -> dict[str, Any]:
         kind = "chat.completion" if self.chat else "text_completion"
@@ -97,7 +88,7 @@ class Reply:
         text = last.content if last.tool_calls else "".join(c.text for c in chunks)
         lp = self.logprobs[index].of(chunks) if self.logprobs else None
         return choice(self.chat, text, last.finish_reason, lp, delta=delta, first=first, calls=last.tool_calls,
-                      index=index)
+                      legacy=self.legacy, index=index)
 
     def whole(self, choices: list[list[Chunk]]) -> dict[str, Any]:
         return self._object([self._choice(i, chunks, delta=False) for i, chunks in enumerate(choices)],
@@ -132,70 +123,3 @@ class Reply:
         finally:
             await chunks.aclose()
         yield sse("[DONE]")
-
-
-async def collect_all(streams: list[AsyncIterator[Chunk]]) -> list[list[Chunk]]:
-    """Every chunk of each stream, the streams run together; one that fails ends the others."""
-    tasks = [asyncio.ensure_future(collect(s)) for s in streams]
-    try:
-        return list(await asyncio.gather(*tasks))
-    finally:
-        for task in tasks:
-            task.cancel()  # a stream left early cancels its sequence
-        await asyncio.gather(*tasks, return_exceptions=True)
-
-
-async def first_chunks(streams: list[AsyncIterator[Chunk]]) -> list[Chunk | None]:
-    """The first chunk of each stream (None: it ended with none); one refused ends the others."""
-
-    async def first(stream: AsyncIterator[Chunk]) -> Chunk | None:
-        return await anext(stream, None)
-
-    tasks = [asyncio.ensure_future(first(s)) for s in streams]
-    try:
-        return list(await asyncio.gather(*tasks))
-    except BaseException:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        for stream in streams:
-            await stream.aclose()
-        raise
-
-
-async def merged(firsts: list[Chunk | None], streams: list[AsyncIterator[Chunk]]) -> AsyncIterator[tuple[int, Chunk]]:
-    """(index, chunk) from every stream as each comes, after their first chunks; closing it
-    closes every stream (cancelling the sequences still running)."""
-    for i, chunk in enumerate(firsts):
-        if chunk is not None:
-            yield i, chunk
-    if len(streams) == 1:  # one stream needs no relay
-        try:
-            async for chunk in streams[0]:
-                yield 0, chunk
-        finally:
-            await streams[0].aclose()
-        return
-    queue: asyncio.Queue = asyncio.Queue()
-
-    async def relay(i: int, stream: AsyncIterator[Chunk]) -> None:
-        try:
-            async for chunk in stream:
-                queue.put_nowait((i, chunk))
-            queue.put_nowait((i, None))
-        except Exception as e:  # noqa: BLE001 - raised where the chunks are read
-            queue.put_nowait((i, e))
-
-    tasks = [asyncio.ensure_future(relay(i, s)) for i, s in enumerate(streams) if firsts[i] is not None]
-    try:
-        for _ in tasks:
-            while (item := await queue.get())[1] is not None:
-                if isinstance(item[1], Exception):
-                    raise item[1]
-                yield item
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        for stream in streams:
-            await stream.aclose()
