@@ -7,6 +7,7 @@ blas.preload()  # before anything imports mlx.core: a BLAS chosen later would no
 from .batch import BatchGenerator, batch_generate, generate, stream_generate
 from .cache import PromptCache, load_prompt_cache, make_cache, save_prompt_cache
 from .chat import ChatSession
+from .embed import embed
 from .errors import MlxinferError
 from .generate import Chunk, Stats
 from .loading import load, load_tokenizer
@@ -25,6 +26,7 @@ __all__ = [
     "Stats",
     "__version__",
     "batch_generate",
+    "embed",
     "generate",
     "load",
     "load_prompt_cache",

@@ -167,6 +167,8 @@ def prompt_tokens(tokenizer: Tokenizer, prompt: Prompt, vocab_size: int) -> list
 
 
 def check_context(model, cache: PromptCache, n_prompt: int) -> None:
+    """Refuse a prompt the model cannot continue: it has no LM head, or the prompt is longer than its context."""
+    model.require_head()
     limit = model.config.max_position_embeddings
     if n_prompt > limit and not cache.bounded:
         raise InvalidOptionError(

@@ -19,7 +19,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from .api import anthropic, metrics, openai, tokens
+from .api import anthropic, embeddings, metrics, openai, tokens
 from .api.common import Context, RequestError, ServerConfig
 from .api.engine_thread import EngineThread, follow
 from .errors import MlxinferError
@@ -76,10 +76,13 @@ def key_given(request: Request, key: str | None) -> bool:
         (anthropic is not None and hmac.compare_digest(anthropic.encode(), key.encode()))
 
 
+def error_body(path: str, e: RequestError) -> dict:
+    """`e` in the shape of the API at `path`."""
+    return e.anthropic_body() if path.startswith("/v1/messages") else e.body()
+
+
 def error_response(request: Request, e: RequestError) -> JSONResponse:
-    """`e` in the shape of the API the request was for."""
-    body = e.anthropic_body() if request.url.path.startswith("/v1/messages") else e.body()
-    return JSONResponse(body, status_code=e.status, headers=e.headers)
+    return JSONResponse(error_body(request.url.path, e), status_code=e.status, headers=e.headers)
 
 
 def create_app(engine: EngineThread, model, tokenizer, config: ServerConfig) -> FastAPI:
@@ -87,7 +90,7 @@ def create_app(engine: EngineThread, model, tokenizer, config: ServerConfig) -> 
     /detokenize and /metrics at the root (where llama.cpp, vLLM and Prometheus look for
     them), behind the API key like /v1; and health, open to all."""
     app = FastAPI(title="mlxinfer", docs_url=None, redoc_url=None, openapi_url=None)
-    app.add_middleware(LocalOnly, hosts=config.hosts, refusal=lambda status, message: RequestError(message).body())
+    app.add_middleware(LocalOnly, hosts=config.hosts, refusal=lambda status, message, path: error_body(path, RequestError(message, status=status)))
     if config.cors:
         from fastapi.middleware.cors import CORSMiddleware
 
@@ -127,7 +130,7 @@ def create_app(engine: EngineThread, model, tokenizer, config: ServerConfig) -> 
 
     ctx = Context(engine, model, tokenizer, config)
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(authorized)])
-    for api in (openai, anthropic):
+    for api in (openai, anthropic, embeddings):
         v1.include_router(api.router(ctx))
     root = APIRouter(dependencies=[Depends(authorized)])
     for api in (tokens, metrics):

@@ -399,6 +399,13 @@ def test_malformed_bodies_unknown_paths_and_methods_in_anthropics_shape(server):
     with pytest.raises(urllib.error.HTTPError) as e:
         urllib.request.urlopen(urllib.request.Request(f"{server.url}/v1/messages", headers=headers))
     assert e.value.code == 405 and json.loads(e.value.read())["type"] == "error"
+    for extra, code in (({"Content-Type": "text/plain"}, 415), ({"Host": "evil.example"}, 403)):  # the guard's refusals
+        request = urllib.request.Request(f"{server.url}/v1/messages", data=b"{}", headers={**headers, **extra})
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(request)
+        body = json.loads(e.value.read())
+        assert e.value.code == code and body["type"] == "error" and body["error"]["type"] in (
+            "invalid_request_error", "permission_error"), body
 
 
 def test_a_missing_or_wrong_key_is_an_authentication_error(server):

@@ -285,7 +285,7 @@ def test_404_405_and_route_errors_are_in_openais_shape(server, client):
         assert status in (404, 405) and set(json.loads(raw)["error"]) == {"message", "type", "param", "code"}, raw
     with pytest.raises(openai.NotFoundError) as e:
         client.post("/nothing/here", cast_to=object, body={})
-    assert e.value.body["type"] == "not_found_error" and "/v1/nothing/here" in e.value.message
+    assert e.value.body["type"] == "invalid_request_error" and "/v1/nothing/here" in e.value.message  # as OpenAI answers
 
 
 def test_a_typed_route_parameter_error_is_a_400_in_openais_shape(loaded):
