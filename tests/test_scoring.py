@@ -7,13 +7,13 @@ All traffic goes to 127.0.0.1."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 import mlxinfer
 from mlxinfer.batch import BatchGenerator
+from mlxinfer.cache import PromptCache
 from mlxinfer.errors import InvalidOptionError
 from mlxinfer.pool import PromptCachePool
 from serving import Server, post
@@ -206,9 +206,12 @@ def test_best_of_equal_to_n_is_accepted(server):
 def test_stream_generate_scores_across_prefill_chunks(loaded, reference):
     model, tokenizer = loaded
     ids = tokenizer.encode(TEXTS[0] + " " + TEXTS[1])
-    chunks = list(mlxinfer.stream_generate(model, tokenizer, ids, max_tokens=0, echo=True, prompt_logprobs=2,
-                                           prefill_step=3))
+    cache = PromptCache.for_model(model)
+    list(mlxinfer.stream_generate(model, tokenizer, ids, prompt_cache=cache, max_tokens=2))  # the cache holds ids
+    chunks = list(mlxinfer.stream_generate(model, tokenizer, ids, prompt_cache=cache, max_tokens=0, echo=True,
+                                           prompt_logprobs=2, prefill_step=3))
     assert [c.finish_reason for c in chunks] == [None, "length"]
+    assert chunks[0].stats.prefill_tokens == len(ids)  # scored whole, not from what the cache held
     prompt = chunks[0].prompt
     assert [p.id for p in prompt] == ids and "".join(p.text for p in prompt) == chunks[0].text == tokenizer.decode(ids)
     np.testing.assert_allclose([p.logprob for p in prompt[1:]], prompt_scores(reference, ids), atol=TOLERANCE, rtol=0)
