@@ -18,7 +18,7 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from .api import openai
+from .api import openai, responses
 from .api.common import Context, RequestError, ServerConfig
 from .api.engine_thread import EngineThread, follow
 from .errors import MlxinferError
@@ -117,7 +117,7 @@ def create_app(engine: EngineThread, model, tokenizer, config: ServerConfig) -> 
 
     ctx = Context(engine, model, tokenizer, config)
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(authorized)])
-    for api in (openai,):
+    for api in (openai, responses):
         v1.include_router(api.router(ctx))
     app.include_router(v1)
     return app
