@@ -246,6 +246,23 @@ def test_function_call_and_its_output_round_trip(client):
     assert again.output_text == oracle.message.content
 
 
+def test_with_tool_choice_auto_the_stream_says_what_the_whole_reply_says(client):
+    """Text that may open a call is held back until it is known: streamed or not, the reply
+    is the same items (a call, or text)."""
+    ask = dict(model="m", input="weather?", tools=[FORECAST], max_output_tokens=30)
+
+    def said(output) -> list:
+        return [(o.type, o.content[0].text if o.type == "message" else (o.name, o.arguments)) for o in output]
+
+    whole = client.responses.create(**ask)
+    events = list(client.responses.create(**ask, stream=True))
+    assert said(events[-1].response.output) == said(whole.output)
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert text == "".join(o.content[0].text for o in whole.output if o.type == "message")
+    want = chat(client, user("weather?"), tools=[CHAT_FORECAST], max_tokens=30)
+    assert [o.type for o in whole.output] == (["function_call"] if want.message.tool_calls else ["message"])
+
+
 # --- the store: previous_response_id, retrieve, delete, input items ---
 
 def test_previous_response_id_continues_the_conversation(client):
