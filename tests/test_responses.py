@@ -246,6 +246,21 @@ def test_function_call_and_its_output_round_trip(client):
     assert again.output_text == oracle.message.content
 
 
+def test_with_tools_and_a_format_a_reply_is_a_call_or_the_formats_json(client):
+    """An agent with tools and a structured answer (openai-agents' tools with an output_type)."""
+    fmt = {"type": "json_schema", "name": "forecast", "schema": WEATHER, "strict": True}
+    r = client.responses.create(model="m", input="weather?", tools=[FORECAST], text={"format": fmt},
+                                max_output_tokens=60)
+    want = chat(client, user("weather?"), tools=[CHAT_FORECAST], max_tokens=60,
+                response_format={"type": "json_schema", "json_schema": {"name": "forecast", "schema": WEATHER}})
+    (item,) = r.output
+    if item.type == "function_call":
+        assert json.loads(item.arguments) == json.loads(want.message.tool_calls[0].function.arguments)
+    else:
+        assert r.output_text == want.message.content and r.status == "completed"
+    jsonschema.validate(json.loads(item.arguments if item.type == "function_call" else r.output_text), WEATHER)
+
+
 def test_with_tool_choice_auto_the_stream_says_what_the_whole_reply_says(client):
     """Text that may open a call is held back until it is known: streamed or not, the reply
     is the same items (a call, or text)."""
@@ -359,7 +374,7 @@ def test_logprobs_when_included(client):
     ({"input": "x", "tool_choice": "required"}, "tool_choice", "needs tools"),
     ({"input": []}, "input", "empty"),
     ({"input": "x", "temperature": "hot"}, "temperature", "temperature"),
-    ({"input": "x", "tools": [FORECAST], "text": {"format": {"type": "json_object"}}}, "text.format", "tool_choice"),
+    ({"input": "x", "tools": [FORECAST], "max_tool_calls": 2}, "max_tool_calls", "1"),
 ])
 def test_bad_requests_are_400_naming_the_field(server, body, param, fact):
     status, reply, _ = post(server.url, body, key=None, path="/v1/responses")
@@ -407,6 +422,10 @@ def test_openai_agents_text_tool_and_output_type(terse):
 
     typed = agents.Agent(name="o", model=model, output_type=Forecast)
     result = agents.Runner.run_sync(typed, "weather?")
+    assert isinstance(result.final_output, Forecast)
+
+    both = agents.Agent(name="b", model=model, tools=[forecast], output_type=Forecast)  # a call, or the answer
+    result = agents.Runner.run_sync(both, "weather?")
     assert isinstance(result.final_output, Forecast)
 
 

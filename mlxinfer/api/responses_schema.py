@@ -327,13 +327,6 @@ class CreateResponse(Strict):
             tools, choice = [t for t in tools if t.name in allowed], choice.mode
             if not tools:
                 raise RequestError("tool_choice.tools names none of the tools", "tool_choice.tools")
-        if "response_format" in options:
-            if choice == "required" or isinstance(choice, NamedFunction):
-                del options["response_format"]  # the reply is a call, which a text format does not govern
-            else:
-                raise RequestError("text.format with tools needs tool_choice 'required' or a named function: a "
-                                   "reply here is either held to the format or a tool call, not free to choose",
-                                   "text.format")
         options["tools"] = [t.chat() for t in tools]
         if isinstance(choice, NamedFunction):
             options["tool_choice"] = {"type": "function", "function": {"name": choice.name}}
