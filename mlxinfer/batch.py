@@ -32,12 +32,13 @@ from .decode import Stats, Token, chosen_logprobs, drawn
 from .errors import InvalidOptionError
 from .generate import (Chunk, GenerationOptions, Prompt, TextStream, check_context, context_limit,
                        constraint_for, generation_stream, read_tool_calls, request_tokens,
-                       token_source, tool_plan, wired_limit)
+                       speculative_source, tool_plan, wired_limit)
 from .pool import PromptCachePool
 from .request import Request
 from .sample import Sampler, SamplingConfig, greedy
 from .speculative import SpeculativeDecoder
 from .tools import ToolPlan
+from .tools import plan as plan_tools
 from .tokenizer import Tokenizer
 
 CACHE_OPTIONS = ("max_kv_size", "kv_bits", "kv_group_size")
@@ -76,6 +77,7 @@ class _Sequence:
     constraint: Constraint | None = None  # its response format or tool-call grammar, when it has one
     tools: ToolPlan | None = None  # what its tools are and how its calls are read
     reply: list[str] = field(default_factory=list)  # its text so far, kept only when it has tools
+    own_cache: PromptCache | None = None  # the caller's cache (reused across calls), instead of the pool's or a new one
 
     @property
     def cache_options(self) -> dict[str, Any]:
@@ -134,6 +136,7 @@ class BatchGenerator:
         self._cancelled: set[int] = set()
         self._known: set[int] = set()
         self._queued: _Decode | None = None
+        self.failures: dict[int, Exception] = {}  # uid -> what ended it with finish_reason "error", this step
 
     @property
     def active(self) -> int:
@@ -170,13 +173,25 @@ class BatchGenerator:
         check_context(self.model, PromptCache.for_model(self.model, **_cache_options(o)), len(ids))
         return Prepared(ids, request.sampling, o, tools, constraint_for(o, self.tokenizer, vocab, tools))
 
-    def enqueue(self, prepared: Prepared) -> int:
-        """Queue a prepared request (`prepare`); returns its uid."""
+    def count(self, request: Request) -> int:
+        """How many tokens the request's prompt is as `prepare` renders it, tools included
+        (they render alike whatever tool_choice says); no grammar is compiled and nothing is
+        checked against the context, so a client can measure a prompt before sending it."""
+        o = request.options
+        shown = plan_tools(self.tokenizer, o.tools, "none") if o.tools is not None else None
+        return len(request_tokens(self.tokenizer, request.prompt, self.model.config.vocab_size, shown))
+
+    def enqueue(self, prepared: Prepared, cache: PromptCache | None = None) -> int:
+        """Queue a prepared request (`prepare`); returns its uid. With `cache` (the caller's,
+        kept across calls) the sequence runs in it, reusing its longest common prefix, and
+        its draft cache (`draft_cache`) is the caller's too."""
         uid = next(self._uids)
         p = prepared
+        if cache is not None:
+            cache.check_fits(self.model)
         self._waiting.append(_Sequence(uid, p.ids, p.options, Sampler(p.sampling, p.ids),
                                        Stats(prompt_tokens=len(p.ids)), time.perf_counter(), tools=p.tools,
-                                       constraint=p.constraint))
+                                       constraint=p.constraint, own_cache=cache))
         self._known.add(uid)
         return uid
 
@@ -197,6 +212,7 @@ class BatchGenerator:
         """Admit, prefill a little, then decode: one batched step, or one speculative burst
         for a sequence alone in the engine. Returns the (uid, Chunk) pairs it produced."""
         out: list[tuple[int, Chunk]] = []
+        self.failures.clear()
         with mx.stream(generation_stream()):
             self._drop_cancelled(out)
             self._admit(out)
@@ -276,6 +292,7 @@ class BatchGenerator:
             if s in group:
                 group.remove(s)
         s.stats.finish_reason = "error"
+        self.failures[s.uid] = error
         message = " ".join(str(error).split())  # one line, whatever the exception held
         out.append((s.uid, Chunk("", None, None, "error", s.stats, error=f"{type(error).__name__}: {message}")))
         s.cache = s.speculative = s.constraint = None
@@ -309,16 +326,20 @@ class BatchGenerator:
         """Give an admitted sequence its cache (from the pool when one shares its prefix) and
         text layer; returns how many tokens it may generate."""
         opts = s.cache_options
-        s.cache = self.pool.fetch(self.model, s.prompt, **opts) if self.pool else PromptCache.for_model(
-            self.model, **opts)
+        if s.own_cache is not None:
+            s.cache = s.own_cache
+        else:
+            s.cache = self.pool.fetch(self.model, s.prompt, **opts) if self.pool else PromptCache.for_model(
+                self.model, **opts)
         limit = context_limit(self.model, s.cache, len(s.prompt), s.options.max_tokens)
         s.text = self._text(s, s.cache, limit)
         s.todo = s.cache.prepare(s.prompt)
         s.stats.prefill_tokens = len(s.todo)
         o = s.options
         if o.draft_model is not None or o.prompt_lookup:  # its own draft cache, never one shared by sequences
-            s.speculative = token_source(self.model, s.cache, s.sampler, s.todo[-1], limit,
-                                         replace(o, draft_cache=None), s.stats, s.constraint)
+            drafting = o if s.own_cache is not None else replace(o, draft_cache=None)
+            s.speculative = speculative_source(self.model, s.cache, s.sampler, s.todo[-1], limit, drafting, s.stats,
+                                               s.constraint)
         return limit
 
     def _text(self, s: _Sequence, cache: PromptCache, limit: int) -> TextStream:
@@ -392,9 +413,41 @@ class BatchGenerator:
 
     def _finished(self, s: _Sequence) -> None:
         """Hand the finished sequence's cache to the pool (it covers prompt and reply), or drop it."""
-        if self.pool is not None and s.cache is not None:
+        if self.pool is not None and s.cache is not None and s.own_cache is None:
             self.pool.store(s.cache, self.model, **s.cache_options)
         s.cache = s.speculative = s.constraint = None
+
+
+def stream_generate(model, tokenizer: Tokenizer, prompt: Prompt, prompt_cache: PromptCache | None = None,
+                    **options: Any) -> Iterator[Chunk]:
+    """Stream a completion chunk by chunk (one chunk per generated token): the engine with
+    one request, so a lone generation and a served one run the same recipe.
+
+    Options: max_tokens, temperature, top_p, top_k, min_p, repetition_penalty,
+    presence_penalty, frequency_penalty, penalty_window, logit_bias, seed, stop,
+    ignore_eos, max_kv_size, kv_bits, kv_group_size, prefill_step, logprobs, and
+    for speculative decoding draft_model, draft_cache (the draft's PromptCache, to
+    reuse across calls), num_draft_tokens, prompt_lookup; response_format holds the
+    reply to a JSON Schema, any JSON object, a regex or a Lark grammar (`constrain`);
+    tools and tool_choice offer the app's functions (`tools`): a reply that calls them
+    ends with finish_reason "tool_calls" and the calls on its last chunk (at most one
+    with parallel_tool_calls=False).
+    Pass a `PromptCache` to reuse the longest common prefix across calls. An error ends
+    the stream by raising it (the served engine turns it into an error chunk instead).
+    """
+    engine = BatchGenerator(model, tokenizer, max_batch=1)
+    prepared = engine.prepare(Request.of(prompt, model.config.vocab_size, **options))
+    uid = engine.enqueue(prepared, cache=prompt_cache)
+    mx.reset_peak_memory()
+    for _, chunk in engine.stream():
+        if chunk.finish_reason == "error":
+            raise engine.failures[uid]
+        yield chunk
+
+
+def generate(model, tokenizer: Tokenizer, prompt: Prompt, **options: Any) -> str:
+    """The whole completion as one string (same options as `stream_generate`)."""
+    return "".join(chunk.text for chunk in stream_generate(model, tokenizer, prompt, **options))
 
 
 def batch_generate(model, tokenizer: Tokenizer, prompts: Sequence[Prompt], max_batch: int = 8,

@@ -29,7 +29,8 @@ from .cache import PromptCache, load_prompt_cache, save_prompt_cache
 from .checks import is_integer
 from .errors import InvalidOptionError, MlxinferError, SessionFileError, TokenizerError
 from .files import replacing, write_problem
-from .generate import Chunk, Stats, split_options, stream_generate
+from .batch import stream_generate
+from .generate import Chunk, Stats, split_options
 from .tokenizer import Tokenizer
 from .tools import plan as plan_tools
 

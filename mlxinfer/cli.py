@@ -286,7 +286,7 @@ def chat_prompt(tokenizer, text: str, system: str | None, raw: bool) -> str | li
 @PIPELINE_OPTION
 def generate(prompt: str, raw: bool, as_json: bool, no_stream: bool, pipeline: bool, **params) -> None:
     """Complete one prompt: text on stdout (streamed), stats on stderr."""
-    from .generate import stream_generate
+    from .batch import stream_generate
     from .terminal import stats_line, typed_text
     from .shard import summary as shard_summary
     from .tools import describe_call
@@ -331,6 +331,30 @@ def generate(prompt: str, raw: bool, as_json: bool, no_stream: bool, pipeline: b
     click.echo(stats_line(stats), err=True)
     if (split := shard_summary(model)) is not None:
         click.echo(f"[{split}]", err=True)
+
+
+@main.command("embed")
+@click.argument("texts", nargs=-1, required=True, metavar="TEXT...")
+@with_options(MODEL_OPTIONS)
+@click.option("--dimensions", type=click.IntRange(1), help="Keep the first N numbers of each vector, renormalised.")
+@click.option("--json", "as_json", is_flag=True, help="Print the vectors and token counts as one JSON object.")
+def embed_command(texts: tuple[str, ...], model, dtype, dimensions, as_json) -> None:
+    """Embed each TEXT (- reads one from stdin): one unit-length vector per text, a line of
+    numbers each, pooled as the checkpoint's sentence-transformers config says (mean otherwise)."""
+    from .embed import embed_tokens, encode_texts
+    from .store import open_model
+    from .terminal import typed_text
+
+    texts = tuple(typed_text(sys.stdin.buffer.read()).rstrip("\n") if t == "-" else typed_text(t) for t in texts)
+    m, tokenizer, where = open_model(model, dtype)
+    ids = encode_texts(m, tokenizer, list(texts))
+    vectors = embed_tokens(m, ids, dimensions=dimensions)
+    if as_json:
+        click.echo(json.dumps({"model": str(where), "dimensions": vectors.shape[1], "embeddings": vectors.tolist(),
+                               "tokens": [len(i) for i in ids]}))
+        return
+    for vector in vectors:
+        click.echo(" ".join(f"{x:.9g}" for x in vector.tolist()))
 
 
 def token_logprobs(tokenizer, chunk) -> dict[str, Any]:

@@ -14,7 +14,7 @@ import math
 import time
 import warnings
 from dataclasses import dataclass, fields
-from typing import Any, Iterator, Sequence
+from typing import Any, Sequence
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
@@ -24,7 +24,7 @@ from .checks import flag, integer, is_integer, token_ids
 from .constrain import Constraint, json_answer, response_format
 from .tools import ToolCall, ToolPlan, check_tools
 from .tools import plan as plan_tools
-from .decode import ConstrainedDecoder, PlainDecoder, Stats, Token, TokenSource
+from .decode import Stats, Token
 from .errors import InvalidOptionError
 from .sample import Sampler, SamplingConfig
 from .speculative import LOOKUP_DRAFT, MODEL_DRAFT, SpeculativeDecoder, make_drafter
@@ -50,6 +50,7 @@ class Chunk:
     tool_calls: list[ToolCall] | None = None  # on the last chunk of a reply that called tools
     content: str | None = None  # with tool_calls: the reply's text outside the calls
     reasoning: str = ""  # thinking this token added (a reasoning model's <think> part); `text` is the answer only
+    stop_sequence: str | None = None  # the stop string that ended the reply (Anthropic's API names it)
 
 
 @dataclass(frozen=True)
@@ -147,6 +148,8 @@ def prompt_tokens(tokenizer: Tokenizer, prompt: Prompt, vocab_size: int) -> list
 
 
 def check_context(model, cache: PromptCache, n_prompt: int) -> None:
+    """Refuse a prompt the model cannot continue: it has no LM head, or the prompt is longer than its context."""
+    model.require_head()
     limit = model.config.max_position_embeddings
     if n_prompt > limit and not cache.bounded:
         raise InvalidOptionError(
@@ -194,13 +197,14 @@ class StopMatcher:
     once, whatever their number and length: its state is the longest suffix of the
     text that is a prefix of some stop, which is exactly what must be held back.
     Reading n characters costs at most 2n moves (`moves` counts them), so a push
-    costs what it brings, not what is held back or how long the stops are."""
+    costs what it brings, not what is held back or how long the stops are. `matched` is the
+    stop string the last push hit (the earliest-starting one; of those, the shortest)."""
 
     def __init__(self, stops: Sequence[str]):
         self.stops = list(stops)
         self._goto: list[dict[str, int]] = [{}]  # trie edges; node 0 is the empty prefix
         self._depth = [0]  # each node's prefix length
-        self._ends = [0]  # length of the longest stop that ends the node's prefix (0: none)
+        self._ends = [""]  # the longest stop that ends the node's prefix ("": none)
         for stop in self.stops:
             self._insert(stop)
         self._fail = self._failure_links()
@@ -209,6 +213,7 @@ class StopMatcher:
         self._held: collections.deque[str] = collections.deque()  # the last `_depth[_state]` characters read,
         self._skip = 0  # in pieces, less the first `_skip` characters of the first piece (already released)
         self.moves = 0
+        self.matched: str | None = None
 
     def _insert(self, stop: str) -> None:
         node = 0
@@ -218,9 +223,9 @@ class StopMatcher:
                 nxt = self._goto[node][ch] = len(self._goto)
                 self._goto.append({})
                 self._depth.append(self._depth[node] + 1)
-                self._ends.append(0)
+                self._ends.append("")
             node = nxt
-        self._ends[node] = len(stop)
+        self._ends[node] = stop
 
     def _failure_links(self) -> list[int]:
         """Each node's longest proper suffix that is also a node, breadth first; a node's
@@ -251,6 +256,7 @@ class StopMatcher:
 
     def push(self, text: str) -> tuple[str, bool]:
         """Returns (text safe to emit, whether a stop string was hit)."""
+        self.matched = None
         if not self.stops:
             return self.flush() + text, False
         held = self._depth[self._state]
@@ -258,8 +264,9 @@ class StopMatcher:
         for i, ch in enumerate(text):
             state = self._step(state, ch)
             if self._ends[state]:
-                start = i + 1 - self._ends[state]
-                first = start if first is None else min(first, start)
+                start = i + 1 - len(self._ends[state])
+                if first is None or start < first:
+                    first, self.matched = start, self._ends[state]
             if first is not None and i + 1 - first >= self._longest:
                 break  # a stop ending later would be longer than the longest to start before `first`
         if first is not None:  # `first` counts from the start of `text`; negative reaches into the held text
@@ -343,7 +350,7 @@ class TextStream:
         if finish:
             self._finish(finish)
         return Chunk(text, token.id, token.logprob, finish, stats, top_logprobs(token.logprobs, self.options.logprobs),
-                     token.drafted)
+                     token.drafted, stop_sequence=self.stop.matched)
 
     def _finish(self, reason: str) -> None:
         self.stats.finish_reason = reason
@@ -401,68 +408,13 @@ def read_tool_calls(chunk: Chunk, reply: str, tools: ToolPlan | None) -> Chunk:
     return dataclasses.replace(chunk, finish_reason="tool_calls", tool_calls=calls, content=content)
 
 
-def token_source(model, cache: PromptCache, sampler: Sampler, last: int, limit: int, options: GenerationOptions,
-                 stats: Stats, constraint: Constraint | None = None) -> TokenSource:
-    """Plain decoding, or speculative decoding when a drafter is asked for; held to
-    `constraint` when there is one."""
+def speculative_source(model, cache: PromptCache, sampler: Sampler, last: int, limit: int,
+                       options: GenerationOptions, stats: Stats, constraint: Constraint | None = None
+                       ) -> SpeculativeDecoder:
+    """Speculative decoding with the drafter the options ask for (a draft model or prompt
+    lookup), held to `constraint` when there is one."""
     o = options
-    if o.draft_model is None and not o.prompt_lookup:
-        if constraint is not None:
-            return ConstrainedDecoder(model, cache, sampler, constraint, last, limit)
-        return PlainDecoder(model, cache, sampler, last, limit)
     drafter = make_drafter(model, sampler, o.draft_model, o.draft_cache, constraint,
                            max_kv_size=o.max_kv_size, kv_bits=o.kv_bits, kv_group_size=o.kv_group_size)
     max_draft = o.num_draft_tokens or (LOOKUP_DRAFT if o.prompt_lookup else MODEL_DRAFT)
     return SpeculativeDecoder(model, cache, sampler, drafter, last, limit, stats, max_draft, constraint=constraint)
-
-
-def stream_generate(
-    model, tokenizer: Tokenizer, prompt: Prompt, prompt_cache: PromptCache | None = None, **options: Any
-) -> Iterator[Chunk]:
-    """Stream a completion chunk by chunk (one chunk per generated token).
-
-    Options: max_tokens, temperature, top_p, top_k, min_p, repetition_penalty,
-    presence_penalty, frequency_penalty, penalty_window, logit_bias, seed, stop,
-    ignore_eos, max_kv_size, kv_bits, kv_group_size, prefill_step, logprobs, and
-    for speculative decoding draft_model, draft_cache (the draft's PromptCache, to
-    reuse across calls), num_draft_tokens, prompt_lookup; response_format holds the
-    reply to a JSON Schema, any JSON object, a regex or a Lark grammar (`constrain`);
-    tools and tool_choice offer the app's functions (`tools`): a reply that calls them
-    ends with finish_reason "tool_calls" and the calls on its last chunk (at most one
-    with parallel_tool_calls=False).
-    Pass a `PromptCache` to reuse the longest common prefix across calls.
-    """
-    sampling, o = split_options(options, model.config.vocab_size)
-    tools = tool_plan(o, tokenizer)
-    ids = request_tokens(tokenizer, prompt, model.config.vocab_size, tools)
-    cache = prompt_cache or PromptCache.for_model(
-        model, max_kv_size=o.max_kv_size, kv_bits=o.kv_bits, kv_group_size=o.kv_group_size
-    )
-    cache.check_fits(model)
-    check_context(model, cache, len(ids))
-    stats = Stats(prompt_tokens=len(ids))
-    with wired_limit(model), mx.stream(generation_stream()):
-        mx.reset_peak_memory()
-        limit = context_limit(model, cache, len(ids), o.max_tokens)
-        text = TextStream(tokenizer, o, stats, limit, cache)
-        todo = cache.prepare(ids)
-        stats.prefill_tokens = len(todo)
-        if limit <= 0:
-            yield text.end("length")
-            return
-        cache.prefill(model, todo[:-1], o.prefill_step)
-        constraint = constraint_for(o, tokenizer, model.config.vocab_size, tools)
-        source = token_source(model, cache, Sampler(sampling, ids), todo[-1], limit, o, stats, constraint)
-        reply = []
-        for token in source:
-            chunk = text.emit(token)
-            reply.append(chunk.text)
-            if chunk.finish_reason:
-                yield read_tool_calls(chunk, "".join(reply), tools)
-                return
-            yield chunk
-
-
-def generate(model, tokenizer: Tokenizer, prompt: Prompt, **options: Any) -> str:
-    """The whole completion as one string (same options as `stream_generate`)."""
-    return "".join(chunk.text for chunk in stream_generate(model, tokenizer, prompt, **options))

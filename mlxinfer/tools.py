@@ -89,6 +89,9 @@ def check_tools(tools: Any) -> list[dict[str, Any]]:
         raise InvalidOptionError('tools must be a non-empty list of {"type": "function", "function": {...}}')
     names = set()
     for i, tool in enumerate(tools):
+        if isinstance(tool, Mapping) and tool.get("type") == "custom":
+            raise InvalidOptionError(f"tools[{i}] is a custom tool (free-text input), which this server cannot call; "
+                                     'describe it as {"type": "function", "function": {...}} instead')
         function = tool.get("function") if isinstance(tool, Mapping) and tool.get("type") == "function" else None
         name = function.get("name") if isinstance(function, Mapping) else None
         if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", name):
@@ -107,16 +110,36 @@ def check_tools(tools: Any) -> list[dict[str, Any]]:
 
 
 def chosen_functions(tools: list[dict[str, Any]], tool_choice: Any) -> tuple[str, list[dict[str, Any]]]:
-    """("none" | "auto" | "required", the functions a call may name)."""
+    """("none" | "auto" | "required", the functions a call may name). OpenAI's
+    `allowed_tools` choice keeps every tool in the prompt and lets calls name only some."""
     functions = [t["function"] for t in tools]
     if tool_choice in (None, "auto", "none", "required"):
         return tool_choice or "auto", functions
+    if isinstance(tool_choice, Mapping) and tool_choice.get("type") == "allowed_tools":
+        return _allowed(functions, tool_choice.get("allowed_tools"))
     name = tool_choice.get("function", {}).get("name") if isinstance(tool_choice, Mapping) else None
     named = [f for f in functions if f["name"] == name]
     if not named:
         raise InvalidOptionError(f"tool_choice {tool_choice!r} names no function in tools; use \"auto\", \"none\", "
                                  "\"required\" or {\"type\": \"function\", \"function\": {\"name\": ...}}")
     return "required", named
+
+
+def _allowed(functions: list[dict[str, Any]], allowed: Any) -> tuple[str, list[dict[str, Any]]]:
+    """tool_choice {"type": "allowed_tools", "allowed_tools": {"mode", "tools"}}: the mode
+    ("auto" or "required") over the functions it lists (by Chat's or Responses' shape)."""
+    form = ('{"type": "allowed_tools", "allowed_tools": {"mode": "auto" | "required", '
+            '"tools": [{"type": "function", "function": {"name": ...}}]}}')
+    if not isinstance(allowed, Mapping) or allowed.get("mode") not in ("auto", "required") \
+            or not isinstance(allowed.get("tools"), list) or not allowed["tools"]:
+        raise InvalidOptionError(f"tool_choice must be {form}")
+    entries = allowed["tools"]
+    names = [e.get("function", e).get("name") if isinstance(e, Mapping) and isinstance(e.get("function", e), Mapping)
+             else None for e in entries]
+    for name in names:
+        if name not in {f["name"] for f in functions}:
+            raise InvalidOptionError(f"tool_choice.allowed_tools names {name!r}, which is not a function in tools")
+    return allowed["mode"], [f for f in functions if f["name"] in names]
 
 
 def call_schema(functions: list[dict[str, Any]], key: str) -> dict[str, Any]:

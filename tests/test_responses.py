@@ -15,9 +15,11 @@ import shutil
 from typing import Annotated, Literal
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from pydantic import BaseModel, Field
 
-from serving import Server, post
+from serving import KEY, Server, post
 
 openai = pytest.importorskip("openai")
 jsonschema = pytest.importorskip("jsonschema")
@@ -35,21 +37,14 @@ class Forecast(BaseModel):
 
 
 @pytest.fixture(scope="module")
-def roomy(hf_checkpoint):
-    """The tiny Llama with room for tool listings and a few turns in its context."""
-    return hf_checkpoint("llama", head_dim=32, max_position_embeddings=2048)
-
-
-@pytest.fixture(scope="module")
-def server(roomy):
-    s = Server(["-m", str(roomy), "--dtype", "float32"])
-    yield s
-    s.stop()
+def server(roomy_server):
+    """The tiny Llama with room for tool listings and a few turns in its context (conftest)."""
+    return roomy_server
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0, timeout=120)
 
 
 @pytest.fixture(scope="module")
@@ -167,7 +162,7 @@ def test_streamed_events_are_named(server):
 
     body = json.dumps({"input": "hi", "max_output_tokens": 3, "stream": True}).encode()
     request = urllib.request.Request(f"{server.url}/v1/responses", data=body,
-                                     headers={"Content-Type": "application/json"})
+                                     headers={"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"})
     with urllib.request.urlopen(request, timeout=60) as r:
         blocks = r.read().decode().strip().split("\n\n")
     for block in blocks:
@@ -377,10 +372,31 @@ def test_logprobs_when_included(client):
     ({"input": "x", "tools": [FORECAST], "max_tool_calls": 2}, "max_tool_calls", "1"),
 ])
 def test_bad_requests_are_400_naming_the_field(server, body, param, fact):
-    status, reply, _ = post(server.url, body, key=None, path="/v1/responses")
+    status, reply, _ = post(server.url, body, path="/v1/responses")
     assert status == 400, reply
     assert reply["error"]["param"].startswith(param) and fact in reply["error"]["message"]
     assert reply["error"]["type"] == "invalid_request_error"
+
+
+JSON_VALUES = st.recursive(st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats(allow_nan=False) |
+                           st.text(max_size=20), lambda inner: st.lists(inner, max_size=3) |
+                           st.dictionaries(st.sampled_from(["type", "role", "content", "name", "id", "call_id",
+                                                            "output", "text", "format", "schema", "mode", "tools"]) |
+                                           st.text(max_size=8), inner, max_size=3), max_leaves=8)
+FIELDS = ["input", "instructions", "tools", "tool_choice", "text", "include", "reasoning", "previous_response_id",
+          "temperature", "top_p", "max_output_tokens", "top_logprobs", "parallel_tool_calls", "max_tool_calls",
+          "metadata", "store", "truncation", "stream_options", "conversation", "prompt", "user", "model"]
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+@given(field=st.sampled_from(FIELDS), value=JSON_VALUES)
+def test_no_body_makes_the_server_fail(server, field, value):
+    """Any value in any field: a 200 or a 4xx in OpenAI's shape, never a 5xx."""
+    body = {"input": "hi", "max_output_tokens": 2, field: value}
+    if field == "max_output_tokens" and isinstance(value, int) and not isinstance(value, bool):
+        body[field] = min(value, 2)
+    status, reply, _ = post(server.url, json.dumps(body).encode(), path="/v1/responses")
+    assert status == 200 or (400 <= status < 500 and set(reply["error"]) >= {"message", "type"}), (status, reply)
 
 
 @pytest.mark.parametrize("method", ["GET", "DELETE"])
@@ -389,8 +405,8 @@ def test_an_unknown_response_is_404_in_openais_shape(server, method):
     import urllib.request
 
     with pytest.raises(urllib.error.HTTPError) as e:
-        urllib.request.urlopen(urllib.request.Request(f"{server.url}/v1/responses/resp_nope", method=method),
-                               timeout=10)
+        urllib.request.urlopen(urllib.request.Request(f"{server.url}/v1/responses/resp_nope", method=method,
+                                                      headers={"Authorization": f"Bearer {KEY}"}), timeout=10)
     error = json.loads(e.value.read())["error"]
     assert e.value.code == 404 and "resp_nope" in error["message"] and error["type"] == "invalid_request_error"
 
@@ -448,7 +464,7 @@ def test_pydantic_ai_responses_model(server, client):
     from pydantic_ai.models.openai import OpenAIResponsesModel
     from pydantic_ai.providers.openai import OpenAIProvider
 
-    model = OpenAIResponsesModel("m", provider=OpenAIProvider(base_url=f"{server.url}/v1", api_key="unused"))
+    model = OpenAIResponsesModel("m", provider=OpenAIProvider(base_url=f"{server.url}/v1", api_key=KEY))
     result = Agent(model, model_settings={"max_tokens": 8}).run_sync("hello there")
     assert result.output == chat(client, user("hello there"), max_tokens=8).message.content
     typed = Agent(model, output_type=Forecast, model_settings={"max_tokens": 60}).run_sync("weather?")
@@ -459,7 +475,7 @@ def test_langchain_chat_openai_with_the_responses_api(server, client):
     pytest.importorskip("langchain_openai")
     from langchain_openai import ChatOpenAI
 
-    llm = ChatOpenAI(model="m", base_url=f"{server.url}/v1", api_key="unused", use_responses_api=True,
+    llm = ChatOpenAI(model="m", base_url=f"{server.url}/v1", api_key=KEY, use_responses_api=True,
                      max_tokens=8, max_retries=0)
     reply = llm.invoke("hello there")
     assert reply.text == chat(client, user("hello there"), max_tokens=8).message.content

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable, TypeVar
@@ -26,6 +27,7 @@ from ..generate import Chunk
 from ..relay import Relay
 from ..request import Request
 from .common import RequestError, server_error
+from .metrics import Metrics
 
 RETRY_AFTER_SECONDS = 1
 # Threads that prepare requests (render, tokenize, compile grammars) beside the engine thread.
@@ -42,6 +44,8 @@ class _Job:
     chunks: asyncio.Queue = field(default_factory=asyncio.Queue)
     prepared: Prepared | None = None
     uid: int | None = None
+    arrived: float = field(default_factory=time.perf_counter)
+    first_token_at: float | None = None
 
 
 class EngineThread:
@@ -62,6 +66,7 @@ class EngineThread:
     def __init__(self, engine: BatchGenerator, max_queued: int = 32, relay: Relay | None = None):
         self.engine, self.max_queued, self.relay = engine, max_queued, relay
         self.served = 0
+        self.metrics = Metrics()  # fed here as sequences end, and by the server as responses end
         self._ops: list[list[Any]] = []  # what this round did to the engine, for the relay
         self.health: dict[str, Any] = {}
         self._in_flight = 0
@@ -223,12 +228,17 @@ class EngineThread:
             for uid, request in list(self._requests.items()):
                 self._cancel(uid)
                 self._refuse(request, server_error(f"{type(e).__name__}: {e}"))
+                self.metrics.sequence_ended("error", None, request.arrived, request.first_token_at,
+                                            time.perf_counter())
             self._requests.clear()
             return
+        now = time.perf_counter()
         for uid, chunk in produced:
             request = self._requests.get(uid)
             if request is None:
                 continue
+            if request.first_token_at is None and chunk.token is not None:
+                request.first_token_at = now
             if chunk.finish_reason == "error":
                 self._refuse(request, server_error(chunk.error or "generation failed"))
             else:
@@ -238,6 +248,8 @@ class EngineThread:
             if chunk.finish_reason:
                 del self._requests[uid]
                 self.served += 1
+                self.metrics.sequence_ended(chunk.finish_reason, chunk.stats, request.arrived, request.first_token_at,
+                                            now)
 
     def _snapshot(self) -> None:
         e = self.engine

@@ -4,18 +4,17 @@ models list, translated to the typed `Request` and back; the wire shapes live in
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import time
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response
 
 from ..generate import Chunk
 from ..tools import call_opener
-from .common import ClientGone, Context, RequestError, collect, hung_up, sse, unless_gone, body_of
+from .common import Context, RequestError, body_of, respond, sse
 from .engine_thread import chunks_of
 from .openai_schema import ChatCompletion, Completion, Logprobs, TextCompletion, choice, parse, usage
 
@@ -48,18 +47,9 @@ def router(ctx: Context) -> APIRouter:
         calls = chat and o.tools and o.tool_choice != "none"
         reply = Reply(f"{'chatcmpl' if chat else 'cmpl'}-{next(ids)}", chat, config.model_name,
                       Logprobs(tokenizer, chat, body.logprob_rows()) if body.logprob_rows() else None,
-                      call_opener(tokenizer) if calls else None)
-        stream = chunks_of(engine, typed)
-        gone = asyncio.ensure_future(hung_up(request))
-        try:
-            if not body.stream:
-                return JSONResponse(reply.whole(await unless_gone(collect(stream), gone)))
-            first = await unless_gone(anext(stream, None), gone)  # a refused request is a 400, not a broken stream
-        except ClientGone:
-            return Response(status_code=499)
-        finally:
-            gone.cancel()  # once streaming, the response itself notices a disconnect
-        return StreamingResponse(reply.events(first, stream, body.include_usage), media_type="text/event-stream")
+                      call_opener(tokenizer) if calls else None, chat and body.legacy)
+        return await respond(request, chunks_of(engine, typed), bool(body.stream), reply.whole,
+                             lambda first, rest: reply.events(first, rest, body.include_usage))
 
     @api.post("/chat/completions")
     async def chat_completions(request: Request):
@@ -81,6 +71,7 @@ class Reply:
     model: str
     logprobs: Logprobs | None
     opener: str | None = None  # with tools: the text a call starts with
+    legacy: bool = False  # called with the legacy `functions`: a call goes out as `function_call`
 
     def _object(self, choices: list[dict[str, Any]], chunk: bool, **extra: Any) -> dict[str, Any]:
         kind = "chat.completion" if self.chat else "text_completion"
@@ -92,8 +83,8 @@ class Reply:
         last = chunks[-1]
         text = last.content if last.tool_calls else "".join(c.text for c in chunks)
         lp = self.logprobs.of(chunks) if self.logprobs else None
-        return self._object([choice(self.chat, text, last.finish_reason, lp, delta=False, calls=last.tool_calls)],
-                            chunk=False, usage=usage(last.stats))
+        return self._object([choice(self.chat, text, last.finish_reason, lp, delta=False, calls=last.tool_calls,
+                                    legacy=self.legacy)], chunk=False, usage=usage(last.stats))
 
     def _could_call(self, text: str) -> bool:
         start = text.lstrip()
@@ -127,7 +118,7 @@ class Reply:
         lp = self.logprobs.of(chunks) if self.logprobs else None
         text = last.content if last.tool_calls else "".join(c.text for c in chunks)
         return self._object([choice(self.chat, text, last.finish_reason, lp, delta=True, first=first,
-                                    calls=last.tool_calls)], chunk=True)
+                                    calls=last.tool_calls, legacy=self.legacy)], chunk=True)
 
 
 async def _chain(first: Chunk, rest: AsyncIterator[Chunk]) -> AsyncIterator[Chunk]:

@@ -12,7 +12,6 @@ in-memory store (least recently used first out) to be retrieved, deleted or cont
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 import uuid
@@ -21,11 +20,11 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response
 
 from ..generate import Chunk
 from ..tools import ToolCall, call_opener
-from .common import ClientGone, Context, RequestError, body_of, collect, hung_up, sse, unless_gone
+from .common import Context, RequestError, body_of, respond, sse
 from .engine_thread import chunks_of
 from .openai_schema import parse
 from .responses_schema import ITEM, CreateResponse, ItemReference, listed, messages
@@ -114,26 +113,18 @@ def router(ctx: Context) -> APIRouter:
         reply = Reply(body, config.model_name, tokenizer,
                       call_opener(tokenizer) if o.tools and o.tool_choice != "none" else None)
 
-        def keep(response: dict[str, Any]) -> None:
+        def keep(response: dict[str, Any]) -> dict[str, Any]:
             if body.store is not False:
                 store.put(Stored(response, context))
+            return response
 
-        stream = chunks_of(engine, typed)
-        gone = asyncio.ensure_future(hung_up(request))
-        try:
-            if not body.stream:
-                chunks = await unless_gone(collect(stream), gone)
-                if not chunks:  # the server stopped before the first token
-                    raise RequestError("the server is shutting down", status=503, kind="server_busy")
-                response = reply.whole(chunks)
-                keep(response)
-                return JSONResponse(response)
-            first = await unless_gone(anext(stream, None), gone)  # a refused request is a 400, not a broken stream
-        except ClientGone:
-            return Response(status_code=499)
-        finally:
-            gone.cancel()  # once streaming, the response itself notices a disconnect
-        return StreamingResponse(reply.events(first, stream, keep), media_type="text/event-stream")
+        def whole(chunks: list[Chunk]) -> dict[str, Any]:
+            if not chunks:  # the server stopped before the first token
+                raise RequestError("the server is shutting down", status=503, kind="server_busy")
+            return keep(reply.whole(chunks))
+
+        return await respond(request, chunks_of(engine, typed), bool(body.stream), whole,
+                             lambda first, rest: reply.events(first, rest, keep))
 
     @api.get("/responses/{rid}")
     async def retrieve(rid: str, request: Request):

@@ -158,7 +158,7 @@ class NamedFunction(Strict):
 
 
 class AllowedTools(Strict):
-    """Only some of the tools may be called: those are the tools the model is shown."""
+    """Only some of the tools may be called (all are shown)."""
 
     type: Literal["allowed_tools"]
     mode: Literal["auto", "required"]
@@ -321,15 +321,12 @@ class CreateResponse(Strict):
             if self.tool_choice not in (None, "none"):
                 raise RequestError("tool_choice needs tools", "tool_choice")
             return options
-        tools, choice = self.tools, self.tool_choice
-        if isinstance(choice, AllowedTools):
-            allowed = {t.name for t in choice.tools}
-            tools, choice = [t for t in tools if t.name in allowed], choice.mode
-            if not tools:
-                raise RequestError("tool_choice.tools names none of the tools", "tool_choice.tools")
-        options["tools"] = [t.chat() for t in tools]
+        options["tools"] = [t.chat() for t in self.tools]
+        choice = self.tool_choice
         if isinstance(choice, NamedFunction):
             options["tool_choice"] = {"type": "function", "function": {"name": choice.name}}
+        elif isinstance(choice, AllowedTools):  # chat's shape nests what the Responses API writes flat
+            options["tool_choice"] = {"type": "allowed_tools", "allowed_tools": choice.model_dump(exclude={"type"})}
         elif choice is not None:
             options["tool_choice"] = choice
         if self.parallel_tool_calls is False or self.max_tool_calls == 1:
