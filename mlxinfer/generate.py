@@ -21,7 +21,7 @@ from mlx.utils import tree_flatten
 
 from .cache import KV_BITS, KV_GROUP_SIZES, PromptCache
 from .checks import flag, integer, is_integer, token_ids
-from .constrain import Constraint, response_format
+from .constrain import Constraint, json_answer, response_format
 from .tools import ToolCall, ToolPlan, check_tools
 from .tools import plan as plan_tools
 from .decode import Score, Stats, Token
@@ -126,9 +126,10 @@ class GenerationOptions:
                                      "ends with EOS once it is complete")
         if self.tools is not None:
             check_tools(self.tools)
-            if self.response_format is not None:
-                raise InvalidOptionError("tools and response_format are alternatives: a reply is either a tool call "
-                                         "or held to a format")
+            fmt = response_format(self.response_format)
+            if fmt is not None and fmt.kind not in ("json_object", "json_schema"):
+                raise InvalidOptionError(f"tools combine with a json_schema or json_object response_format only, not "
+                                         f"{fmt.kind}: a reply is a tool call or JSON")
         elif self.tool_choice is not None:
             raise InvalidOptionError("tool_choice needs tools")
 
@@ -401,7 +402,8 @@ class TextStream:
 def tool_plan(options: GenerationOptions, tokenizer: Tokenizer) -> ToolPlan | None:
     if options.tools is None:
         return None
-    return plan_tools(tokenizer, options.tools, options.tool_choice, options.parallel_tool_calls)
+    return plan_tools(tokenizer, options.tools, options.tool_choice, options.parallel_tool_calls,
+                      json_answer(options.response_format))
 
 
 def request_tokens(tokenizer: Tokenizer, prompt: Prompt, vocab_size: int, tools: ToolPlan | None) -> list[int]:
@@ -420,8 +422,9 @@ def request_tokens(tokenizer: Tokenizer, prompt: Prompt, vocab_size: int, tools:
 
 def constraint_for(options: GenerationOptions, tokenizer: Tokenizer, vocab_size: int,
                    tools: ToolPlan | None = None) -> Constraint | None:
-    """A fresh matcher for the options' response format or tool calls, if they ask for one."""
-    if tools is not None:
+    """A fresh matcher for the options' tool calls (and the format a reply may answer in
+    instead) or their response format, if they ask for one."""
+    if tools is not None and tools.grammar is not None:
         return tools.constraint(tokenizer, vocab_size)
     fmt = response_format(options.response_format)
     return Constraint(fmt, tokenizer, vocab_size) if fmt is not None else None

@@ -37,6 +37,7 @@ class ServerConfig:
     cors: str | None = None
     max_body: int = 4 << 20
     hosts: frozenset[str] | None = allowed_hosts("127.0.0.1", ())  # what a request's Host may name; None: any
+    responses_store: int = 256  # Responses API objects kept for retrieval and previous_response_id
 
 
 @dataclass(frozen=True)
