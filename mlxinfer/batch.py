@@ -28,7 +28,7 @@ import mlx.core as mx
 from .cache import PromptCache, run_rows
 from .checks import integer
 from .constrain import Constraint, masked
-from .decode import Stats, Token, chosen_logprobs, drawn
+from .decode import Score, Stats, Token, chosen_logprobs, drawn, scored_prefill
 from .errors import InvalidOptionError
 from .generate import (Chunk, GenerationOptions, Prompt, TextStream, check_context, context_limit,
                        constraint_for, generation_stream, read_tool_calls, reasoning_of, request_tokens,
@@ -80,6 +80,7 @@ class _Sequence:
     tools: ToolPlan | None = None  # what its tools are and how its calls are read
     reply: list[str] = field(default_factory=list)  # its text so far, kept only when it has tools
     own_cache: PromptCache | None = None  # the caller's cache (reused across calls), instead of the pool's or a new one
+    scores: list[Score] | None = None  # its prompt's scores so far, when it asked for them (prompt_logprobs)
     reasoning: Reasoning | None = None  # how its reply splits into thinking and answer
 
     @property
@@ -321,21 +322,29 @@ class BatchGenerator:
             except Exception as e:  # noqa: BLE001 - one sequence's failure ends that sequence only
                 self._fail(s, e, out)
                 continue
-            if limit <= 0:
+            if s.options.echo and s.scores is None:
+                out.append((s.uid, s.text.prompt(s.prompt)))
+            if limit <= 0 and s.scores is None:
                 out.append((s.uid, s.text.end("length")))
                 self._finished(s)
                 continue
             self._prefilling.append(s)
 
     def _start(self, s: _Sequence) -> int:
-        """Give an admitted sequence its cache (from the pool when one shares its prefix) and
-        text layer; returns how many tokens it may generate."""
+        """Give an admitted sequence its cache (the caller's, or from the pool when one shares its
+        prefix) and text layer; returns how many tokens it may generate. A prompt to be scored
+        runs whole: positions a cache already held were never scored."""
         opts = s.cache_options
+        scored = s.options.prompt_logprobs is not None
+        s.scores = [] if scored else None
         if s.own_cache is not None:
             s.cache = s.own_cache
+            if scored:
+                s.cache.reset()
+        elif self.pool is not None and not scored:
+            s.cache = self.pool.fetch(self.model, s.prompt, **opts)
         else:
-            s.cache = self.pool.fetch(self.model, s.prompt, **opts) if self.pool else PromptCache.for_model(
-                self.model, **opts)
+            s.cache = PromptCache.for_model(self.model, **opts)
         limit = context_limit(self.model, s.cache, len(s.prompt), s.options.max_tokens)
         s.text = self._text(s, s.cache, limit)
         s.todo = s.cache.prepare(s.prompt)
@@ -353,14 +362,20 @@ class BatchGenerator:
 
     def _prefill_some(self, out: list[tuple[int, Chunk]]) -> None:
         """Prefill chunks (cut where a lone generation cuts them) until about `prefill_step`
-        tokens ran this step; sequences whose prompt is in join decoding."""
+        tokens ran this step; sequences whose prompt is in join decoding (a scored prompt
+        first comes back with its scores, and ends there when nothing may be generated)."""
         budget = self.prefill_step
         for s in list(self._prefilling):
             step = s.options.prefill_step
             try:
                 while s.prefilled < len(s.todo) - 1 and budget > 0:
-                    chunk = s.todo[s.prefilled : min(s.prefilled + step, len(s.todo) - 1)]
-                    s.cache.prefill(self.model, chunk, len(chunk))
+                    start = s.prefilled
+                    chunk = s.todo[start : min(start + step, len(s.todo) - 1)]
+                    if s.scores is None:
+                        s.cache.prefill(self.model, chunk, len(chunk))
+                    else:
+                        following = s.todo[start + 1 : start + 1 + len(chunk)]
+                        s.scores += scored_prefill(self.model, s.cache, chunk, following, s.options.prompt_logprobs)
                     s.prefilled += len(chunk)
                     budget -= len(chunk)
                     self.stats.prefilled_tokens += len(chunk)
@@ -370,6 +385,12 @@ class BatchGenerator:
             if s.prefilled < len(s.todo) - 1:
                 break
             self._prefilling.remove(s)
+            if s.scores is not None:
+                out.append((s.uid, s.text.prompt(s.prompt, s.scores)))
+                if s.text.limit <= 0:
+                    out.append((s.uid, s.text.end("length")))
+                    self._finished(s)
+                    continue
             s.next_input = mx.array(s.todo[-1:])
             self._decoding.append(s)
 
@@ -439,8 +460,11 @@ def stream_generate(model, tokenizer: Tokenizer, prompt: Prompt, prompt_cache: P
     with parallel_tool_calls=False); chat_template_kwargs reach the chat template (e.g.
     {"enable_thinking": False}). A thinking model's thoughts come in `Chunk.reasoning`
     and its answer in `Chunk.text` (split_reasoning=False: all of it as text, tags included).
-    Pass a `PromptCache` to reuse the longest common prefix across calls. An error ends
-    the stream by raising it (the served engine turns it into an error chunk instead).
+    With echo the first chunk is the prompt (`Chunk.prompt` holds its tokens), and
+    prompt_logprobs scores them (max_tokens=0 scores without generating).
+    Pass a `PromptCache` to reuse the longest common prefix across calls (not when scoring the
+    prompt: every position of it runs). An error ends the stream by raising it (the served
+    engine turns it into an error chunk instead).
     """
     engine = BatchGenerator(model, tokenizer, max_batch=1)
     prepared = engine.prepare(Request.of(prompt, model.config.vocab_size, **options))

@@ -533,9 +533,12 @@ def bench(model_argument, model, dtype, prompt_tokens, gen_tokens, repeat, max_k
 @click.option("--max-connections", type=click.IntRange(8), default=128, show_default=True,
               help="Open connections at most (fewer when the descriptor limit is lower); past it the longest-idle "
                    "one is closed.")
+@click.option("--responses-store", type=click.IntRange(0), default=256, show_default=True,
+              help="Responses API responses kept in memory for GET /v1/responses/{id} and previous_response_id "
+                   "(the least recently used go first; 0: none).")
 @PIPELINE_OPTION
 def serve(model, dtype, host, port, max_concurrency, max_queue, max_kv_size, kv_bits, prompt_cache_bytes,
-          draft_model, prompt_lookup, api_key, cors, allowed_host, max_connections, pipeline) -> None:
+          draft_model, prompt_lookup, api_key, cors, allowed_host, max_connections, responses_store, pipeline) -> None:
     """Serve the model over OpenAI's HTTP API (chat and text completions, streaming).
     Concurrent requests are decoded together; Ctrl-C stops after the requests in flight."""
     from .batch import BatchGenerator
@@ -570,7 +573,7 @@ def serve(model, dtype, host, port, max_concurrency, max_queue, max_kv_size, kv_
     engine = EngineThread(batch, max_queued=max_queue, relay=relay)
     name = model_name(where)
     config = ServerConfig(name, max_tokens=m.config.max_position_embeddings, api_key=api_key, cors=cors,
-                          hosts=allowed_hosts(host, allowed_host))
+                          hosts=allowed_hosts(host, allowed_host), responses_store=responses_store)
     split = shard_summary(m)
     click.echo(f"serving {name} at http://{host}:{port}/v1 (Ctrl-C stops)" + (f" [{split}]" if split else ""),
                err=True)

@@ -22,10 +22,10 @@ from mlx.utils import tree_flatten
 
 from .cache import KV_BITS, KV_GROUP_SIZES, PromptCache
 from .checks import flag, integer, is_integer, token_ids
-from .constrain import Constraint, response_format
+from .constrain import Constraint, json_answer, response_format
 from .tools import ToolCall, ToolPlan, check_tools
 from .tools import plan as plan_tools
-from .decode import Stats, Token
+from .decode import Score, Stats, Token
 from .errors import InvalidOptionError
 from .reasoning import Reasoning, reasoning_for, tags_for
 from .sample import Sampler, SamplingConfig
@@ -37,6 +37,18 @@ Prompt = str | Sequence[int] | Sequence[dict]
 # nothing per stop, but text that may begin one is held back from the stream, so a stop's
 # length is how far streaming can lag; 16 stops of 1,000 characters are generous for both.
 MAX_STOPS, MAX_STOP_CHARS = 16, 1000
+
+
+@dataclass(frozen=True)
+class PromptToken:
+    """One token of an echoed prompt: its id, the text it adds, and (when the prompt is scored)
+    its log-probability given the tokens before it with the most likely tokens there. The first
+    token has none: nothing comes before it."""
+
+    id: int
+    text: str
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] | None = None
 
 
 @dataclass
@@ -53,6 +65,7 @@ class Chunk:
     content: str | None = None  # with tool_calls: the reply's text outside the calls
     reasoning: str = ""  # thinking this token added (a reasoning model's <think> part); `text` is the answer only
     stop_sequence: str | None = None  # the stop string that ended the reply (Anthropic's API names it)
+    prompt: list[PromptToken] | None = None  # echo: the prompt's tokens, on a first chunk whose `text` is the prompt
 
 
 @dataclass(frozen=True)
@@ -75,6 +88,8 @@ class GenerationOptions:
     parallel_tool_calls: bool = True  # False: a reply makes at most one call (held to the grammar)
     chat_template_kwargs: dict[str, Any] | None = None  # extra template variables, e.g. {"enable_thinking": False}
     split_reasoning: bool = True  # a thinking model's thoughts in Chunk.reasoning, not in the text (`reasoning`)
+    echo: bool = False  # the prompt comes back first, as one chunk (its text and tokens), before the reply
+    prompt_logprobs: int | None = None  # with echo: score the prompt's tokens, with this many top alternatives
 
     def __post_init__(self) -> None:
         """Types and ranges, so a bad value fails before any work and not inside MLX."""
@@ -91,6 +106,11 @@ class GenerationOptions:
         flag("parallel_tool_calls", self.parallel_tool_calls)
         flag("split_reasoning", self.split_reasoning)
         check_template_kwargs(self.chat_template_kwargs)
+        flag("echo", self.echo)
+        if self.prompt_logprobs is not None:
+            integer("prompt_logprobs", self.prompt_logprobs, 0)
+            if not self.echo:
+                raise InvalidOptionError("prompt_logprobs needs echo=True: the scores come with the echoed prompt")
         if self.max_kv_size is not None:
             integer("max_kv_size", self.max_kv_size, 2)
         if self.kv_bits is not None and (not is_integer(self.kv_bits) or self.kv_bits not in KV_BITS):
@@ -112,9 +132,10 @@ class GenerationOptions:
                                      "ends with EOS once it is complete")
         if self.tools is not None:
             check_tools(self.tools)
-            if self.response_format is not None:
-                raise InvalidOptionError("tools and response_format are alternatives: a reply is either a tool call "
-                                         "or held to a format")
+            fmt = response_format(self.response_format)
+            if fmt is not None and fmt.kind not in ("json_object", "json_schema"):
+                raise InvalidOptionError(f"tools combine with a json_schema or json_object response_format only, not "
+                                         f"{fmt.kind}: a reply is a tool call or JSON")
         elif self.tool_choice is not None:
             raise InvalidOptionError("tool_choice needs tools")
 
@@ -349,6 +370,7 @@ class TextStream:
     def __init__(self, tokenizer: Tokenizer, options: GenerationOptions, stats: Stats, limit: int,
                  cache: PromptCache, start: float | None = None, reasoning: Reasoning | None = None):
         self.options, self.stats, self.limit, self.cache = options, stats, limit, cache
+        self.tokenizer = tokenizer
         self.detok = tokenizer.detokenizer()
         self.split = reasoning.splitter() if reasoning is not None else None
         self.stop = StopMatcher(options.stop)
@@ -393,6 +415,18 @@ class TextStream:
             thinking, answer = thinking + more, answer + tail
         return thinking, self.stop.push(answer)[0] + self.stop.flush()
 
+    def prompt(self, ids: Sequence[int], scores: Sequence[Score] | None = None) -> Chunk:
+        """The echoed prompt as one chunk: its text, and each token with the text it adds (the
+        pieces join to the text) and, when `scores` (one per token after the first) are given,
+        its log-probability and the most likely tokens at its position."""
+        detok = self.tokenizer.detokenizer()
+        pieces = [detok.add(t) for t in ids]
+        pieces[-1] += detok.finalize()
+        scored = [None, *scores] if scores is not None else [None] * len(ids)
+        tokens = [PromptToken(t, piece, s.logprob if s else None, s.top_logprobs if s else None)
+                  for t, piece, s in zip(ids, pieces, scored)]
+        return Chunk("".join(pieces), None, None, None, self.stats, prompt=tokens)
+
     def _finish(self, reason: str) -> None:
         self.stats.finish_reason = reason
         self.stats.cache_bytes = self.cache.nbytes
@@ -410,7 +444,8 @@ class TextStream:
 def tool_plan(options: GenerationOptions, tokenizer: Tokenizer) -> ToolPlan | None:
     if options.tools is None:
         return None
-    return plan_tools(tokenizer, options.tools, options.tool_choice, options.parallel_tool_calls)
+    return plan_tools(tokenizer, options.tools, options.tool_choice, options.parallel_tool_calls,
+                      json_answer(options.response_format))
 
 
 def request_tokens(tokenizer: Tokenizer, prompt: Prompt, vocab_size: int, tools: ToolPlan | None,
@@ -444,8 +479,9 @@ def reasoning_of(options: GenerationOptions, tokenizer: Tokenizer, ids: Sequence
 
 def constraint_for(options: GenerationOptions, tokenizer: Tokenizer, vocab_size: int,
                    tools: ToolPlan | None = None) -> Constraint | None:
-    """A fresh matcher for the options' response format or tool calls, if they ask for one."""
-    if tools is not None:
+    """A fresh matcher for the options' tool calls (and the format a reply may answer in
+    instead) or their response format, if they ask for one."""
+    if tools is not None and tools.grammar is not None:
         return tools.constraint(tokenizer, vocab_size)
     fmt = response_format(options.response_format)
     return Constraint(fmt, tokenizer, vocab_size) if fmt is not None else None

@@ -37,6 +37,7 @@ class ServerConfig:
     cors: str | None = None
     max_body: int = 4 << 20
     hosts: frozenset[str] | None = allowed_hosts("127.0.0.1", ())  # what a request's Host may name; None: any
+    responses_store: int = 256  # Responses API objects kept for retrieval and previous_response_id
 
 
 @dataclass(frozen=True)
@@ -216,13 +217,90 @@ async def respond(request: Request, stream: AsyncIterator[Chunk], streamed: bool
     """A request's reply in an API's shape: `whole` of every chunk, or `events` as a stream
     that begins once the first chunk came (so a refused request is a 4xx, not a broken
     stream). A client that hangs up before then cancels its request (499, seen by no one)."""
+    return await respond_each(request, [stream], streamed, lambda chunks: whole(chunks[0]),
+                              lambda firsts, streams: events(firsts[0], streams[0]))
+
+
+async def respond_each(request: Request, streams: list[AsyncIterator[Chunk]], streamed: bool,
+                       whole: Callable[[list[list[Chunk]]], dict[str, Any]],
+                       events: Callable[[list[Chunk | None], list[AsyncIterator[Chunk]]], AsyncIterator[bytes]]
+                       ) -> Response:
+    """`respond` for a request of several sequences (a choice each, as a list of prompts
+    asks), run together: one refused or failed ends the others."""
     gone = asyncio.ensure_future(hung_up(request))
     try:
         if not streamed:
-            return JSONResponse(whole(await unless_gone(collect(stream), gone)))
-        first = await unless_gone(anext(stream, None), gone)
+            return JSONResponse(whole(await unless_gone(collect_all(streams), gone)))
+        firsts = await unless_gone(first_chunks(streams), gone)
     except ClientGone:
         return Response(status_code=499)
     finally:
         gone.cancel()  # once streaming, the response itself notices a disconnect
-    return StreamingResponse(events(first, stream), media_type="text/event-stream")
+    return StreamingResponse(events(firsts, streams), media_type="text/event-stream")
+
+
+async def collect_all(streams: list[AsyncIterator[Chunk]]) -> list[list[Chunk]]:
+    """Every chunk of each stream, the streams run together; one that fails ends the others."""
+    tasks = [asyncio.ensure_future(collect(s)) for s in streams]
+    try:
+        return list(await asyncio.gather(*tasks))
+    finally:
+        for task in tasks:
+            task.cancel()  # a stream left early cancels its sequence
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def first_chunks(streams: list[AsyncIterator[Chunk]]) -> list[Chunk | None]:
+    """The first chunk of each stream (None: it ended with none); one refused ends the others."""
+
+    async def first(stream: AsyncIterator[Chunk]) -> Chunk | None:
+        return await anext(stream, None)
+
+    tasks = [asyncio.ensure_future(first(s)) for s in streams]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for stream in streams:
+            await stream.aclose()
+        raise
+
+
+async def merged(firsts: list[Chunk | None], streams: list[AsyncIterator[Chunk]]) -> AsyncIterator[tuple[int, Chunk]]:
+    """(index, chunk) from every stream as each comes, after their first chunks (`first_chunks`);
+    closing it closes every stream (cancelling the sequences still running)."""
+    for i, chunk in enumerate(firsts):
+        if chunk is not None:
+            yield i, chunk
+    if len(streams) == 1:  # one stream needs no relay
+        try:
+            async for chunk in streams[0]:
+                yield 0, chunk
+        finally:
+            await streams[0].aclose()
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def relay(i: int, stream: AsyncIterator[Chunk]) -> None:
+        try:
+            async for chunk in stream:
+                queue.put_nowait((i, chunk))
+            queue.put_nowait((i, None))
+        except Exception as e:  # noqa: BLE001 - raised where the chunks are read
+            queue.put_nowait((i, e))
+
+    tasks = [asyncio.ensure_future(relay(i, s)) for i, s in enumerate(streams) if firsts[i] is not None]
+    try:
+        for _ in tasks:
+            while (item := await queue.get())[1] is not None:
+                if isinstance(item[1], Exception):
+                    raise item[1]
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for stream in streams:
+            await stream.aclose()

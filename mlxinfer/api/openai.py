@@ -14,7 +14,7 @@ from fastapi.responses import Response
 
 from ..generate import Chunk
 from ..tools import call_opener
-from .common import Context, RequestError, body_of, respond, sse
+from .common import Context, RequestError, body_of, merged, respond_each, sse
 from .engine_thread import chunks_of
 from .openai_schema import ChatCompletion, Completion, Logprobs, TextCompletion, choice, parse, usage
 
@@ -41,18 +41,21 @@ def router(ctx: Context) -> APIRouter:
 
     async def complete(request: Request, kind: type[Completion]) -> Response:
         body = parse(await body_of(request, config.max_body), kind)
-        chat = kind is ChatCompletion
         options = body.options(config.max_tokens)
+        chat = kind is ChatCompletion
         if chat and (template := body.template_kwargs(tokenizer)):
             options["chat_template_kwargs"] = template
-        typed = engine.engine.request(body.engine_prompt(), **options)
-        o = typed.options
+        places = engine.engine.max_batch + engine.max_queued
+        typed = [engine.engine.request(p, **options) for p in body.engine_prompts(places)]
+        o = typed[0].options
         calls = chat and o.tools and o.tool_choice != "none"
+        rows = body.logprob_rows()
         reply = Reply(f"{'chatcmpl' if chat else 'cmpl'}-{next(ids)}", chat, config.model_name,
-                      Logprobs(tokenizer, chat, body.logprob_rows()) if body.logprob_rows() else None,
+                      [Logprobs(tokenizer, chat, rows) for _ in typed] if rows else None,
                       call_opener(tokenizer) if calls else None, chat and body.legacy)
-        return await respond(request, chunks_of(engine, typed), bool(body.stream), reply.whole,
-                             lambda first, rest: reply.events(first, rest, body.include_usage))
+        streams = [chunks_of(engine, t) for t in typed]  # each prompt its own sequence, decoded together
+        return await respond_each(request, streams, bool(body.stream), reply.whole,
+                                  lambda firsts, rest: reply.events(firsts, rest, body.include_usage))
 
     @api.post("/chat/completions")
     async def chat_completions(request: Request):
@@ -67,12 +70,12 @@ def router(ctx: Context) -> APIRouter:
 
 @dataclass
 class Reply:
-    """One request's response: the whole object, or its Server-Sent Events."""
+    """One request's response, a choice per prompt: the whole object, or its Server-Sent Events."""
 
     rid: str
     chat: bool
     model: str
-    logprobs: Logprobs | None
+    logprobs: list[Logprobs] | None  # one per choice
     opener: str | None = None  # with tools: the text a call starts with
     legacy: bool = False  # called with the legacy `functions`: a call goes out as `function_call`
 
@@ -82,57 +85,48 @@ class Reply:
         return {"id": self.rid, "object": kind, "created": int(time.time()), "model": self.model,
                 "choices": choices, **extra}
 
-    def whole(self, chunks: list[Chunk]) -> dict[str, Any]:
+    def _choice(self, index: int, chunks: list[Chunk], delta: bool, first: bool = False) -> dict[str, Any]:
         last = chunks[-1]
         text = last.content if last.tool_calls else "".join(c.text for c in chunks)
-        lp = self.logprobs.of(chunks) if self.logprobs else None
-        return self._object([choice(self.chat, text, last.finish_reason, lp, delta=False, calls=last.tool_calls,
-                                    legacy=self.legacy, reasoning="".join(c.reasoning for c in chunks))],
-                            chunk=False, usage=usage(last.stats))
+        lp = self.logprobs[index].of(chunks) if self.logprobs else None
+        return choice(self.chat, text, last.finish_reason, lp, delta=delta, first=first, calls=last.tool_calls,
+                      legacy=self.legacy, index=index, reasoning="".join(c.reasoning for c in chunks))
+
+    def whole(self, choices: list[list[Chunk]]) -> dict[str, Any]:
+        return self._object([self._choice(i, chunks, delta=False) for i, chunks in enumerate(choices)],
+                            chunk=False, usage=usage([chunks[-1].stats for chunks in choices]))
 
     def _could_call(self, text: str) -> bool:
         start = text.lstrip()
         return self.opener is not None and (start.startswith(self.opener) or self.opener.startswith(start))
 
-    async def events(self, first: Chunk | None, stream: AsyncIterator[Chunk],
+    async def events(self, firsts: list[Chunk | None], streams: list[AsyncIterator[Chunk]],
                      include_usage: bool) -> AsyncIterator[bytes]:
-        """The stream; with tools, answer text that may be the start of a call is held back
-        until it is known: a call goes out as one `tool_calls` delta, anything else as text.
-        Thinking before the answer is never held."""
-        last, held, sent, started = first, [], False, False
+        """The stream, each event one choice's chunk (its `index` says whose); with tools,
+        answer text that may be the start of a call is held back until it is known: a call
+        goes out as one `tool_calls` delta, anything else as text. Thinking before the answer
+        is never held."""
+        last: dict[int, Chunk] = {}
+        held: dict[int, list[Chunk]] = {}
+        sent: set[int] = set()  # choices whose answer is known not to be held
+        started: set[int] = set()  # choices whose first delta (with the role) went out
+        chunks = merged(firsts, streams)
         try:
-            if first is not None:
-                async for chunk in _chain(first, stream):
-                    last = chunk
-                    if not sent and self._could_call("".join(c.text for c in (*held, chunk))) \
-                            and not chunk.finish_reason:
-                        if chunk.text or not chunk.reasoning or any(c.text for c in held):
-                            held.append(chunk)
-                            continue
-                        yield sse(self._event([*held, chunk], first=not started))  # thinking: out at once
-                        held, started = [], True
+            async for i, chunk in chunks:
+                last[i] = chunk
+                pending = [*held.pop(i, ()), chunk]
+                if i not in sent and self._could_call("".join(c.text for c in pending)) and not chunk.finish_reason:
+                    if not chunk.reasoning or any(c.text for c in pending):
+                        held[i] = pending
                         continue
-                    yield sse(self._event([*held, chunk], first=not started))
-                    held, sent, started = [], True, True
-            if include_usage and last is not None:
-                yield sse(self._object([], chunk=True, usage=usage(last.stats)))
+                else:
+                    sent.add(i)
+                yield sse(self._object([self._choice(i, pending, delta=True, first=i not in started)], chunk=True))
+                started.add(i)
+            if include_usage and last:
+                yield sse(self._object([], chunk=True, usage=usage([c.stats for c in last.values()])))
         except RequestError as e:
             yield sse(e.body())
         finally:
-            await stream.aclose()
+            await chunks.aclose()
         yield sse("[DONE]")
-
-    def _event(self, chunks: list[Chunk], first: bool = False) -> dict[str, Any]:
-        last = chunks[-1]
-        lp = self.logprobs.of(chunks) if self.logprobs else None
-        text = last.content if last.tool_calls else "".join(c.text for c in chunks)
-        return self._object([choice(self.chat, text, last.finish_reason, lp, delta=True, first=first,
-                                    calls=last.tool_calls, legacy=self.legacy,
-                                    reasoning="".join(c.reasoning for c in chunks))], chunk=True)
-
-
-async def _chain(first: Chunk, rest: AsyncIterator[Chunk]) -> AsyncIterator[Chunk]:
-    yield first
-    async for chunk in rest:
-        yield chunk
-

@@ -20,7 +20,7 @@ from .common import RequestError, load_json
 
 # Fields of OpenAI's API that change the output and that this server does not implement
 # (yet); each is refused by name. A null is the same as leaving the field out (`parse`).
-NOT_YET = {"best_of": "best_of", "echo": "echo", "suffix": "suffix", "audio": "audio output",
+NOT_YET = {"suffix": "suffix", "audio": "audio output",
            "prediction": "predicted outputs",
            "web_search_options": "web search", "moderation": "moderation"}
 
@@ -277,6 +277,10 @@ class ChatCompletion(Completion):
         # the chosen token's logprob needs at least one row (and asks for nothing more)
         return max(self.top_logprobs or 0, 1) if self.logprobs else 0
 
+    def engine_prompts(self, most: int) -> list[list[dict[str, Any]]]:
+        """A chat completion has one prompt."""
+        return [self.engine_prompt()]
+
     def engine_prompt(self) -> list[dict[str, Any]]:
         """The messages as chat templates take them; a legacy assistant `function_call` and
         the `function` message answering it become the tool call and tool reply they stand
@@ -297,25 +301,40 @@ class ChatCompletion(Completion):
 
 
 class TextCompletion(Completion):
-    prompt: str | list[int] | list[str]
+    """A text completion; `prompt` may hold several prompts (texts or token-id lists), each
+    completed as its own choice, as evaluators send them."""
+
+    prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = Field(None, ge=0, le=20)
+    echo: bool | None = None  # the prompt comes back before the completion; with logprobs, scored
+    best_of: int | None = Field(None, ge=1)  # only as many as n: every completion made is returned
 
     def logprob_rows(self) -> int:
         return self.logprobs or 0
 
     def options(self, default_max_tokens: int) -> dict[str, Any]:
+        if self.best_of is not None and self.best_of != (self.n or 1):
+            raise RequestError(f"best_of must equal n ({self.n or 1}): this server returns every completion it "
+                               "makes, it does not pick the best of more", "best_of")
         # a text completion is raw text (no chat template): a thinking model's tags stay in it, as with OpenAI
-        return {**super().options(default_max_tokens), "split_reasoning": False}
+        options = {**super().options(default_max_tokens), "split_reasoning": False}
+        if self.echo:
+            options["echo"] = True
+            if self.logprob_rows():
+                options["prompt_logprobs"] = self.logprob_rows()
+        return options
 
-    def engine_prompt(self) -> str | list[int]:
+    def engine_prompts(self, most: int) -> list[str | list[int]]:
+        """Each prompt of the request (at most `most`), as text or token ids."""
         p = self.prompt
-        if isinstance(p, list) and p and all(isinstance(x, str) for x in p):
-            if len(p) != 1:
-                raise RequestError("only one prompt per request is supported", "prompt")
-            p = p[0]
-        if not p:
-            raise RequestError("the prompt is empty", "prompt")
-        return p
+        prompts = [p] if isinstance(p, str) or not p or isinstance(p[0], int) else list(p)
+        if len(prompts) > most:
+            raise RequestError(f"prompt holds {len(prompts)} prompts; this server takes at most {most} in one request "
+                               "(its --max-concurrency plus --max-queue): send the rest in another request", "prompt")
+        for i, one in enumerate(prompts):
+            if not one:
+                raise RequestError("the prompt is empty" if len(prompts) == 1 else f"prompt {i} is empty", "prompt")
+        return prompts
 
 
 def token_keys(bias: dict[str, float]) -> dict[int, float]:
@@ -362,15 +381,18 @@ def finish(reason: str | None) -> str | None:
     return "stop" if reason == "cancelled" else reason
 
 
-def usage(stats: Stats) -> dict[str, Any]:
-    return {"prompt_tokens": stats.prompt_tokens, "completion_tokens": stats.generated_tokens,
-            "total_tokens": stats.prompt_tokens + stats.generated_tokens,
-            "prompt_tokens_details": {"cached_tokens": max(stats.prompt_tokens - stats.prefill_tokens, 0)}}
+def usage(stats: list[Stats]) -> dict[str, Any]:
+    """The usage of a response, summed over its choices."""
+    prompt, generated = sum(s.prompt_tokens for s in stats), sum(s.generated_tokens for s in stats)
+    return {"prompt_tokens": prompt, "completion_tokens": generated, "total_tokens": prompt + generated,
+            "prompt_tokens_details": {"cached_tokens": sum(max(s.prompt_tokens - s.prefill_tokens, 0)
+                                                           for s in stats)}}
 
 
 class Logprobs:
     """One choice's logprobs in the shape of its endpoint: chat's `content` list, or the
-    legacy completions' parallel lists."""
+    legacy completions' parallel lists (an echoed prompt's tokens first: the first has no
+    logprob, as it follows nothing; `text_offset` counts characters of the choice's text)."""
 
     def __init__(self, tokenizer, chat: bool, top: int):
         self.tokenizer, self.chat, self.top = tokenizer, chat, top
@@ -384,22 +406,30 @@ class Logprobs:
                                  "top_logprobs": [{"token": text([t]), "logprob": lp, "bytes": None}
                                                   for t, lp in c.top_logprobs[: self.top]]} for c in tokens]}
         out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-        for c in tokens:
-            out["tokens"].append(text([c.token]))
-            out["token_logprobs"].append(c.logprob)
-            out["top_logprobs"].append({text([t]): lp for t, lp in c.top_logprobs})
+
+        def add(token: int, logprob: float | None, top: list[tuple[int, float]] | None, piece: str) -> None:
+            out["tokens"].append(text([token]))
+            out["token_logprobs"].append(logprob)
+            out["top_logprobs"].append(None if top is None else {text([t]): lp for t, lp in top})
             out["text_offset"].append(self.offset)
-            self.offset += len(c.text)
+            self.offset += len(piece)
+
+        for c in chunks:
+            for p in c.prompt or ():
+                add(p.id, p.logprob, p.top_logprobs, p.text)
+            if c.token is not None and c.top_logprobs is not None:
+                add(c.token, c.logprob, c.top_logprobs, c.text)
         return out
 
 
 def choice(chat: bool, text: str | None, reason: str | None, logprobs: dict[str, Any] | None, delta: bool,
-           first: bool = False, calls: list | None = None, legacy: bool = False, reasoning: str = "") -> dict[str, Any]:
-    """One choice of a response (`delta`: of a streamed chunk); `calls`: the tool calls it
+           first: bool = False, calls: list | None = None, legacy: bool = False, index: int = 0,
+           reasoning: str = "") -> dict[str, Any]:
+    """Choice `index` of a response (`delta`: of a streamed chunk); `calls`: the tool calls it
     made, written as the legacy `function_call` (one call at most) when `legacy`; `reasoning`:
     a thinking model's thoughts, under both names peers use (vLLM and llama.cpp's
     `reasoning_content`, the newer `reasoning`)."""
-    out: dict[str, Any] = {"index": 0}
+    out: dict[str, Any] = {"index": index}
     thinking = {"reasoning_content": reasoning, "reasoning": reasoning} if reasoning else {}
     if not chat:
         out["text"] = text
