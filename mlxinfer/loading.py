@@ -246,7 +246,7 @@ def safetensors_header(file: Path) -> dict[str, Any]:
     spans = sorted((_tensor_span(file, name, info, 8 + n, size), name) for name, info in header.items())
     for (prev, a), (cur, b) in zip(spans, spans[1:]):
         if cur[0] < prev[1]:
-            raise CorruptCheckpointError(f"{file.name}: tensors '{a}' and '{b}' overlap; re-download or re-convert it")
+            raise CorruptCheckpointError(f"{file.name}: tensors {a[:80]!r} and {b[:80]!r} overlap; re-download or re-convert it")
     return header
 
 
@@ -255,7 +255,7 @@ def _tensor_span(file: Path, name: str, info: Any, start: int, size: int) -> tup
     of `size` bytes), after checking its fields."""
 
     def bad(what: str) -> CorruptCheckpointError:
-        return CorruptCheckpointError(f"{file.name}: tensor '{name[:80]}' {what}; re-download or re-convert it")
+        return CorruptCheckpointError(f"{file.name}: tensor {name[:80]!r} {what}; re-download or re-convert it")
 
     if not isinstance(info, dict):
         raise bad("has no {dtype, shape, data_offsets} entry")
