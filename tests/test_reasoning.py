@@ -356,3 +356,64 @@ def test_server_text_completions_stay_raw_and_bad_switches_are_400(client, model
         with pytest.raises(openai.BadRequestError) as e:
             client.chat.completions.create(model="m", messages=ASK, max_tokens=1, extra_body=body)
         assert field in str(e.value)
+
+
+# --- the Responses and Messages APIs: the same switch, the thinking as their own items ---
+
+def test_responses_effort_and_anthropic_thinking_switch_the_template(served, client, hf_tokenizer):
+    anthropic = pytest.importorskip("anthropic")
+    off = hf_tokenizer.apply_chat_template(ASK, add_generation_prompt=True, tokenize=True, enable_thinking=False,
+                                           return_dict=False)
+    on = hf_tokenizer.apply_chat_template(ASK, add_generation_prompt=True, tokenize=True, return_dict=False)
+    assert len(off) != len(on)
+    for effort, expected in (("none", off), ("minimal", off), ("low", on), ("high", on)):
+        r = client.responses.create(model="m", input=ASK[0]["content"], max_output_tokens=1,
+                                    reasoning={"effort": effort})
+        assert r.usage.input_tokens == len(expected), effort
+    claude = anthropic.Anthropic(base_url=served.url, api_key="unused", max_retries=0)
+    for thinking, expected in (({"type": "disabled"}, off), ({"type": "enabled", "budget_tokens": 1024}, on),
+                               (None, on)):
+        extra = {"thinking": thinking} if thinking else {}
+        counted = claude.messages.count_tokens(model="m", messages=ASK, **extra)
+        assert counted.input_tokens == len(expected), thinking
+        m = claude.messages.create(model="m", max_tokens=1, messages=ASK, **extra)
+        assert m.usage.input_tokens + (m.usage.cache_read_input_tokens or 0) == len(expected), thinking
+
+
+@pytest.fixture(scope="module")
+def served_r1(r1):
+    from serving import Server
+
+    pytest.importorskip("fastapi")
+    s = Server(["-m", str(r1), "--dtype", "float32"])
+    yield s
+    s.stop()
+
+
+def test_responses_and_messages_return_a_real_reply_s_thinking_as_their_own_items(served_r1, r1):
+    """Under an R1-style template the reply starts inside the thinking: what the model says
+    comes back as the Responses API's reasoning item and as Anthropic's thinking block."""
+    openai = pytest.importorskip("openai")
+    anthropic = pytest.importorskip("anthropic")
+    m, tok = mlxinfer.load(r1, dtype="float32")
+    raw = "".join(c.text for c in stream_generate(m, tok, ASK, temperature=0.0, max_tokens=12, split_reasoning=False))
+    thinking, answer = by_hand(raw, inside=True)
+    assert thinking and not answer
+
+    client = openai.OpenAI(base_url=f"{served_r1.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    r = client.responses.create(model="m", input=ASK, temperature=0, max_output_tokens=12)
+    items = [i for i in r.output if i.type == "reasoning"]
+    assert len(items) == 1 and items[0].content[0].text == thinking
+    assert r.output_text == "" and r.usage.output_tokens_details.reasoning_tokens > 0
+    events = list(client.responses.create(model="m", input=ASK, temperature=0, max_output_tokens=12, stream=True))
+    deltas = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+    last = events[-1]  # cut by max_output_tokens: OpenAI's stream then ends in response.incomplete
+    assert last.type == "response.incomplete" and deltas == thinking
+    assert [i.content[0].text for i in last.response.output if i.type == "reasoning"] == [thinking]
+
+    claude = anthropic.Anthropic(base_url=served_r1.url, api_key="unused", max_retries=0)
+    message = claude.messages.create(model="m", max_tokens=12, messages=ASK)  # greedy: the server's default
+    assert [b.thinking for b in message.content if b.type == "thinking"] == [thinking]
+    with claude.messages.stream(model="m", max_tokens=12, messages=ASK) as stream:
+        streamed = stream.get_final_message()
+    assert [b.thinking for b in streamed.content if b.type == "thinking"] == [thinking]

@@ -17,8 +17,9 @@ from typing import Any, AsyncIterator
 from fastapi import APIRouter, Request
 
 from ..generate import Chunk, Stats
+from ..reasoning import effort_kwargs
 from ..tools import ToolCall, call_opener
-from .anthropic_schema import CountTokens, CreateMessage, parse
+from .anthropic_schema import Conversation, CountTokens, CreateMessage, parse
 from .common import Context, RequestError, body_of, respond, sse
 from .engine_thread import chunks_of
 
@@ -30,10 +31,15 @@ def router(ctx: Context) -> APIRouter:
     api = APIRouter()
     config, tokenizer, engine = ctx.config, ctx.tokenizer, ctx.engine
 
+    def thinking(body: Conversation) -> dict[str, Any]:
+        """`thinking` as the template's switch (none given: the template's default)."""
+        template = effort_kwargs(tokenizer, body.thinking.effort) if body.thinking is not None else {}
+        return {"chat_template_kwargs": template} if template else {}
+
     @api.post("/messages")
     async def messages(request: Request):
         body = parse(await body_of(request, config.max_body), CreateMessage)
-        typed = engine.engine.request(body.chat(), **body.options())
+        typed = engine.engine.request(body.chat(), **body.options(), **thinking(body))
         o = typed.options
         reply = Reply(f"msg_{uuid.uuid4().hex}", config.model_name, o.max_tokens,
                       call_opener(tokenizer) if o.tools and o.tool_choice != "none" else None)
@@ -42,7 +48,7 @@ def router(ctx: Context) -> APIRouter:
     @api.post("/messages/count_tokens")
     async def count_tokens(request: Request):
         body = parse(await body_of(request, config.max_body), CountTokens)
-        typed = engine.engine.request(body.chat(), **body.options())
+        typed = engine.engine.request(body.chat(), **body.options(), **thinking(body))
         return {"input_tokens": await asyncio.to_thread(engine.engine.count, typed)}
 
     return api

@@ -243,12 +243,18 @@ class ToolChoice(Strict):
 
 
 class Thinking(Strict):
-    """Extended thinking. Accepted; a model that thinks thinks as its template says (its
-    thoughts come back as thinking blocks), and budget_tokens is a target, as Anthropic's is."""
+    """Extended thinking: "disabled" switches a thinking template off, the other types on (where
+    the template has the switch; its thoughts come back as thinking blocks); budget_tokens is a
+    target, as Anthropic's is."""
 
     type: Literal["enabled", "disabled", "adaptive", "between_tools"]
     budget_tokens: int | None = Field(None, ge=1024)
     display: Literal["summarized", "omitted"] | None = None
+
+    @property
+    def effort(self) -> str:
+        """The reasoning effort this stands for (`reasoning.effort_kwargs`)."""
+        return "none" if self.type == "disabled" else "medium"
 
     @model_validator(mode="after")
     def budget_when_enabled(self) -> Thinking:

@@ -23,6 +23,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from ..generate import Chunk
+from ..reasoning import effort_kwargs
 from ..tools import ToolCall, call_opener
 from .common import Context, RequestError, body_of, respond, sse
 from .engine_thread import chunks_of
@@ -108,7 +109,10 @@ def router(ctx: Context) -> APIRouter:
     async def create(request: Request) -> Response:
         body = parse(await body_of(request, config.max_body), CreateResponse)
         context = context_of(body)
-        typed = engine.engine.request(messages(context, body.instructions), **body.options(config.max_tokens))
+        options = body.options(config.max_tokens)
+        if body.reasoning is not None and (template := effort_kwargs(tokenizer, body.reasoning.effort)):
+            options["chat_template_kwargs"] = template
+        typed = engine.engine.request(messages(context, body.instructions), **options)
         o = typed.options
         reply = Reply(body, config.model_name, tokenizer,
                       call_opener(tokenizer) if o.tools and o.tool_choice != "none" else None)
