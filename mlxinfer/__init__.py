@@ -4,11 +4,12 @@ from . import blas
 
 blas.preload()  # before anything imports mlx.core: a BLAS chosen later would not be used
 
-from .batch import BatchGenerator, batch_generate
+from .batch import BatchGenerator, batch_generate, generate, stream_generate
 from .cache import PromptCache, load_prompt_cache, make_cache, save_prompt_cache
 from .chat import ChatSession
+from .embed import embed
 from .errors import MlxinferError
-from .generate import Chunk, Stats, generate, stream_generate
+from .generate import Chunk, Stats
 from .loading import load, load_tokenizer
 from .pool import PromptCachePool
 from .sample import SamplingConfig
@@ -25,6 +26,7 @@ __all__ = [
     "Stats",
     "__version__",
     "batch_generate",
+    "embed",
     "generate",
     "load",
     "load_prompt_cache",

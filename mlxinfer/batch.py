@@ -32,16 +32,18 @@ import mlx.core as mx
 from .cache import PromptCache, run_rows
 from .checks import integer
 from .constrain import Constraint, masked
-from .decode import Stats, Token, chosen_logprobs, drawn
+from .decode import Score, Stats, Token, chosen_logprobs, drawn, scored_prefill
 from .errors import InvalidOptionError
 from .generate import (Chunk, GenerationOptions, Prompt, TextStream, check_context, context_limit,
-                       constraint_for, generation_stream, predicted_tokens, read_tool_calls, request_tokens,
-                       token_source, tool_plan, wired_limit)
+                       constraint_for, generation_stream, predicted_tokens, read_tool_calls, reasoning_of,
+                       request_tokens, speculative_source, tool_plan, wired_limit)
 from .pool import PromptCachePool, prefix_copy
+from .reasoning import Reasoning
 from .request import Request
 from .sample import Sampler, SamplingConfig, greedy
 from .speculative import PredictedOutput, SpeculativeDecoder
 from .tools import ToolPlan
+from .tools import plan as plan_tools
 from .tokenizer import Tokenizer
 
 CACHE_OPTIONS = ("max_kv_size", "kv_bits", "kv_group_size")
@@ -60,17 +62,20 @@ class Prepared:
     tools: ToolPlan | None
     # a fresh matcher for its format or tool calls per choice (built here: it can be slow), or Nones
     constraints: tuple[Constraint | None, ...]
-    predicted: tuple[int, ...] | None  # the prediction's tokens, when it has one
+    reasoning: Reasoning | None = None  # how its reply splits into thinking and answer
+    predicted: tuple[int, ...] | None = None  # the prediction's tokens, when it has one
 
 
 @dataclass(eq=False)
 class _SharedPrompt:
     """The prompt of a request's n choices: the first of them admitted prefills it (`runner`);
-    the rest wait until `cache` holds a copy of the prefilled prompt and start from copies of
-    that. Should the runner end before its prompt is in, the next choice admitted runs it."""
+    the rest wait until `cache` holds a copy of the prefilled prompt (and `scores` its scores,
+    when they were asked for) and start from copies of that. Should the runner end before its
+    prompt is in, the next choice admitted runs it."""
 
     runner: _Sequence | None = None
     cache: PromptCache | None = None
+    scores: list[Score] | None = None
 
     def ready(self) -> bool:
         """Whether a waiting choice may start now: from the prompt's copy, or as its runner."""
@@ -96,6 +101,9 @@ class _Sequence:
     constraint: Constraint | None = None  # its response format or tool-call grammar, when it has one
     tools: ToolPlan | None = None  # what its tools are and how its calls are read
     reply: list[str] = field(default_factory=list)  # its text so far, kept only when it has tools
+    own_cache: PromptCache | None = None  # the caller's cache (reused across calls), instead of the pool's or a new one
+    scores: list[Score] | None = None  # its prompt's scores so far, when it asked for them (prompt_logprobs)
+    reasoning: Reasoning | None = None  # how its reply splits into thinking and answer
     index: int = 0  # which of its request's choices it is
     shared: _SharedPrompt | None = None  # with n > 1: the prompt it shares with the other choices, until it starts
     predicted: tuple[int, ...] | None = None  # the prediction it drafts from while alone
@@ -157,6 +165,7 @@ class BatchGenerator:
         self._cancelled: set[int] = set()
         self._known: set[int] = set()
         self._queued: _Decode | None = None
+        self.failures: dict[int, Exception] = {}  # uid -> what ended it with finish_reason "error", this step
 
     @property
     def active(self) -> int:
@@ -190,33 +199,47 @@ class BatchGenerator:
         the sequences being decoded."""
         o, vocab = request.options, self.model.config.vocab_size
         tools = tool_plan(o, self.tokenizer)
-        ids = request_tokens(self.tokenizer, request.prompt, vocab, tools)
+        ids = request_tokens(self.tokenizer, request.prompt, vocab, tools, o.chat_template_kwargs)
         check_context(self.model, PromptCache.for_model(self.model, **_cache_options(o)), len(ids))
         constraints = tuple(constraint_for(o, self.tokenizer, vocab, tools) for _ in range(o.n))
-        return Prepared(ids, request.sampling, o, tools, constraints, predicted_tokens(self.tokenizer, o, vocab))
+        return Prepared(ids, request.sampling, o, tools, constraints, reasoning_of(o, self.tokenizer, ids),
+                        predicted_tokens(self.tokenizer, o, vocab))
 
-    def enqueue(self, prepared: Prepared) -> int:
-        """Queue a prepared request (`prepare`) of one choice; returns its uid."""
+    def count(self, request: Request) -> int:
+        """How many tokens the request's prompt is as `prepare` renders it, tools included
+        (they render alike whatever tool_choice says); no grammar is compiled and nothing is
+        checked against the context, so a client can measure a prompt before sending it."""
+        o = request.options
+        shown = plan_tools(self.tokenizer, o.tools, "none") if o.tools is not None else None
+        return len(request_tokens(self.tokenizer, request.prompt, self.model.config.vocab_size, shown,
+                                  o.chat_template_kwargs))
+
+    def enqueue(self, prepared: Prepared, cache: PromptCache | None = None) -> int:
+        """Queue a prepared request (`prepare`) of one choice; returns its uid. With `cache`
+        (the caller's, kept across calls) the sequence runs in it, reusing its longest common
+        prefix, and its draft cache (`draft_cache`) is the caller's too."""
         if prepared.options.n != 1:
             raise InvalidOptionError(f"this request asks for n={prepared.options.n} choices: queue it with "
                                      "enqueue_choices, which returns one uid per choice")
-        return self.enqueue_choices(prepared)[0]
+        if cache is not None:
+            cache.check_fits(self.model)
+        return self._queue(prepared, 0, None, cache)
 
     def enqueue_choices(self, prepared: Prepared) -> list[int]:
         """Queue a prepared request's n choices (`options.n`) as n sequences that prefill its
         prompt once; their uids, in choice order. With seed s, choice i samples with seed
         `sample.choice_seed(s, i)` (choice 0 with s: the first of n is what n=1 gives)."""
-        p = prepared
-        shared = _SharedPrompt() if p.options.n > 1 else None
-        uids = []
-        for i, constraint in enumerate(p.constraints):
-            uid = next(self._uids)
-            self._waiting.append(_Sequence(uid, p.ids, p.options, Sampler(p.sampling.for_choice(i), p.ids),
-                                           Stats(prompt_tokens=len(p.ids)), time.perf_counter(), tools=p.tools,
-                                           constraint=constraint, index=i, shared=shared, predicted=p.predicted))
-            self._known.add(uid)
-            uids.append(uid)
-        return uids
+        shared = _SharedPrompt() if prepared.options.n > 1 else None
+        return [self._queue(prepared, i, shared) for i in range(prepared.options.n)]
+
+    def _queue(self, p: Prepared, index: int, shared: _SharedPrompt | None, cache: PromptCache | None = None) -> int:
+        uid = next(self._uids)
+        self._waiting.append(_Sequence(uid, p.ids, p.options, Sampler(p.sampling.for_choice(index), p.ids),
+                                       Stats(prompt_tokens=len(p.ids)), time.perf_counter(), tools=p.tools,
+                                       constraint=p.constraints[index], own_cache=cache, reasoning=p.reasoning,
+                                       index=index, shared=shared, predicted=p.predicted))
+        self._known.add(uid)
+        return uid
 
     def cancel(self, uid: int) -> None:
         """Stop a sequence; its last chunk (finish_reason "cancelled") comes with the next
@@ -235,6 +258,7 @@ class BatchGenerator:
         """Admit, prefill a little, then decode: one batched step, or one speculative burst
         for a sequence alone in the engine. Returns the (uid, Chunk) pairs it produced."""
         out: list[tuple[int, Chunk]] = []
+        self.failures.clear()
         with mx.stream(generation_stream()):
             self._drop_cancelled(out)
             self._admit(out)
@@ -314,6 +338,7 @@ class BatchGenerator:
             if s in group:
                 group.remove(s)
         s.stats.finish_reason = "error"
+        self.failures[s.uid] = error
         message = " ".join(str(error).split())  # one line, whatever the exception held
         out.append((s.uid, Chunk("", None, None, "error", s.stats, error=f"{type(error).__name__}: {message}",
                                  index=s.index)))
@@ -344,51 +369,71 @@ class BatchGenerator:
             except Exception as e:  # noqa: BLE001 - one sequence's failure ends that sequence only
                 self._fail(s, e, out)
                 continue
-            if limit <= 0:
+            if s.options.echo and s.scores is None:
+                out.append((s.uid, s.text.prompt(s.prompt)))
+            if limit <= 0 and s.scores is None:
                 out.append((s.uid, s.text.end("length")))
                 self._finished(s)
                 continue
             self._prefilling.append(s)
 
     def _start(self, s: _Sequence) -> int:
-        """Give an admitted sequence its cache (from the pool when one shares its prefix) and
-        text layer; returns how many tokens it may generate. A choice whose prompt another
-        choice prefilled starts from a copy of that cache, with only its last token to run."""
+        """Give an admitted sequence its cache (the caller's, or from the pool when one shares its
+        prefix) and text layer; returns how many tokens it may generate. A prompt to be scored
+        runs whole: positions a cache already held were never scored. A choice whose prompt
+        another choice prefilled starts from a copy of that cache (and its scores), with only
+        its last token to run."""
         opts, shared = s.cache_options, s.shared
+        scored = s.options.prompt_logprobs is not None
+        s.scores = [] if scored else None
         if shared is not None and shared.cache is not None:
             s.cache = prefix_copy(shared.cache, len(shared.cache.tokens))
+            s.scores = list(shared.scores) if scored else None
             s.shared = None  # once every waiting choice has started, nothing holds the copy
+        elif s.own_cache is not None:
+            s.cache = s.own_cache
+            if scored:
+                s.cache.reset()
+        elif self.pool is not None and not scored:
+            s.cache = self.pool.fetch(self.model, s.prompt, **opts)
         else:
-            if shared is not None:
-                shared.runner = s
-            s.cache = self.pool.fetch(self.model, s.prompt, **opts) if self.pool else PromptCache.for_model(
-                self.model, **opts)
+            s.cache = PromptCache.for_model(self.model, **opts)
+        if shared is not None and s.shared is not None:
+            shared.runner = s
         limit = context_limit(self.model, s.cache, len(s.prompt), s.options.max_tokens)
         s.text = self._text(s, s.cache, limit)
         s.todo = s.cache.prepare(s.prompt)
         s.stats.prefill_tokens = len(s.todo)
         o = s.options
         if o.draft_model is not None or o.prompt_lookup or s.predicted is not None:
-            prediction = PredictedOutput(s.predicted, len(s.prompt)) if s.predicted is not None else None
             # its own draft cache, never one shared by sequences
-            s.speculative = token_source(self.model, s.cache, s.sampler, s.todo[-1], limit,
-                                         replace(o, draft_cache=None), s.stats, s.constraint, prediction)
+            drafting = o if s.own_cache is not None else replace(o, draft_cache=None)
+            prediction = PredictedOutput(s.predicted, len(s.prompt)) if s.predicted is not None else None
+            s.speculative = speculative_source(self.model, s.cache, s.sampler, s.todo[-1], limit, drafting, s.stats,
+                                               s.constraint, prediction)
         return limit
 
     def _text(self, s: _Sequence, cache: PromptCache, limit: int) -> TextStream:
         # time to first token includes the wait for a slot
-        return TextStream(self.tokenizer, s.options, s.stats, limit, cache, start=s.submitted, index=s.index)
+        return TextStream(self.tokenizer, s.options, s.stats, limit, cache, start=s.submitted, reasoning=s.reasoning,
+                          index=s.index)
 
     def _prefill_some(self, out: list[tuple[int, Chunk]]) -> None:
         """Prefill chunks (cut where a lone generation cuts them) until about `prefill_step`
-        tokens ran this step; sequences whose prompt is in join decoding."""
+        tokens ran this step; sequences whose prompt is in join decoding (a scored prompt
+        first comes back with its scores, and ends there when nothing may be generated)."""
         budget = self.prefill_step
         for s in list(self._prefilling):
             step = s.options.prefill_step
             try:
                 while s.prefilled < len(s.todo) - 1 and budget > 0:
-                    chunk = s.todo[s.prefilled : min(s.prefilled + step, len(s.todo) - 1)]
-                    s.cache.prefill(self.model, chunk, len(chunk))
+                    start = s.prefilled
+                    chunk = s.todo[start : min(start + step, len(s.todo) - 1)]
+                    if s.scores is None:
+                        s.cache.prefill(self.model, chunk, len(chunk))
+                    else:
+                        following = s.todo[start + 1 : start + 1 + len(chunk)]
+                        s.scores += scored_prefill(self.model, s.cache, chunk, following, s.options.prompt_logprobs)
                     s.prefilled += len(chunk)
                     budget -= len(chunk)
                     self.stats.prefilled_tokens += len(chunk)
@@ -399,7 +444,14 @@ class BatchGenerator:
                 break
             self._prefilling.remove(s)
             if s.shared is not None:  # its prompt is in: the other choices start from copies of it
-                s.shared.cache, s.shared = prefix_copy(s.cache, len(s.cache.tokens)), None
+                s.shared.cache, s.shared.scores = prefix_copy(s.cache, len(s.cache.tokens)), s.scores
+                s.shared = None
+            if s.scores is not None:
+                out.append((s.uid, s.text.prompt(s.prompt, s.scores)))
+                if s.text.limit <= 0:
+                    out.append((s.uid, s.text.end("length")))
+                    self._finished(s)
+                    continue
             s.next_input = mx.array(s.todo[-1:])
             self._decoding.append(s)
 
@@ -448,9 +500,46 @@ class BatchGenerator:
 
     def _finished(self, s: _Sequence) -> None:
         """Hand the finished sequence's cache to the pool (it covers prompt and reply), or drop it."""
-        if self.pool is not None and s.cache is not None:
+        if self.pool is not None and s.cache is not None and s.own_cache is None:
             self.pool.store(s.cache, self.model, **s.cache_options)
         s.cache = s.speculative = s.constraint = None
+
+
+def stream_generate(model, tokenizer: Tokenizer, prompt: Prompt, prompt_cache: PromptCache | None = None,
+                    **options: Any) -> Iterator[Chunk]:
+    """Stream a completion chunk by chunk (one chunk per generated token): the engine with
+    one request, so a lone generation and a served one run the same recipe.
+
+    Options: max_tokens, temperature, top_p, top_k, min_p, repetition_penalty,
+    presence_penalty, frequency_penalty, penalty_window, logit_bias, seed, stop,
+    ignore_eos, max_kv_size, kv_bits, kv_group_size, prefill_step, logprobs, and
+    for speculative decoding draft_model, draft_cache (the draft's PromptCache, to
+    reuse across calls), num_draft_tokens, prompt_lookup; response_format holds the
+    reply to a JSON Schema, any JSON object, a regex or a Lark grammar (`constrain`);
+    tools and tool_choice offer the app's functions (`tools`): a reply that calls them
+    ends with finish_reason "tool_calls" and the calls on its last chunk (at most one
+    with parallel_tool_calls=False); chat_template_kwargs reach the chat template (e.g.
+    {"enable_thinking": False}). A thinking model's thoughts come in `Chunk.reasoning`
+    and its answer in `Chunk.text` (split_reasoning=False: all of it as text, tags included).
+    With echo the first chunk is the prompt (`Chunk.prompt` holds its tokens), and
+    prompt_logprobs scores them (max_tokens=0 scores without generating).
+    Pass a `PromptCache` to reuse the longest common prefix across calls (not when scoring the
+    prompt: every position of it runs). An error ends the stream by raising it (the served
+    engine turns it into an error chunk instead).
+    """
+    engine = BatchGenerator(model, tokenizer, max_batch=1)
+    prepared = engine.prepare(Request.of(prompt, model.config.vocab_size, **options))
+    uid = engine.enqueue(prepared, cache=prompt_cache)
+    mx.reset_peak_memory()
+    for _, chunk in engine.stream():
+        if chunk.finish_reason == "error":
+            raise engine.failures[uid]
+        yield chunk
+
+
+def generate(model, tokenizer: Tokenizer, prompt: Prompt, **options: Any) -> str:
+    """The whole completion as one string (same options as `stream_generate`)."""
+    return "".join(chunk.text for chunk in stream_generate(model, tokenizer, prompt, **options))
 
 
 def batch_generate(model, tokenizer: Tokenizer, prompts: Sequence[Prompt], max_batch: int = 8,

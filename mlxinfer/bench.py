@@ -11,7 +11,7 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
-from .generate import stream_generate
+from .batch import stream_generate
 
 
 @dataclass(frozen=True)

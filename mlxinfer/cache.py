@@ -476,7 +476,10 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 
 def run_rows(model, caches: Sequence[PromptCache], tokens: mx.array) -> mx.array:
     """One decode step for a batch: token `tokens[i]` runs through `caches[i]`, all in one
-    forward pass; next-token logits [B, V], lazily (ids are read back as in `run`)."""
+    forward pass; next-token logits [B, V], lazily (ids are read back as in `run`). One row
+    runs as a lone sequence does (`PromptCache.run`): the same arithmetic, without the split."""
+    if len(caches) == 1:
+        return caches[0].run(model, tokens)[-1:]
     layers = [LayerRows([c.caches[i] for c in caches]) for i in range(len(model.layers))]
     try:
         logits = model(tokens[:, None], cache=layers)

@@ -29,7 +29,9 @@ from .cache import PromptCache, load_prompt_cache, save_prompt_cache
 from .checks import is_integer
 from .errors import InvalidOptionError, MlxinferError, SessionFileError, TokenizerError
 from .files import replacing, write_problem
-from .generate import Chunk, Stats, split_options, stream_generate
+from .batch import stream_generate
+from .generate import Chunk, Stats, split_options
+from .reasoning import reasoning_for
 from .tokenizer import Tokenizer
 from .tools import plan as plan_tools
 
@@ -123,6 +125,7 @@ class ChatSession:
         user = {"role": "user", "content": text}
         self._turns.append(user)
         pieces: list[str] = []
+        thoughts: list[str] = []
         ids: list[int] = []
         prompt: list[int] = []
         rendered = ""
@@ -136,6 +139,7 @@ class ChatSession:
             eos = set(self.tokenizer.eos_token_ids)
             for chunk in stream_generate(self.model, self.tokenizer, prompt, prompt_cache=self.cache, **options):
                 pieces.append(chunk.text)
+                thoughts.append(chunk.reasoning)
                 if chunk.token is not None and not (chunk.finish_reason == "stop" and chunk.token in eos):
                     ids.append(chunk.token)
                 self.stats = chunk.stats
@@ -145,17 +149,24 @@ class ChatSession:
             if not started:
                 self._turns.remove(user)
             else:
-                self._keep_reply(prompt, rendered, ids, "".join(pieces))
+                self._keep_reply(prompt, rendered, ids, "".join(pieces), "".join(thoughts))
             self._streaming = None
 
-    def _keep_reply(self, prompt: list[int], rendered: str, ids: list[int], reply: str) -> None:
-        self._turns.append({"role": "assistant", "content": reply})
+    def _keep_reply(self, prompt: list[int], rendered: str, ids: list[int], reply: str, thinking: str) -> None:
+        """Keep the reply as a message (a thinking model's thoughts under `reasoning_content`,
+        which templates read; Qwen3's drops them from later turns) and, when the message says
+        all its ids said, the ids as the transcript."""
+        message = {"role": "assistant", "content": reply}
+        self._turns.append({**message, "reasoning_content": thinking} if thinking else message)
         t = self._transcript
         ends = t.ends if prompt[: len(t.tokens)] == t.tokens else [None] * len(t.ends)
-        if self.tokenizer.decode(ids) != reply:  # cut at a stop string, or a character held back
+        said = self.tokenizer.decode(ids)
+        split = reasoning_for(self.tokenizer, rendered) if self._options.get("split_reasoning", True) else None
+        if (split.split(said) if split is not None else ("", said)) != (thinking, reply):
+            # cut at a stop string, or a character held back
             self._transcript = Transcript(ends=[None] * (len(ends) + 1))
             return
-        tokens, text = prompt + ids, rendered + reply
+        tokens, text = prompt + ids, rendered + said
         self._transcript = Transcript(tokens, text, [*ends, (len(tokens), len(text))])
 
     def undo(self) -> bool:
@@ -233,7 +244,8 @@ class ChatSession:
                                self._options.get("parallel_tool_calls", True))
             messages, native = tools.messages(self.tokenizer, messages)
             extra = {"tools": tools.tools} if native else {}
-        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **extra)
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                  **(self._options.get("chat_template_kwargs") or {}), **extra)
 
     def _tokens_for(self, rendered: str) -> list[int]:
         """Ids for a render of the conversation: the transcript's ids for the part it covers,

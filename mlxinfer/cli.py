@@ -147,6 +147,9 @@ GENERATION_OPTIONS = [
                  help="Subtract this from the logits of tokens among the last 64 (0: off)."),
     click.option("--frequency-penalty", type=float,
                  help="Subtract this times each token's count among the last 64 (0: off)."),
+    click.option("--think/--no-think", default=None,
+                 help="Let a thinking model (Qwen3, SmolLM3) think before it answers, or not [default: as its "
+                      "template does]."),
 ]
 # CLI parameter -> stream_generate option
 OPTION_NAMES = {
@@ -196,6 +199,7 @@ class Run:
     draft_model: str | None
     system: str | None
     options: dict[str, Any]
+    think: bool | None = None  # --think / --no-think: checked against the model's template once it is loaded
 
     @classmethod
     def from_params(cls, params: dict[str, Any]) -> Run:
@@ -228,7 +232,7 @@ class Run:
                 "type": "function", "function": {"name": choice}}
         split_options(options)  # a bad value fails now, before a model is fetched and loaded
         system = typed_text(params["system"]) if params["system"] is not None else None
-        return cls(params["model"], params["dtype"], params["draft_model"], system, options)
+        return cls(params["model"], params["dtype"], params["draft_model"], system, options, params.get("think"))
 
     def load(self, pipeline: bool = False):
         """(model, tokenizer, where it came from, draft model or None)."""
@@ -238,6 +242,14 @@ class Run:
         model, tokenizer, where = open_model(self.model, self.dtype, pipeline=pipeline)
         draft = open_model(self.draft_model, self.dtype)[0] if self.draft_model else None
         return model, tokenizer, where, draft
+
+    def options_for(self, tokenizer) -> dict[str, Any]:
+        """The options, with --think / --no-think as the template's switch (refused by a model without one)."""
+        from .reasoning import thinking_switch
+
+        if self.think is None:
+            return self.options
+        return {**self.options, "chat_template_kwargs": thinking_switch(tokenizer, self.think)}
 
 
 @main.command()
@@ -255,7 +267,7 @@ def chat(verbose: bool, pipeline: bool, **params) -> None:
     run = Run.from_params(params)
     model, tokenizer, where, draft = run.load(pipeline=pipeline)
     relay = relay_for(model)
-    session = ChatSession(model, tokenizer, system=run.system, draft_model=draft, **run.options)
+    session = ChatSession(model, tokenizer, system=run.system, draft_model=draft, **run.options_for(tokenizer))
     split = shard_summary(model)
     click.echo(f"mlxinfer chat: {model_name(where)}" + (f" [{split}]" if split else ""), err=True)
     run_repl(session, home() / "chat_history", color=use_color(sys.stdout), verbose=verbose, relay=relay)
@@ -286,8 +298,8 @@ def chat_prompt(tokenizer, text: str, system: str | None, raw: bool) -> str | li
 @PIPELINE_OPTION
 def generate(prompt: str, raw: bool, as_json: bool, no_stream: bool, pipeline: bool, **params) -> None:
     """Complete one prompt: text on stdout (streamed), stats on stderr."""
-    from .generate import stream_generate
-    from .terminal import stats_line, typed_text
+    from .batch import stream_generate
+    from .terminal import stats_line, typed_text, use_color
     from .shard import summary as shard_summary
     from .tools import describe_call
 
@@ -298,39 +310,88 @@ def generate(prompt: str, raw: bool, as_json: bool, no_stream: bool, pipeline: b
     if not text.strip():
         raise InvalidOptionError("the prompt is empty; pass --prompt TEXT, or --prompt - and text on stdin")
     model, tokenizer, where, draft = run.load(pipeline=pipeline)
-    options = {**run.options, "draft_model": draft} if draft else run.options
+    options = run.options_for(tokenizer)
+    prompt_or_messages = chat_prompt(tokenizer, text, run.system, raw)
+    if run.think is not None and raw:
+        raise InvalidOptionError("--think and --no-think switch the chat template, which --raw skips; drop one")
+    options = {**options, "draft_model": draft} if draft else options
     if getattr(model, "shard", None) is not None and options.get("temperature", 0.3) > 0 and "seed" not in options:
         from .shard import agreed_seed
 
         options["seed"] = agreed_seed(model.shard.group)  # every rank must draw the same tokens
     stream = not (no_stream or as_json)
-    pieces, tokens, stats = [], [], None
+    pieces, thoughts, tokens, stats = [], [], [], None
     last = None
-    chunks = stream_generate(model, tokenizer, chat_prompt(tokenizer, text, run.system, raw), **options)
+    shown = use_color(sys.stderr)
+    thinking = False  # thoughts shown on stderr whose line is not ended yet
+    chunks = stream_generate(model, tokenizer, prompt_or_messages, **options)
     if getattr(model, "shard", None) is not None:
         from .relay import Watchdog, peer_timeout
 
         chunks = Watchdog(peer_timeout(), model.shard.rank).chunks(chunks)
     for chunk in chunks:
         pieces.append(chunk.text)
+        thoughts.append(chunk.reasoning)
         stats, last = chunk.stats, chunk
         if params["logprobs"] is not None and chunk.token is not None:
             tokens.append(token_logprobs(tokenizer, chunk))
         if stream:
+            thinking = show_thinking(chunk.reasoning, shown) or thinking
+            if chunk.text and thinking:
+                click.echo(err=True)
+                thinking = False
             click.echo(chunk.text, nl=False)
             sys.stdout.flush()
     if as_json:
         logprobs = {"tokens": tokens} if params["logprobs"] is not None else {}
         calls = {"tool_calls": [c.openai() for c in last.tool_calls]} if last and last.tool_calls else {}
-        click.echo(json.dumps({"model": str(where), "prompt": text, "text": "".join(pieces),
-                               "finish_reason": stats.finish_reason, "stats": asdict(stats), **logprobs, **calls}))
+        click.echo(json.dumps({"model": str(where), "prompt": text, "reasoning": "".join(thoughts),
+                               "text": "".join(pieces), "finish_reason": stats.finish_reason, "stats": asdict(stats),
+                               **logprobs, **calls}))
         return
+    if thinking or (not stream and show_thinking("".join(thoughts), shown)):
+        click.echo(err=True)
     click.echo("" if stream else "".join(pieces))
     for call in last.tool_calls or []:
         click.echo(f"tool call: {describe_call(call)}", err=True)
     click.echo(stats_line(stats), err=True)
     if (split := shard_summary(model)) is not None:
         click.echo(f"[{split}]", err=True)
+
+
+def show_thinking(text: str, color: bool) -> bool:
+    """A thinking model's thoughts on stderr (dimmed on a terminal): stdout keeps the answer
+    alone. Whether there were any."""
+    from .terminal import DIM, paint
+
+    if text:
+        click.echo(paint(text, DIM, color), nl=False, err=True)
+        sys.stderr.flush()
+    return bool(text)
+
+
+@main.command("embed")
+@click.argument("texts", nargs=-1, required=True, metavar="TEXT...")
+@with_options(MODEL_OPTIONS)
+@click.option("--dimensions", type=click.IntRange(1), help="Keep the first N numbers of each vector, renormalised.")
+@click.option("--json", "as_json", is_flag=True, help="Print the vectors and token counts as one JSON object.")
+def embed_command(texts: tuple[str, ...], model, dtype, dimensions, as_json) -> None:
+    """Embed each TEXT (- reads one from stdin): one unit-length vector per text, a line of
+    numbers each, pooled as the checkpoint's sentence-transformers config says (mean otherwise)."""
+    from .embed import embed_tokens, encode_texts
+    from .store import open_model
+    from .terminal import typed_text
+
+    texts = tuple(typed_text(sys.stdin.buffer.read()).rstrip("\n") if t == "-" else typed_text(t) for t in texts)
+    m, tokenizer, where = open_model(model, dtype)
+    ids = encode_texts(m, tokenizer, list(texts))
+    vectors = embed_tokens(m, ids, dimensions=dimensions)
+    if as_json:
+        click.echo(json.dumps({"model": str(where), "dimensions": vectors.shape[1], "embeddings": vectors.tolist(),
+                               "tokens": [len(i) for i in ids]}))
+        return
+    for vector in vectors:
+        click.echo(" ".join(f"{x:.9g}" for x in vector.tolist()))
 
 
 def token_logprobs(tokenizer, chunk) -> dict[str, Any]:
@@ -472,9 +533,12 @@ def bench(model_argument, model, dtype, prompt_tokens, gen_tokens, repeat, max_k
 @click.option("--max-connections", type=click.IntRange(8), default=128, show_default=True,
               help="Open connections at most (fewer when the descriptor limit is lower); past it the longest-idle "
                    "one is closed.")
+@click.option("--responses-store", type=click.IntRange(0), default=256, show_default=True,
+              help="Responses API responses kept in memory for GET /v1/responses/{id} and previous_response_id "
+                   "(the least recently used go first; 0: none).")
 @PIPELINE_OPTION
 def serve(model, dtype, host, port, max_concurrency, max_queue, max_kv_size, kv_bits, prompt_cache_bytes,
-          draft_model, prompt_lookup, api_key, cors, allowed_host, max_connections, pipeline) -> None:
+          draft_model, prompt_lookup, api_key, cors, allowed_host, max_connections, responses_store, pipeline) -> None:
     """Serve the model over OpenAI's HTTP API (chat and text completions, streaming).
     Concurrent requests are decoded together; Ctrl-C stops after the requests in flight."""
     from .batch import BatchGenerator
@@ -509,7 +573,7 @@ def serve(model, dtype, host, port, max_concurrency, max_queue, max_kv_size, kv_
     engine = EngineThread(batch, max_queued=max_queue, relay=relay)
     name = model_name(where)
     config = ServerConfig(name, max_tokens=m.config.max_position_embeddings, api_key=api_key, cors=cors,
-                          hosts=allowed_hosts(host, allowed_host))
+                          hosts=allowed_hosts(host, allowed_host), responses_store=responses_store)
     split = shard_summary(m)
     click.echo(f"serving {name} at http://{host}:{port}/v1 (Ctrl-C stops)" + (f" [{split}]" if split else ""),
                err=True)

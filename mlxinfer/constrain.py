@@ -130,6 +130,17 @@ def _compile(spec_json: str) -> Format | None:
     return _validated(Format(kind, grammar, what))
 
 
+def json_answer(spec: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """The JSON Schema a `json_schema` or `json_object` response_format holds a reply to
+    (None for none or text); a tool-call grammar offers it as the alternative to a call."""
+    kind = spec.get("type") if isinstance(spec, Mapping) else None
+    if kind == "json_object":
+        return {"type": "object"}
+    if kind == "json_schema":
+        return dict(spec["json_schema"]["schema"])
+    return None
+
+
 def _validated(fmt: Format) -> Format:
     """`fmt` once the worker has compiled it (without a tokenizer: that comes with `Constraint`)."""
     error = _COMPILER.check(fmt.grammar, fmt.what)["error"]

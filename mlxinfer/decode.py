@@ -12,8 +12,9 @@ given that token: the next forward pass runs it and yields what follows.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from typing import Iterator, Protocol
+from typing import Iterator, Protocol, Sequence
 
 import mlx.core as mx
 
@@ -83,6 +84,38 @@ def chosen_logprobs(logits: mx.array, tokens: mx.array) -> tuple[mx.array, mx.ar
     logits = finite(logits)
     rows = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
     return mx.take_along_axis(rows, mx.maximum(tokens, 0)[:, None], axis=-1)[:, 0], rows
+
+
+# The log-probability reported for a token the model gives no chance at all (-inf, which JSON
+# cannot carry): float32's lowest finite value, still below every real log-probability.
+LOWEST_LOGPROB = float(mx.finfo(mx.float32).min)
+
+
+@dataclass(frozen=True)
+class Score:
+    """A prompt token's log-probability given the tokens before it, and the `top` most likely
+    tokens at its position with theirs (best first)."""
+
+    logprob: float
+    top_logprobs: list[tuple[int, float]]
+
+
+def scored_prefill(model, cache: PromptCache, tokens: Sequence[int], following: Sequence[int],
+                   top: int) -> list[Score]:
+    """Prefill one chunk of a prompt and score what follows each of its tokens (`following[i]`,
+    the prompt's next token): a plain prefill never runs the LM head, this one runs it for
+    every position, takes the float32 log-softmax over the whole vocabulary (as evaluators
+    compute a log-likelihood) and reads the chosen and the `top` best entries of each row."""
+    logits = finite(cache.run(model, tokens).astype(mx.float32))
+    rows = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    chosen = mx.take_along_axis(rows, mx.array([int(t) for t in following])[:, None], axis=-1)[:, 0]
+    k = min(top, rows.shape[-1])
+    best = mx.argpartition(-rows, k - 1, axis=-1)[:, :k] if k else mx.zeros((len(tokens), 0), mx.int32)
+    values = mx.take_along_axis(rows, best, axis=-1)
+    mx.eval(chosen, best, values, [(c.keys, c.values) for c in cache.caches])
+    return [Score(lp if lp >= LOWEST_LOGPROB else LOWEST_LOGPROB,  # -inf and NaN (an empty row) alike
+                  sorted(((t, v) for t, v in zip(ids, vs) if math.isfinite(v)), key=lambda e: (-e[1], e[0])))
+            for lp, ids, vs in zip(chosen.tolist(), best.tolist(), values.tolist())]
 
 
 def drawn(token: int) -> int:

@@ -29,6 +29,10 @@ class TokenizerError(MlxinferError):
     """A tokenizer that cannot be loaded or a chat template that fails to render."""
 
 
+class NoLMHeadError(MlxinferError):
+    """Generation asked of a model saved without its LM head (an embedding checkpoint)."""
+
+
 class InvalidOptionError(MlxinferError, ValueError):
     """An option value out of its allowed range."""
 

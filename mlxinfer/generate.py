@@ -2,7 +2,8 @@
 
 Whatever produces the tokens (plain, speculative or batched decoding: `decode`,
 `speculative`, `batch`), `TextStream` turns one sequence's tokens into `Chunk`s the
-same way: streaming detokenizer, stop strings, EOS, limits and timing stats."""
+same way: streaming detokenizer, thinking apart from the answer, stop strings, EOS,
+limits and timing stats."""
 
 from __future__ import annotations
 
@@ -14,18 +15,19 @@ import math
 import time
 import warnings
 from dataclasses import dataclass, fields
-from typing import Any, Iterator, Sequence
+from typing import Any, Sequence
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from .cache import KV_BITS, KV_GROUP_SIZES, PromptCache
 from .checks import flag, integer, is_integer, token_ids
-from .constrain import Constraint, response_format
+from .constrain import Constraint, json_answer, response_format
 from .tools import ToolCall, ToolPlan, check_tools
 from .tools import plan as plan_tools
-from .decode import ConstrainedDecoder, PlainDecoder, Stats, Token, TokenSource
+from .decode import Score, Stats, Token
 from .errors import InvalidOptionError
+from .reasoning import Reasoning, reasoning_for, tags_for
 from .sample import Sampler, SamplingConfig
 from .speculative import LOOKUP_DRAFT, MODEL_DRAFT, PREDICTION_DRAFT, PredictedOutput, SpeculativeDecoder, make_drafter
 from .tokenizer import Tokenizer
@@ -37,6 +39,18 @@ Prompt = str | Sequence[int] | Sequence[dict]
 MAX_STOPS, MAX_STOP_CHARS = 16, 1000
 # Choices one request may ask for (`n`): each is a sequence of its own in the batch engine.
 MAX_CHOICES = 16
+
+
+@dataclass(frozen=True)
+class PromptToken:
+    """One token of an echoed prompt: its id, the text it adds, and (when the prompt is scored)
+    its log-probability given the tokens before it with the most likely tokens there. The first
+    token has none: nothing comes before it."""
+
+    id: int
+    text: str
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] | None = None
 
 
 @dataclass
@@ -52,6 +66,8 @@ class Chunk:
     tool_calls: list[ToolCall] | None = None  # on the last chunk of a reply that called tools
     content: str | None = None  # with tool_calls: the reply's text outside the calls
     reasoning: str = ""  # thinking this token added (a reasoning model's <think> part); `text` is the answer only
+    stop_sequence: str | None = None  # the stop string that ended the reply (Anthropic's API names it)
+    prompt: list[PromptToken] | None = None  # echo: the prompt's tokens, on a first chunk whose `text` is the prompt
     index: int = 0  # which of the request's `n` choices this chunk belongs to
 
 
@@ -73,6 +89,10 @@ class GenerationOptions:
     tools: Any = None  # OpenAI's tools list: see `tools`
     tool_choice: Any = None  # "auto" (default), "none", "required" or {"type": "function", "function": {"name"}}
     parallel_tool_calls: bool = True  # False: a reply makes at most one call (held to the grammar)
+    chat_template_kwargs: dict[str, Any] | None = None  # extra template variables, e.g. {"enable_thinking": False}
+    split_reasoning: bool = True  # a thinking model's thoughts in Chunk.reasoning, not in the text (`reasoning`)
+    echo: bool = False  # the prompt comes back first, as one chunk (its text and tokens), before the reply
+    prompt_logprobs: int | None = None  # with echo: score the prompt's tokens, with this many top alternatives
     n: int = 1  # choices: the batch engine runs n sequences from one prefill (`BatchGenerator.enqueue_choices`)
     prediction: str | None = None  # the expected output (Predicted Outputs): the speculative draft, in place of others
 
@@ -89,6 +109,13 @@ class GenerationOptions:
                                      "allowed")
         flag("ignore_eos", self.ignore_eos)
         flag("parallel_tool_calls", self.parallel_tool_calls)
+        flag("split_reasoning", self.split_reasoning)
+        check_template_kwargs(self.chat_template_kwargs)
+        flag("echo", self.echo)
+        if self.prompt_logprobs is not None:
+            integer("prompt_logprobs", self.prompt_logprobs, 0)
+            if not self.echo:
+                raise InvalidOptionError("prompt_logprobs needs echo=True: the scores come with the echoed prompt")
         if self.max_kv_size is not None:
             integer("max_kv_size", self.max_kv_size, 2)
         if self.kv_bits is not None and (not is_integer(self.kv_bits) or self.kv_bits not in KV_BITS):
@@ -114,11 +141,29 @@ class GenerationOptions:
                                      "ends with EOS once it is complete")
         if self.tools is not None:
             check_tools(self.tools)
-            if self.response_format is not None:
-                raise InvalidOptionError("tools and response_format are alternatives: a reply is either a tool call "
-                                         "or held to a format")
+            fmt = response_format(self.response_format)
+            if fmt is not None and fmt.kind not in ("json_object", "json_schema"):
+                raise InvalidOptionError(f"tools combine with a json_schema or json_object response_format only, not "
+                                         f"{fmt.kind}: a reply is a tool call or JSON")
         elif self.tool_choice is not None:
             raise InvalidOptionError("tool_choice needs tools")
+
+
+# Variables the renderer sets itself: a template kwarg may not replace them.
+RESERVED_TEMPLATE_KWARGS = ("messages", "add_generation_prompt", "tools")
+
+
+def check_template_kwargs(kwargs: Any) -> None:
+    """chat_template_kwargs: template variables by name; never one the renderer sets itself."""
+    if kwargs is None:
+        return
+    if not isinstance(kwargs, dict) or not all(isinstance(k, str) and k.isidentifier() for k in kwargs):
+        raise InvalidOptionError('chat_template_kwargs must be an object of template variables, e.g. '
+                                 '{"enable_thinking": false}')
+    taken = [k for k in RESERVED_TEMPLATE_KWARGS if k in kwargs]
+    if taken:
+        raise InvalidOptionError(f"chat_template_kwargs cannot set '{taken[0]}': it comes from the request itself"
+                                 + (" (pass tools as the tools option)" if taken[0] == "tools" else ""))
 
 
 def split_options(options: dict[str, Any], vocab_size: int | None = None) -> tuple[SamplingConfig, GenerationOptions]:
@@ -138,14 +183,16 @@ def split_options(options: dict[str, Any], vocab_size: int | None = None) -> tup
     return config, GenerationOptions(**gen)
 
 
-def prompt_tokens(tokenizer: Tokenizer, prompt: Prompt, vocab_size: int) -> list[int]:
-    """A string, token ids, or chat messages (rendered with the chat template), as ids
-    checked against the model's `vocab_size` (a tokenizer may know more tokens than
-    the model has embedding rows)."""
+def prompt_tokens(tokenizer: Tokenizer, prompt: Prompt, vocab_size: int,
+                  template_kwargs: dict[str, Any] | None = None) -> list[int]:
+    """A string, token ids, or chat messages (rendered with the chat template and
+    `template_kwargs`), as ids checked against the model's `vocab_size` (a tokenizer may
+    know more tokens than the model has embedding rows)."""
     if isinstance(prompt, str):
         ids = tokenizer.encode(prompt) if prompt else []
     elif isinstance(prompt, Sequence) and prompt and isinstance(prompt[0], dict):
-        ids = tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True, tokenize=True)
+        ids = tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True, tokenize=True,
+                                            **(template_kwargs or {}))
     else:
         ids = prompt
     ids = token_ids(ids, vocab_size, "the prompt")
@@ -155,6 +202,8 @@ def prompt_tokens(tokenizer: Tokenizer, prompt: Prompt, vocab_size: int) -> list
 
 
 def check_context(model, cache: PromptCache, n_prompt: int) -> None:
+    """Refuse a prompt the model cannot continue: it has no LM head, or the prompt is longer than its context."""
+    model.require_head()
     limit = model.config.max_position_embeddings
     if n_prompt > limit and not cache.bounded:
         raise InvalidOptionError(
@@ -202,13 +251,14 @@ class StopMatcher:
     once, whatever their number and length: its state is the longest suffix of the
     text that is a prefix of some stop, which is exactly what must be held back.
     Reading n characters costs at most 2n moves (`moves` counts them), so a push
-    costs what it brings, not what is held back or how long the stops are."""
+    costs what it brings, not what is held back or how long the stops are. `matched` is the
+    stop string the last push hit (the earliest-starting one; of those, the shortest)."""
 
     def __init__(self, stops: Sequence[str]):
         self.stops = list(stops)
         self._goto: list[dict[str, int]] = [{}]  # trie edges; node 0 is the empty prefix
         self._depth = [0]  # each node's prefix length
-        self._ends = [0]  # length of the longest stop that ends the node's prefix (0: none)
+        self._ends = [""]  # the longest stop that ends the node's prefix ("": none)
         for stop in self.stops:
             self._insert(stop)
         self._fail = self._failure_links()
@@ -217,6 +267,7 @@ class StopMatcher:
         self._held: collections.deque[str] = collections.deque()  # the last `_depth[_state]` characters read,
         self._skip = 0  # in pieces, less the first `_skip` characters of the first piece (already released)
         self.moves = 0
+        self.matched: str | None = None
 
     def _insert(self, stop: str) -> None:
         node = 0
@@ -226,9 +277,9 @@ class StopMatcher:
                 nxt = self._goto[node][ch] = len(self._goto)
                 self._goto.append({})
                 self._depth.append(self._depth[node] + 1)
-                self._ends.append(0)
+                self._ends.append("")
             node = nxt
-        self._ends[node] = len(stop)
+        self._ends[node] = stop
 
     def _failure_links(self) -> list[int]:
         """Each node's longest proper suffix that is also a node, breadth first; a node's
@@ -259,6 +310,7 @@ class StopMatcher:
 
     def push(self, text: str) -> tuple[str, bool]:
         """Returns (text safe to emit, whether a stop string was hit)."""
+        self.matched = None
         if not self.stops:
             return self.flush() + text, False
         held = self._depth[self._state]
@@ -266,8 +318,9 @@ class StopMatcher:
         for i, ch in enumerate(text):
             state = self._step(state, ch)
             if self._ends[state]:
-                start = i + 1 - self._ends[state]
-                first = start if first is None else min(first, start)
+                start = i + 1 - len(self._ends[state])
+                if first is None or start < first:
+                    first, self.matched = start, self._ends[state]
             if first is not None and i + 1 - first >= self._longest:
                 break  # a stop ending later would be longer than the longest to start before `first`
         if first is not None:  # `first` counts from the start of `text`; negative reaches into the held text
@@ -319,14 +372,18 @@ def top_logprobs(logprobs: mx.array, k: int) -> list[tuple[int, float]] | None:
 
 
 class TextStream:
-    """One sequence's tokens → chunks: streamed text, stop strings, EOS, limits, stats.
-    Its time to first token counts from `start` (default: now); its chunks carry `index`,
-    the choice it is of a request's n."""
+    """One sequence's tokens → chunks: streamed text, thinking told apart from the answer
+    (`reasoning`: how, for a thinking model), stop strings and tool calls on the answer
+    only, EOS, limits, stats. Its time to first token counts from `start` (default: now); its
+    chunks carry `index`, the choice it is of a request's n."""
 
     def __init__(self, tokenizer: Tokenizer, options: GenerationOptions, stats: Stats, limit: int,
-                 cache: PromptCache, start: float | None = None, index: int = 0):
+                 cache: PromptCache, start: float | None = None, reasoning: Reasoning | None = None,
+                 index: int = 0):
         self.options, self.stats, self.limit, self.cache, self.index = options, stats, limit, cache, index
+        self.tokenizer = tokenizer
         self.detok = tokenizer.detokenizer()
+        self.split = reasoning.splitter() if reasoning is not None else None
         self.stop = StopMatcher(options.stop)
         self.eos = set() if options.ignore_eos else set(tokenizer.eos_token_ids)
         self.generated = 0
@@ -344,15 +401,42 @@ class TextStream:
         else:
             stats.decode_tps = (n - 1) / max(time.perf_counter() - self.first_token_at, 1e-9)
         stopped_by_eos = token.id in self.eos
-        text, hit = ("", False) if stopped_by_eos else self.stop.push(self.detok.add(token.id))
+        thinking, answer = ("", "") if stopped_by_eos else self._parts(self.detok.add(token.id))
+        text, hit = self.stop.push(answer)
         finish = "stop" if (stopped_by_eos or hit) else ("length" if n >= self.limit else None)
         if finish and not hit:
-            text += self.stop.push(self.detok.finalize())[0] + self.stop.flush()
+            more, rest = self._rest()
+            thinking, text = thinking + more, text + rest
         stats.generated_tokens = n
         if finish:
             self._finish(finish)
         return Chunk(text, token.id, token.logprob, finish, stats, top_logprobs(token.logprobs, self.options.logprobs),
-                     token.drafted, index=self.index)
+                     token.drafted, reasoning=thinking, stop_sequence=self.stop.matched, index=self.index)
+
+    def _parts(self, text: str) -> tuple[str, str]:
+        """(thinking, answer) in newly decoded text."""
+        return self.split.push(text) if self.split is not None else ("", text)
+
+    def _rest(self) -> tuple[str, str]:
+        """(thinking, answer) held back at the end of a sequence: by the detokenizer, the
+        reasoning split and the stop matcher."""
+        thinking, answer = self._parts(self.detok.finalize())
+        if self.split is not None:
+            more, tail = self.split.flush()
+            thinking, answer = thinking + more, answer + tail
+        return thinking, self.stop.push(answer)[0] + self.stop.flush()
+
+    def prompt(self, ids: Sequence[int], scores: Sequence[Score] | None = None) -> Chunk:
+        """The echoed prompt as one chunk: its text, and each token with the text it adds (the
+        pieces join to the text) and, when `scores` (one per token after the first) are given,
+        its log-probability and the most likely tokens at its position."""
+        detok = self.tokenizer.detokenizer()
+        pieces = [detok.add(t) for t in ids]
+        pieces[-1] += detok.finalize()
+        scored = [None, *scores] if scores is not None else [None] * len(ids)
+        tokens = [PromptToken(t, piece, s.logprob if s else None, s.top_logprobs if s else None)
+                  for t, piece, s in zip(ids, pieces, scored)]
+        return Chunk("".join(pieces), None, None, None, self.stats, prompt=tokens, index=self.index)
 
     def _finish(self, reason: str) -> None:
         self.stats.finish_reason = reason
@@ -364,34 +448,51 @@ class TextStream:
         be generated ("length": max_tokens=0 or a full context), or it was cancelled;
         text held back for a possible stop string is released."""
         self._finish(reason)
-        text = "" if not self.generated else self.stop.push(self.detok.finalize())[0] + self.stop.flush()
-        return Chunk(text, None, None, reason, self.stats, index=self.index)
+        thinking, text = self._rest() if self.generated else ("", "")
+        return Chunk(text, None, None, reason, self.stats, reasoning=thinking, index=self.index)
 
 
 def tool_plan(options: GenerationOptions, tokenizer: Tokenizer) -> ToolPlan | None:
     if options.tools is None:
         return None
-    return plan_tools(tokenizer, options.tools, options.tool_choice, options.parallel_tool_calls)
+    return plan_tools(tokenizer, options.tools, options.tool_choice, options.parallel_tool_calls,
+                      json_answer(options.response_format))
 
 
-def request_tokens(tokenizer: Tokenizer, prompt: Prompt, vocab_size: int, tools: ToolPlan | None) -> list[int]:
+def request_tokens(tokenizer: Tokenizer, prompt: Prompt, vocab_size: int, tools: ToolPlan | None,
+                   template_kwargs: dict[str, Any] | None = None) -> list[int]:
     """The prompt's ids; with tools, chat messages rendered with them (by the template, or the
-    fallback). Token ids are taken as rendered with the tools already (a chat session does that)."""
+    fallback). Token ids are taken as rendered with the tools already (a chat session does that).
+    `template_kwargs` reach the template when there are messages to render."""
     if tools is None or (isinstance(prompt, Sequence) and prompt and not isinstance(prompt[0], dict)
                          and not isinstance(prompt, str)):
-        return prompt_tokens(tokenizer, prompt, vocab_size)
+        return prompt_tokens(tokenizer, prompt, vocab_size, template_kwargs)
     if isinstance(prompt, str):
         raise InvalidOptionError("tools need chat messages as the prompt (a list of {'role', 'content'} dicts)")
     messages, native = tools.messages(tokenizer, list(prompt))
     extra = {"tools": tools.tools} if native else {}
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **extra)
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                        **(template_kwargs or {}), **extra)
     return prompt_tokens(tokenizer, ids, vocab_size)
+
+
+# Prompt tokens read for where a reply starts (inside an opened thinking or not): the end of a
+# generation prompt, its tag and the blank space after it, without decoding a long prompt whole.
+REASONING_TAIL = 32
+
+
+def reasoning_of(options: GenerationOptions, tokenizer: Tokenizer, ids: Sequence[int]) -> Reasoning | None:
+    """How a reply to `ids` splits into thinking and answer (None: it does not)."""
+    if not options.split_reasoning or tags_for(tokenizer) is None:
+        return None
+    return reasoning_for(tokenizer, tokenizer.decode(ids[-REASONING_TAIL:]))
 
 
 def constraint_for(options: GenerationOptions, tokenizer: Tokenizer, vocab_size: int,
                    tools: ToolPlan | None = None) -> Constraint | None:
-    """A fresh matcher for the options' response format or tool calls, if they ask for one."""
-    if tools is not None:
+    """A fresh matcher for the options' tool calls (and the format a reply may answer in
+    instead) or their response format, if they ask for one."""
+    if tools is not None and tools.grammar is not None:
         return tools.constraint(tokenizer, vocab_size)
     fmt = response_format(options.response_format)
     return Constraint(fmt, tokenizer, vocab_size) if fmt is not None else None
@@ -416,81 +517,17 @@ def predicted_tokens(tokenizer: Tokenizer, options: GenerationOptions, vocab_siz
     return tuple(t for t in tokenizer.encode(options.prediction, add_special_tokens=False) if t < vocab_size)
 
 
-def token_source(model, cache: PromptCache, sampler: Sampler, last: int, limit: int, options: GenerationOptions,
-                 stats: Stats, constraint: Constraint | None = None,
-                 prediction: PredictedOutput | None = None) -> TokenSource:
-    """Plain decoding, or speculative decoding when a drafter is asked for (a `prediction`
-    comes first: it is what the caller expects this very output to be); held to `constraint`
-    when there is one."""
+def speculative_source(model, cache: PromptCache, sampler: Sampler, last: int, limit: int,
+                       options: GenerationOptions, stats: Stats, constraint: Constraint | None = None,
+                       prediction: PredictedOutput | None = None) -> SpeculativeDecoder:
+    """Speculative decoding with the drafter asked for: a `prediction` first (it is what the
+    caller expects this very output to be), else the options' draft model or prompt lookup;
+    held to `constraint` when there is one."""
     o = options
     if prediction is not None:
         drafter, max_draft = prediction, o.num_draft_tokens or PREDICTION_DRAFT
-    elif o.draft_model is None and not o.prompt_lookup:
-        if constraint is not None:
-            return ConstrainedDecoder(model, cache, sampler, constraint, last, limit)
-        return PlainDecoder(model, cache, sampler, last, limit)
     else:
         drafter = make_drafter(model, sampler, o.draft_model, o.draft_cache, constraint,
                                max_kv_size=o.max_kv_size, kv_bits=o.kv_bits, kv_group_size=o.kv_group_size)
         max_draft = o.num_draft_tokens or (LOOKUP_DRAFT if o.prompt_lookup else MODEL_DRAFT)
     return SpeculativeDecoder(model, cache, sampler, drafter, last, limit, stats, max_draft, constraint=constraint)
-
-
-def stream_generate(
-    model, tokenizer: Tokenizer, prompt: Prompt, prompt_cache: PromptCache | None = None, **options: Any
-) -> Iterator[Chunk]:
-    """Stream a completion chunk by chunk (one chunk per generated token).
-
-    Options: max_tokens, temperature, top_p, top_k, min_p, repetition_penalty,
-    presence_penalty, frequency_penalty, penalty_window, logit_bias, seed, stop,
-    ignore_eos, max_kv_size, kv_bits, kv_group_size, prefill_step, logprobs, and
-    for speculative decoding draft_model, draft_cache (the draft's PromptCache, to
-    reuse across calls), num_draft_tokens, prompt_lookup, and prediction (the output
-    expected, e.g. the file being edited: drafts are taken from it, and the output is
-    the same as without it); response_format holds the
-    reply to a JSON Schema, any JSON object, a regex or a Lark grammar (`constrain`);
-    tools and tool_choice offer the app's functions (`tools`): a reply that calls them
-    ends with finish_reason "tool_calls" and the calls on its last chunk (at most one
-    with parallel_tool_calls=False). One completion: for n choices of one prompt, see
-    `BatchGenerator.enqueue_choices`.
-    Pass a `PromptCache` to reuse the longest common prefix across calls.
-    """
-    sampling, o = split_options(options, model.config.vocab_size)
-    if o.n != 1:
-        raise InvalidOptionError(f"stream_generate makes one completion, not n={o.n}: queue the request's choices "
-                                 "with BatchGenerator.enqueue_choices (they share one prefill)")
-    tools = tool_plan(o, tokenizer)
-    ids = request_tokens(tokenizer, prompt, model.config.vocab_size, tools)
-    cache = prompt_cache or PromptCache.for_model(
-        model, max_kv_size=o.max_kv_size, kv_bits=o.kv_bits, kv_group_size=o.kv_group_size
-    )
-    cache.check_fits(model)
-    check_context(model, cache, len(ids))
-    stats = Stats(prompt_tokens=len(ids))
-    with wired_limit(model), mx.stream(generation_stream()):
-        mx.reset_peak_memory()
-        limit = context_limit(model, cache, len(ids), o.max_tokens)
-        text = TextStream(tokenizer, o, stats, limit, cache)
-        todo = cache.prepare(ids)
-        stats.prefill_tokens = len(todo)
-        if limit <= 0:
-            yield text.end("length")
-            return
-        cache.prefill(model, todo[:-1], o.prefill_step)
-        constraint = constraint_for(o, tokenizer, model.config.vocab_size, tools)
-        predicted = predicted_tokens(tokenizer, o, model.config.vocab_size)
-        source = token_source(model, cache, Sampler(sampling, ids), todo[-1], limit, o, stats, constraint,
-                              PredictedOutput(predicted, len(ids)) if predicted is not None else None)
-        reply = []
-        for token in source:
-            chunk = text.emit(token)
-            reply.append(chunk.text)
-            if chunk.finish_reason:
-                yield read_tool_calls(chunk, "".join(reply), tools)
-                return
-            yield chunk
-
-
-def generate(model, tokenizer: Tokenizer, prompt: Prompt, **options: Any) -> str:
-    """The whole completion as one string (same options as `stream_generate`)."""
-    return "".join(chunk.text for chunk in stream_generate(model, tokenizer, prompt, **options))

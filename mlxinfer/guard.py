@@ -29,7 +29,7 @@ RESERVED_DESCRIPTORS = 48
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
 WILDCARD_HOSTS = ("", "0.0.0.0", "::")
 
-Refusal = Callable[[int, str], dict[str, Any]]  # (status, message) -> the API's error body
+Refusal = Callable[[int, str, str], dict[str, Any]]  # (status, message, path) -> the API's error body
 
 
 def connection_cap(wanted: int) -> int:
@@ -163,7 +163,7 @@ class LocalOnly:
             await self.app(scope, receive, send)
             return
         status, message = problem
-        body = json.dumps(self.refusal(status, message)).encode()
+        body = json.dumps(self.refusal(status, message, scope.get("path", ""))).encode()
         await send({"type": "http.response.start", "status": status,
                     "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
         await send({"type": "http.response.body", "body": body})

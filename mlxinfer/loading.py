@@ -17,6 +17,8 @@ from .errors import ConfigError, CorruptCheckpointError, InvalidOptionError, Mod
 from .files import checkpoint_file, read_checkpoint_file
 from .models import CausalLM, build_model
 from .models.layers import fuse_projections
+from .models.pooling import MODES as POOLING_MODES
+from .models.pooling import EmbeddingConfig
 from .shard import (Shard, Stage, check_same_model, layer_ranges, layer_sizes, materialize, shard_config,
                     shard_weights, shrink_vocab, stage_weights, world, wrap_reductions)
 from .models.config import check_config
@@ -31,7 +33,9 @@ TOKENIZER_FILES = [
     "chat_template.jinja",
     "chat_template.json",
 ]
-MODEL_FILES = ["*.safetensors", "model.safetensors.index.json", *TOKENIZER_FILES]
+# a sentence-transformers pipeline, its input modalities and its pooling (`<index>_Pooling/config.json`)
+EMBEDDING_FILES = ["modules.json", "sentence_bert_config.json", "*_Pooling/config.json"]
+MODEL_FILES = ["*.safetensors", "model.safetensors.index.json", *TOKENIZER_FILES, *EMBEDDING_FILES]
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
@@ -75,11 +79,84 @@ def read_config(path: Path) -> dict[str, Any]:
     raw = read_checkpoint_file(path, file.name)
     if raw is None:
         raise ModelNotFoundError(f"no config.json in '{path}'; is this a model folder?")
+    return check_config(_json(file, raw), str(file))
+
+
+def checkpoint_json(path: Path, name: str) -> Any:
+    """The JSON file `name` of the checkpoint in `path` (None if it has none)."""
+    raw = read_checkpoint_file(path, name)
+    return None if raw is None else _json(path / name, raw)
+
+
+def _json(file: Path, raw: bytes) -> Any:
     try:
-        data = json.loads(raw.decode("utf-8"))
+        return json.loads(raw.decode("utf-8"))
     except (ValueError, RecursionError) as e:  # JSONDecodeError, UnicodeDecodeError, too-long integers
         raise ConfigError(f"{file} is not valid JSON ({e})") from None
-    return check_config(data, str(file))
+
+
+def read_embedding_config(path: Path) -> EmbeddingConfig:
+    """How the checkpoint makes sentence embeddings, from its sentence-transformers files:
+    `modules.json` lists the pipeline (Transformer, Pooling, Normalize, ...), the Transformer
+    module's `sentence_bert_config.json` its input modalities, and the Pooling module's
+    `config.json` its modes. Without them: mean pooling. A module this does not run (Dense,
+    a LayerNorm, ...) makes a `refusal`, raised only when the model is asked to embed (it may
+    still generate)."""
+    modules = checkpoint_json(path, "modules.json")
+    if modules is None:
+        return EmbeddingConfig()
+    if not isinstance(modules, list) or not all(isinstance(m, dict) for m in modules):
+        raise ConfigError(f"{path / 'modules.json'} is not a list of modules; the checkpoint is damaged")
+    modes: tuple[str, ...] = ("mean",)
+    normalize = as_message = False
+    for module in modules:
+        kind, folder = str(module.get("type", "")).rsplit(".", 1)[-1], str(module.get("path", ""))
+        if kind == "Transformer":
+            as_message = _message_modality(path, folder)
+        elif kind == "Pooling":
+            modes = _pooling_modes(path, folder)
+        elif kind == "Normalize":
+            normalize = True
+        else:
+            return EmbeddingConfig(refusal=f"its sentence-transformers pipeline has a {kind[:40]!r} module, which "
+                                           "mlxinfer does not run (it runs Transformer, Pooling and Normalize)")
+    return EmbeddingConfig(modes, normalize, as_message)
+
+
+def _module_file(folder: str, name: str) -> str:
+    return f"{folder}/{name}" if folder else name
+
+
+def _message_modality(path: Path, folder: str) -> bool:
+    """Whether sentence-transformers (6 and later) formats a text as a chat message for this
+    Transformer module: its `modality_config` has a 'message' entry, which it then always uses."""
+    config = checkpoint_json(path, _module_file(folder, "sentence_bert_config.json"))
+    modalities = config.get("modality_config") if isinstance(config, dict) else None
+    return isinstance(modalities, dict) and "message" in modalities
+
+
+# The older Pooling config's flags, in the order their vectors are concatenated.
+LEGACY_POOLING = {"pooling_mode_cls_token": "cls", "pooling_mode_max_tokens": "max",
+                  "pooling_mode_mean_tokens": "mean", "pooling_mode_mean_sqrt_len_tokens": "mean_sqrt_len_tokens",
+                  "pooling_mode_weightedmean_tokens": "weightedmean", "pooling_mode_lasttoken": "lasttoken"}
+
+
+def _pooling_modes(path: Path, folder: str) -> tuple[str, ...]:
+    """The Pooling module's modes, from its config.json in sentence-transformers 6's form
+    (`pooling_mode`: a mode or a list) or the older one (a `pooling_mode_<mode>` flag each)."""
+    name = _module_file(folder, "config.json")
+    config = checkpoint_json(path, name)
+    if not isinstance(config, dict):
+        raise ConfigError(f"the Pooling module's {path / name} is missing or not an object; the checkpoint is damaged")
+    mode = config.get("pooling_mode")
+    if mode is None:
+        modes = tuple(m for key, m in LEGACY_POOLING.items() if config.get(key))
+    else:
+        modes = (mode,) if isinstance(mode, str) else tuple(mode) if isinstance(mode, list) else ()
+    if not modes or not all(m in POOLING_MODES for m in modes):
+        raise ConfigError(f"{path / name} names pooling {mode!r:.80}; expected one or more of "
+                          f"{', '.join(POOLING_MODES)}")
+    return modes
 
 
 def weight_files(path: Path) -> list[Path]:
@@ -169,7 +246,7 @@ def safetensors_header(file: Path) -> dict[str, Any]:
     spans = sorted((_tensor_span(file, name, info, 8 + n, size), name) for name, info in header.items())
     for (prev, a), (cur, b) in zip(spans, spans[1:]):
         if cur[0] < prev[1]:
-            raise CorruptCheckpointError(f"{file.name}: tensors '{a}' and '{b}' overlap; re-download or re-convert it")
+            raise CorruptCheckpointError(f"{file.name}: tensors {a[:80]!r} and {b[:80]!r} overlap; re-download or re-convert it")
     return header
 
 
@@ -178,7 +255,7 @@ def _tensor_span(file: Path, name: str, info: Any, start: int, size: int) -> tup
     of `size` bytes), after checking its fields."""
 
     def bad(what: str) -> CorruptCheckpointError:
-        return CorruptCheckpointError(f"{file.name}: tensor '{name[:80]}' {what}; re-download or re-convert it")
+        return CorruptCheckpointError(f"{file.name}: tensor {name[:80]!r} {what}; re-download or re-convert it")
 
     if not isinstance(info, dict):
         raise bad("has no {dtype, shape, data_offsets} entry")
@@ -281,6 +358,13 @@ def check_weights(model: nn.Module, weights: dict[str, mx.array], origin: dict[s
             )
 
 
+def base_model_layout(weights: dict[str, mx.array]) -> bool:
+    """Whether the tensors are a bare base model's (`layers.0...`, no `model.` prefix, no LM
+    head): what transformers' AutoModel saves, and so what a sentence-transformers model and
+    embedding checkpoints such as Qwen3-Embedding hold."""
+    return "embed_tokens.weight" in weights and not any(k.startswith(("model.", "lm_head.")) for k in weights)
+
+
 def _source(origin: dict[str, str], name: str) -> str:
     """The file a tensor came from; tensors `sanitize` builds (stacked experts) come from several."""
     return origin.get(name, "the checkpoint")
@@ -322,6 +406,10 @@ def load_model(path: Path, dtype: str | mx.Dtype | None = None, shard: str | Non
             config = shard_config(config, place.size)
     model = build_model(config)
     weights, origin = read_weights(files)
+    if base_model_layout(weights):
+        weights = {f"model.{k}": v for k, v in weights.items()}
+        if "lm_head" in model:
+            model.drop_head()
     weights = model.sanitize(weights)
     if place is not None and shard == "tensor":
         shrink_vocab(model, place)
@@ -341,6 +429,7 @@ def load_model(path: Path, dtype: str | mx.Dtype | None = None, shard: str | Non
     model.load_weights(list(weights.items()))
     mx.eval(model.parameters())
     fuse_projections(model)
+    model.sentence_embedding = read_embedding_config(path)
     if place is not None and shard == "tensor":
         wrap_reductions(model, place)
     if place is not None:

@@ -22,6 +22,7 @@ from .chat import ChatSession
 from .relay import Relay, SharedReader
 from .constrain import typed_format
 from .tools import describe_call
+from .reasoning import SWITCH, tags_for, thinking_switch
 from .errors import InvalidOptionError, MlxinferError
 from .terminal import CYAN, DIM, paint, size, stats_line, typed_text
 
@@ -33,12 +34,15 @@ HELP = [
     ("/system TEXT", "set the system prompt (no TEXT: show it)"),
     ("/set NAME VALUE", "change temp, top_p, top_k, min_p or max_tokens (no NAME: show them)"),
     ("/format KIND [X]", "hold replies to: json [SCHEMA|FILE], regex PATTERN, lark GRAMMAR|FILE, off"),
+    ("/think on|off", "let a thinking model think before it answers, or not (no argument: show which)"),
     ("/stats", "numbers for the last reply and the cache"),
     ("/undo", "drop the last exchange and roll the cache back"),
     ("/save FILE", "save the conversation and its KV cache"),
     ("/load FILE", "resume a saved conversation"),
     ("/exit", "quit (Ctrl-D works too)"),
 ]
+# Around a reply's thinking, so it reads apart from the answer without colour too (as Ollama shows it).
+THINKING, THOUGHT = "Thinking...\n", "\n...done thinking.\n\n"
 # /set names -> (option name, type)
 SETTINGS: dict[str, tuple[str, type]] = {
     "temp": ("temperature", float),
@@ -138,7 +142,7 @@ class Repl:
         self.relay = relay  # a model sharded across ranks: every rank runs this loop on rank 0's lines
         self.commands: dict[str, Callable[[str], bool | None]] = {
             "help": self.help, "reset": self.reset, "system": self.system, "set": self.set, "stats": self.stats,
-            "format": self.format,
+            "format": self.format, "think": self.think,
             "undo": self.undo, "save": self.save, "load": self.load, "exit": self.exit, "quit": self.exit,
         }
 
@@ -191,8 +195,15 @@ class Repl:
             chunks = self.relay.paced(chunks)
         interrupted = False
         calls = []
+        thinking = False  # inside the thinking shown so far
         try:
             for chunk in chunks:
+                if chunk.reasoning:
+                    self.write(paint(("" if thinking else THINKING) + chunk.reasoning, DIM, self.color))
+                    thinking = True
+                if chunk.text and thinking:
+                    self.write(paint(THOUGHT, DIM, self.color))
+                    thinking = False
                 self.write(paint(chunk.text, CYAN, self.color) if chunk.drafted else chunk.text)
                 calls = chunk.tool_calls or calls
         except KeyboardInterrupt:
@@ -257,6 +268,19 @@ class Repl:
         self.session.set_option("response_format", spec)
         self.say("replies are free text again" if spec is None else f"replies are held to {kind}"
                  + (f" {value.strip()}" if value.strip() else " (any JSON object)" if kind == "json" else ""))
+
+    def think(self, arg: str) -> None:
+        tokenizer = self.session.tokenizer
+        kwargs = self.session.options.get("chat_template_kwargs") or {}
+        if not arg:
+            on = kwargs.get(SWITCH, True) if tags_for(tokenizer) is not None else None
+            self.say("this model does not think" if on is None else
+                     f"thinking is {'on' if on else 'off'}; /think on|off switches it")
+            return
+        if arg not in ("on", "off"):
+            raise InvalidOptionError(f"/think takes on or off, got '{arg}'")
+        self.session.set_option("chat_template_kwargs", {**kwargs, **thinking_switch(tokenizer, arg == "on")})
+        self.say(f"thinking {arg} from the next reply")
 
     def stats(self, _: str) -> None:
         s, cache = self.session.stats, self.session.cache

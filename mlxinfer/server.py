@@ -15,10 +15,11 @@ import sys
 
 import uvicorn
 from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from .api import openai
+from .api import anthropic, embeddings, metrics, openai, responses, tokens
 from .api.common import Context, RequestError, ServerConfig
 from .api.engine_thread import EngineThread, follow
 from .errors import MlxinferError
@@ -75,20 +76,26 @@ def key_given(request: Request, key: str | None) -> bool:
         (anthropic is not None and hmac.compare_digest(anthropic.encode(), key.encode()))
 
 
+def error_body(path: str, e: RequestError) -> dict:
+    """`e` in the shape of the API at `path`."""
+    return e.anthropic_body() if path.startswith("/v1/messages") else e.body()
+
+
 def error_response(request: Request, e: RequestError) -> JSONResponse:
-    """`e` in the shape of the API the request was for."""
-    body = e.anthropic_body() if request.url.path.startswith("/v1/messages") else e.body()
-    return JSONResponse(body, status_code=e.status, headers=e.headers)
+    return JSONResponse(error_body(request.url.path, e), status_code=e.status, headers=e.headers)
 
 
 def create_app(engine: EngineThread, model, tokenizer, config: ServerConfig) -> FastAPI:
-    """The FastAPI application: every API module's routes under /v1, and health."""
+    """The FastAPI application: every API module's routes under /v1; /tokenize,
+    /detokenize and /metrics at the root (where llama.cpp, vLLM and Prometheus look for
+    them), behind the API key like /v1; and health, open to all."""
     app = FastAPI(title="mlxinfer", docs_url=None, redoc_url=None, openapi_url=None)
-    app.add_middleware(LocalOnly, hosts=config.hosts, refusal=lambda status, message: RequestError(message).body())
+    app.add_middleware(LocalOnly, hosts=config.hosts, refusal=lambda status, message, path: error_body(path, RequestError(message, status=status)))
     if config.cors:
         from fastapi.middleware.cors import CORSMiddleware
 
         app.add_middleware(CORSMiddleware, allow_origins=[config.cors], allow_methods=["*"], allow_headers=["*"])
+    app.add_middleware(metrics.Counted, metrics=engine.metrics)  # outermost: every response is counted
 
     @app.exception_handler(RequestError)
     async def refused(request: Request, e: RequestError):
@@ -100,9 +107,15 @@ def create_app(engine: EngineThread, model, tokenizer, config: ServerConfig) -> 
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, e: HTTPException):  # unknown path, wrong method: the API's shape too
-        kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
-        message = f"{request.method} {request.url.path[:200]}: {e.detail}"
-        return error_response(request, RequestError(message, status=e.status_code, kind=kind, headers=e.headers))
+        allow = (e.headers or {}).get("Allow")
+        message = f"{request.method} {request.url.path[:200]}: {e.detail}" + (f"; use {allow}" if allow else "")
+        return error_response(request, RequestError(message, status=e.status_code, headers=e.headers))
+
+    @app.exception_handler(RequestValidationError)
+    async def malformed(request: Request, e: RequestValidationError):  # a route's typed parameter: a 400 as ours
+        first = e.errors()[0] if e.errors() else {"loc": (), "msg": "the request is malformed"}
+        where = ".".join(str(p) for p in first["loc"] if p not in ("body", "query", "path", "header")) or None
+        return error_response(request, RequestError(f"{where}: {first['msg']}" if where else first["msg"], where))
 
     async def authorized(request: Request) -> None:
         if not key_given(request, config.api_key):
@@ -117,7 +130,11 @@ def create_app(engine: EngineThread, model, tokenizer, config: ServerConfig) -> 
 
     ctx = Context(engine, model, tokenizer, config)
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(authorized)])
-    for api in (openai,):
+    for api in (openai, responses, anthropic, embeddings):
         v1.include_router(api.router(ctx))
+    root = APIRouter(dependencies=[Depends(authorized)])
+    for api in (tokens, metrics):
+        root.include_router(api.router(ctx))
     app.include_router(v1)
+    app.include_router(root)
     return app

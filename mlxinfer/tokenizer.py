@@ -25,6 +25,7 @@ from typing import Any
 
 import jinja2
 import jinja2.ext
+import jinja2.meta
 import jinja2.nodes
 import tokenizers
 from tokenizers import AddedToken, Regex, decoders, normalizers, pre_tokenizers
@@ -136,6 +137,15 @@ class Tokenizer:
             {"messages": _alias_reasoning(messages), "add_generation_prompt": add_generation_prompt, **variables},
         )
         return self.encode(text, add_special_tokens=False) if tokenize else text
+
+    @cached_property
+    def template_variables(self) -> frozenset[str]:
+        """The variables the chat template reads from its caller (`enable_thinking`,
+        `reasoning_effort`, ...): a switch is passed only to a template that has it."""
+        if self.chat_template is None:
+            return frozenset()
+        self._compiled_template  # noqa: B018 - a template that does not compile fails with its own message
+        return frozenset(jinja2.meta.find_undeclared_variables(_jinja_env().parse(self.chat_template)))
 
     @cached_property
     def _compiled_template(self) -> jinja2.Template:

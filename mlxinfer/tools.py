@@ -89,6 +89,9 @@ def check_tools(tools: Any) -> list[dict[str, Any]]:
         raise InvalidOptionError('tools must be a non-empty list of {"type": "function", "function": {...}}')
     names = set()
     for i, tool in enumerate(tools):
+        if isinstance(tool, Mapping) and tool.get("type") == "custom":
+            raise InvalidOptionError(f"tools[{i}] is a custom tool (free-text input), which this server cannot call; "
+                                     'describe it as {"type": "function", "function": {...}} instead')
         function = tool.get("function") if isinstance(tool, Mapping) and tool.get("type") == "function" else None
         name = function.get("name") if isinstance(function, Mapping) else None
         if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", name):
@@ -107,16 +110,36 @@ def check_tools(tools: Any) -> list[dict[str, Any]]:
 
 
 def chosen_functions(tools: list[dict[str, Any]], tool_choice: Any) -> tuple[str, list[dict[str, Any]]]:
-    """("none" | "auto" | "required", the functions a call may name)."""
+    """("none" | "auto" | "required", the functions a call may name). OpenAI's
+    `allowed_tools` choice keeps every tool in the prompt and lets calls name only some."""
     functions = [t["function"] for t in tools]
     if tool_choice in (None, "auto", "none", "required"):
         return tool_choice or "auto", functions
+    if isinstance(tool_choice, Mapping) and tool_choice.get("type") == "allowed_tools":
+        return _allowed(functions, tool_choice.get("allowed_tools"))
     name = tool_choice.get("function", {}).get("name") if isinstance(tool_choice, Mapping) else None
     named = [f for f in functions if f["name"] == name]
     if not named:
         raise InvalidOptionError(f"tool_choice {tool_choice!r} names no function in tools; use \"auto\", \"none\", "
                                  "\"required\" or {\"type\": \"function\", \"function\": {\"name\": ...}}")
     return "required", named
+
+
+def _allowed(functions: list[dict[str, Any]], allowed: Any) -> tuple[str, list[dict[str, Any]]]:
+    """tool_choice {"type": "allowed_tools", "allowed_tools": {"mode", "tools"}}: the mode
+    ("auto" or "required") over the functions it lists (by Chat's or Responses' shape)."""
+    form = ('{"type": "allowed_tools", "allowed_tools": {"mode": "auto" | "required", '
+            '"tools": [{"type": "function", "function": {"name": ...}}]}}')
+    if not isinstance(allowed, Mapping) or allowed.get("mode") not in ("auto", "required") \
+            or not isinstance(allowed.get("tools"), list) or not allowed["tools"]:
+        raise InvalidOptionError(f"tool_choice must be {form}")
+    entries = allowed["tools"]
+    names = [e.get("function", e).get("name") if isinstance(e, Mapping) and isinstance(e.get("function", e), Mapping)
+             else None for e in entries]
+    for name in names:
+        if name not in {f["name"] for f in functions}:
+            raise InvalidOptionError(f"tool_choice.allowed_tools names {name!r}, which is not a function in tools")
+    return allowed["mode"], [f for f in functions if f["name"] in names]
 
 
 def call_schema(functions: list[dict[str, Any]], key: str) -> dict[str, Any]:
@@ -154,17 +177,23 @@ def _token(tokenizer: Tokenizer, text: str) -> str:
     return f"<[{token}]>" if token is not None and text.startswith(("<", "[")) else json.dumps(text)
 
 
-def call_grammar(tokenizer: Tokenizer, syntax: Syntax, functions: list[dict[str, Any]], parallel: bool = True) -> str:
-    """Lark for one or more calls in `syntax` (exactly one unless `parallel`)."""
+def call_grammar(tokenizer: Tokenizer, syntax: Syntax, functions: list[dict[str, Any]], parallel: bool = True,
+                 answer: dict[str, Any] | None = None) -> str:
+    """Lark for one or more calls in `syntax` (exactly one unless `parallel`), or with
+    `answer` (a JSON Schema) instead one JSON value that follows it."""
     schema = json.dumps(call_schema(functions, syntax.key))
     if syntax.listed:
         more = ' (", " call)*' if parallel else ""
-        return f'start: {_token(tokenizer, syntax.open)} " "? "[" call{more} "]"\ncall: %json {schema}'
-    if syntax.open:
+        calls, rules = f'{_token(tokenizer, syntax.open)} " "? "[" call{more} "]"', ""
+    elif syntax.open:
         block = f'{_token(tokenizer, syntax.open)} "\\n" call "\\n" {_token(tokenizer, syntax.close)}'
-        more = ' ("\\n" block)*' if parallel else ""
-        return f'start: block{more}\nblock: {block}\ncall: %json {schema}'
-    return f"start: call\ncall: %json {schema}"
+        calls, rules = "block" + (' ("\\n" block)*' if parallel else ""), f"\nblock: {block}"
+    else:
+        calls, rules = "call", ""
+    if answer is not None:
+        calls += " | answer"
+        rules += f"\nanswer: %json {json.dumps({**answer, 'x-guidance': JSON_LAYOUT})}"
+    return f"start: {calls}{rules}\ncall: %json {schema}"
 
 
 @dataclass
@@ -175,6 +204,7 @@ class ToolPlan:
     choice: str
     syntax: Syntax
     grammar: Format | None
+    answers: bool = False  # "auto" with a JSON format: the whole reply is a call or that JSON
 
     def messages(self, tokenizer: Tokenizer, messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], bool]:
         """The messages to render and whether the template takes the tools itself."""
@@ -195,7 +225,7 @@ class ToolPlan:
         if self.grammar is None:
             return None
         constraint = Constraint(self.grammar, tokenizer, vocab_size)
-        return constraint if self.choice == "required" else OnceCalled(constraint)
+        return constraint if self.choice == "required" or self.answers else OnceCalled(constraint)
 
     def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
         """(the text outside the calls or None, the calls) of a finished reply."""
@@ -236,15 +266,19 @@ def call_opener(tokenizer: Tokenizer) -> str:
     return call_syntax(tokenizer).open or "{"
 
 
-def plan(tokenizer: Tokenizer, tools: Any, tool_choice: Any = None, parallel: bool = True) -> ToolPlan:
+def plan(tokenizer: Tokenizer, tools: Any, tool_choice: Any = None, parallel: bool = True,
+         answer: dict[str, Any] | None = None) -> ToolPlan:
     """Check `tools` / `tool_choice` and work out how to render, constrain and read them; a
-    reply holds at most one call unless `parallel` (OpenAI's `parallel_tool_calls`)."""
+    reply holds at most one call unless `parallel` (OpenAI's `parallel_tool_calls`). With
+    `answer` (the JSON Schema of a response format), a reply under "auto" is a call or JSON
+    following it (a call made is not held to the format; under "none" the format alone holds)."""
     tools = check_tools(tools)
     choice, functions = chosen_functions(tools, tool_choice)
     syntax = call_syntax(tokenizer)
-    grammar = None if choice == "none" else compiled_lark(call_grammar(tokenizer, syntax, functions, parallel),
+    answer = answer if choice == "auto" else None
+    grammar = None if choice == "none" else compiled_lark(call_grammar(tokenizer, syntax, functions, parallel, answer),
                                                           "tool call")
-    return ToolPlan(tools, choice, syntax, grammar)
+    return ToolPlan(tools, choice, syntax, grammar, answer is not None)
 
 
 class OnceCalled:

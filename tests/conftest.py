@@ -175,6 +175,22 @@ def tiny(hf_checkpoint) -> Path:
 
 
 @pytest.fixture(scope="module")
+def roomy(hf_checkpoint) -> Path:
+    """The tiny Llama with room for a tool listing in its context."""
+    return hf_checkpoint("llama", head_dim=32, max_position_embeddings=2048)
+
+
+@pytest.fixture(scope="module")
+def roomy_server(roomy):
+    """`mlxinfer serve` on `roomy` in a subprocess (tests/serving.py), with the API key `serving.KEY`."""
+    from serving import KEY, Server
+
+    server = Server(["-m", str(roomy), "--dtype", "float32", "--api-key", KEY])
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
 def loaded(tiny):
     """`tiny` loaded in float32: (model, tokenizer)."""
     import mlxinfer

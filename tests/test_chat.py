@@ -13,7 +13,7 @@ import pytest
 import mlxinfer
 from mlxinfer import ChatSession
 from mlxinfer.errors import InvalidOptionError, SessionFileError, TokenizerError
-from mlxinfer.generate import stream_generate
+from mlxinfer.batch import stream_generate
 
 GREEDY = {"temperature": 0.0, "max_tokens": 6}
 

@@ -25,7 +25,8 @@ from click.testing import CliRunner
 import mlxinfer
 from mlxinfer.cli import main
 from mlxinfer.demo import MEMBER, NAME, PACKAGE, VERSION
-from mlxinfer.generate import Stats, stream_generate
+from mlxinfer.generate import Stats
+from mlxinfer.batch import stream_generate
 
 QUESTION = "hello there"
 
@@ -75,7 +76,8 @@ def test_generate_json_shape(tiny, loaded):
     result = invoke("generate", "-m", str(tiny), "-p", QUESTION, "--temp", "0", "--max-tokens", "5", "--json")
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)
-    assert set(data) == {"model", "prompt", "text", "finish_reason", "stats"}
+    assert set(data) == {"model", "prompt", "reasoning", "text", "finish_reason", "stats"}
+    assert data["reasoning"] == ""  # the tiny model's template does not think (test_reasoning covers one that does)
     assert set(data["stats"]) == {f.name for f in dataclasses.fields(Stats)}
     assert data["text"] == greedy_text(model, tok, chat_messages(QUESTION), 5) and data["prompt"] == QUESTION
     prompt = tok.apply_chat_template(chat_messages(QUESTION), tokenize=True)

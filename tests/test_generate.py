@@ -19,7 +19,8 @@ from mlxinfer.batch import BatchGenerator
 from mlxinfer.cache import PromptCache, load_prompt_cache, save_prompt_cache
 from mlxinfer.decode import chosen_logprobs
 from mlxinfer.errors import InvalidOptionError, SamplingError
-from mlxinfer.generate import StopMatcher, stream_generate, top_logprobs
+from mlxinfer.generate import StopMatcher, top_logprobs
+from mlxinfer.batch import stream_generate
 
 from conftest import VOCAB
 from test_cache import SinkWindowOracle

@@ -154,6 +154,23 @@ def test_more_choices_than_slots_and_a_cancelled_runner(loaded):
     assert engine.stats.max_batch_seen == 1
 
 
+def test_choices_of_a_scored_prompt_each_echo_its_scores(loaded):
+    """Echo with prompt logprobs: the prompt is scored once, and every choice's first chunk is
+    the prompt with the scores a lone run gives."""
+    model, tok = loaded
+    engine = BatchGenerator(model, tok)
+    choices = run_choices(engine, PROMPT, n=3, seed=2, echo=True, prompt_logprobs=2, **SAMPLED)
+    want = lone(loaded, PROMPT, seed=2, echo=True, prompt_logprobs=2, **SAMPLED)[0].prompt
+    for got in choices:
+        prompt = got[0].prompt
+        assert [t.id for t in prompt] == [t.id for t in want]
+        assert [t.logprob for t in prompt[1:]] == pytest.approx([t.logprob for t in want[1:]], abs=1e-5)
+        for mine, theirs in zip(prompt[1:], want[1:]):
+            assert [t for t, _ in mine.top_logprobs] == [t for t, _ in theirs.top_logprobs]
+            assert [lp for _, lp in mine.top_logprobs] == pytest.approx([lp for _, lp in theirs.top_logprobs], abs=1e-5)
+    assert engine.stats.prefilled_tokens == len(tok.encode(PROMPT)) - 1
+
+
 def test_choices_each_hold_their_own_format(loaded):
     regex = {"type": "regex", "pattern": "(yes|no), [a-z]{2,6}!"}
     engine = BatchGenerator(loaded[0], loaded[1])
@@ -325,6 +342,13 @@ def test_text_completion_n_choices_streamed_and_not(client, loaded):
         for c in e.choices:
             streamed[c.index] += c.text
     assert [streamed[i] for i in range(3)] == [c.text for c in r.choices]
+    # two prompts, two choices each: choice j of prompt i is index 2i + j, each prompt counted once
+    prompts = [prompt, "red green blue"]
+    r = client.completions.create(model="tiny", prompt=prompts, n=2, **OPTIONS)
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    wants = [lone(loaded, p, **{**OPTIONS, "seed": seed_of(11, j)}) for p in prompts for j in range(2)]
+    assert [c.text for c in r.choices] == ["".join(w.text for w in want) for want in wants]
+    assert r.usage.prompt_tokens == wants[0][-1].stats.prompt_tokens + wants[2][-1].stats.prompt_tokens
 
 
 def test_greedy_choices_through_the_server_are_transformers_greedy(client, loaded, torch_model):

@@ -189,7 +189,7 @@ def test_models_and_health(client, server, tiny):
 @pytest.mark.parametrize("kwargs, fact", [
     (dict(tools=[{"type": "function", "function": {"description": "no name"}}]), "tools[0]"),
     (dict(tool_choice="required"), "tool_choice needs tools"),
-    (dict(extra_body={"functions": [{"name": "f"}]}), "'functions' is not supported"),
+    (dict(extra_body={"web_search_options": {}}), "'web_search_options' (web search) is not supported"),
     (dict(response_format={"type": "xml"}), "'xml' is not supported"),
     (dict(response_format={"type": "json_schema", "json_schema": {"schema": {"not": {}}}}), "not"),
     (dict(n=17), "at most 16"),
@@ -454,12 +454,6 @@ WEATHER = {"type": "object", "properties": {"unit": {"enum": ["celsius", "fahren
                                             "days": {"type": "integer", "minimum": 1, "maximum": 7}},
            "required": ["unit", "days"], "additionalProperties": False}
 TOOLS = [{"type": "function", "function": {"name": "forecast", "description": "Weather", "parameters": WEATHER}}]
-
-
-@pytest.fixture(scope="module")
-def roomy(hf_checkpoint):
-    """The tiny Llama with room for a tool listing in its context."""
-    return hf_checkpoint("llama", head_dim=32, max_position_embeddings=2048)
 
 
 def test_tool_calls_through_the_openai_client(roomy):

@@ -74,6 +74,30 @@ def test_one_text_any_token_split_emits_the_text_before_the_first_stop(stops, te
     assert text.startswith(whole)
 
 
+def hit_by_definition(stops: list[str], pieces: list[str]) -> list[str | None]:
+    """Which stop each push hits: of those in the text so far, the earliest-starting, and of
+    those the shortest (the one completed first)."""
+    out, text = [], ""
+    for piece in pieces:
+        text += piece
+        found = sorted((text.index(s), len(s), s) for s in stops if s in text)
+        out.append(found[0][2] if found else None)
+        text = "" if found else text
+    return out
+
+
+@settings(max_examples=400, deadline=None)
+@given(stops=STOPS, pieces=PIECES)
+def test_the_stop_that_was_hit_is_named(stops, pieces):
+    matcher = StopMatcher(stops)
+    named = []
+    for piece in pieces:
+        hit = matcher.push(piece)[1]
+        assert (matcher.matched is not None) == hit
+        named.append(matcher.matched)
+    assert named == hit_by_definition(stops, pieces)
+
+
 def test_no_stops_passes_everything_through():
     assert run([], ["ab", "", "c"]) == ([("ab", False), ("", False), ("c", False)], "")
 

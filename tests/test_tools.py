@@ -144,6 +144,56 @@ def test_without_parallel_calls_the_grammar_admits_exactly_one(name, syntax):
         assert c.complete
 
 
+FORECAST = {"type": "object", "properties": {"days": {"type": "integer", "minimum": 1, "maximum": 7}},
+            "required": ["days"], "additionalProperties": False}
+
+
+@needs_fixtures
+@pytest.mark.parametrize("name, syntax", [("qwen3", HERMES), ("mistral-instruct-v0.3", MISTRAL),
+                                          ("llama3.1", JSON_CALL)])
+def test_with_a_json_format_a_reply_is_a_call_or_that_json(name, syntax):
+    """tool_choice "auto" with a response format (OpenAI: an app with tools and a structured
+    answer): the grammar admits calls, or one JSON value following the format, nothing else."""
+    tok = tokenizer(name)
+    from mlxinfer.constrain import compiled_lark
+
+    fmt = compiled_lark(call_grammar(tok, syntax, [t["function"] for t in TOOLS], answer=FORECAST), "tool call")
+
+    def accepts(text: str, inside: bool = False) -> bool:
+        """Whether the grammar takes `text`, tokenized alone or (`inside`) as it is within a
+        reply (a SentencePiece tokenizer gives a text's first word a leading space)."""
+        c = Constraint(fmt, tok, tok.vocab_size)
+        ids = tok.encode("x" + text, add_special_tokens=False)[1:] if inside else tok.encode(text,
+                                                                                               add_special_tokens=False)
+        return c.valid_prefix(ids) == len(ids) and (all(c.accept(t) is None for t in ids) and c.complete)
+
+    assert accepts(written(syntax, [CALL])) and accepts('{"days": 3}', inside=True)
+    assert not accepts('{"days": 9}', inside=True) and not accepts("It is sunny.")
+    assert not accepts(written(syntax, [BAD])) and not accepts(written(syntax, [CALL]) + ' {"days": 3}')
+
+
+def test_with_a_json_format_the_model_calls_or_answers_in_it(roomy):
+    model, tok = roomy
+    answer = {"type": "json_schema", "json_schema": {"name": "forecast", "schema": FORECAST}}
+    called = []
+    for seed in range(4):
+        chunks = list(mlxinfer.stream_generate(model, tok, ASK, tools=TOOLS, response_format=answer, max_tokens=200,
+                                               temperature=1.0, seed=seed))
+        called.append(bool(chunks[-1].tool_calls))
+        if chunks[-1].tool_calls:
+            jsonschema.validate(chunks[-1].tool_calls[0].arguments, PARAMETERS[chunks[-1].tool_calls[0].name])
+        else:
+            assert chunks[-1].finish_reason == "stop"
+            jsonschema.validate(json.loads("".join(c.text for c in chunks)), FORECAST)
+    assert set(called) == {True, False}  # these seeds take both ways
+    # a call made is not held to the format, and with "none" the format alone holds
+    required = list(mlxinfer.stream_generate(model, tok, ASK, tools=TOOLS, tool_choice="required",
+                                             response_format=answer, max_tokens=200))[-1]
+    assert required.tool_calls
+    text = mlxinfer.generate(model, tok, ASK, tools=TOOLS, tool_choice="none", response_format=answer, max_tokens=200)
+    jsonschema.validate(json.loads(text), FORECAST)
+
+
 @pytest.fixture(scope="module")
 def roomy(hf_checkpoint):
     """The tiny Llama with a context long enough for the tool listing (its tokenizer spells words out)."""
@@ -169,12 +219,12 @@ def test_bad_tools_are_one_line_errors(loaded, tools, choice, fact):
     assert fact in str(e.value) and "\n" not in str(e.value)
 
 
-def test_tools_need_messages_and_exclude_response_format(loaded):
+def test_tools_need_messages_and_combine_with_json_formats_only(loaded):
     model, tok = loaded
     with pytest.raises(InvalidOptionError, match="chat messages"):
         mlxinfer.generate(model, tok, "plain text", tools=TOOLS)
-    with pytest.raises(InvalidOptionError, match="alternatives"):
-        mlxinfer.generate(model, tok, ASK, tools=TOOLS, response_format={"type": "json_object"})
+    with pytest.raises(InvalidOptionError, match="json_schema or json_object"):
+        mlxinfer.generate(model, tok, ASK, tools=TOOLS, response_format={"type": "regex", "pattern": "a+"})
 
 
 # --- models calling ---

@@ -13,15 +13,18 @@ import json
 import math
 import re
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Awaitable, TypeVar
+from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
 
 from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
 
 from ..generate import Chunk
 from ..guard import allowed_hosts
 
 BODY_SECONDS = 30  # from the headers to the body's last byte
 T = TypeVar("T")
+M = TypeVar("M", bound=BaseModel)
 
 
 @dataclass(frozen=True)
@@ -34,6 +37,7 @@ class ServerConfig:
     cors: str | None = None
     max_body: int = 4 << 20
     hosts: frozenset[str] | None = allowed_hosts("127.0.0.1", ())  # what a request's Host may name; None: any
+    responses_store: int = 256  # Responses API objects kept for retrieval and previous_response_id
 
 
 @dataclass(frozen=True)
@@ -60,14 +64,15 @@ class RequestError(Exception):
         return {"error": {"message": str(self), "type": self.kind, "param": self.param, "code": None}}
 
     def anthropic_body(self) -> dict[str, Any]:
-        """Anthropic's error shape, with Anthropic's names for the kinds that differ."""
-        kind = ANTHROPIC_KINDS.get(self.kind, self.kind)
+        """Anthropic's error shape; its error type follows the status, as Anthropic's does."""
+        kind = ANTHROPIC_KINDS.get(self.status, "api_error" if self.status >= 500 else "invalid_request_error")
         return {"type": "error", "error": {"type": kind, "message": str(self)}}
 
 
-# OpenAI's error types as Anthropic names them (the rest are spelled alike).
-ANTHROPIC_KINDS = {"server_error": "api_error", "server_busy": "overloaded_error", "not_found_error": "not_found_error",
-                   "authentication_error": "authentication_error"}
+# Anthropic's error type for each HTTP status it documents (other 4xx: invalid_request_error).
+ANTHROPIC_KINDS = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
+                   413: "request_too_large", 429: "rate_limit_error", 500: "api_error", 503: "overloaded_error",
+                   529: "overloaded_error"}
 
 
 def server_error(message: str) -> RequestError:
@@ -147,12 +152,26 @@ async def body_of(request: Request, max_body: int) -> bytes:
     return bytes(body)
 
 
-async def json_body(request: Request, max_body: int) -> dict[str, Any]:
-    """The body as a JSON object (strict: `load_json`)."""
-    data = load_json(await body_of(request, max_body))
+def json_object(raw: bytes) -> dict[str, Any]:
+    """A body as a JSON object (strict: `load_json`)."""
+    data = load_json(raw)
     if not isinstance(data, dict):
         raise RequestError("the request body must be a JSON object")
     return data
+
+
+async def json_body(request: Request, max_body: int) -> dict[str, Any]:
+    """The body as a JSON object (strict: `load_json`)."""
+    return json_object(await body_of(request, max_body))
+
+
+def model_body(raw: bytes, kind: type[M], refusal: Callable[[ValidationError], RequestError]) -> M:
+    """A body as the pydantic model `kind`, or the API's `refusal` of it (a RequestError
+    naming the first field at fault)."""
+    try:
+        return kind.model_validate(json_object(raw))
+    except ValidationError as e:
+        raise refusal(e) from None
 
 
 def sse(data: dict[str, Any] | str, event: str | None = None) -> bytes:
@@ -190,3 +209,98 @@ async def collect(stream: AsyncIterator[Chunk]) -> list[Chunk]:
     """Every chunk of a non-streamed request."""
     return [chunk async for chunk in stream]
 
+
+
+async def respond(request: Request, stream: AsyncIterator[Chunk], streamed: bool,
+                  whole: Callable[[list[Chunk]], dict[str, Any]],
+                  events: Callable[[Chunk | None, AsyncIterator[Chunk]], AsyncIterator[bytes]]) -> Response:
+    """A request's reply in an API's shape: `whole` of every chunk, or `events` as a stream
+    that begins once the first chunk came (so a refused request is a 4xx, not a broken
+    stream). A client that hangs up before then cancels its request (499, seen by no one)."""
+    return await respond_each(request, [stream], streamed, lambda chunks: whole(chunks[0]),
+                              lambda firsts, streams: events(firsts[0], streams[0]))
+
+
+async def respond_each(request: Request, streams: list[AsyncIterator[Chunk]], streamed: bool,
+                       whole: Callable[[list[list[Chunk]]], dict[str, Any]],
+                       events: Callable[[list[Chunk | None], list[AsyncIterator[Chunk]]], AsyncIterator[bytes]]
+                       ) -> Response:
+    """`respond` for a request of several sequences (a choice each, as a list of prompts
+    asks), run together: one refused or failed ends the others."""
+    gone = asyncio.ensure_future(hung_up(request))
+    try:
+        if not streamed:
+            return JSONResponse(whole(await unless_gone(collect_all(streams), gone)))
+        firsts = await unless_gone(first_chunks(streams), gone)
+    except ClientGone:
+        return Response(status_code=499)
+    finally:
+        gone.cancel()  # once streaming, the response itself notices a disconnect
+    return StreamingResponse(events(firsts, streams), media_type="text/event-stream")
+
+
+async def collect_all(streams: list[AsyncIterator[Chunk]]) -> list[list[Chunk]]:
+    """Every chunk of each stream, the streams run together; one that fails ends the others."""
+    tasks = [asyncio.ensure_future(collect(s)) for s in streams]
+    try:
+        return list(await asyncio.gather(*tasks))
+    finally:
+        for task in tasks:
+            task.cancel()  # a stream left early cancels its sequence
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def first_chunks(streams: list[AsyncIterator[Chunk]]) -> list[Chunk | None]:
+    """The first chunk of each stream (None: it ended with none); one refused ends the others."""
+
+    async def first(stream: AsyncIterator[Chunk]) -> Chunk | None:
+        return await anext(stream, None)
+
+    tasks = [asyncio.ensure_future(first(s)) for s in streams]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for stream in streams:
+            await stream.aclose()
+        raise
+
+
+async def merged(firsts: list[Chunk | None], streams: list[AsyncIterator[Chunk]]) -> AsyncIterator[tuple[int, Chunk]]:
+    """(index, chunk) from every stream as each comes, after their first chunks (`first_chunks`);
+    closing it closes every stream (cancelling the sequences still running)."""
+    for i, chunk in enumerate(firsts):
+        if chunk is not None:
+            yield i, chunk
+    if len(streams) == 1:  # one stream needs no relay
+        try:
+            async for chunk in streams[0]:
+                yield 0, chunk
+        finally:
+            await streams[0].aclose()
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def relay(i: int, stream: AsyncIterator[Chunk]) -> None:
+        try:
+            async for chunk in stream:
+                queue.put_nowait((i, chunk))
+            queue.put_nowait((i, None))
+        except Exception as e:  # noqa: BLE001 - raised where the chunks are read
+            queue.put_nowait((i, e))
+
+    tasks = [asyncio.ensure_future(relay(i, s)) for i, s in enumerate(streams) if firsts[i] is not None]
+    try:
+        for _ in tasks:
+            while (item := await queue.get())[1] is not None:
+                if isinstance(item[1], Exception):
+                    raise item[1]
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for stream in streams:
+            await stream.aclose()

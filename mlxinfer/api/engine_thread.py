@@ -15,6 +15,7 @@ import asyncio
 import dataclasses
 import queue
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable, TypeVar
@@ -27,6 +28,7 @@ from ..generate import Chunk
 from ..relay import Relay
 from ..request import Request
 from .common import RequestError, server_error
+from .metrics import Metrics
 
 RETRY_AFTER_SECONDS = 1
 # Threads that prepare requests (render, tokenize, compile grammars) beside the engine thread.
@@ -44,6 +46,8 @@ class _Job:
     prepared: Prepared | None = None
     running: set[int] = field(default_factory=set)  # engine uids of its choices that have not ended
     failed: bool = False  # one choice failed: the request is over, the rest are being cancelled
+    arrived: float = field(default_factory=time.perf_counter)
+    first_token_at: float | None = None
 
     @property
     def places(self) -> int:
@@ -69,6 +73,7 @@ class EngineThread:
     def __init__(self, engine: BatchGenerator, max_queued: int = 32, relay: Relay | None = None):
         self.engine, self.max_queued, self.relay = engine, max_queued, relay
         self.served = 0
+        self.metrics = Metrics()  # fed here as sequences end, and by the server as responses end
         self._ops: list[list[Any]] = []  # what this round did to the engine, for the relay
         self.health: dict[str, Any] = {}
         self._in_flight = 0
@@ -258,19 +263,27 @@ class EngineThread:
                     produced = self.engine.step()
         except Exception as e:  # noqa: BLE001 - the engine ends a failed sequence itself; this is the last guard
             for uid in list(self._requests):
-                self._fail(self._requests[uid], server_error(f"{type(e).__name__}: {e}"))
+                request = self._requests[uid]
+                self._fail(request, server_error(f"{type(e).__name__}: {e}"))
                 self._ended(uid)
+                self.metrics.sequence_ended("error", None, request.arrived, request.first_token_at,
+                                            time.perf_counter())
             return
+        now = time.perf_counter()
         for uid, chunk in produced:
             request = self._requests.get(uid)
             if request is None:
                 continue
+            if request.first_token_at is None and chunk.token is not None:
+                request.first_token_at = now
             if chunk.finish_reason == "error":
                 self._fail(request, server_error(chunk.error or "generation failed"))
             elif not request.failed:
                 self._deliver(request, chunk)
             if chunk.finish_reason:
                 self._ended(uid)
+                self.metrics.sequence_ended(chunk.finish_reason, chunk.stats, request.arrived, request.first_token_at,
+                                            now)
 
     def _snapshot(self) -> None:
         e = self.engine

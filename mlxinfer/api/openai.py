@@ -4,18 +4,17 @@ models list, translated to the typed `Request` and back; the wire shapes live in
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response
 
-from ..generate import Chunk
+from ..generate import Chunk, Stats
 from ..tools import call_opener
-from .common import ClientGone, Context, RequestError, collect, hung_up, sse, unless_gone, body_of
+from .common import Context, RequestError, body_of, merged, respond_each, sse
 from .engine_thread import chunks_of
 from .openai_schema import ChatCompletion, Completion, Logprobs, TextCompletion, choice, parse, usage
 
@@ -42,23 +41,23 @@ def router(ctx: Context) -> APIRouter:
 
     async def complete(request: Request, kind: type[Completion]) -> Response:
         body = parse(await body_of(request, config.max_body), kind)
-        typed = engine.engine.request(body.engine_prompt(), **body.options(config.max_tokens))
+        options = body.options(config.max_tokens)
         chat = kind is ChatCompletion
-        o = typed.options
+        if chat and (template := body.template_kwargs(tokenizer)):
+            options["chat_template_kwargs"] = template
+        places = engine.engine.max_batch + engine.max_queued
+        n = body.n or 1
+        typed = [engine.engine.request(p, **options) for p in body.engine_prompts(max(places // n, 1))]
+        o = typed[0].options
         calls = chat and o.tools and o.tool_choice != "none"
-        reply = Reply(f"{'chatcmpl' if chat else 'cmpl'}-{next(ids)}", chat, config.model_name, tokenizer,
-                      body.logprob_rows(), call_opener(tokenizer) if calls else None, o.prediction is not None)
-        stream = chunks_of(engine, typed)
-        gone = asyncio.ensure_future(hung_up(request))
-        try:
-            if not body.stream:
-                return JSONResponse(reply.whole(await unless_gone(collect(stream), gone)))
-            first = await unless_gone(anext(stream, None), gone)  # a refused request is a 400, not a broken stream
-        except ClientGone:
-            return Response(status_code=499)
-        finally:
-            gone.cancel()  # once streaming, the response itself notices a disconnect
-        return StreamingResponse(reply.events(first, stream, body.include_usage), media_type="text/event-stream")
+        rows = body.logprob_rows()
+        reply = Reply(f"{'chatcmpl' if chat else 'cmpl'}-{next(ids)}", chat, config.model_name,
+                      [Logprobs(tokenizer, chat, rows) for _ in range(len(typed) * n)] if rows else None,
+                      call_opener(tokenizer) if calls else None, chat and body.legacy, n, o.prediction is not None)
+        # each prompt its own request of n sequences (its choices), all decoded together
+        streams = [chunks_of(engine, t) for t in typed]
+        return await respond_each(request, streams, bool(body.stream), reply.whole,
+                                  lambda firsts, rest: reply.events(firsts, rest, body.include_usage))
 
     @api.post("/chat/completions")
     async def chat_completions(request: Request):
@@ -73,17 +72,17 @@ def router(ctx: Context) -> APIRouter:
 
 @dataclass
 class Reply:
-    """One request's response, over its n choices: the whole object, or its Server-Sent Events
-    (each choice's chunks carry its index, interleaved as the engine makes them)."""
+    """One request's response, `n` choices per prompt (choice j of prompt i is choice i*n + j,
+    as OpenAI numbers them): the whole object, or its Server-Sent Events."""
 
     rid: str
     chat: bool
     model: str
-    tokenizer: Any
-    logprob_rows: int  # 0: no logprobs
+    logprobs: list[Logprobs] | None  # one per choice
     opener: str | None = None  # with tools: the text a call starts with
+    legacy: bool = False  # called with the legacy `functions`: a call goes out as `function_call`
+    n: int = 1
     predicted: bool = False  # the request sent a prediction: usage reports its accepted and rejected tokens
-    _logprobs: dict[int, Logprobs] = field(default_factory=dict)  # per choice (the legacy shape counts offsets)
 
     def _object(self, choices: list[dict[str, Any]], chunk: bool, **extra: Any) -> dict[str, Any]:
         kind = "chat.completion" if self.chat else "text_completion"
@@ -91,72 +90,61 @@ class Reply:
         return {"id": self.rid, "object": kind, "created": int(time.time()), "model": self.model,
                 "choices": choices, **extra}
 
-    def _logprobs_of(self, chunks: list[Chunk]) -> dict[str, Any] | None:
-        """The logprobs of these chunks (all of one choice), when the request asked for them."""
-        if not self.logprob_rows:
-            return None
-        index = chunks[-1].index
-        if index not in self._logprobs:
-            self._logprobs[index] = Logprobs(self.tokenizer, self.chat, self.logprob_rows)
-        return self._logprobs[index].of(chunks)
+    def _choice(self, index: int, chunks: list[Chunk], delta: bool, first: bool = False) -> dict[str, Any]:
+        last = chunks[-1]
+        text = last.content if last.tool_calls else "".join(c.text for c in chunks)
+        lp = self.logprobs[index].of(chunks) if self.logprobs else None
+        return choice(self.chat, text, last.finish_reason, lp, delta=delta, first=first, calls=last.tool_calls,
+                      legacy=self.legacy, index=index, reasoning="".join(c.reasoning for c in chunks))
 
     def _usage(self, lasts: dict[int, Chunk]) -> dict[str, Any]:
-        return usage([lasts[i].stats for i in sorted(lasts)], self.predicted)
+        """Usage from each choice's last chunk (by choice index), its prompt counted once."""
+        per_prompt: dict[int, list[Stats]] = {}
+        for index in sorted(lasts):
+            per_prompt.setdefault(index // self.n, []).append(lasts[index].stats)
+        return usage(list(per_prompt.values()), self.predicted)
 
-    def whole(self, chunks: list[Chunk]) -> dict[str, Any]:
-        per_choice: dict[int, list[Chunk]] = {}
-        for c in chunks:
-            per_choice.setdefault(c.index, []).append(c)
-        choices = []
-        for index in sorted(per_choice):
-            mine = per_choice[index]
-            last = mine[-1]
-            text = last.content if last.tool_calls else "".join(c.text for c in mine)
-            choices.append(choice(self.chat, text, last.finish_reason, self._logprobs_of(mine), delta=False,
-                                  calls=last.tool_calls, index=index))
-        return self._object(choices, chunk=False, usage=self._usage({i: cs[-1] for i, cs in per_choice.items()}))
+    def whole(self, streams: list[list[Chunk]]) -> dict[str, Any]:
+        """The response from every chunk of each prompt's stream (its choices' chunks interleaved)."""
+        choices: dict[int, list[Chunk]] = {}
+        for i, chunks in enumerate(streams):
+            for c in chunks:
+                choices.setdefault(i * self.n + c.index, []).append(c)
+        return self._object([self._choice(k, choices[k], delta=False) for k in sorted(choices)], chunk=False,
+                            usage=self._usage({k: cs[-1] for k, cs in choices.items()}))
 
     def _could_call(self, text: str) -> bool:
         start = text.lstrip()
         return self.opener is not None and (start.startswith(self.opener) or self.opener.startswith(start))
 
-    async def events(self, first: Chunk | None, stream: AsyncIterator[Chunk],
+    async def events(self, firsts: list[Chunk | None], streams: list[AsyncIterator[Chunk]],
                      include_usage: bool) -> AsyncIterator[bytes]:
-        """The stream, each event one choice's; with tools, text that may be the start of a call
-        is held back until it is known: a call goes out as one `tool_calls` delta, anything
-        else as text."""
-        lasts: dict[int, Chunk] = {}  # each choice's latest chunk
-        held: dict[int, list[Chunk]] = {}  # per choice: chunks held back while they may open a call
-        sent: set[int] = set()  # choices that have had an event
+        """The stream, each event one choice's chunk (its `index` says whose); with tools,
+        answer text that may be the start of a call is held back until it is known: a call
+        goes out as one `tool_calls` delta, anything else as text. Thinking before the answer
+        is never held."""
+        last: dict[int, Chunk] = {}
+        held: dict[int, list[Chunk]] = {}
+        sent: set[int] = set()  # choices whose answer is known not to be held
+        started: set[int] = set()  # choices whose first delta (with the role) went out
+        chunks = merged(firsts, streams)
         try:
-            if first is not None:
-                async for chunk in _chain(first, stream):
-                    index = chunk.index
-                    lasts[index] = chunk
-                    pending = [*held.pop(index, []), chunk]
-                    if index not in sent and self._could_call("".join(c.text for c in pending)) \
-                            and not chunk.finish_reason:
-                        held[index] = pending
+            async for stream, chunk in chunks:
+                i = stream * self.n + chunk.index
+                last[i] = chunk
+                pending = [*held.pop(i, ()), chunk]
+                if i not in sent and self._could_call("".join(c.text for c in pending)) and not chunk.finish_reason:
+                    if not chunk.reasoning or any(c.text for c in pending):
+                        held[i] = pending
                         continue
-                    yield sse(self._event(pending, first=index not in sent))
-                    sent.add(index)
-            if include_usage and lasts:
-                yield sse(self._object([], chunk=True, usage=self._usage(lasts)))
+                else:
+                    sent.add(i)
+                yield sse(self._object([self._choice(i, pending, delta=True, first=i not in started)], chunk=True))
+                started.add(i)
+            if include_usage and last:
+                yield sse(self._object([], chunk=True, usage=self._usage(last)))
         except RequestError as e:
             yield sse(e.body())
         finally:
-            await stream.aclose()
+            await chunks.aclose()
         yield sse("[DONE]")
-
-    def _event(self, chunks: list[Chunk], first: bool = False) -> dict[str, Any]:
-        last = chunks[-1]
-        text = last.content if last.tool_calls else "".join(c.text for c in chunks)
-        return self._object([choice(self.chat, text, last.finish_reason, self._logprobs_of(chunks), delta=True,
-                                    first=first, calls=last.tool_calls, index=last.index)], chunk=True)
-
-
-async def _chain(first: Chunk, rest: AsyncIterator[Chunk]) -> AsyncIterator[Chunk]:
-    yield first
-    async for chunk in rest:
-        yield chunk
-

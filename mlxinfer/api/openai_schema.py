@@ -8,19 +8,23 @@ the engine's `Chunk`s into OpenAI's objects, streamed or whole.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from ..generate import MAX_CHOICES, Chunk, Stats
+from ..reasoning import EFFORTS, effort_kwargs
+from ..tokenizer import Tokenizer
 from .common import RequestError, load_json
 
-# Fields of OpenAI's API that change the output and that this server does not implement yet.
-NOT_YET = {"functions": "legacy function calls (use tools)", "function_call": "legacy function calls (use tools)",
-           "best_of": "best_of", "echo": "echo", "suffix": "suffix", "audio": "audio output",
-           "modalities": "audio output", "reasoning_effort": "reasoning effort",
-           "web_search_options": "web search"}
+# Fields of OpenAI's API that change the output and that this server does not implement
+# (yet); each is refused by name. A null is the same as leaving the field out (`parse`).
+NOT_YET = {"suffix": "suffix", "audio": "audio output",
+           "web_search_options": "web search", "moderation": "moderation"}
+
+
+S = TypeVar("S", bound="Strict")
 
 
 class Strict(BaseModel):
@@ -32,22 +36,20 @@ class Strict(BaseModel):
 
 class StreamOptions(Strict):
     include_usage: bool = False
+    include_obfuscation: bool = True  # OpenAI's padding against size side channels: a no-op on loopback
 
 
 class TextPart(Strict):
     type: Literal["text"]
     text: str
+    prompt_cache_breakpoint: dict[str, Any] | None = None  # a caching hint: every prefix is cached here
 
 
-class FunctionCall(Strict):
-    name: str
-    arguments: str
+class RefusalPart(Strict):
+    """An earlier assistant refusal, as a content part: its text stands for the content."""
 
-
-class MessageToolCall(Strict):
-    id: str
-    type: Literal["function"] = "function"
-    function: FunctionCall
+    type: Literal["refusal"]
+    refusal: str
 
 
 class Prediction(Strict):
@@ -61,23 +63,65 @@ class Prediction(Strict):
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
 
 
+class FunctionCall(Strict):
+    name: str
+    arguments: str
+
+
+class MessageToolCall(Strict):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class LegacyFunction(Strict):
+    """An entry of the legacy `functions` list: the `function` of a tool."""
+
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+
+
+class FunctionName(Strict):
+    name: str
+
+
 # Content parts OpenAI defines that a text-only model cannot read.
 MEDIA_PARTS = ("image_url", "input_audio", "file")
 
 
 class Message(Strict):
     """A message as a client sends it back, including what the SDK's own message objects
-    carry (`refusal`, `annotations`, and `audio` / `function_call` when null)."""
+    carry (`refusal`, `annotations`, and `audio` / `function_call` when null), and the
+    legacy `function` role and assistant `function_call` (read as a tool reply and call)."""
 
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
+    content: str | list[TextPart | RefusalPart] | None = None
     tool_calls: list[MessageToolCall] | None = None  # an assistant's earlier calls
     tool_call_id: str | None = None  # a tool message: the call it answers
-    name: str | None = None  # a participant's name, or a tool message's function
+    name: str | None = None  # a participant's name, or a tool / function message's function
     refusal: str | None = None  # an assistant's earlier refusal: its text stands for the content
     annotations: list[dict[str, Any]] | None = None  # citations on an earlier reply: nothing to render
-    audio: None = None  # an earlier audio reply: this server never makes one
-    function_call: None = None  # the legacy call field, null in every reply of ours
+    audio: dict[str, Any] | None = None  # an earlier audio reply: refused unless null (`no_audio`)
+    function_call: FunctionCall | None = None  # an assistant's earlier legacy call
+    id: str | None = None  # an id some clients keep on earlier replies: nothing to render
+    reasoning_content: str | None = None  # an assistant's earlier thinking, under either name our replies give it:
+    reasoning: str | None = None  # the template decides whether to show it again (Qwen3's drops old turns')
+
+    @field_validator("audio")
+    @classmethod
+    def no_audio(cls, audio: dict[str, Any] | None) -> None:
+        """An audio reply is only an id of OpenAI's: there is no text here to render for it."""
+        if audio is not None:
+            raise PydanticCustomError("text_only", "this model takes text only: an earlier audio reply cannot be "
+                                      "read; send its transcript as the message's content and audio: null", {})
+        return None
+
+    @model_validator(mode="after")
+    def function_has_name(self) -> Message:
+        if self.role == "function" and not self.name:
+            raise PydanticCustomError("missing", "a function message needs the name of the function it answers", {})
+        return self
 
     @field_validator("content", mode="before")
     @classmethod
@@ -93,7 +137,8 @@ class Message(Strict):
 
     def for_template(self) -> dict[str, Any]:
         """The message as chat templates take it ("developer" is OpenAI's new name for "system")."""
-        text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content or [])
+        text = self.content if isinstance(self.content, str) else \
+            "".join(p.text if isinstance(p, TextPart) else p.refusal for p in self.content or [])
         if self.content is None and self.refusal is not None:
             text = self.refusal
         out: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": text}
@@ -102,6 +147,9 @@ class Message(Strict):
         for key in ("tool_call_id", "name"):
             if getattr(self, key) is not None:
                 out[key] = getattr(self, key)
+        thinking = self.reasoning_content if self.reasoning_content is not None else self.reasoning
+        if thinking is not None:
+            out["reasoning_content"] = thinking
         return out
 
 
@@ -169,24 +217,70 @@ class ChatCompletion(Completion):
     tools: list[dict[str, Any]] | None = None  # checked by the engine (`tools.check_tools`)
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
-    # OpenAI's bookkeeping and routing; no effect on a local model (accepted as documented no-ops)
+    functions: list[LegacyFunction] | None = Field(None, min_length=1)  # legacy tools, answered in the legacy shape
+    function_call: Literal["none", "auto"] | FunctionName | None = None  # the legacy tool_choice
+    modalities: list[Literal["text", "audio"]] | None = None  # ["text"] is what every reply is
+    verbosity: Literal["low", "medium", "high"] | None = None  # "medium" (the default) is what every reply is
+    # OpenAI's bookkeeping, routing and caching hints; no effect on a local model (documented no-ops)
     store: bool | None = None
     metadata: dict[str, str] | None = None
     service_tier: str | None = None
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
+    prompt_cache_options: dict[str, Any] | None = None
+    # thinking: reasoning_effort switches it where the template can (`reasoning.effort_kwargs`), and
+    # chat_template_kwargs reach the template as given (vLLM's and llama.cpp's extension; they win)
+    reasoning_effort: Literal[EFFORTS] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @field_validator("modalities")
+    @classmethod
+    def text_out(cls, modalities: list[str] | None) -> list[str] | None:
+        if modalities and "audio" in modalities:
+            raise PydanticCustomError("text_only", 'this model writes text only: send modalities ["text"] or leave '
+                                      "it out", {})
+        return modalities
+
+    @field_validator("verbosity")
+    @classmethod
+    def default_verbosity(cls, verbosity: str | None) -> str | None:
+        if verbosity not in (None, "medium"):
+            raise PydanticCustomError("verbosity", f"'{verbosity}' cannot be honoured here (a local model has no "
+                                      'verbosity control); send "medium" or leave it out', {})
+        return verbosity
+
+    def template_kwargs(self, tokenizer: Tokenizer) -> dict[str, Any]:
+        """The chat template's extra variables this request asks for."""
+        return {**effort_kwargs(tokenizer, self.reasoning_effort), **(self.chat_template_kwargs or {})}
+
+    @property
+    def legacy(self) -> bool:
+        """Called with the legacy `functions`: the reply's call goes out as `function_call`."""
+        return self.functions is not None
 
     def options(self, default_max_tokens: int) -> dict[str, Any]:
         if self.top_logprobs is not None and not self.logprobs:
             raise RequestError("top_logprobs needs logprobs: true", "top_logprobs")
         options = super().options(default_max_tokens)
-        if self.tools:
-            options["tools"] = self.tools
-            if self.parallel_tool_calls is False:
+        tools, choice, parallel = self.tools, self.tool_choice, self.parallel_tool_calls
+        if self.functions is not None:
+            if tools:
+                raise RequestError("send tools or the legacy functions, not both", "functions")
+            # the legacy API makes at most one call a reply
+            tools, parallel = [{"type": "function", "function": f.model_dump(exclude_none=True)}
+                               for f in self.functions], False
+            choice = self.function_call if not isinstance(self.function_call, FunctionName) else \
+                {"type": "function", "function": {"name": self.function_call.name}}
+        elif self.function_call not in (None, "none"):
+            raise RequestError("function_call needs functions", "function_call")
+        if tools:
+            options["tools"] = tools
+            if parallel is False:
                 options["parallel_tool_calls"] = False
-            if self.tool_choice is not None:
-                options["tool_choice"] = self.tool_choice
-        elif self.tool_choice not in (None, "none"):
+            if choice is not None:
+                options["tool_choice"] = choice
+        elif choice not in (None, "none"):
             raise RequestError("tool_choice needs tools", "tool_choice")
         return options
 
@@ -197,26 +291,64 @@ class ChatCompletion(Completion):
         # the chosen token's logprob needs at least one row (and asks for nothing more)
         return max(self.top_logprobs or 0, 1) if self.logprobs else 0
 
+    def engine_prompts(self, most: int) -> list[list[dict[str, Any]]]:
+        """A chat completion has one prompt."""
+        return [self.engine_prompt()]
+
     def engine_prompt(self) -> list[dict[str, Any]]:
-        return [m.for_template() for m in self.messages]
+        """The messages as chat templates take them; a legacy assistant `function_call` and
+        the `function` message answering it become the tool call and tool reply they stand
+        for, paired by an id made up here (9 letters and digits: Mistral's templates take no other)."""
+        out: list[dict[str, Any]] = []
+        call_id = None
+        for i, m in enumerate(self.messages):
+            message = m.for_template()
+            if m.function_call is not None:
+                call_id = f"fn{i:07d}"
+                call = {"id": call_id, "type": "function", "function": m.function_call.model_dump()}
+                message["tool_calls"] = [*message.get("tool_calls", []), call]
+            if m.role == "function":
+                message = {"role": "tool", "content": message["content"], "name": m.name,
+                           **({"tool_call_id": call_id} if call_id else {})}
+            out.append(message)
+        return out
 
 
 class TextCompletion(Completion):
-    prompt: str | list[int] | list[str]
+    """A text completion; `prompt` may hold several prompts (texts or token-id lists), each
+    completed as its own choice, as evaluators send them."""
+
+    prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = Field(None, ge=0, le=20)
+    echo: bool | None = None  # the prompt comes back before the completion; with logprobs, scored
+    best_of: int | None = Field(None, ge=1)  # only as many as n: every completion made is returned
 
     def logprob_rows(self) -> int:
         return self.logprobs or 0
 
-    def engine_prompt(self) -> str | list[int]:
+    def options(self, default_max_tokens: int) -> dict[str, Any]:
+        if self.best_of is not None and self.best_of != (self.n or 1):
+            raise RequestError(f"best_of must equal n ({self.n or 1}): this server returns every completion it "
+                               "makes, it does not pick the best of more", "best_of")
+        # a text completion is raw text (no chat template): a thinking model's tags stay in it, as with OpenAI
+        options = {**super().options(default_max_tokens), "split_reasoning": False}
+        if self.echo:
+            options["echo"] = True
+            if self.logprob_rows():
+                options["prompt_logprobs"] = self.logprob_rows()
+        return options
+
+    def engine_prompts(self, most: int) -> list[str | list[int]]:
+        """Each prompt of the request (at most `most`), as text or token ids."""
         p = self.prompt
-        if isinstance(p, list) and p and all(isinstance(x, str) for x in p):
-            if len(p) != 1:
-                raise RequestError("only one prompt per request is supported", "prompt")
-            p = p[0]
-        if not p:
-            raise RequestError("the prompt is empty", "prompt")
-        return p
+        prompts = [p] if isinstance(p, str) or not p or isinstance(p[0], int) else list(p)
+        if len(prompts) > most:
+            raise RequestError(f"prompt holds {len(prompts)} prompts; this server takes at most {most} in one request "
+                               "(its --max-concurrency plus --max-queue): send the rest in another request", "prompt")
+        for i, one in enumerate(prompts):
+            if not one:
+                raise RequestError("the prompt is empty" if len(prompts) == 1 else f"prompt {i} is empty", "prompt")
+        return prompts
 
 
 def token_keys(bias: dict[str, float]) -> dict[int, float]:
@@ -233,6 +365,12 @@ def parse(raw: bytes, kind: type[Completion]) -> Completion:
     data = load_json(raw)
     if not isinstance(data, dict):
         raise RequestError("the request body must be a JSON object")
+    data = {k: v for k, v in data.items() if not (v is None and k in NOT_YET)}  # null: OpenAI's "not set"
+    return validated(data, kind)
+
+
+def validated(data: dict[str, Any], kind: type[S]) -> S:
+    """`data` as `kind`, or a RequestError naming the first field at fault."""
     try:
         return kind.model_validate(data)
     except ValidationError as e:
@@ -246,10 +384,10 @@ def _refusal(e: ValidationError) -> RequestError:
     if first["type"] == "extra_forbidden":
         name = str(first["loc"][-1])
         if len(first["loc"]) == 1 and name in NOT_YET:
-            return RequestError(f"'{name}' is not supported by this server ({NOT_YET[name]} are not available); "
-                                "remove it from the request", name)
+            return RequestError(f"'{name}' ({NOT_YET[name]}) is not supported by this server; remove it from the "
+                                "request", name)
         return RequestError(f"unknown parameter '{where}'{more}; remove it from the request", where)
-    return RequestError(f"{where}: {first['msg']}{more}", where)
+    return RequestError(f"{where}: {first['msg']}{more}" if where else f"{first['msg']}{more}", where or None)
 
 
 def finish(reason: str | None) -> str | None:
@@ -257,24 +395,26 @@ def finish(reason: str | None) -> str | None:
     return "stop" if reason == "cancelled" else reason
 
 
-def usage(finals: list[Stats], predicted: bool = False) -> dict[str, Any]:
-    """Usage of a request from its choices' last stats: the prompt counted once (its choices
-    share it; the one that prefilled it ran the most of it), every choice's tokens; with a
-    prediction, its drafted tokens the model accepted and rejected (the rejected ones cost a
-    verification each, not a token of the reply)."""
-    prompt = finals[0].prompt_tokens
-    completion = sum(s.generated_tokens for s in finals)
-    accepted = sum(s.accepted for s in finals) if predicted else 0
-    rejected = sum(s.drafted - s.accepted for s in finals) if predicted else 0
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": max(prompt - max(s.prefill_tokens for s in finals), 0)},
+def usage(per_prompt: list[list[Stats]], predicted: bool = False) -> dict[str, Any]:
+    """The usage of a response from its choices' last stats, by prompt: each prompt counted
+    once (its n choices share it; the one that prefilled it ran the most of it), every
+    choice's tokens; with a prediction, its drafted tokens the model accepted and rejected
+    (a rejected one costs a verification, not a token of the reply)."""
+    every = [s for choices in per_prompt for s in choices]
+    prompt, generated = sum(c[0].prompt_tokens for c in per_prompt), sum(s.generated_tokens for s in every)
+    cached = sum(max(c[0].prompt_tokens - max(s.prefill_tokens for s in c), 0) for c in per_prompt)
+    accepted = sum(s.accepted for s in every) if predicted else 0
+    rejected = sum(s.drafted - s.accepted for s in every) if predicted else 0
+    return {"prompt_tokens": prompt, "completion_tokens": generated, "total_tokens": prompt + generated,
+            "prompt_tokens_details": {"cached_tokens": cached},
             "completion_tokens_details": {"accepted_prediction_tokens": accepted,
                                           "rejected_prediction_tokens": rejected}}
 
 
 class Logprobs:
     """One choice's logprobs in the shape of its endpoint: chat's `content` list, or the
-    legacy completions' parallel lists."""
+    legacy completions' parallel lists (an echoed prompt's tokens first: the first has no
+    logprob, as it follows nothing; `text_offset` counts characters of the choice's text)."""
 
     def __init__(self, tokenizer, chat: bool, top: int):
         self.tokenizer, self.chat, self.top = tokenizer, chat, top
@@ -288,28 +428,45 @@ class Logprobs:
                                  "top_logprobs": [{"token": text([t]), "logprob": lp, "bytes": None}
                                                   for t, lp in c.top_logprobs[: self.top]]} for c in tokens]}
         out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-        for c in tokens:
-            out["tokens"].append(text([c.token]))
-            out["token_logprobs"].append(c.logprob)
-            out["top_logprobs"].append({text([t]): lp for t, lp in c.top_logprobs})
+
+        def add(token: int, logprob: float | None, top: list[tuple[int, float]] | None, piece: str) -> None:
+            out["tokens"].append(text([token]))
+            out["token_logprobs"].append(logprob)
+            out["top_logprobs"].append(None if top is None else {text([t]): lp for t, lp in top})
             out["text_offset"].append(self.offset)
-            self.offset += len(c.text)
+            self.offset += len(piece)
+
+        for c in chunks:
+            for p in c.prompt or ():
+                add(p.id, p.logprob, p.top_logprobs, p.text)
+            if c.token is not None and c.top_logprobs is not None:
+                add(c.token, c.logprob, c.top_logprobs, c.text)
         return out
 
 
 def choice(chat: bool, text: str | None, reason: str | None, logprobs: dict[str, Any] | None, delta: bool,
-           first: bool = False, calls: list | None = None, index: int = 0) -> dict[str, Any]:
-    """Choice `index` of a response (`delta`: of a streamed chunk); `calls`: the tool calls it made."""
+           first: bool = False, calls: list | None = None, legacy: bool = False, index: int = 0,
+           reasoning: str = "") -> dict[str, Any]:
+    """Choice `index` of a response (`delta`: of a streamed chunk); `calls`: the tool calls it
+    made, written as the legacy `function_call` (one call at most) when `legacy`; `reasoning`:
+    a thinking model's thoughts, under both names peers use (vLLM and llama.cpp's
+    `reasoning_content`, the newer `reasoning`)."""
     out: dict[str, Any] = {"index": index}
+    thinking = {"reasoning_content": reasoning, "reasoning": reasoning} if reasoning else {}
     if not chat:
         out["text"] = text
     elif delta:
-        out["delta"] = {"role": "assistant", "content": text} if first else {"content": text}
-        if calls:
-            out["delta"]["tool_calls"] = [{"index": i, **c.openai()} for i, c in enumerate(calls)]
+        content = {"content": text} if text or not reasoning else {}  # a delta of thinking alone has no content
+        out["delta"] = {"role": "assistant", **content, **thinking} if first else {**content, **thinking}
     else:
-        out["message"] = {"role": "assistant", "content": text}
-        if calls:
+        out["message"] = {"role": "assistant", "content": text, **thinking}
+    if chat and calls:
+        if legacy:
+            out["delta" if delta else "message"]["function_call"] = calls[0].openai()["function"]
+            reason = "function_call"
+        elif delta:
+            out["delta"]["tool_calls"] = [{"index": i, **c.openai()} for i, c in enumerate(calls)]
+        else:
             out["message"]["tool_calls"] = [c.openai() for c in calls]
     out["logprobs"] = logprobs
     out["finish_reason"] = finish(reason)

@@ -13,10 +13,11 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from ..errors import ConfigError
+from ..errors import ConfigError, NoLMHeadError
 from ..kernels.quantized_matmul import quantized_matmul
 from .attention import Mask, attention, attention_mask, offsets
 from .config import ModelConfig, RopeConfig
+from .pooling import EmbeddingConfig
 
 ROPE_KINDS = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
 
@@ -346,10 +347,20 @@ class Backbone(nn.Module):
         return x
 
 
+NO_HEAD = ("this model has no LM head (its checkpoint is a bare base model, as embedding models are saved): "
+           "it can embed text (`mlxinfer embed`, /v1/embeddings) but not generate; use a causal LM checkpoint")
+
+
 class CausalLM(nn.Module):
-    """Backbone plus LM head (tied to the embedding when the config says so)."""
+    """Backbone plus LM head (tied to the embedding when the config says so).
+
+    A checkpoint saved as a bare base model (an embedding model) loads without its head
+    (`drop_head`): it gives hidden states and refuses to give logits. `sentence_embedding` is how
+    the checkpoint makes sentence embeddings from those hidden states (set by the loader
+    from its sentence-transformers files)."""
 
     block: type[Block] = Block  # families with their own layers set this
+    sentence_embedding: EmbeddingConfig = EmbeddingConfig()
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -358,8 +369,22 @@ class CausalLM(nn.Module):
         if not cfg.tie_word_embeddings:
             self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
+    def hidden_states(self, tokens: mx.array, cache=None) -> mx.array:
+        """The final hidden states [B, T, hidden]: after the last layer and the final norm,
+        before the LM head (what embeddings pool)."""
+        return self.model(tokens, cache)
+
+    def require_head(self) -> None:
+        """Refuse (before any work) to generate with a model that has no LM head."""
+        if not (self.config.tie_word_embeddings or "lm_head" in self):
+            raise NoLMHeadError(NO_HEAD)
+
+    def drop_head(self) -> None:
+        del self.lm_head
+
     def __call__(self, tokens: mx.array, cache=None) -> mx.array:
-        h = self.model(tokens, cache)
+        self.require_head()
+        h = self.hidden_states(tokens, cache)
         logits = self.model.embed_tokens.as_linear(h) if self.config.tie_word_embeddings else self.lm_head(h)
         cap = self.config.final_softcap
         return logits if cap is None else mx.tanh(logits / cap) * cap

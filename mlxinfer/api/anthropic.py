@@ -1,0 +1,192 @@
+"""Anthropic's Messages API (`/v1/messages`, `/v1/messages/count_tokens`), translated to
+the typed `Request` and back; the request bodies live in `anthropic_schema`.
+
+One `Reply` turns a request's chunks into Anthropic's content blocks (thinking, text,
+tool_use) and their stream events; the whole message is what the stream builds, so a
+client's accumulated stream and the non-streamed message cannot differ.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
+
+from fastapi import APIRouter, Request
+
+from ..generate import Chunk, Stats
+from ..reasoning import effort_kwargs
+from ..tools import ToolCall, call_opener
+from .anthropic_schema import Conversation, CountTokens, CreateMessage, parse
+from .common import Context, RequestError, body_of, respond, sse
+from .engine_thread import chunks_of
+
+Event = tuple[str, dict[str, Any]]  # (event name, data)
+
+
+def router(ctx: Context) -> APIRouter:
+    """The routes, under the server's /v1 prefix."""
+    api = APIRouter()
+    config, tokenizer, engine = ctx.config, ctx.tokenizer, ctx.engine
+
+    def thinking(body: Conversation) -> dict[str, Any]:
+        """`thinking` as the template's switch (none given: the template's default)."""
+        template = effort_kwargs(tokenizer, body.thinking.effort) if body.thinking is not None else {}
+        return {"chat_template_kwargs": template} if template else {}
+
+    @api.post("/messages")
+    async def messages(request: Request):
+        body = parse(await body_of(request, config.max_body), CreateMessage)
+        typed = engine.engine.request(body.chat(), **body.options(), **thinking(body))
+        o = typed.options
+        reply = Reply(f"msg_{uuid.uuid4().hex}", config.model_name, o.max_tokens,
+                      call_opener(tokenizer) if o.tools and o.tool_choice != "none" else None)
+        return await respond(request, chunks_of(engine, typed), bool(body.stream), reply.whole, reply.events)
+
+    @api.post("/messages/count_tokens")
+    async def count_tokens(request: Request):
+        body = parse(await body_of(request, config.max_body), CountTokens)
+        typed = engine.engine.request(body.chat(), **body.options(), **thinking(body))
+        return {"input_tokens": await asyncio.to_thread(engine.engine.count, typed)}
+
+    return api
+
+
+def stop_reason(last: Chunk, max_tokens: int) -> str:
+    """Anthropic's name for why a reply ended (calls before a stop string that cut them short)."""
+    if last.finish_reason == "tool_calls":
+        return "tool_use"
+    if last.stop_sequence is not None:
+        return "stop_sequence"
+    if last.finish_reason == "length":
+        return "max_tokens" if last.stats.generated_tokens >= max_tokens else "model_context_window_exceeded"
+    return "end_turn"  # the end of the turn, or a reply cut short by the server stopping
+
+
+def usage(stats: Stats) -> dict[str, Any]:
+    """Tokens as Anthropic counts them: `input_tokens` are those not read from the prompt cache."""
+    cached = max(stats.prompt_tokens - stats.prefill_tokens, 0)
+    return {"input_tokens": stats.prompt_tokens - cached, "output_tokens": stats.generated_tokens,
+            "cache_creation_input_tokens": 0, "cache_read_input_tokens": cached}
+
+
+@dataclass
+class Reply:
+    """One request's message: its content blocks as they grow, and the events that grow them.
+
+    With tools, answer text that may be the start of a call is held back until it is known:
+    a call goes out as a tool_use block, anything else as text. Thinking is never held."""
+
+    rid: str
+    model: str
+    max_tokens: int
+    opener: str | None = None  # with tools: the text a call starts with
+    content: list[dict[str, Any]] = field(default_factory=list)
+    held: str = ""
+    free: bool = False  # the text is known not to be a call: it streams as it comes
+    open: bool = False  # whether the last block of `content` is still open
+
+    def message(self, stats: Stats, last: Chunk | None = None) -> dict[str, Any]:
+        """The message, whole once `last` (the last chunk) came; before, as message_start has
+        it: no content and no output yet."""
+        done = last is not None
+        reason = stop_reason(last, self.max_tokens) if done else None
+        return {"id": self.rid, "type": "message", "role": "assistant", "model": self.model,
+                "content": self.content if done else [], "stop_reason": reason,
+                "stop_sequence": last.stop_sequence if reason == "stop_sequence" else None,
+                "usage": usage(stats) if done else {**usage(stats), "output_tokens": 0}}
+
+    def whole(self, chunks: list[Chunk]) -> dict[str, Any]:
+        for chunk in chunks:
+            self.take(chunk)
+        self.end()
+        return self.message(chunks[-1].stats, chunks[-1])
+
+    def take(self, chunk: Chunk) -> list[Event]:
+        """The events one chunk adds (none while its text is held back)."""
+        events = self._add("thinking", chunk.reasoning)
+        self.held += chunk.text
+        self.free = self.free or not self._could_call()
+        if chunk.tool_calls and not self.free:  # what was held back were the calls
+            self.held = chunk.content or ""
+        if self.free or chunk.finish_reason:
+            events += self._add("text", self.held)
+            self.held = ""
+        for call in chunk.tool_calls or []:
+            events += self._tool_use(call)
+        return events
+
+    def end(self) -> list[Event]:
+        """The events that end the content: text still held back, and the open block's stop."""
+        events = self._add("text", self.held)
+        self.held = ""
+        return [*events, *self._close()]
+
+    def _could_call(self) -> bool:
+        start = self.held.lstrip()
+        return self.opener is not None and (start.startswith(self.opener) or self.opener.startswith(start))
+
+    def _add(self, kind: str, text: str) -> list[Event]:
+        """`text` appended to the open block of `kind` ("text" or "thinking"), opened if need be."""
+        if not text:
+            return []
+        events = []
+        if not (self.open and self.content[-1]["type"] == kind):
+            events += self._close()
+            events.append(self._start({"type": "text", "text": ""} if kind == "text" else
+                                      {"type": "thinking", "thinking": "", "signature": ""}))
+        self.content[-1][kind] += text
+        delta = {"type": "text_delta", "text": text} if kind == "text" else {"type": "thinking_delta", "thinking": text}
+        return [*events, self._delta(delta)]
+
+    def _tool_use(self, call: ToolCall) -> list[Event]:
+        """A call as one block: opened with an empty input, which one JSON delta fills."""
+        events = [*self._close(), self._start({"type": "tool_use", "id": call.id, "name": call.name, "input": {}})]
+        self.content[-1]["input"] = call.arguments
+        events.append(self._delta({"type": "input_json_delta",
+                                   "partial_json": json.dumps(call.arguments, ensure_ascii=False)}))
+        return [*events, *self._close()]
+
+    def _start(self, block: dict[str, Any]) -> Event:
+        self.content.append(dict(block))
+        self.open = True
+        return "content_block_start", {"type": "content_block_start", "index": len(self.content) - 1,
+                                       "content_block": block}
+
+    def _delta(self, delta: dict[str, Any]) -> Event:
+        return "content_block_delta", {"type": "content_block_delta", "index": len(self.content) - 1, "delta": delta}
+
+    def _close(self) -> list[Event]:
+        if not self.open:
+            return []
+        self.open = False
+        return [("content_block_stop", {"type": "content_block_stop", "index": len(self.content) - 1})]
+
+    async def events(self, first: Chunk | None, stream: AsyncIterator[Chunk]) -> AsyncIterator[bytes]:
+        """The stream: message_start, ping, each block's start, deltas and stop, then
+        message_delta (why it stopped, the usage) and message_stop; a failure mid-way is
+        an `error` event, as Anthropic sends one."""
+        try:
+            if first is None:  # ended before its first token: the server is stopping
+                raise RequestError("the server stopped before the reply began; retry", status=503, kind="server_busy")
+            yield sse({"type": "message_start", "message": self.message(first.stats)}, "message_start")
+            yield sse({"type": "ping"}, "ping")
+            last = first
+            for name, data in self.take(first):
+                yield sse(data, name)
+            async for last in stream:
+                for name, data in self.take(last):
+                    yield sse(data, name)
+            for name, data in self.end():
+                yield sse(data, name)
+            whole = self.message(last.stats, last)
+            yield sse({"type": "message_delta", "usage": whole["usage"],
+                       "delta": {"stop_reason": whole["stop_reason"], "stop_sequence": whole["stop_sequence"]}},
+                      "message_delta")
+            yield sse({"type": "message_stop"}, "message_stop")
+        except RequestError as e:
+            yield sse(e.anthropic_body(), "error")
+        finally:
+            await stream.aclose()

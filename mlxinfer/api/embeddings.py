@@ -1,0 +1,99 @@
+"""OpenAI's embeddings (`POST /v1/embeddings`): `input` as a string, a list of strings,
+token ids or a list of token-id lists; `dimensions`; `encoding_format` float or base64
+(little-endian float32, as the openai client decodes it, and asks for by default).
+
+Texts are tokenized and checked off the event loop; the model runs on the engine thread
+(`EngineThread.call`), a few texts per call, so the streams being decoded keep stepping
+between them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+from functools import partial
+from typing import Any, Literal
+
+import numpy as np
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import Field, field_validator
+from pydantic_core import PydanticCustomError
+
+from ..checks import is_integer
+from ..embed import BATCH_SIZE, check_dimensions, embed_tokens, encode_texts
+from ..errors import MlxinferError
+from .common import ClientGone, Context, RequestError, hung_up, json_body, unless_gone
+from .openai_schema import Strict, validated
+
+MAX_INPUTS = 2048  # texts per request, as OpenAI allows
+SHAPES = "a string, a list of strings, a list of token ids, or a list of token-id lists"
+
+
+class Embeddings(Strict):
+    """OpenAI's request body; `user` is accepted and has no effect here."""
+
+    input: str | list[str] | list[int] | list[list[int]]
+    model: str | None = None
+    dimensions: int | None = Field(None, ge=1)
+    encoding_format: Literal["float", "base64"] = "float"
+    user: str | None = None
+
+    @field_validator("input", mode="before")
+    @classmethod
+    def one_shape(cls, value: Any) -> Any:
+        """A body of none of the four shapes is refused in one sentence, not one per shape."""
+        if isinstance(value, str):
+            return value
+        if isinstance(value, list) and (all(isinstance(v, str) for v in value) or all(is_integer(v) for v in value)
+                                        or all(isinstance(v, list) and all(is_integer(i) for i in v) for v in value)):
+            return value
+        raise PydanticCustomError("input_shape", f"input must be {SHAPES}", {})
+
+    def texts(self) -> str | list:
+        """The input as `encode_texts` takes it, at most MAX_INPUTS texts."""
+        several = isinstance(self.input, list) and self.input and not is_integer(self.input[0])
+        if several and len(self.input) > MAX_INPUTS:
+            raise RequestError(f"input has {len(self.input)} texts; at most {MAX_INPUTS} go in one request", "input")
+        return self.input
+
+
+def router(ctx: Context) -> APIRouter:
+    """The route, under the server's /v1 prefix."""
+    api = APIRouter()
+    model, tokenizer, engine, config = ctx.model, ctx.tokenizer, ctx.engine, ctx.config
+
+    async def vectors(ids: list[list[int]], dimensions: int | None) -> np.ndarray:
+        parts = [await engine.call(partial(embed_tokens, model, ids[i:i + BATCH_SIZE], dimensions=dimensions))
+                 for i in range(0, len(ids), BATCH_SIZE)]
+        return np.concatenate(parts)
+
+    @api.post("/embeddings")
+    async def embeddings(request: Request):
+        body = validated(await json_body(request, config.max_body), Embeddings)
+        try:
+            check_dimensions(model, body.dimensions)
+        except MlxinferError as e:
+            raise RequestError(str(e), "dimensions") from None
+        try:
+            ids = await asyncio.to_thread(encode_texts, model, tokenizer, body.texts(), "input")
+        except MlxinferError as e:
+            raise RequestError(str(e), "input") from None
+        gone = asyncio.ensure_future(hung_up(request))
+        try:
+            result = await unless_gone(vectors(ids, body.dimensions), gone)
+        except ClientGone:
+            return Response(status_code=499)
+        finally:
+            gone.cancel()
+        tokens = sum(map(len, ids))
+        return JSONResponse({"object": "list", "data": [item(i, v, body.encoding_format) for i, v in enumerate(result)],
+                             "model": config.model_name, "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
+
+    return api
+
+
+def item(index: int, vector: np.ndarray, encoding: str) -> dict[str, Any]:
+    """One embedding object: the numbers, or their little-endian float32 bytes in base64."""
+    data = base64.b64encode(vector.astype("<f4").tobytes()).decode() if encoding == "base64" else vector.tolist()
+    return {"object": "embedding", "index": index, "embedding": data}

@@ -1,0 +1,385 @@
+"""OpenAI's Responses API (`/v1/responses`), translated to the typed `Request` and back.
+
+A request's items (after those of the response it continues, `previous_response_id`)
+become chat messages and its fields engine options (`responses_schema`); the engine's
+chunks become a Response object, or its stream of named events in OpenAI's order:
+`response.created`, `response.in_progress`, then per output item `output_item.added`,
+its content (`content_part.added`, text deltas, `..._text.done`, `content_part.done`,
+or a function call's arguments), `output_item.done`, and `response.completed` (or
+`response.incomplete` when max_output_tokens cut it). Responses are kept in a bounded
+in-memory store (least recently used first out) to be retrieved, deleted or continued.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Callable
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+
+from ..generate import Chunk
+from ..reasoning import effort_kwargs
+from ..tools import ToolCall, call_opener
+from .common import Context, RequestError, body_of, respond, sse
+from .engine_thread import chunks_of
+from .openai_schema import parse
+from .responses_schema import ITEM, CreateResponse, ItemReference, listed, messages
+
+
+@dataclass(frozen=True)
+class Stored:
+    """A finished response and the items it answered (those of the responses it continues included)."""
+
+    response: dict[str, Any]
+    context: list
+
+
+class Store:
+    """Responses kept for `GET`, `DELETE` and `previous_response_id`: at most `size`, the
+    least recently used dropped first (0: none kept)."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self._kept: OrderedDict[str, Stored] = OrderedDict()
+
+    def put(self, entry: Stored) -> None:
+        if self.size <= 0:
+            return
+        self._kept[entry.response["id"]] = entry
+        self._kept.move_to_end(entry.response["id"])
+        while len(self._kept) > self.size:
+            self._kept.popitem(last=False)
+
+    def get(self, rid: str) -> Stored:
+        if rid not in self._kept:
+            raise RequestError(f"Response with id '{rid[:100]}' not found.", status=404)
+        self._kept.move_to_end(rid)
+        return self._kept[rid]
+
+    def delete(self, rid: str) -> None:
+        self.get(rid)
+        del self._kept[rid]
+
+    def item(self, iid: str) -> Any:
+        """The item with id `iid` among the stored responses' inputs and outputs."""
+        for entry in reversed(self._kept.values()):
+            for item in entry.context:
+                if item.id == iid:
+                    return item
+            for out in entry.response["output"]:
+                if out["id"] == iid:
+                    return ITEM.validate_python(out)
+        raise RequestError(f"no stored response holds the item '{iid[:100]}' (item_reference); send the item "
+                           "itself", "input")
+
+
+def _id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+def router(ctx: Context) -> APIRouter:
+    """The routes, under the server's /v1 prefix."""
+    api = APIRouter()
+    config, tokenizer, engine = ctx.config, ctx.tokenizer, ctx.engine
+    store = Store(config.responses_store)
+
+    def context_of(body: CreateResponse) -> list:
+        """The items the reply answers: the continued response's, then this request's
+        (item references resolved, ids given to those without)."""
+        earlier = []
+        if body.previous_response_id is not None:
+            try:
+                prev = store.get(body.previous_response_id)
+            except RequestError:
+                raise RequestError(f"Previous response with id '{body.previous_response_id[:100]}' not found.",
+                                   "previous_response_id") from None
+            earlier = [*prev.context, *(ITEM.validate_python(o) for o in prev.response["output"])]
+        items = [store.item(i.id) if isinstance(i, ItemReference) else i for i in body.input or []]
+        items = [i if i.id is not None else i.model_copy(update={"id": _id("msg")}) for i in items]
+        if not items:
+            raise RequestError("input is empty: give a string or a list of items", "input")
+        return [*earlier, *items]
+
+    @api.post("/responses")
+    async def create(request: Request) -> Response:
+        body = parse(await body_of(request, config.max_body), CreateResponse)
+        context = context_of(body)
+        options = body.options(config.max_tokens)
+        if body.reasoning is not None and (template := effort_kwargs(tokenizer, body.reasoning.effort)):
+            options["chat_template_kwargs"] = template
+        typed = engine.engine.request(messages(context, body.instructions), **options)
+        o = typed.options
+        reply = Reply(body, config.model_name, tokenizer,
+                      call_opener(tokenizer) if o.tools and o.tool_choice != "none" else None)
+
+        def keep(response: dict[str, Any]) -> dict[str, Any]:
+            if body.store is not False:
+                store.put(Stored(response, context))
+            return response
+
+        def whole(chunks: list[Chunk]) -> dict[str, Any]:
+            if not chunks:  # the server stopped before the first token
+                raise RequestError("the server is shutting down", status=503, kind="server_busy")
+            return keep(reply.whole(chunks))
+
+        return await respond(request, chunks_of(engine, typed), bool(body.stream), whole,
+                             lambda first, rest: reply.events(first, rest, keep))
+
+    @api.get("/responses/{rid}")
+    async def retrieve(rid: str, request: Request):
+        if request.query_params.get("stream", "false") != "false":
+            raise RequestError("a stored response cannot be streamed again (background responses are not supported)",
+                               "stream")
+        return store.get(rid).response
+
+    @api.delete("/responses/{rid}")
+    async def delete(rid: str):
+        store.delete(rid)
+        return {"id": rid, "object": "response", "deleted": True}
+
+    @api.get("/responses/{rid}/input_items")
+    async def input_items(rid: str, request: Request):
+        """A page of the items a stored response answered (`limit`, `order`, `after`, as OpenAI's)."""
+        query = request.query_params
+        limit, order, after = query.get("limit", "20"), query.get("order", "desc"), query.get("after")
+        if not (limit.isdigit() and 1 <= int(limit) <= 100):
+            raise RequestError(f"limit must be an integer from 1 to 100, got {limit[:20]!r}", "limit")
+        if order not in ("asc", "desc"):
+            raise RequestError(f"order must be 'asc' or 'desc', got {order[:20]!r}", "order")
+        items = [listed(i) for i in store.get(rid).context]
+        items = items if order == "asc" else items[::-1]
+        if after is not None:
+            ids = [i["id"] for i in items]
+            items = items[ids.index(after) + 1:] if after in ids else []
+        page = items[:int(limit)]
+        return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+                "last_id": page[-1]["id"] if page else None, "has_more": len(items) > len(page)}
+
+    return api
+
+
+def usage(chunks: list[Chunk]) -> dict[str, Any]:
+    s = chunks[-1].stats
+    thinking = sum(1 for c in chunks if c.reasoning and c.token is not None)
+    return {"input_tokens": s.prompt_tokens,
+            "input_tokens_details": {"cached_tokens": max(s.prompt_tokens - s.prefill_tokens, 0)},
+            "output_tokens": s.generated_tokens, "output_tokens_details": {"reasoning_tokens": thinking},
+            "total_tokens": s.prompt_tokens + s.generated_tokens}
+
+
+def call_item(call: ToolCall) -> dict[str, Any]:
+    return {"id": f"fc_{call.id}", "type": "function_call", "status": "completed", "call_id": call.id,
+            "name": call.name, "arguments": json.dumps(call.arguments, ensure_ascii=False)}
+
+
+@dataclass
+class Reply:
+    """One request's Response object, whole or as its stream of events. Its items' ids are
+    fixed up front, so the streamed items and the final object name the same ones."""
+
+    body: CreateResponse
+    model: str
+    tokenizer: Any
+    opener: str | None  # with tools: the text a call starts with
+    rid: str = field(default_factory=lambda: _id("resp"))
+    message_id: str = field(default_factory=lambda: _id("msg"))
+    reasoning_id: str = field(default_factory=lambda: _id("rs"))
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def object(self, status: str, output: list[dict[str, Any]], chunks: list[Chunk] | None = None,
+               error: dict[str, Any] | None = None) -> dict[str, Any]:
+        """The Response object: this request's settings echoed, with `output` and its state."""
+        b = self.body
+        choice = b.tool_choice if isinstance(b.tool_choice, str) or b.tool_choice is None \
+            else b.tool_choice.model_dump()
+        text = b.text.model_dump(by_alias=True, exclude_none=True) if b.text is not None else {}
+        reasoning = b.reasoning.model_dump(include={"effort", "summary"}) if b.reasoning is not None else None
+        return {
+            "id": self.rid, "object": "response", "created_at": self.created, "status": status,
+            "completed_at": int(time.time()) if status == "completed" else None,
+            "error": error, "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+            "instructions": b.instructions, "max_output_tokens": b.max_output_tokens,
+            "max_tool_calls": b.max_tool_calls, "model": self.model, "output": output,
+            "parallel_tool_calls": b.parallel_tool_calls is not False, "previous_response_id": b.previous_response_id,
+            "reasoning": reasoning or {"effort": None, "summary": None}, "store": b.store is not False,
+            "temperature": b.temperature, "top_p": b.top_p, "top_logprobs": b.top_logprobs,
+            "text": {"format": {"type": "text"}, **text},
+            "tool_choice": choice or "auto", "tools": [t.model_dump(exclude_none=True) for t in b.tools or []],
+            "truncation": b.truncation or "disabled", "usage": usage(chunks) if chunks else None,
+            "user": b.user, "metadata": b.metadata or {}, "service_tier": b.service_tier or "default",
+            "background": False, "prompt_cache_key": b.prompt_cache_key, "safety_identifier": b.safety_identifier,
+        }
+
+    def logprobs(self, chunks: list[Chunk]) -> list[dict[str, Any]]:
+        """The tokens' logprobs, when `include` asks for them."""
+        if not self.body.logprob_rows():
+            return []
+        text, top = self.tokenizer.decode, self.body.top_logprobs or 0
+        return [{"token": text([c.token]), "bytes": list(text([c.token]).encode()), "logprob": c.logprob,
+                 "top_logprobs": [{"token": text([t]), "bytes": list(text([t]).encode()), "logprob": lp}
+                                  for t, lp in c.top_logprobs[:top]]}
+                for c in chunks if c.token is not None and c.top_logprobs is not None]
+
+    def reasoning_item(self, text: str | None) -> dict[str, Any]:
+        """The thinking item (`text` None: just opened)."""
+        return {"id": self.reasoning_id, "type": "reasoning", "status": "in_progress" if text is None else "completed",
+                "summary": [], "content": [] if text is None else [{"type": "reasoning_text", "text": text}]}
+
+    def message_item(self, part: dict[str, Any] | None, status: str) -> dict[str, Any]:
+        """The message item (`part` None: just opened)."""
+        return {"id": self.message_id, "type": "message", "role": "assistant", "status": status,
+                "content": [part] if part else []}
+
+    @staticmethod
+    def part(text: str, logprobs: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs}
+
+    def finished(self, chunks: list[Chunk], thought: str, text: str) -> dict[str, Any]:
+        """The final Response object: the thinking, the message (unless the reply is calls
+        only), the calls."""
+        last = chunks[-1]
+        status = "incomplete" if last.finish_reason == "length" else "completed"
+        items = [self.reasoning_item(thought)] if thought else []
+        calls = last.tool_calls or []
+        if text or not calls:
+            items.append(self.message_item(self.part(text, self.logprobs(chunks)), status))
+        return self.object(status, [*items, *(call_item(c) for c in calls)], chunks)
+
+    def whole(self, chunks: list[Chunk]) -> dict[str, Any]:
+        last = chunks[-1]
+        text = (last.content or "") if last.tool_calls else "".join(c.text for c in chunks)
+        return self.finished(chunks, "".join(c.reasoning for c in chunks), text)
+
+    def _could_call(self, text: str) -> bool:
+        start = text.lstrip()
+        return self.opener is not None and (start.startswith(self.opener) or self.opener.startswith(start))
+
+    async def events(self, first: Chunk | None, stream: AsyncIterator[Chunk],
+                     keep: Callable[[dict[str, Any]], None]) -> AsyncIterator[bytes]:
+        """The stream of events; with tools, text that may be the start of a call is held
+        back until it is known: a call goes out as a function_call item, anything else as text."""
+        out = _Events(self)
+        try:
+            yield out("response.created", response=self.object("in_progress", []))
+            yield out("response.in_progress", response=self.object("in_progress", []))
+            chunks: list[Chunk] = []
+            held: list[Chunk] = []
+            if first is not None:
+                async for chunk in _chain(first, stream):
+                    chunks.append(chunk)
+                    for event in out.think(chunk.reasoning):
+                        yield event
+                    held.append(chunk)
+                    text = "".join(c.text for c in held)
+                    if chunk.tool_calls or (out.said is None and not chunk.finish_reason
+                                            and (not text or self._could_call(text))):
+                        continue
+                    for event in out.say(text, held):
+                        yield event
+                    held = []
+            if not chunks:  # the server stopped before the first token
+                raise RequestError("the server is shutting down", status=503, kind="server_busy")
+            events, response = out.finish(chunks)
+            for event in events:
+                yield event
+            keep(response)
+            yield out(f"response.{response['status']}", response=response)
+        except RequestError as e:
+            error = {"code": "server_error", "message": str(e)}
+            yield out("response.failed", response=self.object("failed", [], error=error))
+        finally:
+            await stream.aclose()
+
+
+class _Events:
+    """The events of one streamed response, numbered in order; its output items open and
+    close as the reply goes from thinking to text to calls."""
+
+    def __init__(self, reply: Reply):
+        self.reply, self.sequence, self.index = reply, 0, 0
+        self.thinking: str | None = None  # the reasoning item's text while it is open
+        self.thought = ""  # its text once closed
+        self.said: str | None = None  # the message's text once it is open
+
+    def __call__(self, kind: str, **data: Any) -> bytes:
+        event = {"type": kind, "sequence_number": self.sequence, **data}
+        self.sequence += 1
+        return sse(event, event=kind)
+
+    def _at(self, item_id: str) -> dict[str, Any]:
+        return {"item_id": item_id, "output_index": self.index}
+
+    def think(self, text: str) -> list[bytes]:
+        if not text or self.said is not None or self.thought:  # thinking comes first, in one piece
+            return []
+        r, events = self.reply, []
+        if self.thinking is None:
+            self.thinking = ""
+            events += [self("response.output_item.added", output_index=self.index, item=r.reasoning_item(None)),
+                       self("response.content_part.added", **self._at(r.reasoning_id), content_index=0,
+                            part={"type": "reasoning_text", "text": ""})]
+        self.thinking += text
+        return [*events, self("response.reasoning_text.delta", **self._at(r.reasoning_id), content_index=0,
+                              delta=text)]
+
+    def _close_thought(self) -> list[bytes]:
+        if self.thinking is None:
+            return []
+        r, self.thought, self.thinking = self.reply, self.thinking, None
+        item = r.reasoning_item(self.thought)
+        events = [self("response.reasoning_text.done", **self._at(r.reasoning_id), content_index=0,
+                       text=self.thought),
+                  self("response.content_part.done", **self._at(r.reasoning_id), content_index=0,
+                       part=item["content"][0]),
+                  self("response.output_item.done", output_index=self.index, item=item)]
+        self.index += 1
+        return events
+
+    def _open_message(self) -> list[bytes]:
+        r, self.said = self.reply, ""
+        return [self("response.output_item.added", output_index=self.index, item=r.message_item(None, "in_progress")),
+                self("response.content_part.added", **self._at(r.message_id), content_index=0, part=r.part("", []))]
+
+    def say(self, text: str, chunks: list[Chunk]) -> list[bytes]:
+        if not text:
+            return []
+        events = self._close_thought() + (self._open_message() if self.said is None else [])
+        self.said += text
+        return [*events, self("response.output_text.delta", **self._at(self.reply.message_id), content_index=0,
+                              delta=text, logprobs=self.reply.logprobs(chunks))]
+
+    def finish(self, chunks: list[Chunk]) -> tuple[list[bytes], dict[str, Any]]:
+        """The events that close the reply, and the final Response object."""
+        r, last = self.reply, chunks[-1]
+        events = self._close_thought()
+        if last.tool_calls and self.said is None:
+            events += self.say(last.content or "", [])  # the text outside the calls, if any
+        response = r.finished(chunks, self.thought, self.said or "")
+        for item in response["output"][self.index:]:
+            at = self._at(item["id"])
+            if item["type"] == "message":
+                events += self._open_message() if self.said is None else []
+                part = item["content"][0]
+                events += [self("response.output_text.done", **at, content_index=0, text=part["text"],
+                                logprobs=part["logprobs"]),
+                           self("response.content_part.done", **at, content_index=0, part=part)]
+            else:
+                events += [self("response.output_item.added", output_index=self.index,
+                                item={**item, "status": "in_progress", "arguments": ""}),
+                           self("response.function_call_arguments.delta", **at, delta=item["arguments"]),
+                           self("response.function_call_arguments.done", **at, name=item["name"],
+                                arguments=item["arguments"])]
+            events.append(self("response.output_item.done", output_index=self.index, item=item))
+            self.index += 1
+        return events, response
+
+
+async def _chain(first: Chunk, rest: AsyncIterator[Chunk]) -> AsyncIterator[Chunk]:
+    yield first
+    async for chunk in rest:
+        yield chunk

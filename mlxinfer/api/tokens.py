@@ -1,0 +1,112 @@
+"""`POST /tokenize` and `POST /detokenize`: the model's tokenizer over HTTP.
+
+Two families of clients call these, with different bodies, and both are served:
+- llama.cpp's server: `/tokenize` {"content", "add_special" (default false),
+  "parse_special" (default true), "with_pieces"} -> {"tokens"} (ids, or {"id", "piece"}
+  objects with `with_pieces`); `/detokenize` {"tokens"} -> {"content"}.
+- vLLM's: `/tokenize` {"prompt", "add_special_tokens" (default true)} or {"messages",
+  "add_generation_prompt", "tools"} -> {"tokens", "count", "max_model_len", "token_strs"};
+  `/detokenize` {"tokens"} -> {"prompt"}.
+The answer carries every key either family reads. Chat messages become exactly the ids a
+chat completion would prefill (the same rendering, tools included), so a client can count
+a conversation's tokens before sending it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from fastapi import APIRouter, Request
+from pydantic import model_validator
+from pydantic_core import PydanticCustomError
+
+from ..checks import token_ids
+from ..generate import request_tokens, tool_plan
+from .common import Context, RequestError, json_body
+from .openai_schema import ChatCompletion, Message, Strict, validated
+
+
+class Tokenize(Strict):
+    """One body for both families: `content` (llama.cpp) or `prompt` (vLLM) text, or
+    `messages` (vLLM's chat form)."""
+
+    model: str | None = None  # vLLM clients name the model; there is one
+    content: str | None = None
+    prompt: str | None = None
+    messages: list[Message] | None = None
+    add_special: bool | None = None  # llama.cpp's name
+    add_special_tokens: bool | None = None  # vLLM's name
+    parse_special: bool = True
+    with_pieces: bool = False
+    return_token_strs: bool | None = False
+    add_generation_prompt: bool = True
+    tools: list[dict[str, Any]] | None = None
+
+    @model_validator(mode="after")
+    def one_input(self) -> Tokenize:
+        given = [k for k in ("content", "prompt", "messages") if getattr(self, k) is not None]
+        if len(given) != 1:
+            raise PydanticCustomError("input", 'send one of "content" (text), "prompt" (text) or "messages" (chat '
+                                      "messages)", {})
+        if self.tools is not None and self.messages is None:
+            raise PydanticCustomError("input", "tools are rendered with chat messages: send messages", {})
+        return self
+
+    def add_bos(self) -> bool:
+        """Whether the tokenizer adds its special tokens (BOS, ...) around text: llama.cpp's
+        default is no, vLLM's is yes; chat templates write their own."""
+        for flag in (self.add_special_tokens, self.add_special):
+            if flag is not None:
+                return flag
+        return self.prompt is not None
+
+
+class Detokenize(Strict):
+    model: str | None = None
+    tokens: list[int]
+
+
+def router(ctx: Context) -> APIRouter:
+    """The routes, at the server's root (where llama.cpp and vLLM serve them)."""
+    api = APIRouter()
+    tokenizer, context = ctx.tokenizer, ctx.model.config.max_position_embeddings
+
+    def chat_ids(body: Tokenize) -> list[int]:
+        """The ids a chat completion of these messages (and tools) prefills."""
+        if not body.add_generation_prompt or body.add_special_tokens:
+            raise RequestError("chat messages are counted as a chat completion renders them: with the generation "
+                               "prompt and the template's own special tokens; leave add_generation_prompt and "
+                               "add_special_tokens out", "add_generation_prompt" if not body.add_generation_prompt
+                               else "add_special_tokens")
+        chat = ChatCompletion(messages=body.messages, tools=body.tools)
+        options = {"tools": body.tools, "tool_choice": "none"} if body.tools else {}  # rendered, no grammar needed
+        request = ctx.engine.engine.request(chat.engine_prompt(), **options)
+        return request_tokens(tokenizer, request.prompt, ctx.model.config.vocab_size,
+                              tool_plan(request.options, tokenizer))
+
+    def tokenize(body: Tokenize) -> dict[str, Any]:
+        if not body.parse_special:
+            raise RequestError("parse_special: false (special tokens' text read as plain text) is not supported; "
+                               "leave it out", "parse_special")
+        if body.messages is not None:
+            ids = chat_ids(body)
+        else:
+            ids = tokenizer.encode(body.content if body.content is not None else body.prompt, body.add_bos())
+        tokens: list[Any] = [{"id": i, "piece": tokenizer.decode([i])} for i in ids] if body.with_pieces else ids
+        strs = [tokenizer.backend.id_to_token(i) for i in ids] if body.return_token_strs else None
+        return {"tokens": tokens, "count": len(ids), "max_model_len": context, "token_strs": strs}
+
+    @api.post("/tokenize")
+    async def tokenize_route(request: Request):
+        body = validated(await json_body(request, ctx.config.max_body), Tokenize)
+        return await asyncio.to_thread(tokenize, body)  # a long text or template must not stall the event loop
+
+    @api.post("/detokenize")
+    async def detokenize(request: Request):
+        body = validated(await json_body(request, ctx.config.max_body), Detokenize)
+        ids = token_ids(body.tokens, tokenizer.vocab_size, "tokens")
+        text = await asyncio.to_thread(tokenizer.decode, ids)
+        return {"content": text, "prompt": text}
+
+    return api
