@@ -398,7 +398,7 @@ class BatchGenerator:
             s.cache = self.pool.fetch(self.model, s.prompt, **opts)
         else:
             s.cache = PromptCache.for_model(self.model, **opts)
-        if shared is not None and s.shared is not None:
+        if s.shared is not None:  # no copy of the prompt yet: this choice runs it for those that wait
             shared.runner = s
         limit = context_limit(self.model, s.cache, len(s.prompt), s.options.max_tokens)
         s.text = self._text(s, s.cache, limit)
