@@ -277,14 +277,19 @@ def test_repl_shows_thinking_dimmed_and_think_off_renders_the_empty_block(thinke
 
 # --- the server, with the official openai client ---
 
-@pytest.fixture(scope="module")
-def served(thinker):
+def serving(folder: Path):
+    """A server of `folder` for a module's tests, stopped after them."""
     from serving import Server
 
     pytest.importorskip("fastapi")
-    s = Server(["-m", str(thinker), "--dtype", "float32"])
+    s = Server(["-m", str(folder), "--dtype", "float32"])
     yield s
     s.stop()
+
+
+@pytest.fixture(scope="module")
+def served(thinker):
+    yield from serving(thinker)
 
 
 @pytest.fixture(scope="module")
@@ -382,12 +387,7 @@ def test_responses_effort_and_anthropic_thinking_switch_the_template(served, cli
 
 @pytest.fixture(scope="module")
 def served_r1(r1):
-    from serving import Server
-
-    pytest.importorskip("fastapi")
-    s = Server(["-m", str(r1), "--dtype", "float32"])
-    yield s
-    s.stop()
+    yield from serving(r1)
 
 
 def test_responses_and_messages_return_a_real_reply_s_thinking_as_their_own_items(served_r1, r1):
