@@ -528,7 +528,7 @@ def stream_generate(model, tokenizer: Tokenizer, prompt: Prompt, prompt_cache: P
     engine turns it into an error chunk instead).
     """
     engine = BatchGenerator(model, tokenizer, max_batch=1)
-    prepared = engine.prepare(Request.of(prompt, model.config.vocab_size, **options))
+    prepared = engine.prepare(engine.request(prompt, **options))
     uid = engine.enqueue(prepared, cache=prompt_cache)
     mx.reset_peak_memory()
     for _, chunk in engine.stream():

@@ -30,7 +30,8 @@ from .checks import is_integer
 from .errors import InvalidOptionError, MlxinferError, SessionFileError, TokenizerError
 from .files import replacing, write_problem
 from .batch import stream_generate
-from .generate import Chunk, Stats, split_options
+from .request import Request
+from .generate import Chunk, Stats
 from .reasoning import reasoning_for
 from .tokenizer import Tokenizer
 from .tools import plan as plan_tools
@@ -283,9 +284,9 @@ def model_fingerprint(model) -> str:
 
 
 def _checked(options: dict[str, Any], model, draft_model) -> dict[str, Any]:
-    """Validate options the way `stream_generate` will, so a bad value fails when it is set."""
-    split_options({**options, "draft_model": draft_model} if draft_model is not None else options,
-                  model.config.vocab_size)
+    """Validate options the way `stream_generate` will (`Request.of`), so a bad value fails when it is set."""
+    Request.of("", model.config.vocab_size,
+               **({**options, "draft_model": draft_model} if draft_model is not None else options))
     return dict(options)
 
 

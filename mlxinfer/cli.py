@@ -205,7 +205,7 @@ class Run:
     def from_params(cls, params: dict[str, Any]) -> Run:
         from .constrain import typed_format
         from .tools import read_tools
-        from .generate import split_options
+        from .request import Request
         from .terminal import typed_text
 
         options = {name: params[key] for key, name in OPTION_NAMES.items() if params.get(key) is not None}
@@ -230,7 +230,7 @@ class Run:
             choice = params["tool_choice"]
             options["tool_choice"] = choice if choice in ("auto", "none", "required") else {
                 "type": "function", "function": {"name": choice}}
-        split_options(options)  # a bad value fails now, before a model is fetched and loaded
+        Request.of("", **options)  # a bad value fails now, before a model is fetched and loaded
         system = typed_text(params["system"]) if params["system"] is not None else None
         return cls(params["model"], params["dtype"], params["draft_model"], system, options, params.get("think"))
 

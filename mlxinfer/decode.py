@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Iterator, Protocol, Sequence
+from typing import Iterator, Sequence
 
 import mlx.core as mx
 
@@ -69,10 +69,6 @@ class Token:
     logprob: float
     logprobs: mx.array  # log-probabilities [V] of the step that chose it (lazy)
     drafted: bool = False
-
-
-class TokenSource(Protocol):
-    def __iter__(self) -> Iterator[Token]: ...
 
 
 def chosen_logprobs(logits: mx.array, tokens: mx.array) -> tuple[mx.array, mx.array]:

@@ -39,11 +39,6 @@ class Request:
         sampling, generation = split_options({**(defaults or {}), **options}, vocab_size)
         return cls(_frozen(prompt), sampling, generation)
 
-    @property
-    def messages(self) -> bool:
-        """Whether the prompt is chat messages (rendered with the model's template)."""
-        return bool(self.prompt) and isinstance(self.prompt, tuple) and isinstance(self.prompt[0], Mapping)
-
     def to_json(self) -> dict[str, Any]:
         """Plain JSON data (`from_json` reads it back to an equal request)."""
         held = [k for k in RUNTIME_OPTIONS if getattr(self.options, k) is not None]

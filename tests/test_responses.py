@@ -406,7 +406,7 @@ def test_an_unknown_response_is_404_in_openais_shape(server, method):
 
     with pytest.raises(urllib.error.HTTPError) as e:
         urllib.request.urlopen(urllib.request.Request(f"{server.url}/v1/responses/resp_nope", method=method,
-                                                      headers={"Authorization": f"Bearer {KEY}"}), timeout=10)
+                                                      headers={"Authorization": f"Bearer {KEY}"}), timeout=60)
     error = json.loads(e.value.read())["error"]
     assert e.value.code == 404 and "resp_nope" in error["message"] and error["type"] == "invalid_request_error"
 

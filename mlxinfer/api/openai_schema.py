@@ -16,7 +16,7 @@ from pydantic_core import PydanticCustomError
 from ..generate import MAX_CHOICES, Chunk, Stats
 from ..reasoning import EFFORTS, effort_kwargs
 from ..tokenizer import Tokenizer
-from .common import RequestError, load_json
+from .common import RequestError, json_object
 
 # Fields of OpenAI's API that change the output and that this server does not implement
 # (yet); each is refused by name. A null is the same as leaving the field out (`parse`).
@@ -362,10 +362,7 @@ def token_keys(bias: dict[str, float]) -> dict[int, float]:
 
 def parse(raw: bytes, kind: type[Completion]) -> Completion:
     """A request body as `kind`, or a RequestError naming the first field at fault."""
-    data = load_json(raw)
-    if not isinstance(data, dict):
-        raise RequestError("the request body must be a JSON object")
-    data = {k: v for k, v in data.items() if not (v is None and k in NOT_YET)}  # null: OpenAI's "not set"
+    data = {k: v for k, v in json_object(raw).items() if not (v is None and k in NOT_YET)}  # null: "not set"
     return validated(data, kind)
 
 
