@@ -16,6 +16,7 @@ FAMILIES: dict[str, str] = {
     "gemma2": "gemma2",
     "gemma3": "gemma3",
     "gemma3_text": "gemma3_text",
+    "gpt_oss": "gpt_oss",
     "llama": "llama",
     "mistral": "mistral",
     "mixtral": "mixtral",

@@ -81,6 +81,7 @@ class ModelConfig:
     query_pre_attn_scalar: float | None = None
     sandwich_norms: bool = False
     attn_softcap: float | None = None
+    attention_sinks: bool = False  # a learned logit per head in every softmax (gpt-oss)
     final_softcap: float | None = None
     quantization: dict[str, Any] | None = None
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
@@ -238,6 +239,9 @@ CONFIG_FIELDS: dict[str, Field] = {
     "first_k_dense_replace": AT_LEAST_0_SET,
     "moe_layer_freq": SIZE_SET,
     "rope_interleave": FLAG,
+    # gpt-oss
+    "swiglu_alpha": NUMBER_SET,
+    "swiglu_limit": POSITIVE_SET,
 }
 
 ROPE_FIELDS: dict[str, Field] = {

@@ -195,7 +195,8 @@ def rms_norm(cfg: ModelConfig, dims: int | None = None) -> nn.Module:
 
 class Attention(nn.Module):
     """Grouped-query attention with optional q/k/v/o bias, per-head q/k RMSNorm,
-    a per-layer RoPE and score soft-capping."""
+    a per-layer RoPE, score soft-capping and attention sinks (a learned logit per
+    head that takes its share of every softmax, gpt-oss's `sinks`)."""
 
     def __init__(self, cfg: ModelConfig, layer: int = 0):
         super().__init__()
@@ -211,6 +212,8 @@ class Attention(nn.Module):
         if cfg.qk_norm:
             self.q_norm = rms_norm(cfg, d)
             self.k_norm = rms_norm(cfg, d)
+        if cfg.attention_sinks:
+            self.sinks = mx.zeros((self.n_heads,))
         self.rope = RoPE(cfg, cfg.rope_of(layer))
         self.scale = (cfg.query_pre_attn_scalar or d) ** -0.5
         self.softcap = cfg.attn_softcap
@@ -237,7 +240,7 @@ class Attention(nn.Module):
         v = self._heads(v, self.n_kv_heads)
         offset = offsets(cache)
         q, k = self.rope(q, offset), self.rope(k, offset)
-        o = attention(q, k, v, cache, mask, self.scale, self.softcap)
+        o = attention(q, k, v, cache, mask, self.scale, self.softcap, self.get("sinks"))
         return self.o_proj(o.transpose(0, 2, 1, 3).reshape(B, T, -1))
 
 

