@@ -138,3 +138,83 @@ def test_greedy_generation_is_transformers_teacher_forced_argmax(folder, model):
     assert len(out) == 24
     logits = hf_logits(folder, np.array([prompt + out[:-1]]))[0, len(prompt) - 1 :]
     assert logits.argmax(-1).tolist() == out
+
+
+# --- MXFP4 experts, as the hub ships them ---------------------------------------------------------
+
+# OCP Microscaling Formats (MX) v1.0, FP4 E2M1: sign, 2 exponent bits (bias 1), 1 mantissa bit.
+E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+HF_MXFP4 = {"quant_method": "mxfp4", "modules_to_not_convert": [
+    "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+
+
+def ocp_mxfp4(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """[..., out, in] floats from blocks [..., out, in/32, 16] and E8M0 scales [..., out, in/32]:
+    each byte holds two E2M1 codes, the earlier element in the low nibble; a block of 32 shares
+    the scale 2^(e - 127)."""
+    codes = np.stack([blocks & 0x0F, blocks >> 4], axis=-1).reshape(*blocks.shape[:-1], 32)
+    values = np.where(codes & 8, -1.0, 1.0) * E2M1[codes & 7]
+    values = values * np.exp2(scales.astype(np.float64) - 127)[..., None]
+    return values.reshape(*values.shape[:-2], -1)
+
+
+def to_mxfp4(src: Path, dst: Path, seed: int = 1) -> Path:
+    """`src` with every expert matrix replaced by random MXFP4 codes and scales, stored as the hub
+    stores them (`*_blocks` uint8 [E, out, in/32, 16], `*_scales` uint8 [E, out, in/32]) under a
+    `quantization_config` naming mxfp4."""
+    shutil.copytree(src, dst)
+    weights = load_file(dst / "model.safetensors")
+    rng = np.random.default_rng(seed)
+    for name in [k for k in weights if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        experts, inputs, outputs = weights.pop(name).shape
+        weights[f"{name}_blocks"] = rng.integers(0, 256, (experts, outputs, inputs // 32, 16), dtype=np.uint8)
+        weights[f"{name}_scales"] = rng.integers(120, 125, (experts, outputs, inputs // 32), dtype=np.uint8)
+    save_file(weights, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((dst / "config.json").read_text())
+    (dst / "config.json").write_text(json.dumps({**config, "quantization_config": HF_MXFP4}, indent=2))
+    return dst
+
+
+@pytest.fixture(scope="module")
+def mxfp4(folder, tmp_path_factory) -> Path:
+    return to_mxfp4(folder, tmp_path_factory.mktemp("mxfp4") / "model")
+
+
+def hf_mxfp4_logits(folder: Path, ids: np.ndarray) -> np.ndarray:
+    """transformers loading the MXFP4 checkpoint itself (its own dequantization, on the CPU)."""
+    from transformers import AutoModelForCausalLM, Mxfp4Config
+
+    model = AutoModelForCausalLM.from_pretrained(
+        folder, dtype=torch.float32, attn_implementation="eager", quantization_config=Mxfp4Config(dequantize=True)
+    ).eval()
+    with torch.no_grad():
+        return model(torch.tensor(ids)).logits.numpy()
+
+
+def test_mxfp4_experts_stay_mxfp4_and_decode_as_the_spec_says(mxfp4):
+    model = mlxinfer.load(mxfp4)[0]
+    stored = load_file(mxfp4 / "model.safetensors")
+    for i, layer in enumerate(model.layers):
+        prefix = f"model.layers.{i}.mlp.experts"
+        fused = {p: ocp_mxfp4(stored[f"{prefix}.{p}_blocks"], stored[f"{prefix}.{p}_scales"])
+                 for p in ("gate_up_proj", "down_proj")}
+        expected = {"gate_proj": fused["gate_up_proj"][:, 0::2], "up_proj": fused["gate_up_proj"][:, 1::2],
+                    "down_proj": fused["down_proj"]}
+        for name, want in expected.items():
+            proj = layer.mlp.experts[name]
+            assert isinstance(proj, QuantizedSwitchLinear)
+            assert (proj.mode, proj.bits, proj.group_size) == ("mxfp4", 4, 32)
+            assert proj.weight.dtype == mx.uint32 and proj.scales.dtype == mx.uint8 and "biases" not in proj
+            got = mx.dequantize(proj.weight, proj.scales, None, group_size=32, bits=4, mode="mxfp4")
+            np.testing.assert_array_equal(np.array(got.astype(mx.float32)), want.astype(np.float32))
+
+
+def test_mxfp4_logits_match_transformers(mxfp4):
+    ours = mlxinfer.load(mxfp4)[0]
+    ref = hf_mxfp4_logits(mxfp4, PROMPT)
+    assert np.abs(ref).max() > 0.1
+    np.testing.assert_allclose(np.array(ours(mx.array(PROMPT))), ref, atol=TOL, rtol=0)
+    cache = PromptCache.for_model(ours)
+    cache.prefill(ours, PROMPT[0, :-8].tolist())
+    steps = [ours(mx.array(PROMPT[:, t : t + 1]), cache=cache.caches) for t in range(PROMPT.shape[1] - 8, 600)]
+    np.testing.assert_allclose(np.array(mx.concatenate(steps, axis=1)), ref[:, -8:], atol=TOL, rtol=0)

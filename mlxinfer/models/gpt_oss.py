@@ -64,7 +64,9 @@ def layer_types(d: dict[str, Any]) -> tuple[str, ...]:
 def config(d: dict[str, Any]) -> GptOssConfig:
     d = {**DEFAULTS, **d}
     bias = d["attention_bias"]
-    moe = MoEConfig(_require(d, "num_local_experts"), _require(d, "num_experts_per_tok"), _require(d, "intermediate_size"))
+    moe = MoEConfig(
+        _require(d, "num_local_experts"), _require(d, "num_experts_per_tok"), _require(d, "intermediate_size")
+    )
     base = parse_config(d, qkv_bias=bias, o_bias=bias, attention_sinks=True, layer_types=layer_types(d), moe=moe)
     swiglu = ClampedSwiGLU(d.get("swiglu_alpha", ClampedSwiGLU.alpha), d.get("swiglu_limit", ClampedSwiGLU.limit))
     return GptOssConfig(**vars(base), swiglu=swiglu)
