@@ -42,12 +42,28 @@ _STRING, _ARRAY = 8, 9
 
 @dataclass(frozen=True)
 class Packed:
-    """A layer already in MLX affine form: packed uint32 weight plus per-group scales and biases."""
+    """A layer already in MLX quantized form: packed uint32 weight plus per-group scales, and
+    biases in affine mode (the floating-point modes have none; their scales are uint8)."""
 
     weight: mx.array
     scales: mx.array
-    biases: mx.array
+    biases: mx.array | None
     spec: QuantSpec
+
+    def tensors(self, dtype: mx.Dtype | None = None) -> dict[str, mx.array]:
+        """weight, scales (and biases) by their leaf names; float scales and biases as `dtype`."""
+        out = {"weight": self.weight, "scales": self.scales}
+        if self.biases is not None:
+            out["biases"] = self.biases
+        if dtype is None:
+            return out
+        return {k: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) else v for k, v in out.items()}
+
+    def dequantize(self, dtype: mx.Dtype | None = None) -> mx.array:
+        """The float weight, computed in `dtype` (default: the scales' float type, bfloat16 for uint8 ones)."""
+        t, spec = self.tensors(dtype), self.spec
+        return mx.dequantize(t["weight"], t["scales"], t.get("biases"), spec.group_size, spec.bits, mode=spec.mode,
+                             dtype=dtype)
 
 
 @dataclass(frozen=True)

@@ -311,10 +311,7 @@ def _split_kv_b(gguf: GGUFFile, kv: TensorInfo, heads: int, nope: int, kind: str
 
 
 def _as_float(tensor: Tensor) -> mx.array:
-    if isinstance(tensor, Packed):
-        spec = tensor.spec
-        return mx.dequantize(tensor.weight, tensor.scales, tensor.biases, spec.group_size, spec.bits)
-    return tensor
+    return tensor.dequantize() if isinstance(tensor, Packed) else tensor
 
 
 def _hf_shape(name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -620,7 +617,8 @@ def unpermute(tensor: Tensor, heads: int) -> Tensor:
     weights suit non-interleaved RoPE again. Rows are independent in every layout, so packed
     weights, scales and biases are permuted alike, losslessly."""
     if isinstance(tensor, Packed):
-        return Packed(*(unpermute(t, heads) for t in (tensor.weight, tensor.scales, tensor.biases)), tensor.spec)
+        rows = {k: unpermute(t, heads) for k, t in tensor.tensors().items()}
+        return Packed(rows["weight"], rows["scales"], rows.get("biases"), tensor.spec)
     rows, *rest = tensor.shape
     return tensor.reshape(heads, rows // heads // 2, 2, *rest).swapaxes(1, 2).reshape(tensor.shape)
 

@@ -326,8 +326,10 @@ def read_weights(files: list[Path]) -> tuple[dict[str, mx.array], dict[str, str]
     return weights, origin
 
 
-# MLX's floating-point quantization modes by (bits, group size): scales only, no biases.
-FLOAT_MODES = {(4, 32): "mxfp4", (8, 32): "mxfp8", (4, 16): "nvfp4"}
+# MLX's floating-point quantization modes and the (bits, group size) each fixes: E2M1 or E4M3
+# codes with a power-of-two (E8M0) scale per 32 weights, or an E4M3 scale per 16 (nvfp4);
+# scales only, no biases.
+FLOAT_MODES = {"mxfp4": (4, 32), "mxfp8": (8, 32), "nvfp4": (4, 16)}
 
 
 def _quant_params(path: str, module: nn.Module, weights: dict[str, mx.array]) -> dict[str, Any]:
@@ -336,7 +338,8 @@ def _quant_params(path: str, module: nn.Module, weights: dict[str, mx.array]) ->
     in_dims = module.weight.shape[-1]
     packed, scales = weights[f"{path}.weight"], weights[f"{path}.scales"]
     bits, group_size = packed.shape[-1] * 32 // in_dims, in_dims // scales.shape[-1]
-    mode = "affine" if f"{path}.biases" in weights else FLOAT_MODES.get((bits, group_size), "affine")
+    floating = (m for m, fixed in FLOAT_MODES.items() if fixed == (bits, group_size))
+    mode = "affine" if f"{path}.biases" in weights else next(floating, "affine")
     return {"bits": bits, "group_size": group_size, "mode": mode}
 
 

@@ -15,10 +15,12 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from conftest import build_hf_checkpoint
+from test_convert import tensors
 from safetensors.numpy import load_file, save_file
 from test_parity import TOL
 
 import mlxinfer
+from convert import convert
 from mlxinfer.cache import KVCache, PromptCache, RotatingKVCache
 from mlxinfer.models.moe import QuantizedSwitchLinear
 
@@ -34,6 +36,7 @@ CONFIG = dict(
 PROMPT = np.random.default_rng(7).integers(0, 500, size=(1, 600))  # > one 512-token prefill chunk, > the window
 SINK_STD = 2.0  # sinks large enough to take a real share of each softmax
 LIMIT = 0.3  # a SwiGLU clamp the random experts' activations cross
+MXFP4_ERROR = 0.2  # relative error of 4-bit E2M1 codes with a power-of-two scale per 32 (about 0.1 on normals)
 
 
 def build(folder: Path, overrides: dict, seed: int = 0) -> Path:
@@ -161,7 +164,8 @@ def ocp_mxfp4(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
 def to_mxfp4(src: Path, dst: Path, seed: int = 1) -> Path:
     """`src` with every expert matrix replaced by random MXFP4 codes and scales, stored as the hub
     stores them (`*_blocks` uint8 [E, out, in/32, 16], `*_scales` uint8 [E, out, in/32]) under a
-    `quantization_config` naming mxfp4."""
+    `quantization_config` naming mxfp4, the RoPE settings also under `rope_scaling` as in the
+    hub's config.json (mlx-lm reads that key only)."""
     shutil.copytree(src, dst)
     weights = load_file(dst / "model.safetensors")
     rng = np.random.default_rng(seed)
@@ -171,7 +175,9 @@ def to_mxfp4(src: Path, dst: Path, seed: int = 1) -> Path:
         weights[f"{name}_scales"] = rng.integers(120, 125, (experts, outputs, inputs // 32), dtype=np.uint8)
     save_file(weights, str(dst / "model.safetensors"), metadata={"format": "pt"})
     config = json.loads((dst / "config.json").read_text())
-    (dst / "config.json").write_text(json.dumps({**config, "quantization_config": HF_MXFP4}, indent=2))
+    rope = {k: v for k, v in config["rope_parameters"].items() if k != "rope_theta"}  # also as the hub writes it
+    config.update(quantization_config=HF_MXFP4, rope_scaling=rope)
+    (dst / "config.json").write_text(json.dumps(config, indent=2))
     return dst
 
 
@@ -209,12 +215,76 @@ def test_mxfp4_experts_stay_mxfp4_and_decode_as_the_spec_says(mxfp4):
             np.testing.assert_array_equal(np.array(got.astype(mx.float32)), want.astype(np.float32))
 
 
-def test_mxfp4_logits_match_transformers(mxfp4):
+@pytest.fixture(scope="module")
+def mxfp4_reference(mxfp4) -> np.ndarray:
+    return hf_mxfp4_logits(mxfp4, PROMPT)
+
+
+def test_mxfp4_logits_match_transformers(mxfp4, mxfp4_reference):
     ours = mlxinfer.load(mxfp4)[0]
-    ref = hf_mxfp4_logits(mxfp4, PROMPT)
+    ref = mxfp4_reference
     assert np.abs(ref).max() > 0.1
     np.testing.assert_allclose(np.array(ours(mx.array(PROMPT))), ref, atol=TOL, rtol=0)
     cache = PromptCache.for_model(ours)
     cache.prefill(ours, PROMPT[0, :-8].tolist())
     steps = [ours(mx.array(PROMPT[:, t : t + 1]), cache=cache.caches) for t in range(PROMPT.shape[1] - 8, 600)]
     np.testing.assert_allclose(np.array(mx.concatenate(steps, axis=1)), ref[:, -8:], atol=TOL, rtol=0)
+
+
+def mlx_lm_logits(folder: Path, ids: np.ndarray) -> np.ndarray:
+    import mlx_lm
+
+    return np.array(mlx_lm.load(str(folder))[0](mx.array(ids)))
+
+
+def test_converter_keeps_mxfp4_as_stored(mxfp4, mxfp4_reference, tmp_path):
+    """The experts come out bit for bit as the hub stored them (nibbles re-read as uint32 words,
+    gate and up rows apart), the rest as floats; mlx-lm reads the output as it reads the source."""
+    out = tmp_path / "out"
+    report = convert(mxfp4, out)
+    written, stored = tensors(out), load_file(mxfp4 / "model.safetensors")
+    config = json.loads((out / "config.json").read_text())
+    assert config["quantization"] == {"group_size": 32, "bits": 4, "mode": "mxfp4"}
+    assert "quant_method" not in config["quantization_config"]
+    for i in range(CONFIG["num_hidden_layers"]):
+        hub, ours = f"model.layers.{i}.mlp.experts", f"model.layers.{i}.mlp.experts"
+        rows = {"gate_proj": ("gate_up_proj", slice(0, None, 2)), "up_proj": ("gate_up_proj", slice(1, None, 2)),
+                "down_proj": ("down_proj", slice(None))}
+        for proj, (fused, part) in rows.items():
+            blocks = stored[f"{hub}.{fused}_blocks"][:, part]
+            words = np.ascontiguousarray(blocks).reshape(*blocks.shape[:2], -1).view("<u4")
+            np.testing.assert_array_equal(np.array(written[f"{ours}.{proj}.weight"]), words)
+            np.testing.assert_array_equal(np.array(written[f"{ours}.{proj}.scales"]),
+                                          stored[f"{hub}.{fused}_scales"][:, part])
+            assert f"{ours}.{proj}.biases" not in written
+    assert "mxfp4" in "\n".join(report.lines())
+    ids = PROMPT[:, :160]
+    ours = np.array(mlxinfer.load(out)[0](mx.array(ids)))
+    np.testing.assert_allclose(ours, mxfp4_reference[:, :160], atol=TOL, rtol=0)
+    # mlx-lm's YaRN ignores gpt-oss's `truncate: false`, so it is compared with itself: the
+    # output reads in mlx-lm as the hub's folder does.
+    np.testing.assert_allclose(mlx_lm_logits(out, ids), mlx_lm_logits(mxfp4, ids), atol=TOL, rtol=0)
+
+
+def test_converter_dequantizes_mxfp4_and_quantizes_floats_to_it(mxfp4, mxfp4_reference, folder, reference, tmp_path):
+    floats = tmp_path / "floats"
+    convert(mxfp4, floats, dequantize=True, dtype="float32")
+    assert "quantization" not in json.loads((floats / "config.json").read_text())
+    assert all(v.dtype == mx.float32 for v in tensors(floats).values())
+    ids = PROMPT[:, :160]
+    np.testing.assert_allclose(np.array(mlxinfer.load(floats)[0](mx.array(ids))), mxfp4_reference[:, :160],
+                               atol=TOL, rtol=0)
+    requantized = tmp_path / "mxfp4"
+    convert(folder, requantized, q_mode="mxfp4")  # transformers' float experts to MLX's mxfp4
+    written, source = tensors(requantized), load_file(folder / "model.safetensors")
+    for i in range(CONFIG["num_hidden_layers"]):
+        fused = source[f"model.layers.{i}.mlp.experts.gate_up_proj"].swapaxes(1, 2)  # [E, 2I, hidden]
+        floats = {"gate_proj": fused[:, 0::2], "up_proj": fused[:, 1::2],
+                  "down_proj": source[f"model.layers.{i}.mlp.experts.down_proj"].swapaxes(1, 2)}
+        for proj, want in floats.items():
+            words = np.array(written[f"model.layers.{i}.mlp.experts.{proj}.weight"])
+            scales = np.array(written[f"model.layers.{i}.mlp.experts.{proj}.scales"])
+            got = ocp_mxfp4(words.view(np.uint8).reshape(*scales.shape, 16), scales)
+            assert np.linalg.norm(got - want) < MXFP4_ERROR * np.linalg.norm(want), (i, proj)
+    model = mlxinfer.load(requantized)[0]
+    assert model.layers[0].mlp.experts.down_proj.mode == "mxfp4"
