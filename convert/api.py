@@ -77,8 +77,9 @@ def convert(
     Without `quantize`/`recipe`/`q_mode` every tensor keeps its source precision (GGUF K-quants
     become the nearest MLX width, MXFP4 experts stay MXFP4); with them, layers are quantized at
     `bits`/`group_size` (default 4 and 64) or by the recipe, in affine mode or the floating-point
-    `q_mode` (mxfp4, mxfp8, nvfp4: each fixes bits and group size). `dequantize` writes floats. Nothing is written unless the whole conversion succeeds;
-    `progress` (default: stderr is a TTY) shows a bar.
+    `q_mode` (mxfp4, mxfp8, nvfp4: each fixes bits and group size). `dequantize` writes floats.
+    Nothing is written unless the whole conversion succeeds; `progress` (default: stderr is a
+    TTY) shows a bar.
     """
     options = Options(quantize, bits, group_size, recipe, dtype, dequantize, shard_size, q_mode)
     output = Path(output_dir).expanduser()

@@ -49,7 +49,8 @@ class Job:
             return (OutTensor(self.source.name, self.source.shape, self.dtype),)
         weight, scales = self.target.packed_shape(self.source.shape)
         if not self.target.affine:
-            return OutTensor(f"{self.path}.weight", weight, mx.uint32), OutTensor(f"{self.path}.scales", scales, mx.uint8)
+            return (OutTensor(f"{self.path}.weight", weight, mx.uint32),
+                    OutTensor(f"{self.path}.scales", scales, mx.uint8))
         return (
             OutTensor(f"{self.path}.weight", weight, mx.uint32),
             OutTensor(f"{self.path}.scales", scales, self.dtype),

@@ -102,7 +102,8 @@ class Options:
                 if given not in (None, own):
                     raise InvalidOptionError(f"--q-mode {self.mode} has {flag} {own}; drop {flag} {given}")
             if self.recipe is not None:
-                raise InvalidOptionError(f"--recipe mixes affine widths; it cannot be combined with --q-mode {self.mode}")
+                raise InvalidOptionError(f"--recipe mixes affine widths; it cannot be combined with --q-mode "
+                                         f"{self.mode}")
         bits, group_size = fixed or (4, 64)  # the defaults: 4-bit affine, 64 weights a group
         object.__setattr__(self, "bits", bits if self.bits is None else self.bits)
         object.__setattr__(self, "group_size", group_size if self.group_size is None else self.group_size)
