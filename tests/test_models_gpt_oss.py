@@ -3,7 +3,8 @@ a prompt longer than the sliding window and one prefill chunk, prefill in chunks
 through rotating (sliding layers) and growing (full layers) caches, greedy generation equal to
 transformers' teacher-forced argmax (batched equal to alone: test_batch); MXFP4 experts (the hub's
 `*_blocks`/`*_scales`) loaded as MLX's mxfp4 quantization, checked against the OCP MX spec
-decoded in numpy and against transformers' own MXFP4 dequantization."""
+decoded in numpy and against transformers' own MXFP4 dequantization; the converter keeping them
+MXFP4 (GGUFs: test_convert_gpt_oss_gguf)."""
 
 from __future__ import annotations
 
@@ -288,3 +289,4 @@ def test_converter_dequantizes_mxfp4_and_quantizes_floats_to_it(mxfp4, mxfp4_ref
             assert np.linalg.norm(got - want) < MXFP4_ERROR * np.linalg.norm(want), (i, proj)
     model = mlxinfer.load(requantized)[0]
     assert model.layers[0].mlp.experts.down_proj.mode == "mxfp4"
+
