@@ -1,4 +1,4 @@
-"""gpt-oss: attention with a learned sink logit per head, sliding-window and full layers
+"""gpt-oss-20b / 120b: attention with a learned sink logit per head, sliding-window and full layers
 alternating, YaRN, and in every layer a mixture of experts with biases, routed by a softmax
 over the top-k router logits only, whose experts apply a clamped SwiGLU. Hub checkpoints
 store the experts in MXFP4 (`*_blocks` nibbles, `*_scales` exponents), which MLX runs as
