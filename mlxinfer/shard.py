@@ -8,7 +8,8 @@ split with the heads. A model with fewer KV heads than ranks (multi-query Gemma 
 Qwen2.5-0.5B's 2) copies each KV head to the ranks whose query heads read it, as vLLM
 does: the ranks must be a multiple of the KV heads, and each rank's K/V projections and
 cache hold that one head. The embedding and LM head are split by vocabulary rows (a lookup
-is one `all_sum`, the logits one `all_gather`); norms and MoE routers stay whole.
+is one `all_sum`, the logits one `all_gather`); norms and MoE routers stay whole, attention sinks
+(a logit per head) go with their heads.
 Latent attention (DeepSeek MLA) splits its heads the same way (rows of q_b_proj and
 kv_b_proj, or the per-head embed_q / unembed_out); its cache, one compressed latent and
 one rotary key per token that every head reads, is whole on every rank (it is already
@@ -35,7 +36,7 @@ from .errors import ConfigError
 
 COLUMN = re.compile(r"\.(q_proj|q_b_proj|kv_b_proj|gate_proj|up_proj)\.(weight|scales|biases|bias)$")
 KV = re.compile(r"\.(k_proj|v_proj)\.(weight|scales|biases|bias)$")  # rows by KV head, copied when fewer than ranks
-HEADS = re.compile(r"\.(embed_q|unembed_out)\.(weight|scales|biases)$")  # stored [heads, rows, cols]
+HEADS = re.compile(r"\.(embed_q|unembed_out)\.(weight|scales|biases)$|\.sinks$")  # [heads, ...], gpt-oss's [heads]
 VOCAB = re.compile(r"(^|\.)(embed_tokens|lm_head)\.(weight|scales|biases)$")
 ROW = re.compile(r"\.(o_proj|down_proj)\.(weight|scales|biases|bias)$")
 # in a rank's config: on how many ranks each KV head is (1: split; size / KV heads: replicated)
