@@ -46,7 +46,7 @@ def main(ctx: click.Context, verbose: bool) -> None:
     """On-device LLM inference for Apple Silicon, built on MLX."""
     ctx.obj = verbose
     as_one_rank_of_several()
-    blas_hint_once()
+    hints_once()
 
 
 def no_drafting_across_ranks(drafting: bool) -> None:
@@ -112,22 +112,24 @@ def as_one_rank_of_several() -> None:
         sys.stdout = sys.stderr = open(os.devnull, "w")
 
 
-def blas_hint_once() -> None:
-    """On a machine whose MLX runs on the reference BLAS, say once (a marker in MLXINFER_HOME)
-    how to get a fast one; `mlxinfer doctor` says it every time."""
-    from .blas import hint
+def hints_once() -> None:
+    """On a machine where MLX runs a slow path (the reference BLAS; MLX's CPU quantized matmul
+    for want of the extension), say once each (a marker in MLXINFER_HOME) how to get the fast
+    one; `mlxinfer doctor` says it every time."""
+    from .blas import hint as blas_hint
     from .cachedir import home
+    from .kernels.quantized_matmul import hint as extension_hint
 
-    message = hint()
-    marker = home() / "blas-hint-shown"
-    if message is None or marker.exists():
-        return
-    click.echo(f"mlxinfer: {message}", err=True)
-    try:
-        marker.parent.mkdir(parents=True, exist_ok=True)
-        marker.touch()
-    except OSError:
-        pass
+    for name, hint in (("blas-hint-shown", blas_hint), ("cpu-extension-hint-shown", extension_hint)):
+        marker = home() / name
+        if marker.exists() or (message := hint()) is None:
+            continue
+        click.echo(f"mlxinfer: {message}", err=True)
+        try:
+            marker.parent.mkdir(parents=True, exist_ok=True)
+            marker.touch()
+        except OSError:
+            pass
 
 
 MODEL_HELP = "Local folder, hub id, .gguf file or a name from `mlxinfer models` (default: the demo model)."
