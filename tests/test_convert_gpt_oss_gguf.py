@@ -5,10 +5,7 @@ came from."""
 
 from __future__ import annotations
 
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import mlx.core as mx
@@ -16,7 +13,7 @@ import numpy as np
 import pytest
 from conftest import SHARED
 from test_convert import tensors
-from test_convert_llama3_gguf import llama_cpp  # noqa: F401  (llama.cpp's converter, a fixture)
+from test_convert_llama3_gguf import llama_cpp, to_gguf  # noqa: F401  (llama_cpp: the converter, a fixture)
 from test_models_gpt_oss import PROMPT, build, hf_logits, hf_mxfp4_logits, to_mxfp4
 from test_parity import TOL
 
@@ -38,13 +35,8 @@ def ggufs(llama_cpp, tmp_path_factory) -> dict[str, tuple[Path, Path]]:
         shutil.copyfile(SMOLLM2 / name, src / name)
     made = {}
     for kind, folder in (("float", src), ("mxfp4", to_mxfp4(src, root / "mxfp4"))):
-        out = root / f"{kind}.gguf"
-        env = {**os.environ, "PYTHONPATH": str(llama_cpp / "gguf-py")}
-        cmd = [sys.executable, str(llama_cpp / "convert_hf_to_gguf.py"), str(folder), "--outtype", "f32",
-               "--outfile", str(out)]
-        done = subprocess.run(cmd, cwd=llama_cpp, env=env, capture_output=True, text=True, timeout=600)
-        assert done.returncode == 0, done.stderr[-3000:]
-        made[kind] = folder, out
+        to_gguf(llama_cpp, folder, root / f"{kind}.gguf")
+        made[kind] = folder, root / f"{kind}.gguf"
     return made
 
 

@@ -24,7 +24,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import ASSETS, SHARED, build_hf_checkpoint
+from conftest import ASSETS, SHARED, build_hf_checkpoint, fetch_sdist
 
 import mlxinfer
 from convert import convert
@@ -73,16 +73,7 @@ def llama_cpp() -> Path:
     root = ASSETS / f"llama.cpp-{version}"
     if (root / "convert_hf_to_gguf.py").is_file():
         return root
-    sdist = ASSETS / f"{name.replace('-', '_')}-{version}.tar.gz"
-    if not sdist.is_file():
-        ASSETS.mkdir(parents=True, exist_ok=True)
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-               "--disable-pip-version-check", "--retries", "1", "--timeout", "20", "-q", f"{name}=={version}",
-               "-d", str(ASSETS)]
-        done = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=900)
-        if done.returncode or not sdist.is_file():
-            why = (done.stderr.strip().splitlines() or ["no output"])[-1]
-            pytest.skip(f"cannot download {name}=={version} from PyPI (registry unreachable?): {why}")
+    sdist = fetch_sdist(f"{name}=={version}")
     prefix = f"{sdist.name.removesuffix('.tar.gz')}/vendor/llama.cpp/"
     partial = root.with_suffix(".partial")
     shutil.rmtree(partial, ignore_errors=True)
@@ -114,15 +105,20 @@ def from_llama_cpp(llama_cpp, tmp_path_factory) -> Callable[[str], tuple[Path, P
             for name in ("tokenizer.json", "tokenizer_config.json"):
                 shutil.copyfile(TOKENIZER / name, src / name)
             out = folder / "model.gguf"
-            env = {**os.environ, "PYTHONPATH": str(llama_cpp / "gguf-py")}
-            cmd = [sys.executable, str(llama_cpp / "convert_hf_to_gguf.py"), str(src), "--outtype", "f32",
-                   "--outfile", str(out)]
-            done = subprocess.run(cmd, cwd=llama_cpp, env=env, capture_output=True, text=True, timeout=600)
-            assert done.returncode == 0, done.stderr[-3000:]
+            to_gguf(llama_cpp, src, out)
             made[case] = src, out
         return made[case]
 
     return make
+
+
+def to_gguf(llama_cpp: Path, src: Path, out: Path) -> None:
+    """llama.cpp's `convert_hf_to_gguf.py` on `src`, float32 tensors (MXFP4 experts stay MXFP4)."""
+    env = {**os.environ, "PYTHONPATH": str(llama_cpp / "gguf-py")}
+    cmd = [sys.executable, str(llama_cpp / "convert_hf_to_gguf.py"), str(src), "--outtype", "f32",
+           "--outfile", str(out)]
+    done = subprocess.run(cmd, cwd=llama_cpp, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
 
 
 def hf_model(src: Path):

@@ -21,6 +21,7 @@ from conftest import CORPUS, VOCAB, fetch_sdist
 from hypothesis import given
 from hypothesis import strategies as st
 from test_models_gpt_oss import CONFIG
+from test_reasoning import parts, raw_reply
 
 import mlxinfer
 from mlxinfer.batch import BatchGenerator, stream_generate
@@ -134,14 +135,9 @@ def hf_tokenizer(folder):
     return AutoTokenizer.from_pretrained(folder)
 
 
-def parts(chunks) -> tuple[str, str]:
-    return "".join(c.reasoning for c in chunks), "".join(c.text for c in chunks)
-
-
 def test_analysis_is_the_reasoning_and_final_the_answer(model):
     m, tok = model
-    raw = "".join(c.text for c in stream_generate(m, tok, ASK, temperature=0.0, max_tokens=60,
-                                                  response_format=THINKING, split_reasoning=False))
+    raw = raw_reply(model, ASK, max_tokens=60, response_format=THINKING)
     assert raw.startswith("<|channel|>analysis<|message|>") and "<|channel|>final<|message|>" in raw
     reasoning, answer = by_hand(raw)
     assert reasoning and answer
@@ -184,10 +180,7 @@ def client(folder):
 
 
 def test_server_reasoning_content_and_effort(client, model, hf_tokenizer):
-    m, tok = model
-    raw = "".join(c.text for c in stream_generate(m, tok, ASK, temperature=0.0, max_tokens=60,
-                                                  response_format=THINKING, split_reasoning=False))
-    reasoning, answer = by_hand(raw)
+    reasoning, answer = by_hand(raw_reply(model, ASK, max_tokens=60, response_format=THINKING))
     r = client.chat.completions.create(model="m", messages=ASK, temperature=0, max_tokens=60, response_format=THINKING)
     message = r.choices[0].message
     assert (message.reasoning_content, message.content) == (reasoning, answer)

@@ -74,10 +74,11 @@ def model(folder):
     return mlxinfer.load(folder, dtype="float32")[0]
 
 
-def hf_model(folder: Path):
+def hf_model(folder: Path, **options):
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager").eval()
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager",
+                                                **options).eval()
 
 
 def hf_logits(folder: Path, ids: np.ndarray, model=None) -> np.ndarray:
@@ -212,13 +213,9 @@ def mxfp4(folder, tmp_path_factory) -> Path:
 
 def hf_mxfp4_logits(folder: Path, ids: np.ndarray) -> np.ndarray:
     """transformers loading the MXFP4 checkpoint itself (its own dequantization, on the CPU)."""
-    from transformers import AutoModelForCausalLM, Mxfp4Config
+    from transformers import Mxfp4Config
 
-    model = AutoModelForCausalLM.from_pretrained(
-        folder, dtype=torch.float32, attn_implementation="eager", quantization_config=Mxfp4Config(dequantize=True)
-    ).eval()
-    with torch.no_grad():
-        return model(torch.tensor(ids)).logits.numpy()
+    return hf_logits(folder, ids, hf_model(folder, quantization_config=Mxfp4Config(dequantize=True)))
 
 
 def test_mxfp4_experts_stay_mxfp4_and_decode_as_the_spec_says(mxfp4):
