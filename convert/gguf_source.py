@@ -126,6 +126,11 @@ def _deepseek2_config(get: Getter, names: set[str]) -> dict[str, Any]:
     }
 
 
+def _smollm3_config(get: Getter, names: set[str]) -> dict[str, Any]:
+    """llama.cpp leaves RoPE out of every 4th SmolLM3 layer (its `n_no_rope_layer_step`, not stored)."""
+    return {"no_rope_layer_interval": 4}
+
+
 @dataclass(frozen=True)
 class Arch:
     """How a GGUF `general.architecture` maps back onto a Hugging Face family."""
@@ -183,6 +188,7 @@ ARCHITECTURES = {
         },
         config=_deepseek2_config,
     ),
+    "smollm3": Arch("smollm3", "SmolLM3ForCausalLM", permuted_qk=True, config=_smollm3_config),
 }
 # DeepSeek's K/V up-projection: one attn_kv_b, or (newer llama.cpp) per-head attn_k_b and attn_v_b.
 _KV_B = re.compile(r"blk\.(\d+)\.attn_(kv|k|v)_b\.weight")

@@ -24,6 +24,7 @@ FAMILIES: dict[str, str] = {
     "qwen2_moe": "qwen2_moe",
     "qwen3": "qwen3",
     "qwen3_moe": "qwen3_moe",
+    "smollm3": "smollm3",
 }
 
 

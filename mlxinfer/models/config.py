@@ -82,6 +82,7 @@ class ModelConfig:
     sandwich_norms: bool = False
     attn_softcap: float | None = None
     final_softcap: float | None = None
+    nope_layers: frozenset[int] = frozenset()  # layers whose attention has no RoPE (SmolLM3's NoPE layers)
     quantization: dict[str, Any] | None = None
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
@@ -238,6 +239,9 @@ CONFIG_FIELDS: dict[str, Field] = {
     "first_k_dense_replace": AT_LEAST_0_SET,
     "moe_layer_freq": SIZE_SET,
     "rope_interleave": FLAG,
+    # SmolLM3's layers without RoPE
+    "no_rope_layers": Field(list, 0, 1, item=int),
+    "no_rope_layer_interval": SIZE_SET,
 }
 
 ROPE_FIELDS: dict[str, Field] = {
