@@ -131,6 +131,34 @@ def _smollm3_config(get: Getter, names: set[str]) -> dict[str, Any]:
     return {"no_rope_layer_interval": 4}
 
 
+def _olmo2_config(get: Getter, names: set[str]) -> dict[str, Any]:
+    """OLMo 3 is written as `olmo2` with a sliding window: its pattern (true: sliding) is in the
+    file or, as llama.cpp assumes, every 4th layer full; the sliding layers have their own RoPE
+    base. RoPE scaling, if any, stays in `rope_scaling`, which the family applies to the full
+    layers only, as transformers and llama.cpp do."""
+    window = get("attention.sliding_window", 0)
+    if not window:
+        return {}
+    layers = get("block_count")
+    pattern = get("attention.sliding_window_pattern", [(i + 1) % 4 != 0 for i in range(layers)])
+    if len(pattern) != layers:
+        raise CorruptCheckpointError(
+            f"GGUF metadata 'olmo2.attention.sliding_window_pattern' has {len(pattern)} entries for {layers} "
+            "layers; the file is damaged"
+        )
+    base = get("rope.freq_base", 10000.0)
+    return {
+        "model_type": "olmo3",
+        "architectures": ["Olmo3ForCausalLM"],
+        "sliding_window": window,
+        "layer_types": ["sliding_attention" if slides else "full_attention" for slides in pattern],
+        "rope_parameters": {
+            "full_attention": {"rope_type": "default", "rope_theta": base},
+            "sliding_attention": {"rope_type": "default", "rope_theta": get("rope.freq_base_swa", base)},
+        },
+    }
+
+
 @dataclass(frozen=True)
 class Arch:
     """How a GGUF `general.architecture` maps back onto a Hugging Face family."""
@@ -159,6 +187,7 @@ _MOE_NAMES = {
     "ffn_down_shexp": "mlp.shared_expert.down_proj",
     "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
+_POST_NORMS = {"post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
 ARCHITECTURES = {
     "llama": Arch("llama", "LlamaForCausalLM", permuted_qk=True, config=_llama_config),
     "qwen2": Arch("qwen2", "Qwen2ForCausalLM"),
@@ -189,6 +218,7 @@ ARCHITECTURES = {
         config=_deepseek2_config,
     ),
     "smollm3": Arch("smollm3", "SmolLM3ForCausalLM", permuted_qk=True, config=_smollm3_config),
+    "olmo2": Arch("olmo2", "Olmo2ForCausalLM", names=_POST_NORMS, config=_olmo2_config),
 }
 # DeepSeek's K/V up-projection: one attn_kv_b, or (newer llama.cpp) per-head attn_k_b and attn_v_b.
 _KV_B = re.compile(r"blk\.(\d+)\.attn_(kv|k|v)_b\.weight")
@@ -528,6 +558,7 @@ ARCH_KEYS: dict[str, tuple[Callable[[Any], bool], str]] = {
         _INT,
     ),
     **dict.fromkeys(("expert_shared_count", "leading_dense_block_count"), _COUNT),
+    "attention.sliding_window_pattern": (_list_of(lambda v: type(v) is bool), "a list of true/false"),
     "expert_weights_norm": _FLAG,
     "attention.head_count_kv": (lambda v: _positive_int(v) or _list_of(_positive_int)(v), "a positive integer"),
     "attention.sliding_window": _COUNT,
@@ -535,8 +566,8 @@ ARCH_KEYS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "rope.scaling.yarn_log_multiplier": (_number, "a number"),
     **dict.fromkeys(
         (
-            "attention.layer_norm_rms_epsilon", "rope.freq_base", "rope.scaling.factor", "attn_logit_softcapping",
-            "final_logit_softcapping", "expert_weights_scale",
+            "attention.layer_norm_rms_epsilon", "rope.freq_base", "rope.freq_base_swa", "rope.scaling.factor",
+            "attn_logit_softcapping", "final_logit_softcapping", "expert_weights_scale",
         ),
         _NUMBER,
     ),

@@ -19,6 +19,8 @@ FAMILIES: dict[str, str] = {
     "llama": "llama",
     "mistral": "mistral",
     "mixtral": "mixtral",
+    "olmo2": "olmo2",
+    "olmo3": "olmo3",
     "phi3": "phi3",
     "qwen2": "qwen2",
     "qwen2_moe": "qwen2_moe",

@@ -185,6 +185,11 @@ class OffsetRMSNorm(nn.RMSNorm):
         return mx.fast.rms_norm(x, self.offset + self.weight, self.eps)
 
 
+class ProjectionNorm(nn.RMSNorm):
+    """An RMSNorm over a whole attention projection, every head at once (OLMo's q/k norms), not
+    per head: tensor sharding, which splits the heads among ranks, must sum its squares across them."""
+
+
 def rms_norm(cfg: ModelConfig, dims: int | None = None) -> nn.Module:
     """The config's RMSNorm over `dims` (default: the hidden size)."""
     dims = dims or cfg.hidden_size
