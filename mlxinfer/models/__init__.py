@@ -16,6 +16,7 @@ FAMILIES: dict[str, str] = {
     "gemma2": "gemma2",
     "gemma3": "gemma3",
     "gemma3_text": "gemma3_text",
+    "glm4_moe": "glm4_moe",
     "llama": "llama",
     "mistral": "mistral",
     "mixtral": "mixtral",

@@ -239,9 +239,11 @@ CONFIG_FIELDS: dict[str, Field] = {
     "first_k_dense_replace": AT_LEAST_0_SET,
     "moe_layer_freq": SIZE_SET,
     "rope_interleave": FLAG,
-    # SmolLM3's layers without RoPE
+    "num_nextn_predict_layers": AT_LEAST_0,
+    # SmolLM3's layers without RoPE; GLM-4.5's optional q/k norm
     "no_rope_layers": Field(list, 0, 1, item=int),
     "no_rope_layer_interval": SIZE_SET,
+    "use_qk_norm": FLAG,
 }
 
 ROPE_FIELDS: dict[str, Field] = {
