@@ -16,15 +16,19 @@ FAMILIES: dict[str, str] = {
     "gemma2": "gemma2",
     "gemma3": "gemma3",
     "gemma3_text": "gemma3_text",
+    "glm4_moe": "glm4_moe",
     "gpt_oss": "gpt_oss",
     "llama": "llama",
     "mistral": "mistral",
     "mixtral": "mixtral",
+    "olmo2": "olmo2",
+    "olmo3": "olmo3",
     "phi3": "phi3",
     "qwen2": "qwen2",
     "qwen2_moe": "qwen2_moe",
     "qwen3": "qwen3",
     "qwen3_moe": "qwen3_moe",
+    "smollm3": "smollm3",
 }
 
 

@@ -83,6 +83,7 @@ class ModelConfig:
     attn_softcap: float | None = None
     attention_sinks: bool = False  # a learned logit per head in every softmax (gpt-oss)
     final_softcap: float | None = None
+    nope_layers: frozenset[int] = frozenset()  # layers whose attention has no RoPE (SmolLM3's NoPE layers)
     quantization: dict[str, Any] | None = None
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
@@ -239,6 +240,11 @@ CONFIG_FIELDS: dict[str, Field] = {
     "first_k_dense_replace": AT_LEAST_0_SET,
     "moe_layer_freq": SIZE_SET,
     "rope_interleave": FLAG,
+    "num_nextn_predict_layers": AT_LEAST_0,
+    # SmolLM3's layers without RoPE; GLM-4.5's optional q/k norm
+    "no_rope_layers": Field(list, 0, 1, item=int),
+    "no_rope_layer_interval": SIZE_SET,
+    "use_qk_norm": FLAG,
     # gpt-oss
     "swiglu_alpha": NUMBER_SET,
     "swiglu_limit": POSITIVE_SET,

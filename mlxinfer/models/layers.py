@@ -185,6 +185,11 @@ class OffsetRMSNorm(nn.RMSNorm):
         return mx.fast.rms_norm(x, self.offset + self.weight, self.eps)
 
 
+class ProjectionNorm(nn.RMSNorm):
+    """An RMSNorm over a whole attention projection, every head at once (OLMo's q/k norms), not
+    per head: tensor sharding, which splits the heads among ranks, must sum its squares across them."""
+
+
 def rms_norm(cfg: ModelConfig, dims: int | None = None) -> nn.Module:
     """The config's RMSNorm over `dims` (default: the hidden size)."""
     dims = dims or cfg.hidden_size
@@ -195,8 +200,8 @@ def rms_norm(cfg: ModelConfig, dims: int | None = None) -> nn.Module:
 
 class Attention(nn.Module):
     """Grouped-query attention with optional q/k/v/o bias, per-head q/k RMSNorm,
-    a per-layer RoPE, score soft-capping and attention sinks (a learned logit per
-    head that takes its share of every softmax, gpt-oss's `sinks`)."""
+    a per-layer RoPE (or none: the config's `nope_layers`), score soft-capping and attention
+    sinks (a learned logit per head that takes its share of every softmax, gpt-oss's `sinks`)."""
 
     def __init__(self, cfg: ModelConfig, layer: int = 0):
         super().__init__()
@@ -214,7 +219,7 @@ class Attention(nn.Module):
             self.k_norm = rms_norm(cfg, d)
         if cfg.attention_sinks:
             self.sinks = mx.zeros((self.n_heads,))
-        self.rope = RoPE(cfg, cfg.rope_of(layer))
+        self.rope = None if layer in cfg.nope_layers else RoPE(cfg, cfg.rope_of(layer))
         self.scale = (cfg.query_pre_attn_scalar or d) ** -0.5
         self.softcap = cfg.attn_softcap
 
@@ -238,8 +243,9 @@ class Attention(nn.Module):
         q = self._heads(q, self.n_heads, getattr(self, "q_norm", None))
         k = self._heads(k, self.n_kv_heads, getattr(self, "k_norm", None))
         v = self._heads(v, self.n_kv_heads)
-        offset = offsets(cache)
-        q, k = self.rope(q, offset), self.rope(k, offset)
+        if self.rope is not None:
+            offset = offsets(cache)
+            q, k = self.rope(q, offset), self.rope(k, offset)
         o = attention(q, k, v, cache, mask, self.scale, self.softcap, self.get("sinks"))
         return self.o_proj(o.transpose(0, 2, 1, 3).reshape(B, T, -1))
 
