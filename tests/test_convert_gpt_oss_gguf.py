@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 from conftest import SHARED
 from test_convert import tensors
-from test_convert_llama3_gguf import llama_cpp, to_gguf  # noqa: F401  (llama_cpp: the converter, a fixture)
+from family_checks import SMOLLM2_VOCAB, llama_cpp_gguf
+from test_convert_llama3_gguf import llama_cpp  # noqa: F401  (llama.cpp's converter, a fixture)
 from test_models_gpt_oss import PROMPT, build, hf_logits, hf_mxfp4_logits, to_mxfp4
 from test_parity import TOL
 
@@ -30,13 +31,12 @@ def ggufs(llama_cpp, tmp_path_factory) -> dict[str, tuple[Path, Path]]:
     if not SMOLLM2.is_dir():
         pytest.skip("../shared/fixtures/tokenizers/smollm2 is absent")
     root = tmp_path_factory.mktemp("gguf")
-    src = build(root / "float", {"vocab_size": 49152, "num_hidden_layers": 2})
+    src = build(root / "float", {"vocab_size": SMOLLM2_VOCAB, "num_hidden_layers": 2})
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copyfile(SMOLLM2 / name, src / name)
     made = {}
     for kind, folder in (("float", src), ("mxfp4", to_mxfp4(src, root / "mxfp4"))):
-        to_gguf(llama_cpp, folder, root / f"{kind}.gguf")
-        made[kind] = folder, root / f"{kind}.gguf"
+        made[kind] = folder, llama_cpp_gguf(llama_cpp, folder, root / f"{kind}.gguf")
     return made
 
 

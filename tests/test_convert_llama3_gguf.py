@@ -105,20 +105,15 @@ def from_llama_cpp(llama_cpp, tmp_path_factory) -> Callable[[str], tuple[Path, P
             for name in ("tokenizer.json", "tokenizer_config.json"):
                 shutil.copyfile(TOKENIZER / name, src / name)
             out = folder / "model.gguf"
-            to_gguf(llama_cpp, src, out)
+            env = {**os.environ, "PYTHONPATH": str(llama_cpp / "gguf-py")}
+            cmd = [sys.executable, str(llama_cpp / "convert_hf_to_gguf.py"), str(src), "--outtype", "f32",
+                   "--outfile", str(out)]
+            done = subprocess.run(cmd, cwd=llama_cpp, env=env, capture_output=True, text=True, timeout=600)
+            assert done.returncode == 0, done.stderr[-3000:]
             made[case] = src, out
         return made[case]
 
     return make
-
-
-def to_gguf(llama_cpp: Path, src: Path, out: Path) -> None:
-    """llama.cpp's `convert_hf_to_gguf.py` on `src`, float32 tensors (MXFP4 experts stay MXFP4)."""
-    env = {**os.environ, "PYTHONPATH": str(llama_cpp / "gguf-py")}
-    cmd = [sys.executable, str(llama_cpp / "convert_hf_to_gguf.py"), str(src), "--outtype", "f32",
-           "--outfile", str(out)]
-    done = subprocess.run(cmd, cwd=llama_cpp, env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
 
 
 def hf_model(src: Path):

@@ -1,10 +1,10 @@
 """gpt-oss against transformers 5 on random-weight checkpoints it builds: float32 logits over
 a prompt longer than the sliding window and one prefill chunk, prefill in chunks plus decoding
 through rotating (sliding layers) and growing (full layers) caches, greedy generation equal to
-transformers' teacher-forced argmax (batched equal to alone: test_batch); MXFP4 experts (the hub's
-`*_blocks`/`*_scales`) loaded as MLX's mxfp4 quantization, checked against the OCP MX spec
-decoded in numpy and against transformers' own MXFP4 dequantization; the converter keeping them
-MXFP4 (GGUFs: test_convert_gpt_oss_gguf)."""
+transformers' teacher-forced argmax, and family_checks' batched == alone, pool reuse == fresh
+and speculative == plain; MXFP4 experts (the hub's `*_blocks`/`*_scales`) loaded as MLX's mxfp4
+quantization, checked against the OCP MX spec decoded in numpy and against transformers' own
+MXFP4 dequantization; the converter keeping them MXFP4 (GGUFs: test_convert_gpt_oss_gguf)."""
 
 from __future__ import annotations
 
@@ -16,6 +16,11 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from conftest import build_hf_checkpoint
+from family_checks import (  # noqa: F401  (the test_ functions run here, on this module's `variant`)
+    test_batched_equals_alone,
+    test_pool_reuse_equals_fresh,
+    test_speculative_equals_plain,
+)
 from test_convert import tensors
 from safetensors.numpy import load_file, save_file
 from test_parity import TOL
@@ -72,6 +77,12 @@ def folder(checkpoints) -> Path:
 @pytest.fixture(scope="module")
 def model(folder):
     return mlxinfer.load(folder, dtype="float32")[0]
+
+
+@pytest.fixture(scope="module")
+def variant(folder, model):
+    """What family_checks' tests run on: (name, folder, model, tokenizer)."""
+    return "gpt_oss", folder, model, mlxinfer.load_tokenizer(folder)
 
 
 def hf_model(folder: Path, **options):
