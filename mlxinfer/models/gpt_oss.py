@@ -36,9 +36,10 @@ DEFAULTS: dict[str, Any] = {
 
 @dataclass(frozen=True)
 class ClampedSwiGLU:
-    """The experts' activation: (clip(up, -limit, limit) + 1) * g * sigmoid(alpha * g) with
-    g = min(gate, limit). The clamps keep a low-precision expert from blowing up; the +1
-    lets an expert pass its input through with a zero `up`."""
+    """The experts' activation, OpenAI's formula as transformers' GptOssExperts applies it:
+    (clip(up, -limit, limit) + 1) * g * sigmoid(alpha * g) with g = min(gate, limit). It is
+    the whole feed-forward of every layer, so the config's alpha and limit change every
+    output (`swiglu_alpha`, `swiglu_limit`; defaults as transformers')."""
 
     alpha: float = 1.702
     limit: float = 7.0
@@ -51,6 +52,8 @@ class ClampedSwiGLU:
 
 @dataclass(frozen=True)
 class GptOssConfig(ModelConfig):
+    """ModelConfig plus the experts' activation settings (no other family has them)."""
+
     swiglu: ClampedSwiGLU = ClampedSwiGLU()
 
 
