@@ -16,6 +16,7 @@ FAMILIES: dict[str, str] = {
     "gemma2": "gemma2",
     "gemma3": "gemma3",
     "gemma3_text": "gemma3_text",
+    "lfm2": "lfm2",
     "llama": "llama",
     "mistral": "mistral",
     "mixtral": "mixtral",
@@ -24,6 +25,11 @@ FAMILIES: dict[str, str] = {
     "qwen2_moe": "qwen2_moe",
     "qwen3": "qwen3",
     "qwen3_moe": "qwen3_moe",
+    "qwen3_5": "qwen3_5",
+    "qwen3_5_moe": "qwen3_5_moe",
+    "qwen3_5_moe_text": "qwen3_5_moe_text",
+    "qwen3_5_text": "qwen3_5_text",
+    "qwen3_next": "qwen3_next",
 }
 
 
