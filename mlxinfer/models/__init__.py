@@ -48,6 +48,15 @@ def model_config(config: dict[str, Any]) -> ModelConfig:
     return family(config.get("model_type", "<missing>")).config(config)
 
 
+def canonical_config(config: dict[str, Any]) -> dict[str, Any]:
+    """config.json with the sizes a family derives from other keys written out (LFM2's MLP
+    width), so a rank's config (`shard.shard_config`) can divide them."""
+    if config.get("model_type") not in FAMILIES:
+        return config  # refused with its reason where the model is built
+    module = family(config["model_type"])
+    return module.canonical(config) if hasattr(module, "canonical") else config
+
+
 def build_model(config: dict[str, Any]) -> CausalLM:
     """An uninitialised model for a config.json dict."""
     return family(config.get("model_type", "<missing>")).Model(model_config(config))

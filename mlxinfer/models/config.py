@@ -97,6 +97,7 @@ class ModelConfig:
     moe: MoEConfig | None = None
     linear: LinearAttentionConfig | None = None  # the Gated DeltaNet of `linear_attention` layers
     conv_kernel: int = 0  # the short convolution of `conv` layers (LFM2): its width
+    conv_channels: int = 0  # and its channels, when fewer than hidden_size (a tensor-sharded rank's)
     conv_bias: bool = False
     attn_output_gate: bool = False  # q_proj also yields a per-head gate: o * sigmoid(gate) (Qwen3-Next)
     hidden_act: str = "silu"
@@ -285,6 +286,7 @@ CONFIG_FIELDS: dict[str, Field] = {
     "block_ffn_dim_multiplier": POSITIVE,
     "block_auto_adjust_ff_dim": FLAG,
     "norm_eps": POSITIVE_SET,
+    "short_conv_channels": WIDTH,  # a tensor-sharded rank's share of the channels (`shard.shard_config`)
 }
 
 ROPE_FIELDS: dict[str, Field] = {

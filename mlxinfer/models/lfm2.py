@@ -11,7 +11,7 @@ import mlx.core as mx
 from .config import CONV, FULL, ModelConfig, parse_config
 from .hybrid import HybridLM
 
-__all__ = ["Model", "config"]
+__all__ = ["Model", "canonical", "config"]
 
 RENAMES = {
     ".operator_norm.": ".input_layernorm.",
@@ -50,12 +50,18 @@ def layer_types(d: dict[str, Any]) -> tuple[str, ...]:
     return tuple(FULL if i in full else CONV for i in range(layers))
 
 
+def canonical(d: dict[str, Any]) -> dict[str, Any]:
+    """The config with the MLP width as it is (`intermediate_size`, no adjusting left to do)."""
+    out = {k: v for k, v in d.items() if k != "block_ff_dim"}
+    return {**out, "intermediate_size": feed_forward_size(d), "block_auto_adjust_ff_dim": False}
+
+
 def config(d: dict[str, Any]) -> ModelConfig:
-    d = {**d, "intermediate_size": feed_forward_size(d), "rms_norm_eps": d.get("norm_eps", d.get("rms_norm_eps", 1e-5))}
+    d = {**canonical(d), "rms_norm_eps": d.get("norm_eps", d.get("rms_norm_eps", 1e-5))}
     d.setdefault("rope_theta", 1_000_000.0)
     d.setdefault("tie_word_embeddings", d.get("tie_embedding", True))
     return parse_config(d, qk_norm=True, conv_kernel=d.get("conv_L_cache", 3), conv_bias=d.get("conv_bias", False),
-                        layer_types=layer_types(d))
+                        conv_channels=d.get("short_conv_channels") or 0, layer_types=layer_types(d))
 
 
 def rename(name: str) -> str:

@@ -55,9 +55,9 @@ def mlx_lm_layout(weights: dict[str, mx.array]) -> dict[str, mx.array]:
     return out
 
 
-def _groups(w: mx.array, groups: int, sizes: list[int]) -> list[mx.array]:
-    """Rows of `w` laid out as `groups` blocks of `sizes` rows each, gathered part by part."""
-    blocks = w.reshape(groups, sum(sizes), *w.shape[1:])
+def _groups(w: mx.array, sizes: list[int]) -> list[mx.array]:
+    """Rows of `w` laid out as blocks of `sizes` rows each (one per key head), gathered part by part."""
+    blocks = w.reshape(w.shape[0] // sum(sizes), sum(sizes), *w.shape[1:])
     cuts = [sum(sizes[: i + 1]) for i in range(len(sizes) - 1)]
     return [p.reshape(-1, *w.shape[1:]) for p in mx.split(blocks, cuts, axis=1)]
 
@@ -72,14 +72,14 @@ class Model(HybridLM):
         for name, w in mlx_lm_layout(weights).items():
             prefix, fused, leaf = name.rpartition(".in_proj_qkvz.")
             if fused:
-                q, k, v, z = _groups(w, lin.key_heads, [lin.key_dim, lin.key_dim, per * lin.value_dim,
+                q, k, v, z = _groups(w, [lin.key_dim, lin.key_dim, per * lin.value_dim,
                                                         per * lin.value_dim])
                 out[f"{prefix}.in_proj_qkv.{leaf}"] = mx.concatenate([q, k, v])
                 out[f"{prefix}.in_proj_z.{leaf}"] = z
                 continue
             prefix, fused, leaf = name.rpartition(".in_proj_ba.")
             if fused:
-                b, a = _groups(w, lin.key_heads, [per, per])
+                b, a = _groups(w, [per, per])
                 out[f"{prefix}.in_proj_b.{leaf}"], out[f"{prefix}.in_proj_a.{leaf}"] = b, a
                 continue
             out[name] = w

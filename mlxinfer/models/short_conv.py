@@ -103,9 +103,10 @@ class ShortConv(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         h, bias = cfg.hidden_size, cfg.conv_bias
-        self.in_proj = Linear(h, 3 * h, bias=bias)
-        self.conv = DepthwiseConv(h, cfg.conv_kernel, bias=bias)
-        self.out_proj = Linear(h, h, bias=bias)
+        channels = cfg.conv_channels or h
+        self.in_proj = Linear(h, 3 * channels, bias=bias)
+        self.conv = DepthwiseConv(channels, cfg.conv_kernel, bias=bias)
+        self.out_proj = Linear(channels, h, bias=bias)
 
     def __call__(self, x: mx.array, mask=None, cache=None) -> mx.array:
         b, c, v = mx.split(self.in_proj(x), 3, axis=-1)
