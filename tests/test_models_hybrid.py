@@ -309,3 +309,25 @@ def test_tensor_sharding_refuses_heads_that_do_not_divide():
     with pytest.raises(ConfigError, match="24 short-convolution channels to divide among 16 ranks; use 1, 2, 4, 8 "):
         shard_config(lfm2, 16)
     assert shard_config(lfm2, 2)["short_conv_channels"] == 12
+
+
+def test_inspect_shows_the_recurrent_state(hybrid):
+    """`mlxinfer inspect` counts the recurrent layers and their state: per sequence, from the config
+    (a convolution keeps K-1 inputs of its channels, a Gated DeltaNet also a key x value matrix per
+    value head), float32 here."""
+    from mlxinfer.inspection import inspect_pipeline, render
+
+    model, tok = hybrid
+    report = inspect_pipeline(model, tok, [1, 2, 3], steps=2)
+    c = model.config.raw
+    if model.config.linear:
+        channels = 2 * c["linear_num_key_heads"] * c["linear_key_head_dim"] + \
+            c["linear_num_value_heads"] * c["linear_value_head_dim"]
+        per_layer = (c["linear_conv_kernel_dim"] - 1) * channels + \
+            c["linear_num_value_heads"] * c["linear_key_head_dim"] * c["linear_value_head_dim"]
+    else:
+        per_layer = (c["conv_L_cache"] - 1) * c["hidden_size"]
+    layers = sum(t != "full_attention" for t in c["layer_types"])
+    assert report["kv_cache"]["state_layers"] == layers
+    assert report["kv_cache"]["state_bytes"] == 4 * per_layer * layers
+    assert "keep a recurrent state of" in render(report, "t")
