@@ -18,7 +18,6 @@ Run it on an idle machine.
 from __future__ import annotations
 
 import argparse
-import json
 import tempfile
 import time
 from pathlib import Path
@@ -39,16 +38,12 @@ HYBRID_58M = dict(
 def build_hybrid(folder: Path) -> Path:
     """A random-weight float32 Qwen3.5 text model (6 Gated DeltaNet layers, 2 attention layers)."""
     import torch
-    from tokenizers import Tokenizer, models, pre_tokenizers
+    from compare_mlx_lm import write_word_tokenizer
     from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(AutoConfig.for_model("qwen3_5_text", **HYBRID_58M)).float().save_pretrained(folder)
-    vocab = {f"t{i}": i for i in range(HYBRID_58M["vocab_size"])}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "t1", "bos_token": "t0"}))
+    write_word_tokenizer(folder, HYBRID_58M["vocab_size"])
     return folder
 
 

@@ -32,18 +32,23 @@ LLAMA_50M = dict(
 def build_llama_50m(folder: Path) -> Path:
     """A random-weight float32 Llama of ~58M parameters (transformers is a bench-only dependency)."""
     import torch
-    from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", **LLAMA_50M)).float()
     model.save_pretrained(folder)
-    vocab = {f"t{i}": i for i in range(LLAMA_50M["vocab_size"])}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
+    write_word_tokenizer(folder, LLAMA_50M["vocab_size"])
+    return folder
+
+
+def write_word_tokenizer(folder: Path, vocab_size: int) -> None:
+    """A word-level tokenizer of ids t0..t{vocab_size-1} (random prompts need no real one)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab_size)}, unk_token="t0"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.save(str(folder / "tokenizer.json"))
     (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "t1", "bos_token": "t0"}))
-    return folder
 
 
 def run_mlx_lm(model, tokenizer, prompt: list[int], gen_tokens: int) -> Run:

@@ -5,14 +5,18 @@ from typing import Any
 
 import mlx.core as mx
 
-from . import gemma3_text
+from . import gemma3_text, multimodal
 from .config import ModelConfig
 from .layers import CausalLM
 from .multimodal import text_config, text_weights
 
-__all__ = ["Model", "config"]
+__all__ = ["Model", "canonical", "config"]
 
 VISION = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
+
+
+def canonical(d: dict[str, Any]) -> dict[str, Any]:
+    return multimodal.canonical(d)
 
 
 def config(d: dict[str, Any]) -> ModelConfig:

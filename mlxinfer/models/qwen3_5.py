@@ -7,13 +7,17 @@ from typing import Any
 
 import mlx.core as mx
 
-from . import qwen3_5_text
+from . import multimodal, qwen3_5_text
 from .config import ModelConfig
 from .multimodal import text_config, text_weights
 
-__all__ = ["Model", "config", "VISION"]
+__all__ = ["Model", "canonical", "config", "VISION"]
 
 VISION = ("model.visual.", "visual.", "vision_tower.")
+
+
+def canonical(d: dict[str, Any]) -> dict[str, Any]:
+    return multimodal.canonical(d, tied=False)
 
 
 def config(d: dict[str, Any]) -> ModelConfig:

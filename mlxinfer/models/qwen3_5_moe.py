@@ -7,12 +7,16 @@ from typing import Any
 
 import mlx.core as mx
 
-from . import qwen3_5_moe_text
+from . import multimodal, qwen3_5_moe_text
 from .config import ModelConfig
 from .multimodal import text_config, text_weights
 from .qwen3_5 import VISION
 
-__all__ = ["Model", "config"]
+__all__ = ["Model", "canonical", "config"]
+
+
+def canonical(d: dict[str, Any]) -> dict[str, Any]:
+    return multimodal.canonical(d, tied=False)
 
 
 def config(d: dict[str, Any]) -> ModelConfig:
