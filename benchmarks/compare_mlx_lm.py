@@ -21,7 +21,8 @@ from pathlib import Path
 import mlxinfer  # first: it binds a fast BLAS before mlx.core loads (see mlxinfer.blas)
 import mlx.core as mx  # noqa: E402, I001
 from mlx.utils import tree_flatten  # noqa: E402
-from mlxinfer.bench import Run, memory_bandwidth, random_prompt, run_once, summarize, weight_bytes
+from mlxinfer.bench import (Run, load_average, load_report, memory_bandwidth, random_prompt, ratios, run_once,  # noqa: E402
+                            summarize, weight_bytes)
 
 LLAMA_50M = dict(
     hidden_size=512, intermediate_size=1408, num_hidden_layers=8, num_attention_heads=8,
@@ -79,6 +80,7 @@ def main() -> None:
 
     import mlx_lm
 
+    load_before = load_average()
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(args.model) if args.model else build_llama_50m(Path(tmp))
         ours, our_tok = mlxinfer.load(path)
@@ -91,6 +93,7 @@ def main() -> None:
             our_runs.append(run_once(ours, our_tok, prompt, args.gen_tokens))
             their_runs.append(run_mlx_lm(theirs, their_tok, prompt, args.gen_tokens))
 
+    load_line, busy = load_report(load_before, load_average())
     a, b = summarize(our_runs), summarize(their_runs)
     bandwidth = memory_bandwidth()
     weights = weight_bytes(ours)
@@ -111,15 +114,21 @@ def main() -> None:
         "roofline_tps": roofline,
         "mlxinfer_roofline_frac": a.decode_tps[0] / roofline,
         "mlx_lm_roofline_frac": b.decode_tps[0] / roofline,
+        "decode_ratios": [r.decode_tps / t.decode_tps for r, t in zip(our_runs, their_runs)],
+        "prefill_ratios": [r.prefill_tps / t.prefill_tps for r, t in zip(our_runs, their_runs)],
+        "load_before": load_before, "load_after": load_average(), "busy": busy,
     }
     if args.json:
         print(json.dumps(result))
         return
     print(f"{result['model']}: {args.prompt_tokens} prompt + {args.gen_tokens} generated, "
           f"{args.repeat} alternating runs, medians")
-    print(f"{'':14}{'mlxinfer':>12}{'mlx-lm':>12}{'ratio':>9}")
-    print(f"{'prefill tok/s':14}{a.prefill_tps[0]:12.1f}{b.prefill_tps[0]:12.1f}{result['prefill_ratio']:9.3f}")
-    print(f"{'decode tok/s':14}{a.decode_tps[0]:12.1f}{b.decode_tps[0]:12.1f}{result['decode_ratio']:9.3f}")
+    print(load_line)
+    print(f"{'':14}{'mlxinfer':>12}{'mlx-lm':>12}{'ratio':>9}  each run")
+    print(f"{'prefill tok/s':14}{a.prefill_tps[0]:12.1f}{b.prefill_tps[0]:12.1f}{result['prefill_ratio']:9.3f}  "
+          f"{ratios([r.prefill_tps for r in our_runs], [r.prefill_tps for r in their_runs])}")
+    print(f"{'decode tok/s':14}{a.decode_tps[0]:12.1f}{b.decode_tps[0]:12.1f}{result['decode_ratio']:9.3f}  "
+          f"{ratios([r.decode_tps for r in our_runs], [r.decode_tps for r in their_runs])}")
     print(f"{'peak MiB':14}{a.peak_memory[0] / 2**20:12.1f}{b.peak_memory[0] / 2**20:12.1f}")
     print(f"roofline: {bytes_per_token / 1e6:.1f} MB/token at {bandwidth / 1e9:.1f} GB/s = {roofline:.1f} tok/s; "
           f"mlxinfer {result['mlxinfer_roofline_frac']:.0%}, mlx-lm {result['mlx_lm_roofline_frac']:.0%}")

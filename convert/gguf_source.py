@@ -126,6 +126,60 @@ def _deepseek2_config(get: Getter, names: set[str]) -> dict[str, Any]:
     }
 
 
+def _smollm3_config(get: Getter, names: set[str]) -> dict[str, Any]:
+    """llama.cpp leaves RoPE out of every 4th SmolLM3 layer (its `n_no_rope_layer_step`, not stored)."""
+    return {"no_rope_layer_interval": 4}
+
+
+def _olmo2_config(get: Getter, names: set[str]) -> dict[str, Any]:
+    """OLMo 3 is written as `olmo2` with a sliding window: its pattern (true: sliding) is in the
+    file or, as llama.cpp assumes, every 4th layer full; the sliding layers have their own RoPE
+    base. RoPE scaling, if any, stays in `rope_scaling`, which the family applies to the full
+    layers only, as transformers and llama.cpp do."""
+    window = get("attention.sliding_window", 0)
+    if not window:
+        return {}
+    layers = get("block_count")
+    pattern = get("attention.sliding_window_pattern", [(i + 1) % 4 != 0 for i in range(layers)])
+    if len(pattern) != layers:
+        raise CorruptCheckpointError(
+            f"GGUF metadata 'olmo2.attention.sliding_window_pattern' has {len(pattern)} entries for {layers} "
+            "layers; the file is damaged"
+        )
+    base = get("rope.freq_base", 10000.0)
+    return {
+        "model_type": "olmo3",
+        "architectures": ["Olmo3ForCausalLM"],
+        "sliding_window": window,
+        "layer_types": ["sliding_attention" if slides else "full_attention" for slides in pattern],
+        "rope_parameters": {
+            "full_attention": {"rope_type": "default", "rope_theta": base},
+            "sliding_attention": {"rope_type": "default", "rope_theta": get("rope.freq_base_swa", base)},
+        },
+    }
+
+
+def _glm4moe_config(get: Getter, names: set[str]) -> dict[str, Any]:
+    """GLM-4.5: the multi-token-prediction layers llama.cpp counts in `block_count` are not the
+    model's; partial RoPE as the rotary dimensions say; DeepSeek-V3's routing keys."""
+    head_dim = get("attention.key_length", get("embedding_length") // get("attention.head_count"))
+    return {
+        "num_hidden_layers": get("block_count") - get("nextn_predict_layers", 0),
+        "num_nextn_predict_layers": get("nextn_predict_layers", 0),
+        "partial_rotary_factor": get("rope.dimension_count", head_dim) / head_dim,
+        "use_qk_norm": "blk.0.attn_q_norm.weight" in names,
+        "n_routed_experts": get("expert_count"),
+        "num_experts_per_tok": get("expert_used_count"),
+        "moe_intermediate_size": get("expert_feed_forward_length"),
+        "n_shared_experts": get("expert_shared_count", 0),
+        "first_k_dense_replace": get("leading_dense_block_count", 0),
+        "routed_scaling_factor": get("expert_weights_scale", 1.0),
+        "norm_topk_prob": get("expert_weights_norm", False),
+        "n_group": get("expert_group_count", 1),
+        "topk_group": get("expert_group_used_count", 1),
+    }
+
+
 @dataclass(frozen=True)
 class Arch:
     """How a GGUF `general.architecture` maps back onto a Hugging Face family."""
@@ -154,6 +208,13 @@ _MOE_NAMES = {
     "ffn_down_shexp": "mlp.shared_expert.down_proj",
     "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
+_POST_NORMS = {"post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
+_SHARED_EXPERTS = {  # DeepSeek's and GLM's names: several shared experts as one, no gate
+    "ffn_gate_shexp": "mlp.shared_experts.gate_proj",
+    "ffn_up_shexp": "mlp.shared_experts.up_proj",
+    "ffn_down_shexp": "mlp.shared_experts.down_proj",
+    "exp_probs_b.bias": "mlp.gate.e_score_correction_bias",
+}
 ARCHITECTURES = {
     "llama": Arch("llama", "LlamaForCausalLM", permuted_qk=True, config=_llama_config),
     "qwen2": Arch("qwen2", "Qwen2ForCausalLM"),
@@ -176,12 +237,15 @@ ARCHITECTURES = {
             "attn_q_b": "self_attn.q_b_proj",
             "attn_kv_a_mqa": "self_attn.kv_a_proj_with_mqa",
             "attn_kv_a_norm": "self_attn.kv_a_layernorm",
-            "ffn_gate_shexp": "mlp.shared_experts.gate_proj",
-            "ffn_up_shexp": "mlp.shared_experts.up_proj",
-            "ffn_down_shexp": "mlp.shared_experts.down_proj",
-            "exp_probs_b.bias": "mlp.gate.e_score_correction_bias",
+            **_SHARED_EXPERTS,
         },
         config=_deepseek2_config,
+    ),
+    "smollm3": Arch("smollm3", "SmolLM3ForCausalLM", permuted_qk=True, config=_smollm3_config),
+    "olmo2": Arch("olmo2", "Olmo2ForCausalLM", names=_POST_NORMS, config=_olmo2_config),
+    "glm4moe": Arch(
+        "glm4_moe", "Glm4MoeForCausalLM", names={**_MOE_NAMES, **_SHARED_EXPERTS, **_POST_NORMS},
+        config=_glm4moe_config,
     ),
 }
 # DeepSeek's K/V up-projection: one attn_kv_b, or (newer llama.cpp) per-head attn_k_b and attn_v_b.
@@ -203,6 +267,7 @@ _BLOCK_NAMES = {
     "ffn_down": "mlp.down_proj",
 }
 _BLOCK_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+_BLOCK = re.compile(r"blk\.(\d+)\.")
 
 
 def open_gguf(path: Path) -> Source:
@@ -218,6 +283,8 @@ def open_gguf(path: Path) -> Source:
         for info in gguf.tensors:
             if info.name in _ROPE_TENSORS or (mla and _KV_B.fullmatch(info.name)):
                 continue
+            if (block := _BLOCK.match(info.name)) and int(block[1]) >= config["num_hidden_layers"]:
+                continue  # a block past the model's layers: GLM's multi-token-prediction layer
             name = hf_name(info.name, spec.names)
             rows = heads.get(name.rpartition(".")[0].rpartition(".")[2]) if spec.permuted_qk else None
             shift = spec.norm_shift if name.endswith("norm.weight") else 0.0
@@ -521,7 +588,8 @@ ARCH_KEYS: dict[str, tuple[Callable[[Any], bool], str]] = {
         ),
         _INT,
     ),
-    **dict.fromkeys(("expert_shared_count", "leading_dense_block_count"), _COUNT),
+    **dict.fromkeys(("expert_shared_count", "leading_dense_block_count", "nextn_predict_layers"), _COUNT),
+    "attention.sliding_window_pattern": (_list_of(lambda v: type(v) is bool), "a list of true/false"),
     "expert_weights_norm": _FLAG,
     "attention.head_count_kv": (lambda v: _positive_int(v) or _list_of(_positive_int)(v), "a positive integer"),
     "attention.sliding_window": _COUNT,
@@ -529,8 +597,8 @@ ARCH_KEYS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "rope.scaling.yarn_log_multiplier": (_number, "a number"),
     **dict.fromkeys(
         (
-            "attention.layer_norm_rms_epsilon", "rope.freq_base", "rope.scaling.factor", "attn_logit_softcapping",
-            "final_logit_softcapping", "expert_weights_scale",
+            "attention.layer_norm_rms_epsilon", "rope.freq_base", "rope.freq_base_swa", "rope.scaling.factor",
+            "attn_logit_softcapping", "final_logit_softcapping", "expert_weights_scale",
         ),
         _NUMBER,
     ),

@@ -56,6 +56,7 @@ SHARED = "speculative decoding paused while other sequences were decoded in the 
 class Prepared:
     """A request ready for the engine (`BatchGenerator.prepare`): its prompt ids and checked options."""
 
+    request: Request  # what it was prepared from: a replicated engine shares this with the other ranks
     ids: list[int]
     sampling: SamplingConfig
     options: GenerationOptions
@@ -202,7 +203,7 @@ class BatchGenerator:
         ids = request_tokens(self.tokenizer, request.prompt, vocab, tools, o.chat_template_kwargs)
         check_context(self.model, PromptCache.for_model(self.model, **_cache_options(o)), len(ids))
         constraints = tuple(constraint_for(o, self.tokenizer, vocab, tools) for _ in range(o.n))
-        return Prepared(ids, request.sampling, o, tools, constraints, reasoning_of(o, self.tokenizer, ids),
+        return Prepared(request, ids, request.sampling, o, tools, constraints, reasoning_of(o, self.tokenizer, ids),
                         predicted_tokens(self.tokenizer, o, vocab))
 
     def count(self, request: Request) -> int:
@@ -240,6 +241,24 @@ class BatchGenerator:
                                        index=index, shared=shared, predicted=p.predicted))
         self._known.add(uid)
         return uid
+
+    def new_cache(self, **cache_options: Any) -> PromptCache:
+        """An empty cache for a caller to keep across requests (`enqueue(..., cache=)`, `fill`):
+        a chat's conversation. Made by the engine so a replicated engine can make its twin on
+        every rank."""
+        return PromptCache.for_model(self.model, **cache_options)
+
+    def fill(self, cache: PromptCache, tokens: Sequence[int]) -> None:
+        """Make a kept cache hold exactly `tokens` (a chat rolled back): the common prefix stays,
+        the rest is prefilled; no tokens empties it."""
+        if not tokens:
+            cache.reset()
+            return
+        cache.prefill(self.model, cache.prepare(list(tokens)), self.prefill_step)
+
+    def close(self) -> None:
+        """Nothing more will be queued. A one-process engine holds nothing to let go of; a
+        replicated one (`replica.Replica`) lets the other ranks stop."""
 
     def cancel(self, uid: int) -> None:
         """Stop a sequence; its last chunk (finish_reason "cancelled") comes with the next
@@ -506,7 +525,7 @@ class BatchGenerator:
 
 
 def stream_generate(model, tokenizer: Tokenizer, prompt: Prompt, prompt_cache: PromptCache | None = None,
-                    **options: Any) -> Iterator[Chunk]:
+                    engine: BatchGenerator | None = None, **options: Any) -> Iterator[Chunk]:
     """Stream a completion chunk by chunk (one chunk per generated token): the engine with
     one request, so a lone generation and a served one run the same recipe.
 
@@ -524,17 +543,38 @@ def stream_generate(model, tokenizer: Tokenizer, prompt: Prompt, prompt_cache: P
     With echo the first chunk is the prompt (`Chunk.prompt` holds its tokens), and
     prompt_logprobs scores them (max_tokens=0 scores without generating).
     Pass a `PromptCache` to reuse the longest common prefix across calls (not when scoring the
-    prompt: every position of it runs). An error ends the stream by raising it (the served
-    engine turns it into an error chunk instead).
+    prompt: every position of it runs), and an `engine` (a one-sequence `BatchGenerator`, or a
+    `replica.Replica` for a model sharded across ranks) to run it there rather than in a fresh
+    one. An error ends the stream by raising it (the served engine turns it into an error chunk
+    instead).
     """
-    engine = BatchGenerator(model, tokenizer, max_batch=1)
-    prepared = engine.prepare(engine.request(prompt, **options))
+    kept = engine is not None
+    engine = engine if kept else BatchGenerator(model, tokenizer, max_batch=1)
+    yield from stream_request(engine, engine.request(prompt, **options), prompt_cache, kept)
+
+
+def stream_request(engine: BatchGenerator, request: Request, prompt_cache: PromptCache | None = None,
+                   kept: bool = True) -> Iterator[Chunk]:
+    """A typed request's chunks from `engine`, which runs nothing else meanwhile (what
+    `stream_generate` runs once the request is made). When the caller `kept` the engine for
+    more requests, leaving early cancels the sequence there."""
+    prepared = engine.prepare(request)
     uid = engine.enqueue(prepared, cache=prompt_cache)
     mx.reset_peak_memory()
-    for _, chunk in engine.stream():
-        if chunk.finish_reason == "error":
-            raise engine.failures[uid]
-        yield chunk
+    steps, ended = engine.stream(), False
+    try:
+        for _, chunk in steps:
+            ended = chunk.finish_reason is not None
+            if chunk.finish_reason == "error":
+                raise engine.failures[uid]
+            yield chunk
+    except GeneratorExit:
+        steps.close()
+        if kept and not ended:
+            engine.cancel(uid)
+            for _ in engine.stream():
+                pass
+        raise
 
 
 def generate(model, tokenizer: Tokenizer, prompt: Prompt, **options: Any) -> str:

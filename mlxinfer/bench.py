@@ -3,6 +3,7 @@ ignored, greedy, warm-up excluded, median and spread over repeats."""
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -91,3 +92,26 @@ def memory_bandwidth(repeat: int = 5) -> float:
     more so caches cannot hold them: the roofline's denominator."""
     shapes = [(32768, 4096, 1), (4096, 4096, 4), (2048, 2048, 16), (1024, 1024, 64)]
     return max(_matvec_rate(rows, cols, count, repeat) for rows, cols, count in shapes)
+
+
+def load_average() -> float:
+    """The machine's 1-minute load average (what `uptime` shows first)."""
+    return os.getloadavg()[0]
+
+
+def load_report(before: float, after: float) -> tuple[str, bool]:
+    """A line with the load average before and after a comparison, and whether it was busy:
+    above half the cores, a peer whose threads spin (llama.cpp) loses far more to the other
+    work than we do, so a ratio measured then flatters us."""
+    cores = os.cpu_count() or 1
+    busy = max(before, after) > 0.5 * cores
+    line = f"load average before {before:.2f}, after {after:.2f} ({cores} cores)"
+    if busy:
+        line += (f"\n*** WARNING: the machine was busy (load above {0.5 * cores:g} = 0.5 x cores): these ratios are "
+                 "not fit to report; rerun on an idle machine ***")
+    return line, busy
+
+
+def ratios(ours: list[float], theirs: list[float]) -> str:
+    """Each alternating run's ratio, so a drift or an outlier shows beside the median."""
+    return " ".join(f"{a / b:.2f}" for a, b in zip(ours, theirs))

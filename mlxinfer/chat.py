@@ -1,8 +1,9 @@
 """ChatSession: a conversation with a model, what the REPL and on-device apps share.
 
 It owns the messages, renders them with the model's chat template, and keeps one
-KV cache for the whole conversation. Each turn renders the full conversation and
-hands the same `PromptCache` to `stream_generate`, whose `prepare` keeps the
+KV cache for the whole conversation. Its options are one typed `Request` (its
+prompt left empty), which each turn fills with the whole conversation rendered and
+runs on the engine with the same `PromptCache`, whose `prepare` keeps the
 longest common prefix, so a turn prefills only what is new: the reply's last
 token (never fed back), the template's end-of-turn tokens and the new message.
 
@@ -13,6 +14,7 @@ and everything after the first difference would then be prefilled again each tur
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -29,7 +31,7 @@ from .cache import PromptCache, load_prompt_cache, save_prompt_cache
 from .checks import is_integer
 from .errors import InvalidOptionError, MlxinferError, SessionFileError, TokenizerError
 from .files import replacing, write_problem
-from .batch import stream_generate
+from .batch import BatchGenerator, stream_request
 from .request import Request
 from .generate import Chunk, Stats
 from .reasoning import reasoning_for
@@ -38,7 +40,7 @@ from .tools import plan as plan_tools
 
 CACHE_OPTIONS = ("max_kv_size", "kv_bits", "kv_group_size")
 FORMAT = "mlxinfer-chat"
-VERSION = 1
+VERSION = 2  # 2: the settings as a typed request (`Request.to_json`); 1 (keyword options) is still read
 Message = dict[str, str]
 Mark = tuple[int, int] | None
 
@@ -74,14 +76,19 @@ class ChatSession:
     the cache options are fixed when the session starts.
     """
 
-    def __init__(self, model, tokenizer: Tokenizer, system: str | None = None, draft_model=None, **options: Any):
+    def __init__(self, model, tokenizer: Tokenizer, system: str | None = None, draft_model=None,
+                 engine: BatchGenerator | None = None, **options: Any):
         if tokenizer.chat_template is None:
             raise TokenizerError("this model has no chat template, so it cannot chat; use a chat (instruct) model")
         self.model, self.tokenizer = model, tokenizer
         self.system = system
         self.draft_model = draft_model
-        self._options = _checked(options, model, draft_model)
-        self.cache = PromptCache.for_model(model, **self.cache_options)
+        self.settings = _settings(options, model, draft_model)  # the request each turn makes, less its prompt
+        # Each turn runs in a fresh one-sequence engine (a Ctrl-C may stop one mid-step), or in
+        # `engine` when given: rank 0's `Replica` of a model sharded across ranks, which keeps a
+        # twin of this cache on every rank.
+        self.engine = engine
+        self.cache = (engine or BatchGenerator(model, tokenizer, max_batch=1)).new_cache(**self.cache_options)
         self.draft_cache = PromptCache.for_model(draft_model, **self.cache_options) if draft_model else None
         self.stats: Stats | None = None
         self.cache_restored = False
@@ -91,11 +98,13 @@ class ChatSession:
 
     @property
     def options(self) -> dict[str, Any]:
-        return dict(self._options)
+        """Every option the turns use, as keyword options."""
+        return self.settings.keywords()
 
     @property
     def cache_options(self) -> dict[str, Any]:
-        return {k: self._options[k] for k in CACHE_OPTIONS if k in self._options}
+        o = self.settings.options
+        return {k: getattr(o, k) for k in CACHE_OPTIONS if getattr(o, k) is not None}
 
     @property
     def messages(self) -> list[Message]:
@@ -112,7 +121,7 @@ class ChatSession:
         """Change a generation option for the next turns (validated now, not at the next send)."""
         if name in CACHE_OPTIONS:
             raise InvalidOptionError(f"{name} is fixed when the session starts; start a new session to change it")
-        self._options = _checked({**self._options, name: value}, self.model, self.draft_model)
+        self.settings = _settings({**self.options, name: value}, self.model, self.draft_model)
 
     def send(self, text: str) -> Iterator[Chunk]:
         """Stream the reply to `text`. Consume the iterator; the reply is kept when it ends or
@@ -134,11 +143,13 @@ class ChatSession:
         try:
             rendered = self._render(add_generation_prompt=True)
             prompt = self._tokens_for(rendered)
-            options = self._options
+            request = dataclasses.replace(self.settings, prompt=tuple(prompt))
             if self.draft_model is not None:
-                options = {**options, "draft_model": self.draft_model, "draft_cache": self.draft_cache}
+                request = dataclasses.replace(request, options=dataclasses.replace(
+                    request.options, draft_model=self.draft_model, draft_cache=self.draft_cache))
             eos = set(self.tokenizer.eos_token_ids)
-            for chunk in stream_generate(self.model, self.tokenizer, prompt, prompt_cache=self.cache, **options):
+            engine = self.engine or BatchGenerator(self.model, self.tokenizer, max_batch=1)
+            for chunk in stream_request(engine, request, self.cache, kept=self.engine is not None):
                 pieces.append(chunk.text)
                 thoughts.append(chunk.reasoning)
                 if chunk.token is not None and not (chunk.finish_reason == "stop" and chunk.token in eos):
@@ -162,7 +173,7 @@ class ChatSession:
         t = self._transcript
         ends = t.ends if prompt[: len(t.tokens)] == t.tokens else [None] * len(t.ends)
         said = self.tokenizer.decode(ids)
-        split = reasoning_for(self.tokenizer, rendered) if self._options.get("split_reasoning", True) else None
+        split = reasoning_for(self.tokenizer, rendered) if self.settings.options.split_reasoning else None
         if (split.split(said) if split is not None else ("", said)) != (thinking, reply):
             # cut at a stop string, or a character held back
             self._transcript = Transcript(ends=[None] * (len(ends) + 1))
@@ -187,7 +198,7 @@ class ChatSession:
         self._close_stream()
         self._turns.clear()
         self._transcript = Transcript()
-        self.cache.reset()
+        self._sync_cache([])
         self.stats = None
 
     def save(self, path: str | os.PathLike) -> Path:
@@ -203,7 +214,7 @@ class ChatSession:
             "system": self.system,
             "messages": self._turns,
             "transcript": self._transcript.as_dict(),
-            "options": _jsonable(self._options),
+            "request": self.settings.to_json(),
             "kv_cache": kv_path.name,
         }
         meta = {"model": model_fingerprint(self.model), "cache_options": json.dumps(self.cache_options, sort_keys=True)}
@@ -217,14 +228,15 @@ class ChatSession:
         return path
 
     @classmethod
-    def load(cls, path: str | os.PathLike, model, tokenizer: Tokenizer, draft_model=None, **options: Any) -> ChatSession:
+    def load(cls, path: str | os.PathLike, model, tokenizer: Tokenizer, draft_model=None,
+             engine: BatchGenerator | None = None, **options: Any) -> ChatSession:
         """A session saved by `save`, continued with `model`. Its KV cache is reused when it
         was made by the same model with the same cache options (`cache_restored`); otherwise
         the conversation is prefilled again on the next turn. `options` override the saved ones."""
         _whole_model(model, "loading")
         path = Path(path).expanduser()
         data = _read_session(path)
-        session = cls(model, tokenizer, data.get("system"), draft_model, **{**_from_json(data["options"]), **options})
+        session = cls(model, tokenizer, data.get("system"), draft_model, engine, **{**_saved_options(data, path), **options})
         session._turns = data["messages"]
         exchanges = len(session._turns) // 2
         session._transcript = _read_transcript(data.get("transcript"), exchanges, model.config.vocab_size)
@@ -240,13 +252,13 @@ class ChatSession:
         if not messages:
             return ""
         extra: dict[str, Any] = {}
-        if self._options.get("tools"):  # shown the way stream_generate shows them to a lone request
-            tools = plan_tools(self.tokenizer, self._options["tools"], self._options.get("tool_choice"),
-                               self._options.get("parallel_tool_calls", True))
+        o = self.settings.options
+        if o.tools:  # shown the way stream_generate shows them to a lone request
+            tools = plan_tools(self.tokenizer, o.tools, o.tool_choice, o.parallel_tool_calls)
             messages, native = tools.messages(self.tokenizer, messages)
             extra = {"tools": tools.tools} if native else {}
         return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                                  **(self._options.get("chat_template_kwargs") or {}), **extra)
+                                                  **(o.chat_template_kwargs or {}), **extra)
 
     def _tokens_for(self, rendered: str) -> list[int]:
         """Ids for a render of the conversation: the transcript's ids for the part it covers,
@@ -262,11 +274,9 @@ class ChatSession:
 
     def _sync_cache(self, tokens: list[int]) -> None:
         """Make the cache hold exactly `tokens`: keep the common prefix, prefill the rest."""
-        if not tokens:
-            self.cache.reset()
-            return
-        todo = self.cache.prepare(tokens)
-        self.cache.prefill(self.model, todo, self._options.get("prefill_step", 512))
+        engine = self.engine or BatchGenerator(self.model, self.tokenizer, max_batch=1,
+                                               prefill_step=self.settings.options.prefill_step)
+        engine.fill(self.cache, tokens)
 
     def _close_stream(self) -> None:
         if self._streaming is not None:
@@ -283,28 +293,28 @@ def model_fingerprint(model) -> str:
     return h.hexdigest()[:16]
 
 
-def _checked(options: dict[str, Any], model, draft_model) -> dict[str, Any]:
-    """Validate options the way `stream_generate` will (`Request.of`), so a bad value fails when it is set."""
-    Request.of("", model.config.vocab_size,
-               **({**options, "draft_model": draft_model} if draft_model is not None else options))
-    return dict(options)
+def _settings(options: dict[str, Any], model, draft_model) -> Request:
+    """The typed request for `options`, checked as the engine will check it (with the draft
+    model, which the settings leave out: it is a loaded object, never written out)."""
+    if draft_model is not None:
+        Request.of("", model.config.vocab_size, **options, draft_model=draft_model)
+    return Request.of("", model.config.vocab_size, **options)
 
 
-def _jsonable(options: dict[str, Any]) -> dict[str, Any]:
-    out = dict(options)
-    if "stop" in out:
-        out["stop"] = [out["stop"]] if isinstance(out["stop"], str) else list(out["stop"])
-    return out
-
-
-def _from_json(options: dict[str, Any]) -> dict[str, Any]:
-    """Options as saved, with `logit_bias` keys back to ints (JSON object keys are strings);
-    anything else wrong is left for the options' own validation to name."""
-    out = dict(options)
-    bias = out.get("logit_bias")
-    if isinstance(bias, dict):
-        out["logit_bias"] = {int(k) if k.isascii() and k.isdigit() else k: v for k, v in bias.items()}
-    return out
+def _saved_options(data: dict[str, Any], path: Path) -> dict[str, Any]:
+    """The options a session file holds: version 2's typed request, or version 1's keyword
+    options (their `logit_bias` keys back to ints: JSON object keys are strings)."""
+    if data["version"] == 1:
+        out = dict(data["options"])
+        bias = out.get("logit_bias")
+        if isinstance(bias, dict):
+            out["logit_bias"] = {int(k) if k.isascii() and k.isdigit() else k: v for k, v in bias.items()}
+        return out
+    try:
+        return Request.from_json(data["request"]).keywords()
+    except (InvalidOptionError, KeyError, TypeError, ValueError, AttributeError):
+        raise SessionFileError(f"'{path}' is damaged (its request settings do not read back); save the chat again") \
+            from None
 
 
 def _reason(e: Exception) -> str:
@@ -320,14 +330,16 @@ def _read_session(path: Path) -> dict[str, Any]:
         raise SessionFileError(f"cannot read '{path}' ({_reason(e)}); is it a chat saved with /save?") from None
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise SessionFileError(f"'{path}' is not a chat saved by mlxinfer; save one with /save FILE")
-    if data.get("version") != VERSION:
-        raise SessionFileError(f"'{path}' has session format version {data.get('version')}; this mlxinfer reads {VERSION}")
+    if data.get("version") not in (1, VERSION):
+        raise SessionFileError(f"'{path}' has session format version {data.get('version')}; this mlxinfer reads 1 to "
+                               f"{VERSION}")
     messages = data.get("messages")
     ok = isinstance(messages, list) and all(
         isinstance(m, dict) and m.get("role") == ("user", "assistant")[i % 2] and isinstance(m.get("content"), str)
         for i, m in enumerate(messages)
     ) and len(messages) % 2 == 0
-    if not ok or not isinstance(data.get("options"), dict) or not isinstance(data.get("kv_cache"), str):
+    settings = data.get("options" if data["version"] == 1 else "request")
+    if not ok or not isinstance(settings, dict) or not isinstance(data.get("kv_cache"), str):
         raise SessionFileError(f"'{path}' is damaged (messages, options or kv_cache missing); save the chat again")
     if not isinstance(data.get("system", 0), (str, type(None))):
         raise SessionFileError(f"'{path}' is damaged (its system prompt is missing or not a string); save the chat again")

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -45,7 +46,7 @@ def main(ctx: click.Context, verbose: bool) -> None:
     """On-device LLM inference for Apple Silicon, built on MLX."""
     ctx.obj = verbose
     as_one_rank_of_several()
-    blas_hint_once()
+    hints_once()
 
 
 def no_drafting_across_ranks(drafting: bool) -> None:
@@ -59,14 +60,16 @@ def no_drafting_across_ranks(drafting: bool) -> None:
                                  "mlx.launch")
 
 
-def relay_for(model):
-    """For a model sharded across ranks: the relay through which rank 0 drives the others,
-    with every rank's random state seeded alike (rank 0's seed), and Ctrl-C left to rank 0."""
+def replica_for(model, tokenizer, **engine_options):
+    """For a model sharded across ranks: the engine every rank runs alike (rank 0 drives it, the
+    others follow it), with every rank's random state seeded alike (rank 0's seed) and Ctrl-C
+    left to rank 0; None for a model on one machine."""
     import signal
 
     import mlx.core as mx
 
     from .relay import Relay
+    from .replica import Replica
     from .shard import agreed_seed
 
     place = getattr(model, "shard", None)
@@ -76,7 +79,26 @@ def relay_for(model):
     mx.random.seed(agreed_seed(place.group))
     if not relay.leader:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
-    return relay
+    return Replica(model, tokenizer, relay, **engine_options)
+
+
+def followed(replica) -> bool:
+    """On a rank other than 0: follow rank 0's engine until it closes, then True (the command is
+    done there); on rank 0 or one machine, False."""
+    if replica is None or replica.leader:
+        return False
+    replica.follow()
+    return True
+
+
+@contextlib.contextmanager
+def leading(replica) -> Iterator[None]:
+    """Rank 0's part of a sharded command: however it ends, the other ranks stop following."""
+    try:
+        yield
+    finally:
+        if replica is not None:
+            replica.close()
 
 
 def as_one_rank_of_several() -> None:
@@ -90,22 +112,24 @@ def as_one_rank_of_several() -> None:
         sys.stdout = sys.stderr = open(os.devnull, "w")
 
 
-def blas_hint_once() -> None:
-    """On a machine whose MLX runs on the reference BLAS, say once (a marker in MLXINFER_HOME)
-    how to get a fast one; `mlxinfer doctor` says it every time."""
-    from .blas import hint
+def hints_once() -> None:
+    """On a machine where MLX runs a slow path (the reference BLAS; MLX's CPU quantized matmul
+    for want of the extension), say once each (a marker in MLXINFER_HOME) how to get the fast
+    one; `mlxinfer doctor` says it every time."""
+    from .blas import hint as blas_hint
     from .cachedir import home
+    from .kernels.quantized_matmul import hint as extension_hint
 
-    message = hint()
-    marker = home() / "blas-hint-shown"
-    if message is None or marker.exists():
-        return
-    click.echo(f"mlxinfer: {message}", err=True)
-    try:
-        marker.parent.mkdir(parents=True, exist_ok=True)
-        marker.touch()
-    except OSError:
-        pass
+    for name, hint in (("blas-hint-shown", blas_hint), ("cpu-extension-hint-shown", extension_hint)):
+        marker = home() / name
+        if marker.exists() or (message := hint()) is None:
+            continue
+        click.echo(f"mlxinfer: {message}", err=True)
+        try:
+            marker.parent.mkdir(parents=True, exist_ok=True)
+            marker.touch()
+        except OSError:
+            pass
 
 
 MODEL_HELP = "Local folder, hub id, .gguf file or a name from `mlxinfer models` (default: the demo model)."
@@ -266,11 +290,15 @@ def chat(verbose: bool, pipeline: bool, **params) -> None:
 
     run = Run.from_params(params)
     model, tokenizer, where, draft = run.load(pipeline=pipeline)
-    relay = relay_for(model)
-    session = ChatSession(model, tokenizer, system=run.system, draft_model=draft, **run.options_for(tokenizer))
-    split = shard_summary(model)
-    click.echo(f"mlxinfer chat: {model_name(where)}" + (f" [{split}]" if split else ""), err=True)
-    run_repl(session, home() / "chat_history", color=use_color(sys.stdout), verbose=verbose, relay=relay)
+    replica = replica_for(model, tokenizer, max_batch=1)
+    if followed(replica):
+        return
+    with leading(replica):
+        session = ChatSession(model, tokenizer, system=run.system, draft_model=draft, engine=replica,
+                              **run.options_for(tokenizer))
+        split = shard_summary(model)
+        click.echo(f"mlxinfer chat: {model_name(where)}" + (f" [{split}]" if split else ""), err=True)
+        run_repl(session, home() / "chat_history", color=use_color(sys.stdout), verbose=verbose)
 
 
 def model_name(where: Path | str) -> str:
@@ -310,53 +338,48 @@ def generate(prompt: str, raw: bool, as_json: bool, no_stream: bool, pipeline: b
     if not text.strip():
         raise InvalidOptionError("the prompt is empty; pass --prompt TEXT, or --prompt - and text on stdin")
     model, tokenizer, where, draft = run.load(pipeline=pipeline)
-    options = run.options_for(tokenizer)
-    prompt_or_messages = chat_prompt(tokenizer, text, run.system, raw)
-    if run.think is not None and raw:
-        raise InvalidOptionError("--think and --no-think switch the chat template, which --raw skips; drop one")
-    options = {**options, "draft_model": draft} if draft else options
-    if getattr(model, "shard", None) is not None and options.get("temperature", 0.3) > 0 and "seed" not in options:
-        from .shard import agreed_seed
-
-        options["seed"] = agreed_seed(model.shard.group)  # every rank must draw the same tokens
-    stream = not (no_stream or as_json)
-    pieces, thoughts, tokens, stats = [], [], [], None
-    last = None
-    shown = use_color(sys.stderr)
-    thinking = False  # thoughts shown on stderr whose line is not ended yet
-    chunks = stream_generate(model, tokenizer, prompt_or_messages, **options)
-    if getattr(model, "shard", None) is not None:
-        from .relay import Watchdog, peer_timeout
-
-        chunks = Watchdog(peer_timeout(), model.shard.rank).chunks(chunks)
-    for chunk in chunks:
-        pieces.append(chunk.text)
-        thoughts.append(chunk.reasoning)
-        stats, last = chunk.stats, chunk
-        if params["logprobs"] is not None and chunk.token is not None:
-            tokens.append(token_logprobs(tokenizer, chunk))
-        if stream:
-            thinking = show_thinking(chunk.reasoning, shown) or thinking
-            if chunk.text and thinking:
-                click.echo(err=True)
-                thinking = False
-            click.echo(chunk.text, nl=False)
-            sys.stdout.flush()
-    if as_json:
-        logprobs = {"tokens": tokens} if params["logprobs"] is not None else {}
-        calls = {"tool_calls": [c.openai() for c in last.tool_calls]} if last and last.tool_calls else {}
-        click.echo(json.dumps({"model": str(where), "prompt": text, "reasoning": "".join(thoughts),
-                               "text": "".join(pieces), "finish_reason": stats.finish_reason, "stats": asdict(stats),
-                               **logprobs, **calls}))
+    replica = replica_for(model, tokenizer, max_batch=1)
+    if followed(replica):
         return
-    if thinking or (not stream and show_thinking("".join(thoughts), shown)):
-        click.echo(err=True)
-    click.echo("" if stream else "".join(pieces))
-    for call in last.tool_calls or []:
-        click.echo(f"tool call: {describe_call(call)}", err=True)
-    click.echo(stats_line(stats), err=True)
-    if (split := shard_summary(model)) is not None:
-        click.echo(f"[{split}]", err=True)
+    with leading(replica):
+        options = run.options_for(tokenizer)
+        prompt_or_messages = chat_prompt(tokenizer, text, run.system, raw)
+        if run.think is not None and raw:
+            raise InvalidOptionError("--think and --no-think switch the chat template, which --raw skips; drop one")
+        options = {**options, "draft_model": draft} if draft else options
+        stream = not (no_stream or as_json)
+        pieces, thoughts, tokens, stats = [], [], [], None
+        last = None
+        shown = use_color(sys.stderr)
+        thinking = False  # thoughts shown on stderr whose line is not ended yet
+        for chunk in stream_generate(model, tokenizer, prompt_or_messages, engine=replica, **options):
+            pieces.append(chunk.text)
+            thoughts.append(chunk.reasoning)
+            stats, last = chunk.stats, chunk
+            if params["logprobs"] is not None and chunk.token is not None:
+                tokens.append(token_logprobs(tokenizer, chunk))
+            if stream:
+                thinking = show_thinking(chunk.reasoning, shown) or thinking
+                if chunk.text and thinking:
+                    click.echo(err=True)
+                    thinking = False
+                click.echo(chunk.text, nl=False)
+                sys.stdout.flush()
+        if as_json:
+            logprobs = {"tokens": tokens} if params["logprobs"] is not None else {}
+            calls = {"tool_calls": [c.openai() for c in last.tool_calls]} if last and last.tool_calls else {}
+            click.echo(json.dumps({"model": str(where), "prompt": text, "reasoning": "".join(thoughts),
+                                   "text": "".join(pieces), "finish_reason": stats.finish_reason,
+                                   "stats": asdict(stats), **logprobs, **calls}))
+            return
+        if thinking or (not stream and show_thinking("".join(thoughts), shown)):
+            click.echo(err=True)
+        click.echo("" if stream else "".join(pieces))
+        for call in last.tool_calls or []:
+            click.echo(f"tool call: {describe_call(call)}", err=True)
+        click.echo(stats_line(stats), err=True)
+        if (split := shard_summary(model)) is not None:
+            click.echo(f"[{split}]", err=True)
 
 
 def show_thinking(text: str, color: bool) -> bool:
@@ -544,7 +567,7 @@ def serve(model, dtype, host, port, max_concurrency, max_queue, max_kv_size, kv_
     from .batch import BatchGenerator
     from .pool import PromptCachePool, cache_nbytes
     from .guard import LOOPBACK_NAMES, allowed_hosts
-    from .server import EngineThread, ServerConfig, create_app, follow, run
+    from .server import EngineThread, ServerConfig, create_app, run
     from .shard import launched, summed, world
     from .shard import summary as shard_summary
     from .store import open_model
@@ -558,19 +581,19 @@ def serve(model, dtype, host, port, max_concurrency, max_queue, max_kv_size, kv_
     if host not in LOOPBACK_NAMES and api_key is None:
         click.echo(f"warning: listening on {host} without --api-key: anyone who can reach it can use it", err=True)
     m, tokenizer, where = open_model(model, dtype, pipeline=pipeline)
-    relay = relay_for(m)
+    sharded = getattr(m, "shard", None) is not None
     # ranks hold different K/V bytes in a pipeline: the pool counts all ranks' bytes, so all keep the same entries
-    measure = summed(cache_nbytes, m.shard.group) if relay else cache_nbytes
+    measure = summed(cache_nbytes, m.shard.group) if sharded else cache_nbytes
     options: dict[str, Any] = {"max_kv_size": max_kv_size, "kv_bits": int(kv_bits) if kv_bits else None,
                                "draft_model": open_model(draft_model, dtype)[0] if draft_model else None,
-                               "prompt_lookup": prompt_lookup or None}
-    batch = BatchGenerator(m, tokenizer, max_batch=max_concurrency,
-                           pool=PromptCachePool(prompt_cache_bytes, measure) if prompt_cache_bytes else None,
-                           **{k: v for k, v in options.items() if v is not None})
-    if relay is not None and not relay.leader:
-        follow(batch, relay)
+                               "prompt_lookup": prompt_lookup or None,
+                               "pool": PromptCachePool(prompt_cache_bytes, measure) if prompt_cache_bytes else None}
+    options = {k: v for k, v in options.items() if v is not None}
+    replica = replica_for(m, tokenizer, max_batch=max_concurrency, **options)
+    if followed(replica):
         return
-    engine = EngineThread(batch, max_queued=max_queue, relay=relay)
+    engine = EngineThread(replica or BatchGenerator(m, tokenizer, max_batch=max_concurrency, **options),
+                          max_queued=max_queue)
     name = model_name(where)
     config = ServerConfig(name, max_tokens=m.config.max_position_embeddings, api_key=api_key, cors=cors,
                           hosts=allowed_hosts(host, allowed_host), responses_store=responses_store)

@@ -1,10 +1,10 @@
 """Rank 0 drives the other ranks of a sharded model; a rank that stops answering ends the group.
 
 A sharded forward pass is a run of collectives that every rank must join in the same
-order with the same shapes, so every rank runs the same generation code on the same
-inputs. Rank 0 owns the terminal or the HTTP server and shares what it decided (a chat
-line, the engine's commands for a step, whether a reply goes on after each token); the
-others replay it without printing. Messages are JSON: only data crosses between machines.
+order with the same shapes, so every rank runs the same engine on the same inputs
+(`replica.Replica`). Rank 0 owns the terminal or the HTTP server and shares what it
+decided (the engine's commands for each round); the others replay it without printing.
+Messages are JSON: only data crosses between machines.
 
 A rank that dies is noticed by `mlx.launch`, which stops the others. A rank that hangs
 (or a machine that drops off the network) leaves the others blocked inside a collective,
@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -100,7 +99,6 @@ class Relay:
         self.group, self.rank = group, group.rank()
         self.leader = self.rank == 0
         self.watchdog = Watchdog(peer_timeout(), self.rank)
-        self._interrupted = False
 
     def share(self, message: Any = None) -> Any:
         """Rank 0's `message` on every rank (the others' argument is not used): its JSON
@@ -125,71 +123,3 @@ class Relay:
             total = mx.distributed.all_sum(mx.array(values), group=self.group)
             mx.eval(total)
         return np.array(total)
-
-    @contextlib.contextmanager
-    def deferred_interrupts(self) -> Iterator[None]:
-        """Rank 0: Ctrl-C while a line is handled is noted, not raised, so it takes effect
-        where every rank can agree on it (`paced`). The other ranks ignore Ctrl-C: they end
-        when rank 0 says so."""
-        if not self.leader or threading.current_thread() is not threading.main_thread():
-            yield
-            return
-        self._interrupted = False
-        previous = signal.signal(signal.SIGINT, self._note_interrupt)
-        try:
-            yield
-        finally:
-            signal.signal(signal.SIGINT, previous)
-
-    def _note_interrupt(self, *_: Any) -> None:
-        self._interrupted = True
-
-    def paced(self, chunks: Iterator) -> Iterator:
-        """A reply streamed on every rank: after each chunk rank 0 says whether it goes on
-        (not when Ctrl-C was pressed, or when its reader stopped reading), so every rank
-        keeps the same tokens. On Ctrl-C rank 0 then raises KeyboardInterrupt, as an
-        unshared reply would."""
-        ended = stopped = False
-        try:
-            while True:
-                with self.watchdog.bounded("a token"):
-                    try:
-                        chunk = next(chunks)
-                    except StopIteration:
-                        ended = True
-                        return
-                    except BaseException:
-                        ended = True  # the same failure on every rank: nothing left to agree on
-                        raise
-                yield chunk
-                with self.watchdog.bounded("a token"):
-                    stopped = not self.share(not self._interrupted)
-                if stopped:
-                    break
-        finally:
-            if self.leader and not (ended or stopped):  # rank 0's reader left early: the others stop too
-                with self.watchdog.bounded("a token"):
-                    self.share(False)
-            chunks.close()
-        if self.leader:
-            raise KeyboardInterrupt
-
-
-class SharedReader:
-    """A line reader for every rank: rank 0 reads with `reader` and shares each line (None
-    at the end of input, or when input cannot be read); the others return rank 0's lines."""
-
-    def __init__(self, relay: Relay, reader=None):
-        self.relay, self.reader = relay, reader
-
-    def read(self, prompt: str) -> str | None:
-        if not self.relay.leader:
-            return self.relay.share()
-        try:
-            line = self.reader.read(prompt)
-        except KeyboardInterrupt:  # at the prompt: nothing was read, nothing to share
-            raise
-        except BaseException:
-            self.relay.share(None)
-            raise
-        return self.relay.share(line)

@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Protocol, TextIO
 
 from .chat import ChatSession
-from .relay import Relay, SharedReader
 from .constrain import typed_format
 from .tools import describe_call
 from .reasoning import SWITCH, tags_for, thinking_switch
@@ -136,10 +135,9 @@ class Repl:
     """Reads messages and slash commands, streams replies, prints stats after each."""
 
     def __init__(self, session: ChatSession, reader: LineReader, out: TextIO, color: bool = False,
-                 verbose: bool = False, relay: Relay | None = None):
+                 verbose: bool = False):
         self.session, self.reader, self.out = session, reader, out
         self.color, self.verbose = color, verbose
-        self.relay = relay  # a model sharded across ranks: every rank runs this loop on rank 0's lines
         self.commands: dict[str, Callable[[str], bool | None]] = {
             "help": self.help, "reset": self.reset, "system": self.system, "set": self.set, "stats": self.stats,
             "format": self.format, "think": self.think,
@@ -160,9 +158,8 @@ class Repl:
             if line is None:
                 break
             try:
-                with self.relay.deferred_interrupts() if self.relay else contextlib.nullcontext():
-                    if self.handle(typed_text(line)) is False:
-                        break
+                if self.handle(typed_text(line)) is False:
+                    break
             except KeyboardInterrupt:
                 self.note("[interrupted]")
             except Exception as e:  # the one place every failure of a line is caught
@@ -191,8 +188,6 @@ class Repl:
     def reply(self, text: str) -> None:
         before = len(self.session.messages)
         chunks = self.session.send(text)
-        if self.relay is not None:
-            chunks = self.relay.paced(chunks)
         interrupted = False
         calls = []
         thinking = False  # inside the thinking shown so far
@@ -315,7 +310,7 @@ class Repl:
         if not arg:
             raise InvalidOptionError("/load needs a file name, e.g. /load chat.json")
         old = self.session
-        self.session = ChatSession.load(arg, old.model, old.tokenizer, old.draft_model)
+        self.session = ChatSession.load(arg, old.model, old.tokenizer, old.draft_model, old.engine)
         cache = (f"cache restored ({len(self.session.cache.tokens)} tokens)" if self.session.cache_restored else
                  "no usable cache for this model; the conversation is read again on the next reply")
         self.say(f"loaded {len(self.session.messages)} messages; {cache}")
@@ -347,18 +342,14 @@ def describe(e: Exception) -> str:
     return f"unexpected {type(e).__name__}: {first} (a bug in mlxinfer; --verbose shows where)"
 
 
-def run_repl(session: ChatSession, history_file: Path, color: bool, verbose: bool,
-             relay: Relay | None = None) -> None:
-    """A terminal gets prompt_toolkit; anything else is read line by line. With a relay,
-    rank 0 reads and the other ranks follow its lines."""
+def run_repl(session: ChatSession, history_file: Path, color: bool, verbose: bool) -> None:
+    """A terminal gets prompt_toolkit; anything else is read line by line."""
     stdin, out = sys.stdin, sys.stdout
     if isinstance(stdin, io.TextIOWrapper):  # bytes that are not UTF-8 reach typed_text, which replaces them
         stdin.reconfigure(errors="surrogateescape")
-    interactive = stdin.isatty() and out.isatty() and (relay is None or relay.leader)
+    interactive = stdin.isatty() and out.isatty()
     reader: LineReader = TerminalReader(history_file) if interactive else StreamReader(stdin)
-    if relay is not None:
-        reader = SharedReader(relay, reader)
-    repl = Repl(session, reader, out, color, verbose, relay)
+    repl = Repl(session, reader, out, color, verbose)
     if interactive:
         repl.note("/help for commands, Alt-Enter for a new line, Ctrl-C stops a reply, Ctrl-D quits")
     with contextlib.suppress(BrokenPipeError):

@@ -39,6 +39,12 @@ class Request:
         sampling, generation = split_options({**(defaults or {}), **options}, vocab_size)
         return cls(_frozen(prompt), sampling, generation)
 
+    def keywords(self) -> dict[str, Any]:
+        """Its configs as keyword options again (`of` reads them back to equal configs), less the
+        loaded objects (RUNTIME_OPTIONS): for a front end that changes one option of a request it keeps."""
+        return {f.name: getattr(c, f.name) for c in (self.sampling, self.options) for f in dataclasses.fields(c)
+                if f.name not in RUNTIME_OPTIONS}
+
     def to_json(self) -> dict[str, Any]:
         """Plain JSON data (`from_json` reads it back to an equal request)."""
         held = [k for k in RUNTIME_OPTIONS if getattr(self.options, k) is not None]

@@ -21,7 +21,7 @@ from starlette.exceptions import HTTPException
 
 from .api import anthropic, embeddings, metrics, openai, responses, tokens
 from .api.common import Context, RequestError, ServerConfig
-from .api.engine_thread import EngineThread, follow
+from .api.engine_thread import EngineThread
 from .errors import MlxinferError
 from .guard import LocalOnly, guarded_protocol
 
@@ -29,7 +29,7 @@ MAX_CONNECTIONS = 128  # under macOS's default of 256 descriptors a process
 KEEP_ALIVE_SECONDS = 5  # an idle connection between requests
 HEADER_SECONDS = 10  # from connecting (or the last response) to a request's last header
 
-__all__ = ["EngineThread", "ServerConfig", "create_app", "follow", "run"]
+__all__ = ["EngineThread", "ServerConfig", "create_app", "run"]
 
 
 class _Uvicorn(uvicorn.Server):

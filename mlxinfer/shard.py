@@ -8,7 +8,9 @@ split with the heads. A model with fewer KV heads than ranks (multi-query Gemma 
 Qwen2.5-0.5B's 2) copies each KV head to the ranks whose query heads read it, as vLLM
 does: the ranks must be a multiple of the KV heads, and each rank's K/V projections and
 cache hold that one head. The embedding and LM head are split by vocabulary rows (a lookup
-is one `all_sum`, the logits one `all_gather`); norms and MoE routers stay whole.
+is one `all_sum`, the logits one `all_gather`); norms and MoE routers stay whole, except
+OLMo's q/k norms, which span every head of a projection: they split with the heads, and sum
+their squares across the ranks (one small `all_sum` each).
 Latent attention (DeepSeek MLA) splits its heads the same way (rows of q_b_proj and
 kv_b_proj, or the per-head embed_q / unembed_out); its cache, one compressed latent and
 one rotary key per token that every head reads, is whole on every rank (it is already
@@ -48,6 +50,7 @@ THIRDS = re.compile(r"\.conv\.in_proj\.(weight|scales|biases|bias)$")  # LFM2's 
 CHANNELS = re.compile(r"\.conv\.conv\.(weight|bias)$")
 KV = re.compile(r"\.(k_proj|v_proj)\.(weight|scales|biases|bias)$")  # rows by KV head, copied when fewer than ranks
 HEADS = re.compile(r"\.(embed_q|unembed_out)\.(weight|scales|biases)$")  # stored [heads, rows, cols]
+QK_NORM = re.compile(r"\.(q_norm|k_norm)\.weight$")  # per head (whole) or over the projection (split with it)
 VOCAB = re.compile(r"(^|\.)(embed_tokens|lm_head)\.(weight|scales|biases)$")
 ROW = re.compile(r"\.(o_proj|down_proj|out_proj)\.(weight|scales|biases|bias)$")
 # in a rank's config: on how many ranks each KV head is (1: split; size / KV heads: replicated)
@@ -199,6 +202,8 @@ def shard_weights(weights: dict[str, mx.array], shard: Shard, config: dict[str, 
             out[name] = _part(w, 0, shard)
         elif KV.search(name):
             out[name] = _kv_part(w, w.ndim - 1 if name.endswith(".bias") else w.ndim - 2, shard, config)
+        elif (norm := QK_NORM.search(name)) and w.shape[-1] > config["head_dim"]:  # OLMo's, over every head
+            out[name] = _part(w, 0, shard) if norm[1] == "q_norm" else _kv_part(w, 0, shard, config)
         elif COLUMN.search(name):
             # rows are outputs: the last axis but one of a matrix (or a stack of expert matrices); a bias's last
             out[name] = _part(w, w.ndim - 1 if name.endswith(".bias") else w.ndim - 2, shard)
@@ -237,6 +242,22 @@ class AllSum(nn.Module):
 
     def __call__(self, *args, **kwargs) -> mx.array:
         return mx.distributed.all_sum(self.inner(*args, **kwargs), group=self._group)
+
+
+class SplitNorm(nn.Module):
+    """A ProjectionNorm whose heads are spread over the ranks: each rank's sum of squares, summed
+    over all ranks, gives the mean square over the whole projection (a KV head copied to r ranks
+    counts r times, as does its share of the width, so the mean is the same)."""
+
+    def __init__(self, inner: nn.RMSNorm, shard: Shard):
+        super().__init__()
+        self.inner = inner
+        self._group, self._width = shard.group, inner.weight.shape[0] * shard.size
+
+    def __call__(self, x: mx.array) -> mx.array:
+        squares = mx.distributed.all_sum(mx.square(x.astype(mx.float32)).sum(-1, keepdims=True), group=self._group)
+        normed = x.astype(mx.float32) * mx.rsqrt(squares / self._width + self.inner.eps)
+        return self.inner.weight * normed.astype(x.dtype)
 
 
 def gather_vocab(x: mx.array, group) -> mx.array:
@@ -295,9 +316,16 @@ def shrink_vocab(model, shard: Shard) -> None:
 
 def wrap_reductions(model, shard: Shard) -> None:
     """After loading: every block's attention and feed-forward complete their partial
-    sums across ranks, and the embedding and head join their vocabulary slices."""
+    sums across ranks, norms over a whole projection sum their squares across them, and the
+    embedding and head join their vocabulary slices."""
+    from .models.layers import ProjectionNorm
+
     for block in model.layers:
-        setattr(block, block.mixer_name, AllSum(block[block.mixer_name], shard.group))
+        mixer = block[block.mixer_name]
+        for name, norm in mixer.children().items():
+            if isinstance(norm, ProjectionNorm):
+                mixer[name] = SplitNorm(norm, shard)
+        setattr(block, block.mixer_name, AllSum(mixer, shard.group))
         setattr(block, block.ffn_name, AllSum(block[block.ffn_name], shard.group))
     if vocab_split(model, shard):
         model.model.embed_tokens = VocabEmbedding(model.model.embed_tokens, shard)

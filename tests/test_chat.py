@@ -14,6 +14,7 @@ import mlxinfer
 from mlxinfer import ChatSession
 from mlxinfer.errors import InvalidOptionError, SessionFileError, TokenizerError
 from mlxinfer.batch import stream_generate
+from mlxinfer.request import Request
 
 GREEDY = {"temperature": 0.0, "max_tokens": 6}
 
@@ -188,7 +189,8 @@ def test_save_and_load_resume_without_prefill(loaded, hf_checkpoint, tmp_path):
     saved.save(tmp_path / "chat.json")
     assert (tmp_path / "chat.kv.safetensors").is_file()
     data = json.loads((tmp_path / "chat.json").read_text())
-    assert data["messages"] == saved.messages[1:] and data["options"]["top_k"] == 5
+    assert data["messages"] == saved.messages[1:] and data["version"] == 2
+    assert Request.from_json(data["request"]).sampling.top_k == 5  # the settings, typed
 
     resumed = ChatSession.load(tmp_path / "chat.json", model, tok)
     assert resumed.cache_restored and resumed.messages == saved.messages and resumed.options == saved.options
@@ -203,6 +205,21 @@ def test_save_and_load_resume_without_prefill(loaded, hf_checkpoint, tmp_path):
     assert not elsewhere.cache_restored and elsewhere.cache.tokens == []
     out = list(elsewhere.send("tell me more"))
     assert out[-1].stats.prefill_tokens == out[-1].stats.prompt_tokens
+
+
+def test_a_session_saved_by_version_1_still_loads(loaded, tmp_path):
+    """Files written before the settings were a typed request: keyword options, logit_bias keyed
+    by strings (JSON object keys), stop as a list."""
+    model, tok = loaded
+    options = {"temperature": 0.0, "max_tokens": 6, "logit_bias": {7: 3.0}, "stop": ["zzz"]}
+    fresh = ChatSession(model, tok, system="Be kind.", **options)
+    expected = list(fresh.send("hello there"))
+    old = {"format": "mlxinfer-chat", "version": 1, "system": "Be kind.", "messages": [],
+           "options": {**options, "logit_bias": {"7": 3.0}}, "kv_cache": "old.kv.safetensors"}
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    resumed = ChatSession.load(tmp_path / "old.json", model, tok)
+    assert resumed.settings.sampling.logit_bias == {7: 3.0} and resumed.settings.options.stop == ("zzz",)
+    assert ids_of(list(resumed.send("hello there"))) == ids_of(expected)
 
 
 def test_a_failed_save_leaves_no_stray_files(loaded, tmp_path, monkeypatch):
@@ -255,7 +272,10 @@ def test_a_failed_prompt_cache_save_leaves_the_old_file(loaded, tmp_path, monkey
 def test_load_errors_are_one_line(loaded, tmp_path):
     model, tok = loaded
     for content, fact in [(None, "no saved chat"), ("{not json", "cannot read"), ('{"format": "x"}', "not a chat"),
-                          ('{"format": "mlxinfer-chat", "version": 1, "messages": 3}', "damaged")]:
+                          ('{"format": "mlxinfer-chat", "version": 1, "messages": 3}', "damaged"),
+                          ('{"format": "mlxinfer-chat", "version": 2, "messages": [], "kv_cache": "k.safetensors", '
+                           '"request": {"prompt": "", "sampling": {"temperature": -3}, "options": {}}}', "damaged"),
+                          ('{"format": "mlxinfer-chat", "version": 9}', "version 9")]:
         path = tmp_path / "bad.json"
         if content is None:
             path.unlink(missing_ok=True)

@@ -191,7 +191,26 @@ def test_a_missing_extension_is_called_not_built(monkeypatch, tmp_path):
     monkeypatch.delattr(mlxinfer, "_cpu_qmm", raising=False)
     monkeypatch.setattr(qmm, "_loaded", [])
     monkeypatch.setattr(qmm, "_why_not", [])
+    monkeypatch.setattr(qmm, "REASON_FILE", tmp_path / "missing")
     assert qmm.extension() is None and qmm.reason() == "not built"
+
+
+def test_why_it_was_not_built_is_said_once_at_the_first_run(monkeypatch, tmp_path, capsys):
+    """setup.py leaves its reason beside the package; the first command says it with the fix, once."""
+    from mlxinfer import cli
+
+    (tmp_path / "why").write_text("cmake not found\n")
+    monkeypatch.setattr(qmm, "REASON_FILE", tmp_path / "why")
+    monkeypatch.setattr(qmm, "_loaded", [None])
+    monkeypatch.setattr(qmm, "_why_not", [qmm._not_built()])
+    monkeypatch.setattr("mlxinfer.blas.hint", lambda: None)
+    monkeypatch.setenv("MLXINFER_HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("MLXINFER_CPU_QMM", raising=False)
+    cli.hints_once()
+    first = capsys.readouterr().err
+    assert "CPU extension is not built (cmake not found)" in first and "g++" in first and first.count("\n") == 1
+    cli.hints_once()
+    assert capsys.readouterr().err == ""
 
 
 def greedy_tokens(folder, monkeypatch, mode: str, prompt: str, n: int) -> list[int]:

@@ -65,14 +65,20 @@ def checkpoint(hf_checkpoint, model_type: str, overrides: dict):
     if rope.get("rope_type", "default") != "default":
         (folder / "config.json").write_text(json.dumps({**config, "rope_scaling": rope}, indent=2))
     if model_type == "deepseek_v3":
-        file = folder / "model.safetensors"
-        weights, meta = mx.load(str(file), return_metadata=True)
-        rng = np.random.default_rng(7)
-        for name in [k for k in weights if k.endswith("e_score_correction_bias")]:
-            weights[name] = mx.array(rng.uniform(0.0, 0.3, weights[name].shape).astype(np.float32))
-        mx.eval(weights)  # read everything before overwriting the file it maps
-        mx.save_safetensors(str(file), weights, metadata=meta)
+        steer_correction_bias(folder)
     return folder
+
+
+def steer_correction_bias(folder) -> None:
+    """Give a random checkpoint's `e_score_correction_bias` (transformers initialises it to zeros)
+    non-negative values, as trained models have, so that the bias changes which experts are chosen."""
+    file = folder / "model.safetensors"
+    weights, meta = mx.load(str(file), return_metadata=True)
+    rng = np.random.default_rng(7)
+    for name in [k for k in weights if k.endswith("e_score_correction_bias")]:
+        weights[name] = mx.array(rng.uniform(0.0, 0.3, weights[name].shape).astype(np.float32))
+    mx.eval(weights)  # read everything before overwriting the file it maps
+    mx.save_safetensors(str(file), weights, metadata=meta)
 
 
 @pytest.fixture(scope="module", params=sorted(VARIANTS))

@@ -4,7 +4,8 @@ both layer kinds: float32 logits over a prompt longer than one chunk of the recu
 decoding through our caches (prefilled in several chunks) equal to transformers' teacher-forced
 argmax, and, for the engine around the recurrent state: batched == alone, pool reuse == fresh,
 speculative == plain (the state rolled back exactly to the accepted drafts), /undo then
-regenerate == never generated, a saved and loaded session == a straight one."""
+regenerate == never generated, a saved and loaded session == a straight one; and the checks
+every family passes (family_checks: chunked prefill, speculative decoding with a Llama draft)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,10 @@ import numpy as np
 import pytest
 import torch
 from conftest import BASE_CONFIG, perturb, train_tokenizer
+from family_checks import (  # noqa: F401  (the test_ functions run here, on this module's `variant`)
+    test_chunked_prefill_matches_transformers,
+    test_speculative_equals_plain,
+)
 from test_batch import GREEDY, assert_batch_equals_solo, prompt
 from test_parity import TOL
 

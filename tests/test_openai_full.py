@@ -458,3 +458,10 @@ def test_metrics_count_requests_tokens_and_latencies(server, client):
         client.models.retrieve("no-such-model")
     assert scrape(server)[("mlxinfer_http_requests_total", frozenset(
         dict(route="/v1/models/{name}", method="GET", status="404").items()))] >= 1
+    # n choices share one prompt: it counts once, as in the response's usage
+    four = client.chat.completions.create(**{**BASE, "messages": messages, "max_tokens": 2, "n": 2})
+    last = scrape(server)
+    assert last[("mlxinfer_prompt_tokens_total", frozenset())] - after[("mlxinfer_prompt_tokens_total", frozenset())] \
+        == four.usage.prompt_tokens
+    assert last[("mlxinfer_generation_tokens_total", frozenset())] \
+        - after[("mlxinfer_generation_tokens_total", frozenset())] == four.usage.completion_tokens

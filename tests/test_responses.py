@@ -127,6 +127,21 @@ def test_instructions_and_message_items_are_the_chat_messages(client):
     assert r.output_text == want.message.content and r.instructions == "You are terse."
 
 
+def test_input_tokens_counts_what_create_reads(client):
+    """`responses.input_tokens.count`, as the SDK sends it, equals the usage of the same create
+    call: with instructions and tools, and continuing a stored response."""
+    ask = dict(model="m", instructions="You are terse.", input="what is up", tools=[FORECAST])
+    counted = client.responses.input_tokens.count(**ask)
+    created = client.responses.create(**ask, tool_choice="none", max_output_tokens=1)
+    assert counted.object == "response.input_tokens" and counted.input_tokens == created.usage.input_tokens
+    more = client.responses.input_tokens.count(model="m", previous_response_id=created.id, input="and then?")
+    again = client.responses.create(model="m", previous_response_id=created.id, input="and then?", max_output_tokens=1)
+    assert more.input_tokens == again.usage.input_tokens
+    plain = client.responses.input_tokens.count(model="m", input="what is up")
+    assert plain.input_tokens == client.chat.completions.create(model="m", messages=user("what is up"),
+                                                                max_tokens=1).usage.prompt_tokens
+
+
 # --- streaming ---
 
 def test_stream_events_in_openais_order(client):

@@ -327,6 +327,29 @@ def test_chat_under_mlx_launch_equals_one_process(can_launch, chatty, split, sam
     assert done.stderr.count("mlxinfer chat:") == 1 and f"{split}" in done.stderr
 
 
+def test_ctrl_c_under_mlx_launch_stops_every_rank_at_the_same_token(can_launch, chatty):
+    """Ctrl-C reaches rank 0 in the middle of a reply (sent by rank 0 to itself at its 25th
+    engine step: an event, not a time). Every rank stops there: the partial reply is kept, the
+    chat goes on, and after /undo the next reply is one process's (a rank holding other K/V than
+    rank 0 would give other text, or the ranks' collectives would no longer pair up)."""
+    args = ["chat", "-m", str(chatty), "--max-tokens", "10", "--dtype", "float32", "--temp", "0"]
+    one = subprocess.run([mlxinfer_cli(), *args], input="hello there\nagain please\n/exit\n", capture_output=True,
+                         text=True, timeout=TIMEOUT)
+    lines = ["hello there", "/set max_tokens 400", "/set ignore_eos true", "tell me everything", "/undo",
+             "/set max_tokens 10", "/set ignore_eos false", "again please", "/exit"]
+    done = launch(2, "--", str(HERE / "interrupted_rank.py"), *args, stdin="\n".join(lines) + "\n",
+                  env={"MLXINFER_TEST_INTERRUPT_AT": "25"})
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr
+
+    def replies(out: str) -> list[str]:
+        return [line for line in out.splitlines() if not line.startswith("[") and "max_tokens" not in line
+                and "ignore_eos" not in line and "dropped the last exchange" not in line]
+
+    assert "[interrupted; the partial reply is kept]" in done.stdout, done.stdout
+    got, want = replies(done.stdout), replies(one.stdout)
+    assert got[0] == want[0] and got[-1] == want[-1] and len(got) == 3, (got, want)
+
+
 @pytest.mark.parametrize("split", ["tensor", "pipeline"])
 def test_inspect_under_mlx_launch_shows_the_sharding(can_launch, hf_checkpoint, split):
     folder = hf_checkpoint("llama", head_dim=32, num_hidden_layers=3, num_key_value_heads=1)  # multi-query
@@ -449,7 +472,7 @@ def test_a_rank_that_hangs_ends_the_group_in_bounded_time(can_launch, tiny):
                   "--max-tokens", "200", "--temp", "0", "--dtype", "float32", timeout=120,
                   env={"MLXINFER_TEST_FAULT": "hang", "MLXINFER_PEER_TIMEOUT": "3"})
     errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
-    assert errors == ["error: rank 0: a token waited 3 s on the other ranks (one is hung or unreachable); every "
+    assert errors == ["error: rank 0: a step waited 3 s on the other ranks (one is hung or unreachable); every "
                       "rank stops (MLXINFER_PEER_TIMEOUT sets the limit)"], done.stderr
 
 

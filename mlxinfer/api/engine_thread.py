@@ -12,7 +12,6 @@ n places. One request's failure ends that request (500 or an error event), never
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import queue
 import threading
 import time
@@ -25,7 +24,7 @@ import mlx.core as mx
 from ..batch import BatchGenerator, Prepared
 from ..errors import MlxinferError
 from ..generate import Chunk
-from ..relay import Relay
+from ..replica import Replica
 from ..request import Request
 from .common import RequestError, server_error
 from .metrics import Metrics
@@ -66,15 +65,13 @@ class EngineThread:
     then `None`; a refused request gets a RequestError instead. Its place is given back when
     the engine ends it, so a request whose client vanished still frees its place when it
     stops. `health` is a snapshot the engine thread refreshes before and after every step,
-    so the event loop never touches the engine. With a relay (a model sharded across ranks), the
-    engine commands of each round are shared before its step, and the other ranks' engines
-    (`follow`) take the same commands and steps."""
+    so the event loop never touches the engine. For a model sharded across ranks the engine is
+    a `Replica`, whose rounds the other ranks follow."""
 
-    def __init__(self, engine: BatchGenerator, max_queued: int = 32, relay: Relay | None = None):
-        self.engine, self.max_queued, self.relay = engine, max_queued, relay
+    def __init__(self, engine: BatchGenerator, max_queued: int = 32):
+        self.engine, self.max_queued = engine, max_queued
         self.served = 0
         self.metrics = Metrics()  # fed here as sequences end, and by the server as responses end
-        self._ops: list[list[Any]] = []  # what this round did to the engine, for the relay
         self.health: dict[str, Any] = {}
         self._in_flight = 0
         self.preparing = 0
@@ -109,12 +106,7 @@ class EngineThread:
             self._in_flight -= places
 
     async def prepare(self, request: _Job) -> None:
-        """Prepare a reserved request off the engine thread; a bad one is a 400. Across ranks a
-        prediction is dropped: speculation would have each rank choose its passes by its own
-        timings, and a prediction never changes what is generated, only how fast."""
-        if self.relay is not None and request.request.options.prediction is not None:
-            request.request = dataclasses.replace(
-                request.request, options=dataclasses.replace(request.request.options, prediction=None))
+        """Prepare a reserved request off the engine thread; a bad one is a 400."""
         with self._lock:
             self.preparing += 1
         try:
@@ -135,7 +127,7 @@ class EngineThread:
     async def call(self, fn: Callable[[], T]) -> T:
         """`fn()` run on the engine thread between steps (MLX work that is not a generation,
         such as embeddings or scoring, must not run beside a step on another thread)."""
-        if self.relay is not None:  # the other ranks replay engine rounds only: they would not join its collectives
+        if isinstance(self.engine, Replica):  # the other ranks run engine rounds only: they would not join this
             raise RequestError("this endpoint is not available while the model is sharded across ranks")
         loop = asyncio.get_running_loop()
         done: asyncio.Future = loop.create_future()
@@ -195,7 +187,6 @@ class EngineThread:
             except Exception as e:  # noqa: BLE001 - a fault of ours ends this request, not the server
                 self._refuse(request, server_error(f"{type(e).__name__}: {e}"))
                 return
-            self._ops.append(["submit", request.request.to_json()])
             request.running.update(uids)
             self._requests.update(dict.fromkeys(uids, request))
         elif command == "call":
@@ -229,7 +220,6 @@ class EngineThread:
 
     def _cancel(self, uid: int) -> None:
         self.engine.cancel(uid)
-        self._ops.append(["cancel", uid])
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -241,26 +231,17 @@ class EngineThread:
             except queue.Empty:
                 pass
             self._snapshot()  # a request that just arrived shows as active while its prefill runs
-            if self.relay is not None:
-                with self.relay.watchdog.bounded("a step"):
-                    self.relay.share(self._ops)
-            self._ops = []
             if self.engine.active:
                 self._step()
             self._snapshot()
-        if self.relay is not None:
-            self.relay.share(None)
+        self.engine.close()
         for request in set(self._requests.values()):  # stopping: end the streams that are left
             self._deliver(request, None)
         self._requests.clear()
 
     def _step(self) -> None:
         try:
-            if self.relay is None:
-                produced = self.engine.step()
-            else:
-                with self.relay.watchdog.bounded("a step"):
-                    produced = self.engine.step()
+            produced = self.engine.step()
         except Exception as e:  # noqa: BLE001 - the engine ends a failed sequence itself; this is the last guard
             for uid in list(self._requests):
                 request = self._requests[uid]
@@ -283,7 +264,7 @@ class EngineThread:
             if chunk.finish_reason:
                 self._ended(uid)
                 self.metrics.sequence_ended(chunk.finish_reason, chunk.stats, request.arrived, request.first_token_at,
-                                            now)
+                                            now, chunk.index)
 
     def _snapshot(self) -> None:
         e = self.engine
@@ -296,20 +277,6 @@ class EngineThread:
             "memory": {"mlx_active_bytes": mx.get_active_memory(), "mlx_peak_bytes": mx.get_peak_memory()},
         }
 
-
-
-def follow(engine: BatchGenerator, relay: Relay) -> None:
-    """A rank other than 0: the engine commands and steps rank 0's `EngineThread` shares,
-    until it stops. Waiting for the next round is not bounded (the server may be idle)."""
-    while (ops := relay.share()) is not None:
-        with relay.watchdog.bounded("a step"):
-            for op in ops:
-                if op[0] == "submit":
-                    engine.enqueue_choices(engine.prepare(Request.from_json(op[1])))
-                else:
-                    engine.cancel(op[1])
-            if engine.active:
-                engine.step()
 
 
 async def chunks_of(engine: EngineThread, request: Request) -> AsyncIterator[Chunk]:

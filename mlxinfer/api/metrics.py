@@ -72,12 +72,13 @@ class Metrics:
             self.responses[(route, method, status)] += 1
 
     def sequence_ended(self, reason: str, stats: Stats | None, arrived: float, first: float | None,
-                       now: float) -> None:
-        """A sequence ended (`first`: when its first token came; None if none did)."""
+                       now: float, choice: int = 0) -> None:
+        """A sequence ended (`first`: when its first token came; None if none did). The n choices
+        of a request share one prompt, counted with its first choice."""
         with self._lock:
             self.finished[reason] += 1
             if stats is not None:
-                self.prompt_tokens += stats.prompt_tokens
+                self.prompt_tokens += stats.prompt_tokens if choice == 0 else 0
                 self.prefilled_tokens += stats.prefill_tokens
                 self.generated_tokens += stats.generated_tokens
             if first is not None:

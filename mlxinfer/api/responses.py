@@ -12,6 +12,7 @@ in-memory store (least recently used first out) to be retrieved, deleted or cont
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
@@ -23,12 +24,13 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from ..generate import Chunk
+from ..request import Request as TypedRequest
 from ..reasoning import effort_kwargs
 from ..tools import ToolCall, call_opener
 from .common import Context, RequestError, body_of, respond, sse
 from .engine_thread import chunks_of
 from .openai_schema import parse
-from .responses_schema import ITEM, CreateResponse, ItemReference, listed, messages
+from .responses_schema import ITEM, CountInputTokens, CreateResponse, ItemReference, listed, messages
 
 
 @dataclass(frozen=True)
@@ -105,15 +107,19 @@ def router(ctx: Context) -> APIRouter:
             raise RequestError("input is empty: give a string or a list of items", "input")
         return [*earlier, *items]
 
+    def typed(body: CreateResponse, context: list) -> TypedRequest:
+        """The one typed request `body` makes, answering `context`."""
+        options = body.options(config.max_tokens)
+        if body.reasoning is not None and (template := effort_kwargs(tokenizer, body.reasoning.effort)):
+            options["chat_template_kwargs"] = template
+        return engine.engine.request(messages(context, body.instructions), **options)
+
     @api.post("/responses")
     async def create(request: Request) -> Response:
         body = parse(await body_of(request, config.max_body), CreateResponse)
         context = context_of(body)
-        options = body.options(config.max_tokens)
-        if body.reasoning is not None and (template := effort_kwargs(tokenizer, body.reasoning.effort)):
-            options["chat_template_kwargs"] = template
-        typed = engine.engine.request(messages(context, body.instructions), **options)
-        o = typed.options
+        typed_request = typed(body, context)
+        o = typed_request.options
         reply = Reply(body, config.model_name, tokenizer,
                       call_opener(tokenizer) if o.tools and o.tool_choice != "none" else None)
 
@@ -127,8 +133,15 @@ def router(ctx: Context) -> APIRouter:
                 raise RequestError("the server is shutting down", status=503, kind="server_busy")
             return keep(reply.whole(chunks))
 
-        return await respond(request, chunks_of(engine, typed), bool(body.stream), whole,
+        return await respond(request, chunks_of(engine, typed_request), bool(body.stream), whole,
                              lambda first, rest: reply.events(first, rest, keep))
+
+    @api.post("/responses/input_tokens")
+    async def input_tokens(request: Request):
+        """How many tokens the input is as `create` would render it (tools included)."""
+        body = parse(await body_of(request, config.max_body), CountInputTokens)
+        count = await asyncio.to_thread(engine.engine.count, typed(body, context_of(body)))
+        return {"object": "response.input_tokens", "input_tokens": count}
 
     @api.get("/responses/{rid}")
     async def retrieve(rid: str, request: Request):

@@ -337,6 +337,12 @@ class CreateResponse(Strict):
         return options
 
 
+class CountInputTokens(CreateResponse):
+    """`POST /v1/responses/input_tokens`: the request's input as `create` would render it, counted."""
+
+    personality: str | None = None  # a hosted assistant's manner: no effect here (accepted as a no-op)
+
+
 def messages(items: list, instructions: str | None) -> list[dict[str, Any]]:
     """Items as chat messages, as a chat template takes them: `instructions` as the system
     message, a function call joined to the assistant message before it, its output as a

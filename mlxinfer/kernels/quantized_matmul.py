@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from pathlib import Path
 from types import ModuleType
 
 import mlx.core as mx
@@ -37,6 +38,8 @@ GROUP_SIZES = (32, 64, 128)
 MODES = ("auto", "off")
 _loaded: list[ModuleType | None] = []
 _why_not: list[str] = []
+# Beside the package: why setup.py did not build the extension (no C++ compiler, ...), for the first run's hint.
+REASON_FILE = Path(__file__).resolve().parent.parent / "_cpu_qmm.not-built"
 
 
 def mode() -> str:
@@ -76,7 +79,7 @@ def extension() -> ModuleType | None:
             from .. import _cpu_qmm as ext
         except ImportError as e:  # `from` says "cannot import name" whether the file is missing or broken
             missing = importlib.util.find_spec(f"{__package__.rpartition('.')[0]}._cpu_qmm") is None
-            why = "not built" if missing else f"built but unloadable ({e})"
+            why = _not_built() if missing else f"built but unloadable ({e})"
         if ext is not None and _release(ext.mlx_version) != _release(mx.__version__):
             why = f"built for MLX {ext.mlx_version}, but MLX {mx.__version__} is installed"
         if ext is not None and why is None:
@@ -84,6 +87,13 @@ def extension() -> ModuleType | None:
         _loaded.append(ext if why is None else None)
         _why_not.append(why or "")
     return _loaded[0]
+
+
+def _not_built() -> str:
+    try:
+        return f"not built ({REASON_FILE.read_text(encoding='utf-8').strip()[:200]})"
+    except OSError:
+        return "not built"
 
 
 def reason() -> str:
@@ -131,6 +141,15 @@ def gather_quantized_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: 
     flat_indices = mx.broadcast_to(indices, batch).reshape(-1)
     y = extension().affine_gather_quantized_matmul(flat_x, w, scales, biases, flat_indices, group_size, bits)
     return y.reshape(*batch, 1, w.shape[-2])
+
+
+def hint() -> str | None:
+    """How to get the fast path, when quantized matmuls run MLX's slow CPU kernel because the
+    extension is missing (None otherwise, and on Metal or with MLXINFER_CPU_QMM=off)."""
+    if mx.default_device().type != mx.DeviceType.cpu or mode() == "off" or extension() is not None:
+        return None
+    return (f"quantized models decode several times slower here: the CPU extension is {reason()}; install a C++ "
+            "compiler (Debian/Ubuntu: sudo apt-get install g++) and reinstall mlxinfer to build it")
 
 
 def describe() -> str:

@@ -16,10 +16,13 @@ FAMILIES: dict[str, str] = {
     "gemma2": "gemma2",
     "gemma3": "gemma3",
     "gemma3_text": "gemma3_text",
+    "glm4_moe": "glm4_moe",
     "lfm2": "lfm2",
     "llama": "llama",
     "mistral": "mistral",
     "mixtral": "mixtral",
+    "olmo2": "olmo2",
+    "olmo3": "olmo3",
     "phi3": "phi3",
     "qwen2": "qwen2",
     "qwen2_moe": "qwen2_moe",
@@ -30,6 +33,7 @@ FAMILIES: dict[str, str] = {
     "qwen3_5_moe_text": "qwen3_5_moe_text",
     "qwen3_5_text": "qwen3_5_text",
     "qwen3_next": "qwen3_next",
+    "smollm3": "smollm3",
 }
 
 

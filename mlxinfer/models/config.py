@@ -110,6 +110,7 @@ class ModelConfig:
     sandwich_norms: bool = False
     attn_softcap: float | None = None
     final_softcap: float | None = None
+    nope_layers: frozenset[int] = frozenset()  # layers whose attention has no RoPE (SmolLM3's NoPE layers)
     quantization: dict[str, Any] | None = None
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
@@ -287,6 +288,11 @@ CONFIG_FIELDS: dict[str, Field] = {
     "block_auto_adjust_ff_dim": FLAG,
     "norm_eps": POSITIVE_SET,
     "short_conv_channels": WIDTH,  # a tensor-sharded rank's share of the channels (`shard.shard_config`)
+    "num_nextn_predict_layers": AT_LEAST_0,
+    # SmolLM3's layers without RoPE; GLM-4.5's optional q/k norm
+    "no_rope_layers": Field(list, 0, 1, item=int),
+    "no_rope_layer_interval": SIZE_SET,
+    "use_qk_norm": FLAG,
 }
 
 ROPE_FIELDS: dict[str, Field] = {

@@ -18,7 +18,7 @@ from .deepseek_v2 import Router as V2Router
 from .mla import MLAttention, UpProjection, layer_parts, quant_params
 from .moe import top_k
 
-__all__ = ["Model", "config"]
+__all__ = ["Model", "V3MoE", "config", "without_mtp_layers"]
 
 
 class MultiLinear(nn.Module):
@@ -85,6 +85,12 @@ class Block(V2Block):
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
+def without_mtp_layers(weights: dict[str, mx.array], layers: int) -> dict[str, mx.array]:
+    """`weights` without the multi-token-prediction layers checkpoints store past the last of
+    the model's `layers` (a draft head for speculative decoding that generation here does not use)."""
+    return {k: v for k, v in weights.items() if not ((m := _LAYER.match(k)) and int(m[1]) >= layers)}
+
+
 class Model(V2Model):
     block = Block
 
@@ -92,9 +98,7 @@ class Model(V2Model):
         """Drop the multi-token-prediction layers past `num_hidden_layers` and split
         HF's `kv_b_proj` into per-head `embed_q` [heads, latent, nope] and
         `unembed_out` [heads, v, latent] (a quantized one is dequantized first)."""
-        n = self.config.num_hidden_layers
-        weights = {k: v for k, v in weights.items() if not ((m := _LAYER.match(k)) and int(m[1]) >= n)}
-        weights = super().sanitize(weights)
+        weights = super().sanitize(without_mtp_layers(weights, self.config.num_hidden_layers))
         for name in [k for k in weights if k.endswith(".kv_b_proj.weight")]:
             weights.update(self._split_kv_b(name.removesuffix(".kv_b_proj.weight"), weights))
         return weights

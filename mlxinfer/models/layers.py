@@ -185,6 +185,11 @@ class OffsetRMSNorm(nn.RMSNorm):
         return mx.fast.rms_norm(x, self.offset + self.weight, self.eps)
 
 
+class ProjectionNorm(nn.RMSNorm):
+    """An RMSNorm over a whole attention projection, every head at once (OLMo's q/k norms), not
+    per head: tensor sharding, which splits the heads among ranks, must sum its squares across them."""
+
+
 def rms_norm(cfg: ModelConfig, dims: int | None = None) -> nn.Module:
     """The config's RMSNorm over `dims` (default: the hidden size)."""
     dims = dims or cfg.hidden_size
@@ -195,7 +200,7 @@ def rms_norm(cfg: ModelConfig, dims: int | None = None) -> nn.Module:
 
 class Attention(nn.Module):
     """Grouped-query attention with optional q/k/v/o bias, per-head q/k RMSNorm,
-    a per-layer RoPE and score soft-capping."""
+    a per-layer RoPE (or none: the config's `nope_layers`) and score soft-capping."""
 
     def __init__(self, cfg: ModelConfig, layer: int = 0):
         super().__init__()
@@ -213,7 +218,7 @@ class Attention(nn.Module):
         if cfg.qk_norm:
             self.q_norm = rms_norm(cfg, d)
             self.k_norm = rms_norm(cfg, d)
-        self.rope = RoPE(cfg, cfg.rope_of(layer))
+        self.rope = None if layer in cfg.nope_layers else RoPE(cfg, cfg.rope_of(layer))
         self.scale = (cfg.query_pre_attn_scalar or d) ** -0.5
         self.softcap = cfg.attn_softcap
 
@@ -241,8 +246,9 @@ class Attention(nn.Module):
         q = self._heads(q, self.n_heads, getattr(self, "q_norm", None))
         k = self._heads(k, self.n_kv_heads, getattr(self, "k_norm", None))
         v = self._heads(v, self.n_kv_heads)
-        offset = offsets(cache)
-        q, k = self.rope(q, offset), self.rope(k, offset)
+        if self.rope is not None:
+            offset = offsets(cache)
+            q, k = self.rope(q, offset), self.rope(k, offset)
         o = attention(q, k, v, cache, mask, self.scale, self.softcap).transpose(0, 2, 1, 3).reshape(B, T, -1)
         return self.o_proj(o if gate is None else o * mx.sigmoid(gate))
 
