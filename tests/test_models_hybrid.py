@@ -340,3 +340,41 @@ def test_inspect_shows_the_recurrent_state(hybrid):
     assert report["kv_cache"]["state_layers"] == layers
     assert report["kv_cache"]["state_bytes"] == 4 * per_layer * layers
     assert "keep a recurrent state of" in render(report, "t")
+
+
+def test_rotating_and_quantized_attention_beside_the_state(variant):
+    """Cache options apply to the attention layers (a rotating window, 8-bit K/V where the head
+    dimension allows); the recurrent layers keep their state; batched still equals alone, and a
+    context past the window keeps going."""
+    _, _, model, tok = variant
+    options = dict(max_kv_size=40, **({"kv_bits": 8} if model.config.head_dim % 32 == 0 else {}))
+    kinds = {type(c).__name__ for c in make_cache(model, **options)}
+    assert kinds == {"RotatingKVCache", "StateCache"}
+    items = [(prompt(n, seed=i), GREEDY) for i, n in enumerate((5, 60))]
+    assert assert_batch_equals_solo(model, tok, items, dict(prefill_step=PREFILL_STEP, **options)) == 2
+
+
+def test_an_interrupted_forward_pass_leaves_every_state_as_it_was(hybrid):
+    """Ctrl-C inside a layer, after earlier recurrent layers took the step: those are rolled back
+    (replayed to before it), so the next run equals one that was never interrupted."""
+    model, tok = hybrid
+    cache = PromptCache.for_model(model)
+    ids = prompt(40, seed=2)
+    cache.prefill(model, ids[:30])
+    last = max(i for i, c in enumerate(cache.caches) if isinstance(c, StateCache))
+    assert any(isinstance(c, StateCache) for c in cache.caches[:last])
+
+    def interrupt(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    cache.caches[last].update = interrupt
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            cache.run(model, ids[30:36])
+    finally:
+        del cache.caches[last].update
+    assert all(c.offset == 30 for c in cache.caches) and len(cache.tokens) == 30
+    assert_state_as_if_fed(model, cache)
+    got = np.array(cache.run(model, ids[30:]))
+    want = np.array(model(mx.array([ids]))[0, 30:])
+    np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
