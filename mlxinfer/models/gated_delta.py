@@ -7,7 +7,7 @@ g_t <= 0 a log-decay and beta_t in (0, 1) a write strength:
     S <- exp(g_t) S;   S <- S + k_t (beta_t (v_t - S^T k_t))^T;   o_t = S^T q_t
 
 The rule is written twice, as two schedules of the same arithmetic: `recurrent` runs it a
-token at a time (decoding, short updates such as a speculative verification, and `replay`),
+token at a time (decoding, short updates such as a speculative verification and its `replay`),
 `chunked` runs prompt chunks 64 tokens at a time, where the updates inside a chunk become
 matrix products (the UT transform: (I + L)^-1 with L the chunk's strictly lower
 beta k k^T decay matrix, by repeated squaring since L is nilpotent) and only the chunks
@@ -110,21 +110,29 @@ def gated_delta_rule(q: mx.array, k: mx.array, v: mx.array, g: mx.array, beta: m
     in float32 (the state too, whatever the model's dtype); each key head serves Hv / Hk
     consecutive value heads. Returns outputs [B, T, Hv, Dv] and the state [B, Hv, Dk, Dv]."""
     q, k, v, g, beta = _heads(q, k, v, g, beta)
-    q = l2norm(q) * q.shape[-1] ** -0.5
-    if state is None:
-        state = mx.zeros((*v.shape[:2], k.shape[-1], v.shape[-1]), mx.float32)
-    rule = recurrent if k.shape[2] <= RECURRENT_MAX else chunked
-    out, state = rule(q, k, v, g, beta, state)
+    out, state = _scheduled(q * q.shape[-1] ** -0.5, k, v, g, beta, state)
     return out.swapaxes(1, 2), state
 
 
+def _scheduled(q: mx.array | None, k: mx.array, v: mx.array, g: mx.array, beta: mx.array, state: mx.array | None
+               ) -> tuple[mx.array | None, mx.array]:
+    """The rule on [B, Hv, T, ...] heads from `state` (None: zeros), token by token for short updates,
+    chunked for longer ones; without q only the state is wanted."""
+    if state is None:
+        state = mx.zeros((*v.shape[:2], k.shape[-1], v.shape[-1]), mx.float32)
+    if k.shape[2] <= RECURRENT_MAX:
+        return recurrent(q, k, v, g, beta, state)
+    out, state = chunked(k if q is None else q, k, v, g, beta, state)
+    return (None if q is None else out), state
+
+
 def _heads(q: mx.array | None, k: mx.array, v: mx.array, g: mx.array, beta: mx.array):
-    """[B, T, heads, ...] -> [B, Hv, T, ...] in float32, q and k repeated to the value heads, k normalised."""
+    """[B, T, heads, ...] -> [B, Hv, T, ...] in float32, q and k L2-normalised and repeated to the value heads."""
     repeat = v.shape[2] // k.shape[2]
     q, k = ((None if a is None else mx.repeat(a, repeat, axis=2) if repeat > 1 else a) for a in (q, k))
-    q, k, v = ((None if a is None else a.astype(mx.float32).swapaxes(1, 2)) for a in (q, k, v))
-    g, beta = (a.astype(mx.float32).swapaxes(1, 2) for a in (g, beta))
-    return q, l2norm(k), v, g, beta
+    q, k = ((None if a is None else l2norm(a.astype(mx.float32).swapaxes(1, 2))) for a in (q, k))
+    v, g, beta = (a.astype(mx.float32).swapaxes(1, 2) for a in (v, g, beta))
+    return q, k, v, g, beta
 
 
 class GatedRMSNorm(nn.Module):
@@ -187,7 +195,7 @@ class GatedDeltaNet(nn.Module):
 
     def replay(self, state: tuple[mx.array, ...] | None, inputs: tuple[mx.array, ...]) -> tuple[mx.array, ...] | None:
         """The state after the logged inputs (pre-convolution qkv, a, b) followed `state`: the
-        convolution and the rule run token by token again, without q, projections or outputs."""
+        convolution and the rule run again, without q, projections or outputs."""
         mixed, a, b = inputs
         if mixed.shape[1] == 0:
             return state
@@ -195,10 +203,5 @@ class GatedDeltaNet(nn.Module):
         qkv, _ = causal_conv(mixed, self.conv1d.weight[:, 0, :], None, conv)
         _, k, v = self._split(nn.silu(qkv))
         _, k, v, g, beta = _heads(None, k, v, self._decay(a), mx.sigmoid(b.astype(mx.float32)))
-        if ssm is None:
-            ssm = mx.zeros((*v.shape[:2], k.shape[-1], v.shape[-1]), mx.float32)
-        if k.shape[2] <= RECURRENT_MAX:
-            _, ssm = recurrent(None, k, v, g, beta, ssm)
-        else:  # a long stretch (a prompt cut inside a chunk it ran): its outputs are dropped
-            _, ssm = chunked(k, k, v, g, beta, ssm)
+        _, ssm = _scheduled(None, k, v, g, beta, ssm)
         return conv_state(conv, mixed, self.conv1d.kernel), ssm
