@@ -59,9 +59,10 @@ def convert(
     output_dir: str | os.PathLike,
     *,
     quantize: bool = False,
-    bits: int = 4,
-    group_size: int = 64,
+    bits: int | None = None,
+    group_size: int | None = None,
     recipe: str | None = None,
+    q_mode: str = "affine",
     dtype: str | None = None,
     dequantize: bool = False,
     force: bool = False,
@@ -73,12 +74,14 @@ def convert(
     """Convert a Hugging Face folder or hub id, an MLX folder or a GGUF file into an MLX folder
     that mlxinfer and mlx-lm both load.
 
-    Without `quantize`/`recipe` every tensor keeps its source precision (GGUF K-quants become
-    the nearest MLX width); with them, layers are quantized at `bits`/`group_size` or by the
-    recipe. `dequantize` writes floats. Nothing is written unless the whole conversion succeeds;
-    `progress` (default: stderr is a TTY) shows a bar.
+    Without `quantize`/`recipe`/`q_mode` every tensor keeps its source precision (GGUF K-quants
+    become the nearest MLX width, MXFP4 experts stay MXFP4); with them, layers are quantized at
+    `bits`/`group_size` (default 4 and 64) or by the recipe, in affine mode or the floating-point
+    `q_mode` (mxfp4, mxfp8, nvfp4: each fixes bits and group size). `dequantize` writes floats.
+    Nothing is written unless the whole conversion succeeds; `progress` (default: stderr is a
+    TTY) shows a bar.
     """
-    options = Options(quantize, bits, group_size, recipe, dtype, dequantize, shard_size)
+    options = Options(quantize, bits, group_size, recipe, dtype, dequantize, shard_size, q_mode)
     output = Path(output_dir).expanduser()
     started = time.perf_counter()
     mx.reset_peak_memory()

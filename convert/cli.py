@@ -10,7 +10,7 @@ import click
 from mlxinfer.errors import InvalidOptionError
 
 from .api import convert
-from .quantize import BITS, DTYPES, GROUP_SIZES, RECIPES
+from .quantize import BITS, DTYPES, GROUP_SIZES, MODES, RECIPES
 
 _UNITS = {"": 1, "B": 1, "KB": 1 << 10, "MB": 1 << 20, "GB": 1 << 30}
 _SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([KMG]?B?)\s*", re.IGNORECASE)
@@ -36,22 +36,25 @@ def _choices(values) -> str:
 @click.option("--bits", type=int, help=f"Bits per weight ({_choices(BITS)}; default 4).")
 @click.option("--group-size", type=int, help=f"Weights per scale/bias ({_choices(GROUP_SIZES)}; default 64).")
 @click.option("--recipe", help=f"Mixed precision: {_choices(RECIPES)}.")
+@click.option("--q-mode", default="affine", show_default=True,
+              help=f"Quantization mode ({_choices(MODES)}); the floating-point ones fix bits and group size.")
 @click.option("--dtype", help=f"Float type of unquantized tensors and scales ({_choices(DTYPES)}).")
 @click.option("--dequantize", is_flag=True, help="Write floats from a quantized source.")
 @click.option("--force", is_flag=True, help="Replace a non-empty output folder.")
 @click.option("--shard-size", default="5GB", show_default=True, help="Largest safetensors file.")
 @click.option("--eval-ppl", type=click.Path(path_type=Path), help="Text file: compare perplexity with the source.")
 @click.option("--revision", help="Hub revision (branch, tag or commit) for a hub id.")
-def convert_command(source, output, quantize, bits, group_size, recipe, dtype, dequantize, force, shard_size,
-                    eval_ppl, revision) -> None:
+def convert_command(source, output, quantize, bits, group_size, recipe, q_mode, dtype, dequantize, force,
+                    shard_size, eval_ppl, revision) -> None:
     """Convert SOURCE (Hugging Face/MLX folder, hub id or .gguf file) into an MLX folder."""
     report = convert(
         source,
         output,
         quantize=quantize or any(v is not None for v in (bits, group_size, recipe)),
-        bits=4 if bits is None else bits,
-        group_size=64 if group_size is None else group_size,
+        bits=bits,
+        group_size=group_size,
         recipe=recipe,
+        q_mode=q_mode,
         dtype=dtype,
         dequantize=dequantize,
         force=force,

@@ -3,8 +3,9 @@
 The header and metadata are parsed once; tensor data stays memory-mapped and is
 converted one tensor at a time, so a conversion never holds the whole model.
 Q8_0, Q4_0 and Q4_1 blocks are exactly MLX affine quantization with group size
-32 (w = scale * q + bias), so they are repacked bit for bit; K-quants and other
-types are dequantized with llama.cpp's own `gguf` package (an optional extra).
+32 (w = scale * q + bias), and MXFP4 blocks exactly MLX's mxfp4 mode (E2M1 codes, an
+E8M0 exponent per 32), so they are repacked bit for bit; K-quants and other types are
+dequantized with llama.cpp's own `gguf` package (an optional extra).
 """
 
 from __future__ import annotations
@@ -24,15 +25,17 @@ from mlxinfer.errors import ConversionError, CorruptCheckpointError
 from .quantize import QuantSpec
 
 MAGIC = b"GGUF"
-F32, F16, Q4_0, Q4_1, Q8_0, BF16 = 0, 1, 2, 3, 8, 30
+F32, F16, Q4_0, Q4_1, Q8_0, BF16, MXFP4 = 0, 1, 2, 3, 8, 30, 39
 FLOAT_TYPES = {F32: np.dtype("<f4"), F16: np.dtype("<f2"), BF16: np.dtype("<u2")}
-# Legacy block layouts: 32 weights per block, fp16 scale `d` (and Q4_1's fp16 minimum `m`).
+# Block layouts MLX runs as they are: 32 weights per block, fp16 scale `d` (and Q4_1's fp16
+# minimum `m`), or MXFP4's exponent `e`.
 BLOCK_TYPES = {
     Q4_0: np.dtype([("d", "<f2"), ("qs", "u1", 16)]),
     Q4_1: np.dtype([("d", "<f2"), ("m", "<f2"), ("qs", "u1", 16)]),
     Q8_0: np.dtype([("d", "<f2"), ("qs", "i1", 32)]),
+    MXFP4: np.dtype([("e", "u1"), ("qs", "u1", 16)]),
 }
-_NAMES = {F32: "F32", F16: "F16", BF16: "BF16", Q4_0: "Q4_0", Q4_1: "Q4_1", Q8_0: "Q8_0"}
+_NAMES = {F32: "F32", F16: "F16", BF16: "BF16", Q4_0: "Q4_0", Q4_1: "Q4_1", Q8_0: "Q8_0", MXFP4: "MXFP4"}
 # Metadata value types: GGUF type id -> numpy dtype; 8 is a string, 9 an array.
 _SCALARS = {
     0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "?", 10: "<u8", 11: "<i8", 12: "<f8"
@@ -42,12 +45,28 @@ _STRING, _ARRAY = 8, 9
 
 @dataclass(frozen=True)
 class Packed:
-    """A layer already in MLX affine form: packed uint32 weight plus per-group scales and biases."""
+    """A layer already in MLX quantized form: packed uint32 weight plus per-group scales, and
+    biases in affine mode (the floating-point modes have none; their scales are uint8)."""
 
     weight: mx.array
     scales: mx.array
-    biases: mx.array
+    biases: mx.array | None
     spec: QuantSpec
+
+    def tensors(self, dtype: mx.Dtype | None = None) -> dict[str, mx.array]:
+        """weight, scales (and biases) by their leaf names; float scales and biases as `dtype`."""
+        out = {"weight": self.weight, "scales": self.scales}
+        if self.biases is not None:
+            out["biases"] = self.biases
+        if dtype is None:
+            return out
+        return {k: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) else v for k, v in out.items()}
+
+    def dequantize(self, dtype: mx.Dtype | None = None) -> mx.array:
+        """The float weight, computed in `dtype` (default: the scales' float type, bfloat16 for uint8 ones)."""
+        t, spec = self.tensors(dtype), self.spec
+        return mx.dequantize(t["weight"], t["scales"], t.get("biases"), spec.group_size, spec.bits, mode=spec.mode,
+                             dtype=dtype)
 
 
 @dataclass(frozen=True)
@@ -133,29 +152,32 @@ def _rows_cols(info: TensorInfo) -> tuple[int, int]:
 
 
 def _repack(blocks: np.ndarray, kind: int, shape: tuple[int, ...]) -> Packed:
-    """Legacy GGUF blocks as MLX affine quantization (values in a uint32 fill it from the low bits).
+    """GGUF blocks as MLX quantization (values in a uint32 fill it from the low bits).
 
     Q8_0 stores signed q * d: shift q by 128 and use bias -128 d. Q4_0 stores (q - 8) * d:
     bias -8 d. Q4_1 stores q * d + m: bias m. Powers of two times d are exact in fp16.
+    MXFP4 stores E2M1 codes and an E8M0 exponent per block, which MLX's mxfp4 mode reads as
+    they are (ggml doubles the code values and halves the scale: the same numbers). The 4-bit
+    kinds keep weight j of a block in the low nibble of byte j, weight j + 16 in its high one.
     """
     rows = blocks.shape[0]
-    d = blocks["d"]
     if kind == Q8_0:
         packed = (blocks["qs"].view(np.uint8) ^ np.uint8(0x80)).reshape(rows, -1)
-        bits, bias = 8, d * np.float16(-128)
     else:
         qs = blocks["qs"]
         nibbles = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)  # a block's 32 weights in order
         packed = (nibbles[..., 0::2] | (nibbles[..., 1::2] << 4)).reshape(rows, -1)
-        bits, bias = 4, (blocks["m"] if kind == Q4_1 else d * np.float16(-8))
-    spec = QuantSpec(bits, 32)
+    if kind == MXFP4:
+        spec, scales, biases = QuantSpec(4, 32, "mxfp4"), blocks["e"], None
+    else:
+        d = blocks["d"]
+        bias = d * np.float16(-128) if kind == Q8_0 else blocks["m"] if kind == Q4_1 else d * np.float16(-8)
+        spec, scales, biases = QuantSpec(8 if kind == Q8_0 else 4, 32), d, bias
     wshape, sshape = spec.packed_shape(shape)
     # Contiguous copies first: mx.array of a strided view would keep the whole block buffer.
-    weight, scales, biases = (np.ascontiguousarray(a) for a in (packed, d, bias))
-    return Packed(
-        mx.array(weight.view("<u4").reshape(wshape)), mx.array(scales.reshape(sshape)),
-        mx.array(biases.reshape(sshape)), spec,
-    )
+    weight = np.ascontiguousarray(packed).view("<u4").reshape(wshape)
+    return Packed(mx.array(weight), mx.array(np.ascontiguousarray(scales).reshape(sshape)),
+                  None if biases is None else mx.array(np.ascontiguousarray(biases).reshape(sshape)), spec)
 
 
 def gguf_type(type_id: int, name: str):

@@ -18,7 +18,7 @@ import numpy as np
 from mlxinfer.errors import ConfigError, ConversionError, CorruptCheckpointError, UnsupportedArchitectureError
 from mlxinfer.models.layers import inv_freq, llama3_inv_freq
 
-from .gguf_file import BF16, BLOCK_TYPES, F32, FLOAT_TYPES, Q8_0, GGUFFile, Packed, TensorInfo, gguf_type
+from .gguf_file import BF16, BLOCK_TYPES, F32, FLOAT_TYPES, MXFP4, Q8_0, GGUFFile, Packed, TensorInfo, gguf_type
 from .gguf_tokenizer import generation_config, tokenizer_config, tokenizer_json
 from .quantize import BITS, QuantSpec
 from .sources import Source, SourceTensor, Tensor
@@ -180,6 +180,29 @@ def _glm4moe_config(get: Getter, names: set[str]) -> dict[str, Any]:
     }
 
 
+def _gpt_oss_config(get: Getter, names: set[str]) -> dict[str, Any]:
+    """gpt-oss as llama.cpp runs it: sliding and full layers alternating (sliding first), and
+    experts with their own width. llama.cpp rounds YaRN's correction range outward for every
+    model; gpt-oss's own definition does not (transformers' `truncate: false`), and that is
+    the model the folder must be."""
+    layers = get("block_count")
+    return {
+        "num_local_experts": get("expert_count"),
+        "num_experts_per_tok": get("expert_used_count"),
+        "intermediate_size": get("expert_feed_forward_length"),
+        "sliding_window": get("attention.sliding_window"),
+        "layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)],
+        "rope_scaling": {
+            "rope_type": "yarn",
+            "factor": get("rope.scaling.factor"),
+            "original_max_position_embeddings": get("rope.scaling.original_context_length"),
+            "beta_fast": get("rope.scaling.yarn_beta_fast", 32.0),
+            "beta_slow": get("rope.scaling.yarn_beta_slow", 1.0),
+            "truncate": False,
+        },
+    }
+
+
 @dataclass(frozen=True)
 class Arch:
     """How a GGUF `general.architecture` maps back onto a Hugging Face family."""
@@ -217,6 +240,18 @@ _SHARED_EXPERTS = {  # DeepSeek's and GLM's names: several shared experts as one
 }
 ARCHITECTURES = {
     "llama": Arch("llama", "LlamaForCausalLM", permuted_qk=True, config=_llama_config),
+    "gpt-oss": Arch(
+        "gpt_oss", "GptOssForCausalLM",
+        names={
+            **_POST_NORMS,
+            "attn_sinks.weight": "self_attn.sinks",
+            "ffn_gate_inp": "mlp.router",
+            "ffn_gate_exps": "mlp.experts.gate_proj",
+            "ffn_up_exps": "mlp.experts.up_proj",
+            "ffn_down_exps": "mlp.experts.down_proj",
+        },
+        config=_gpt_oss_config,
+    ),
     "qwen2": Arch("qwen2", "Qwen2ForCausalLM"),
     "qwen3": Arch("qwen3", "Qwen3ForCausalLM"),
     "qwen2moe": Arch("qwen2_moe", "Qwen2MoeForCausalLM", names=_MOE_NAMES, config=_moe_config(False)),
@@ -378,10 +413,7 @@ def _split_kv_b(gguf: GGUFFile, kv: TensorInfo, heads: int, nope: int, kind: str
 
 
 def _as_float(tensor: Tensor) -> mx.array:
-    if isinstance(tensor, Packed):
-        spec = tensor.spec
-        return mx.dequantize(tensor.weight, tensor.scales, tensor.biases, spec.group_size, spec.bits)
-    return tensor
+    return tensor.dequantize() if isinstance(tensor, Packed) else tensor
 
 
 def _hf_shape(name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -595,6 +627,8 @@ ARCH_KEYS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "attention.sliding_window": _COUNT,
     "expert_shared_feed_forward_length": _COUNT,
     "rope.scaling.yarn_log_multiplier": (_number, "a number"),
+    "rope.scaling.yarn_beta_fast": _NUMBER,
+    "rope.scaling.yarn_beta_slow": _NUMBER,
     **dict.fromkeys(
         (
             "attention.layer_norm_rms_epsilon", "rope.freq_base", "rope.freq_base_swa", "rope.scaling.factor",
@@ -664,6 +698,8 @@ def _precision(info: TensorInfo) -> QuantSpec | None:
     one fp16 scale and bias per group = +1 bit per weight) that stores at least as many bits."""
     if info.type in FLOAT_TYPES:
         return None
+    if info.type == MXFP4:
+        return QuantSpec(4, 32, "mxfp4")
     if info.type in BLOCK_TYPES:
         return QuantSpec(8 if info.type == Q8_0 else 4, 32)
     qtype = gguf_type(info.type, info.name)
@@ -688,18 +724,19 @@ def unpermute(tensor: Tensor, heads: int) -> Tensor:
     weights suit non-interleaved RoPE again. Rows are independent in every layout, so packed
     weights, scales and biases are permuted alike, losslessly."""
     if isinstance(tensor, Packed):
-        return Packed(*(unpermute(t, heads) for t in (tensor.weight, tensor.scales, tensor.biases)), tensor.spec)
+        rows = {k: unpermute(t, heads) for k, t in tensor.tensors().items()}
+        return Packed(rows["weight"], rows["scales"], rows.get("biases"), tensor.spec)
     rows, *rest = tensor.shape
     return tensor.reshape(heads, rows // heads // 2, 2, *rest).swapaxes(1, 2).reshape(tensor.shape)
 
 
 def _dtype(tensors: list[TensorInfo]) -> mx.Dtype:
     """bfloat16 if the file has BF16 tensors, float16 if it has F16 or quantized ones (their
-    scales are fp16), else float32."""
+    scales are fp16; MXFP4's are exponents), else float32."""
     kinds = {t.type for t in tensors}
     if BF16 in kinds:
         return mx.bfloat16
-    return mx.float32 if kinds <= {F32} else mx.float16
+    return mx.float32 if kinds <= {F32, MXFP4} else mx.float16
 
 
 def _write_files(files: dict[str, str], folder: Path) -> None:

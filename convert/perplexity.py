@@ -42,11 +42,7 @@ def source_model(source: Source) -> CausalLM:
         value = tensor.read()
         if isinstance(value, Packed):
             path = name.rpartition(".")[0]
-            weights.update({
-                f"{path}.weight": value.weight,
-                f"{path}.scales": value.scales.astype(mx.float32),
-                f"{path}.biases": value.biases.astype(mx.float32),
-            })
+            weights.update({f"{path}.{leaf}": t for leaf, t in value.tensors(mx.float32).items()})
         else:
             weights[name] = value.astype(mx.float32)
     quantize_like_checkpoint(model, {}, weights)

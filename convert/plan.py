@@ -32,7 +32,7 @@ class OutTensor:
 @dataclass(frozen=True)
 class Job:
     """One source tensor and what it becomes: floats of `dtype`, or `target` quantization
-    whose scales and biases are of `dtype`."""
+    whose scales and biases are of `dtype` (affine; a floating-point mode's scales are uint8)."""
 
     source: SourceTensor
     target: QuantSpec | None
@@ -48,6 +48,9 @@ class Job:
         if self.target is None:
             return (OutTensor(self.source.name, self.source.shape, self.dtype),)
         weight, scales = self.target.packed_shape(self.source.shape)
+        if not self.target.affine:
+            return (OutTensor(f"{self.path}.weight", weight, mx.uint32),
+                    OutTensor(f"{self.path}.scales", scales, mx.uint8))
         return (
             OutTensor(f"{self.path}.weight", weight, mx.uint32),
             OutTensor(f"{self.path}.scales", scales, self.dtype),
@@ -95,28 +98,17 @@ def run(job: Job) -> dict[str, mx.array]:
     tensor = job.source.read()
     if job.target is None:
         return {job.source.name: _floats(tensor, job.dtype)}
-    if isinstance(tensor, Packed) and tensor.spec == job.target:
-        weight, scales, biases = tensor.weight, tensor.scales, tensor.biases
-    else:
-        weight, scales, biases = mx.quantize(
-            _floats(tensor, job.dtype), job.target.group_size, job.target.bits, mode="affine"
-        )
-    return {
-        f"{job.path}.weight": weight,
-        f"{job.path}.scales": scales.astype(job.dtype),
-        f"{job.path}.biases": biases.astype(job.dtype),
-    }
+    spec = job.target
+    if not (isinstance(tensor, Packed) and tensor.spec == spec):  # kept as stored when it already is the target
+        weight, scales, *biases = mx.quantize(_floats(tensor, job.dtype), spec.group_size, spec.bits, mode=spec.mode)
+        tensor = Packed(weight, scales, biases[0] if biases else None, spec)
+    return {f"{job.path}.{leaf}": t for leaf, t in tensor.tensors(job.dtype).items()}
 
 
 def _floats(tensor: mx.array | Packed, dtype: mx.Dtype) -> mx.array:
     """`tensor` as `dtype` floats; packed ones are dequantized in `dtype`, so a float32 target
     gets w = scale * q + bias without fp16 rounding."""
-    if not isinstance(tensor, Packed):
-        return tensor.astype(dtype)
-    spec = tensor.spec
-    return mx.dequantize(
-        tensor.weight, tensor.scales.astype(dtype), tensor.biases.astype(dtype), spec.group_size, spec.bits
-    )
+    return tensor.dequantize(dtype) if isinstance(tensor, Packed) else tensor.astype(dtype)
 
 
 def shards(jobs: list[Job], limit: int) -> list[list[Job]]:

@@ -1,4 +1,5 @@
-"""What precision each tensor gets: uniform affine quantization, mixed recipes, or none.
+"""What precision each tensor gets: uniform affine quantization, one of MLX's floating-point
+modes (mxfp4, mxfp8, nvfp4), mixed recipes, or none.
 
 The recipes follow mlx-lm's `mixed_*` predicates (llama.cpp's Q4_K_M idea): the
 tensors the output is most sensitive to keep more bits.
@@ -12,7 +13,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from mlxinfer.errors import InvalidOptionError
-from mlxinfer.loading import parse_dtype
+from mlxinfer.loading import FLOAT_MODES, parse_dtype
 
 BITS = (2, 3, 4, 5, 6, 8)
 GROUP_SIZES = (32, 64, 128)
@@ -20,16 +21,25 @@ DTYPES = ("float16", "bfloat16", "float32")
 _LAYER = re.compile(r"\.layers\.(\d+)\.")
 
 
+MODES = ("affine", *FLOAT_MODES)
+
+
 @dataclass(frozen=True)
 class QuantSpec:
-    """MLX affine quantization of one layer: `bits` per weight, one scale and bias per `group_size`."""
+    """MLX quantization of one layer: `bits` per weight and, per `group_size` weights, a scale and
+    a bias (affine) or a scale alone (the floating-point modes, their scales stored as uint8)."""
 
     bits: int
     group_size: int
+    mode: str = "affine"
 
     def as_config(self) -> dict[str, int | str]:
         """The per-layer entry mlx-lm writes into config.json."""
-        return {"group_size": self.group_size, "bits": self.bits, "mode": "affine"}
+        return {"group_size": self.group_size, "bits": self.bits, "mode": self.mode}
+
+    @property
+    def affine(self) -> bool:
+        return self.mode == "affine"
 
     def packed_shape(self, shape: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """Shapes of the packed uint32 weight and of its scales (= biases) for a float `shape`."""
@@ -40,7 +50,7 @@ class QuantSpec:
         return shape[-1] % self.group_size == 0
 
     def __str__(self) -> str:
-        return f"{self.bits}-bit g{self.group_size}"
+        return f"{self.bits}-bit g{self.group_size}" if self.affine else self.mode
 
 
 @dataclass(frozen=True)
@@ -74,36 +84,51 @@ class Options:
     """Validated conversion settings."""
 
     quantize: bool = False
-    bits: int = 4
-    group_size: int = 64
+    bits: int | None = None  # default: 4, or what a floating-point mode fixes
+    group_size: int | None = None  # default: 64, or what a floating-point mode fixes
     recipe: str | None = None
     dtype: str | None = None
     dequantize: bool = False
     shard_size: int = 5 << 30
+    mode: str = "affine"
 
     def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise InvalidOptionError(f"--q-mode {self.mode!r} is not an MLX quantization mode; choose one of "
+                                     f"{_list(MODES)}")
+        fixed = FLOAT_MODES.get(self.mode)
+        if fixed is not None:
+            for flag, given, own in (("--bits", self.bits, fixed[0]), ("--group-size", self.group_size, fixed[1])):
+                if given not in (None, own):
+                    raise InvalidOptionError(f"--q-mode {self.mode} has {flag} {own}; drop {flag} {given}")
+            if self.recipe is not None:
+                raise InvalidOptionError(f"--recipe mixes affine widths; it cannot be combined with --q-mode "
+                                         f"{self.mode}")
+        bits, group_size = fixed or (4, 64)  # the defaults: 4-bit affine, 64 weights a group
+        object.__setattr__(self, "bits", bits if self.bits is None else self.bits)
+        object.__setattr__(self, "group_size", group_size if self.group_size is None else self.group_size)
         if self.bits not in BITS:
             raise InvalidOptionError(f"--bits {self.bits} is not supported by MLX; choose one of {_list(BITS)}")
-        if self.group_size not in GROUP_SIZES:
+        if self.group_size not in GROUP_SIZES and self.mode == "affine":
             raise InvalidOptionError(
                 f"--group-size {self.group_size} is not supported by MLX; choose one of {_list(GROUP_SIZES)}"
             )
         if self.recipe is not None and self.recipe not in RECIPES:
             raise InvalidOptionError(f"unknown recipe '{self.recipe}'; choose one of {_list(RECIPES)}")
         parse_dtype(self.dtype)
-        if self.dequantize and (self.quantize or self.recipe):
-            raise InvalidOptionError("--dequantize cannot be combined with -q/--recipe; choose one")
+        if self.dequantize and self.quantizing:
+            raise InvalidOptionError("--dequantize cannot be combined with -q/--recipe/--q-mode; choose one")
         if self.shard_size <= 0:
             raise InvalidOptionError(f"--shard-size must be positive, got {self.shard_size} bytes")
 
     @property
     def quantizing(self) -> bool:
-        return self.quantize or self.recipe is not None
+        return self.quantize or self.recipe is not None or self.mode != "affine"
 
     def target(self, path: str, num_layers: int) -> QuantSpec:
         """The precision a quantizable layer at `path` should get when quantizing."""
         bits = RECIPES[self.recipe].bits(path, num_layers) if self.recipe else self.bits
-        return QuantSpec(bits, self.group_size)
+        return QuantSpec(bits, self.group_size, self.mode)
 
     def float_dtype(self, default: mx.Dtype) -> mx.Dtype:
         """--dtype when given, else the source's own float dtype."""

@@ -21,6 +21,7 @@ from mlxinfer.files import checkpoint_file
 from mlxinfer.loading import (
     TOKENIZER_FILES,
     _quant_params,
+    hf_quant_method,
     read_config,
     read_weights,
     weight_files,
@@ -28,7 +29,7 @@ from mlxinfer.loading import (
 from mlxinfer.models import build_model
 
 from .gguf_file import MAGIC, Packed
-from .quantize import DTYPES, QuantSpec, dtype_name
+from .quantize import DTYPES, MODES, QuantSpec, dtype_name
 
 Tensor = mx.array | Packed
 PACKED = ("weight", "scales", "biases")
@@ -80,17 +81,21 @@ def open_folder(folder: Path) -> Source:
     params = dict(tree_flatten(model.parameters()))
     modules = dict(model.named_modules())
     tensors: dict[str, SourceTensor] = {}
+
+    def reader(name: str) -> Callable[[], mx.array]:
+        return partial(_lazy, folder / origin[name], name) if name in origin else partial(_built, files, model, name)
+
     for name, array in stored.items():
         path, _, leaf = name.rpartition(".")
-        if f"{path}.scales" not in stored:
-            read = partial(_lazy, folder / origin[name], name) if name in origin else partial(_built, files, model, name)
-            tensors[name] = SourceTensor(name, tuple(array.shape), dtype_name(array.dtype), None, read)
+        if f"{path}.scales" not in stored or leaf not in PACKED:  # floats, a quantized layer's bias among them
+            tensors[name] = SourceTensor(name, tuple(array.shape), dtype_name(array.dtype), None, reader(name))
         elif leaf == "weight":
             spec = _packed_spec(path, modules[path], quant, stored)
-            read = partial(_lazy_packed, {p: folder / origin[f"{path}.{p}"] for p in PACKED}, path, spec)
-            tensors[name] = SourceTensor(name, tuple(params[name].shape), str(spec), spec, read)
+            parts = {p: reader(f"{path}.{p}") for p in PACKED if p != "biases" or spec.affine}
+            tensors[name] = SourceTensor(name, tuple(params[name].shape), str(spec), spec,
+                                         partial(_read_packed, parts, spec))
     return Source(
-        kind="MLX folder" if quant else "Hugging Face folder",
+        kind="MLX folder" if quant and not hf_quant_method(config) else "Hugging Face folder",
         location=folder,
         config={k: v for k, v in config.items() if k not in ("quantization", "quantization_config")},
         tensors=tensors,
@@ -108,13 +113,13 @@ def _packed_spec(path: str, module: nn.Module, quant: dict[str, Any], stored: di
         raise ConversionError(f"config.json's quantization entry for '{path}' needs integer bits and group_size, "
                               f"got {params!r:.80}; fix config.json")
     mode = params.get("mode", quant.get("mode", "affine"))
-    if mode != "affine":
-        raise ConversionError(f"layer '{path}' uses {mode} quantization; only affine MLX checkpoints can be converted")
-    return QuantSpec(params["bits"], params["group_size"])
+    if mode not in MODES:
+        raise ConversionError(f"layer '{path}' uses {mode!r} quantization, which MLX does not have; fix config.json")
+    return QuantSpec(params["bits"], params["group_size"], mode)
 
 
-def _lazy_packed(files: dict[str, Path], path: str, spec: QuantSpec) -> Packed:
-    return Packed(*(_lazy(files[p], f"{path}.{p}") for p in PACKED), spec)
+def _read_packed(parts: dict[str, Callable[[], mx.array]], spec: QuantSpec) -> Packed:
+    return Packed(parts["weight"](), parts["scales"](), parts["biases"]() if "biases" in parts else None, spec)
 
 
 def _built(files: list[Path], model: nn.Module, name: str) -> mx.array:

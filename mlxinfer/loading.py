@@ -74,12 +74,34 @@ def _download(repo_id: str, revision: str | None, patterns: list[str]) -> Path:
 
 
 def read_config(path: Path) -> dict[str, Any]:
-    """config.json as a dict whose known keys are checked (`check_config`), errors naming the file."""
+    """config.json as a dict whose known keys are checked (`check_config`), errors naming the
+    file; a Hugging Face quantization MLX runs as stored gets mlx-lm's `quantization` entry."""
     file = path / "config.json"
     raw = read_checkpoint_file(path, file.name)
     if raw is None:
         raise ModelNotFoundError(f"no config.json in '{path}'; is this a model folder?")
-    return check_config(_json(file, raw), str(file))
+    return with_mlx_quantization(check_config(_json(file, raw), str(file)))
+
+
+# Hugging Face quantization methods whose tensors MLX runs as stored, once the family's
+# `sanitize` has named them as MLX does: gpt-oss's MXFP4 experts (E2M1 codes, two to a byte,
+# and an E8M0 exponent per 32) are MLX's mxfp4 mode bit for bit.
+AS_STORED = {"mxfp4": {"group_size": 32, "bits": 4, "mode": "mxfp4"}}
+
+
+def hf_quant_method(config: dict[str, Any]) -> str | None:
+    """The `quant_method` of a Hugging Face `quantization_config` (mlx-lm's copy has none)."""
+    method = (config.get("quantization_config") or {}).get("quant_method")
+    return method if isinstance(method, str) else None
+
+
+def with_mlx_quantization(config: dict[str, Any]) -> dict[str, Any]:
+    """`config`, with mlx-lm's `quantization` entry where its Hugging Face quantization is one
+    MLX runs as stored (so the quantized layers are built as such, never dequantized)."""
+    method = hf_quant_method(config)
+    if config.get("quantization") or method not in AS_STORED:
+        return config
+    return {**config, "quantization": AS_STORED[method]}
 
 
 def checkpoint_json(path: Path, name: str) -> Any:
@@ -304,11 +326,21 @@ def read_weights(files: list[Path]) -> tuple[dict[str, mx.array], dict[str, str]
     return weights, origin
 
 
-def _quant_params(path: str, module: nn.Module, weights: dict[str, mx.array]) -> dict[str, int]:
-    """Bits and group size of a layer, read off its packed weight and scales."""
+# MLX's floating-point quantization modes and the (bits, group size) each fixes: E2M1 or E4M3
+# codes with a power-of-two (E8M0) scale per 32 weights, or an E4M3 scale per 16 (nvfp4);
+# scales only, no biases.
+FLOAT_MODES = {"mxfp4": (4, 32), "mxfp8": (8, 32), "nvfp4": (4, 16)}
+
+
+def _quant_params(path: str, module: nn.Module, weights: dict[str, mx.array]) -> dict[str, Any]:
+    """Bits, group size and mode of a layer, read off its packed weight and scales (a layer
+    without biases is in the floating-point mode of its bits and group size)."""
     in_dims = module.weight.shape[-1]
     packed, scales = weights[f"{path}.weight"], weights[f"{path}.scales"]
-    return {"bits": packed.shape[-1] * 32 // in_dims, "group_size": in_dims // scales.shape[-1]}
+    bits, group_size = packed.shape[-1] * 32 // in_dims, in_dims // scales.shape[-1]
+    floating = (m for m, fixed in FLOAT_MODES.items() if fixed == (bits, group_size))
+    mode = "affine" if f"{path}.biases" in weights else next(floating, "affine")
+    return {"bits": bits, "group_size": group_size, "mode": mode}
 
 
 def quantize_like_checkpoint(model: nn.Module, quant: dict[str, Any], weights: dict[str, mx.array]) -> None:

@@ -17,6 +17,13 @@ Only a reply that opens its thinking first (or whose prompt opened it) has any: 
 later in an answer is the answer's text. A model that closes its thinking without having
 opened it (older DeepSeek-R1 templates) is not split: telling that apart would mean
 holding back the whole reply.
+
+gpt-oss speaks OpenAI's harmony format instead: a reply is a run of messages, each a header
+naming its channel and a body, `<|channel|>analysis<|message|>...<|end|>` then
+`<|start|>assistant<|channel|>final<|message|>...` (`<|return|>`, an end of sequence, closes
+the reply). The `analysis` channel is the thinking; `final`, and `commentary` (what the model
+tells the user around tool calls), the answer; the headers and end markers belong to neither
+(`ChannelSplitter`).
 """
 
 from __future__ import annotations
@@ -29,35 +36,71 @@ from .tokenizer import Tokenizer
 
 @dataclass(frozen=True)
 class Tags:
-    """The text a model's thinking starts and ends with (gpt-oss's channels will be another kind)."""
+    """The text a model's thinking starts and ends with."""
 
     open: str
     close: str
 
+    @property
+    def marker(self) -> str:
+        """What a chat template that thinks this way holds (the closing tag, to cut old thinking
+        out of the history or to write an empty block when thinking is off)."""
+        return self.close
+
+    def opened_by(self, prompt: str) -> bool:
+        """Whether a reply to `prompt` starts inside the thinking."""
+        return prompt.rstrip().endswith(self.open)
+
+    def splitter(self, inside: bool) -> Splitter:
+        return Splitter(self, inside)
+
+
+@dataclass(frozen=True)
+class Channels:
+    """Harmony's markup: a message's header (`<|start|>assistant<|channel|>NAME`, any recipient
+    or content type after the name) runs up to `message`; its body up to one of `ends`, or up
+    to the next header where a model leaves out `<|end|>`."""
+
+    start: str = "<|start|>"
+    channel: str = "<|channel|>"
+    message: str = "<|message|>"
+    ends: tuple[str, ...] = ("<|end|>", "<|return|>", "<|call|>")
+    thinking: str = "analysis"
+
+    @property
+    def marker(self) -> str:
+        return self.channel
+
+    def opened_by(self, prompt: str) -> bool:
+        return prompt.endswith(f"{self.channel}{self.thinking}{self.message}")
+
+    def splitter(self, inside: bool) -> ChannelSplitter:
+        return ChannelSplitter(self, inside)
+
 
 THINK = Tags("<think>", "</think>")
-KNOWN = (THINK,)
+HARMONY = Channels()
+KNOWN: tuple[Tags | Channels, ...] = (THINK, HARMONY)
 # OpenAI's reasoning_effort values; "none" and "minimal" turn thinking off where the template can.
 EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 SWITCH = "enable_thinking"  # the template variable Qwen3's and SmolLM3's templates read
 
 
-def tags_for(tokenizer: Tokenizer) -> Tags | None:
-    """The tags of a model whose chat template thinks: one that names the closing tag
-    (to cut old thinking out of the history, or to write an empty block when thinking is off)."""
+def tags_for(tokenizer: Tokenizer) -> Tags | Channels | None:
+    """How a model whose chat template thinks marks its thinking (the template holds the marker)."""
     template = tokenizer.chat_template or ""
-    return next((tags for tags in KNOWN if tags.close in template), None)
+    return next((tags for tags in KNOWN if tags.marker in template), None)
 
 
 @dataclass(frozen=True)
 class Reasoning:
     """How a reply's thinking is told apart: its tags, and whether the prompt left it open."""
 
-    tags: Tags
+    tags: Tags | Channels
     inside: bool
 
-    def splitter(self) -> Splitter:
-        return Splitter(self.tags, self.inside)
+    def splitter(self) -> Splitter | ChannelSplitter:
+        return self.tags.splitter(self.inside)
 
     def split(self, text: str) -> tuple[str, str]:
         """A whole reply as (thinking, answer)."""
@@ -72,7 +115,7 @@ def reasoning_for(tokenizer: Tokenizer, prompt: str) -> Reasoning | None:
     tags = tags_for(tokenizer)
     if tags is None:
         return None
-    return Reasoning(tags, prompt.rstrip().endswith(tags.open))
+    return Reasoning(tags, tags.opened_by(prompt))
 
 
 _START, _THINKING, _ANSWER = "start", "thinking", "answer"
@@ -154,6 +197,80 @@ class Splitter:
         if self.state == _START:
             self.state, self._leading = _ANSWER, False
         return "", self._part(held)
+
+
+# Longest header held while waiting for its `<|message|>`; past it the text is the answer (a
+# header is a role, a recipient and a content type: a few dozen characters).
+MAX_HEADER = 256
+
+
+class ChannelSplitter:
+    """Harmony text pieces in, (thinking, answer) pieces out, as soon as each is certain.
+
+    Between messages text is held while it is, or may become, a header; at its `<|message|>`
+    the header's channel routes the body: `analysis` to the thinking, any other to the answer.
+    A body goes out as it comes except an end that may still be a marker arriving. Text that
+    cannot be a header (a model answering without channels) is answer as written."""
+
+    def __init__(self, channels: Channels, inside: bool):
+        self.c = channels
+        self.channel: str | None = channels.thinking if inside else None  # None: between messages
+        self._held = ""
+        self._bounds = (*channels.ends, channels.start, channels.channel)  # what ends a body
+
+    def push(self, text: str) -> tuple[str, str]:
+        """Returns (thinking, answer) that `text` made certain."""
+        self._held += text
+        out = ["", ""]
+        while self._held:
+            if self.channel is None and not self._header():
+                break
+            if self.channel is not None and not self._body(out):
+                break
+        return out[0], out[1]
+
+    def _header(self) -> bool:
+        """Reads a complete header (True: a body starts), or holds a possible one (False)."""
+        head, found, rest = self._held.partition(self.c.message)
+        if found and head.startswith((self.c.start, self.c.channel)):
+            self.channel, self._held = _channel_name(head, self.c.channel), rest
+            return True
+        if len(head) <= MAX_HEADER and not found and any(
+            head.startswith(m) or m.startswith(head) for m in (self.c.start, self.c.channel)
+        ):
+            return False
+        self.channel = ""  # not a header: an answer without channels
+        return True
+
+    def _body(self, out: list[str]) -> bool:
+        """Routes the body text now certain; True when the body ended (a header may follow)."""
+        at, bound = min(((self._held.find(b), b) for b in self._bounds if b in self._held), default=(-1, ""))
+        if at >= 0:
+            text, rest = self._held[:at], self._held[at:]
+            self._held = rest[len(bound):] if bound in self.c.ends else rest
+        else:
+            keep = max(_tag_prefix(self._held, b) for b in self._bounds)
+            text, self._held = self._held[: len(self._held) - keep], self._held[len(self._held) - keep:]
+        out[0 if self.channel == self.c.thinking else 1] += text
+        if at >= 0:
+            self.channel = None
+        return at >= 0
+
+    def flush(self) -> tuple[str, str]:
+        """What is still held once the reply has ended: an unfinished header is dropped (markup,
+        not text); what only looked like the start of one, or like a marker at the end of a body,
+        is text after all."""
+        held, self._held = self._held, ""
+        if self.channel is None:
+            return "", "" if held.startswith((self.c.start, self.c.channel)) else held
+        return (held, "") if self.channel == self.c.thinking else ("", held)
+
+
+def _channel_name(header: str, channel: str) -> str:
+    """The channel a header names: the word after `<|channel|>` (none: the answer's)."""
+    _, found, after = header.partition(channel)
+    words = after.replace("<|", " <|").split()
+    return words[0] if found and words else ""
 
 
 def _tag_prefix(text: str, tag: str) -> int:

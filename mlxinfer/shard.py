@@ -10,7 +10,8 @@ does: the ranks must be a multiple of the KV heads, and each rank's K/V projecti
 cache hold that one head. The embedding and LM head are split by vocabulary rows (a lookup
 is one `all_sum`, the logits one `all_gather`); norms and MoE routers stay whole, except
 OLMo's q/k norms, which span every head of a projection: they split with the heads, and sum
-their squares across the ranks (one small `all_sum` each).
+their squares across the ranks (one small `all_sum` each). Attention sinks (gpt-oss's logit
+per head) go with their heads.
 Latent attention (DeepSeek MLA) splits its heads the same way (rows of q_b_proj and
 kv_b_proj, or the per-head embed_q / unembed_out); its cache, one compressed latent and
 one rotary key per token that every head reads, is whole on every rank (it is already
@@ -49,7 +50,7 @@ QKV = re.compile(r"\.linear_attn\.(in_proj_qkv|conv1d)\.(weight|scales|biases)$"
 THIRDS = re.compile(r"\.conv\.in_proj\.(weight|scales|biases|bias)$")  # LFM2's rows [B | C | x]
 CHANNELS = re.compile(r"\.conv\.conv\.(weight|bias)$")
 KV = re.compile(r"\.(k_proj|v_proj)\.(weight|scales|biases|bias)$")  # rows by KV head, copied when fewer than ranks
-HEADS = re.compile(r"\.(embed_q|unembed_out)\.(weight|scales|biases)$")  # stored [heads, rows, cols]
+HEADS = re.compile(r"\.(embed_q|unembed_out)\.(weight|scales|biases)$|\.sinks$")  # [heads, ...], gpt-oss's [heads]
 QK_NORM = re.compile(r"\.(q_norm|k_norm)\.weight$")  # per head (whole) or over the projection (split with it)
 VOCAB = re.compile(r"(^|\.)(embed_tokens|lm_head)\.(weight|scales|biases)$")
 ROW = re.compile(r"\.(o_proj|down_proj|out_proj)\.(weight|scales|biases|bias)$")

@@ -162,18 +162,23 @@ def _layer_quant(config: dict[str, Any], layer: str) -> dict[str, Any]:
 
 def parameter_count(tensors: dict[str, Any], config: dict[str, Any]) -> int:
     """Parameters as the unquantized model has them (tied embeddings counted once); a
-    quantized weight packs 32/bits values per uint32."""
+    quantized weight packs 32/bits values per uint32, a Hugging Face MXFP4 `*_blocks`
+    tensor two per byte (its `*_scales` are not parameters)."""
     total = 0
     for name, info in tensors.items():
         base = name.rsplit(".", 1)[0]
         quantized = f"{base}.scales" in tensors
         if quantized and name.endswith((".scales", ".biases")):
             continue
+        if name.endswith("_scales") and f"{name.removesuffix('_scales')}_blocks" in tensors:
+            continue
         n = 1
         for d in info["shape"]:
             n *= d
         if quantized and name.endswith(".weight"):
             n = n * 32 // (_layer_quant(config, base).get("bits") or 4)
+        elif name.endswith("_blocks"):
+            n *= 2
         total += n
     return total
 
@@ -182,7 +187,8 @@ def quantization(tensors: dict[str, Any], config: dict[str, Any]) -> str:
     """'4-bit g64', with '(mixed)' when some layers differ; else the float dtype."""
     q = config.get("quantization")
     if q:
-        label = f"{q.get('bits', '?')}-bit g{q.get('group_size', '?')}"
+        mode = q.get("mode", "affine")
+        label = f"{q.get('bits', '?')}-bit g{q.get('group_size', '?')}" if mode == "affine" else str(mode)
         layers = [v for v in q.values() if isinstance(v, (dict, bool))]
         own = (q.get("bits"), q.get("group_size"))
         if any(v is False or (isinstance(v, dict) and (v.get("bits"), v.get("group_size")) != own) for v in layers):

@@ -260,6 +260,22 @@ def fetch_wheel(requirement: str) -> Path:
     return wheels[0]
 
 
+def fetch_sdist(requirement: str) -> Path:
+    """The source archive of `name==version` from PyPI (`pip download --no-binary :all:`, never
+    built or installed), cached in ASSETS; skips the test when the registry cannot be reached."""
+    name, _, version = requirement.partition("==")
+    sdist = ASSETS / f"{name.replace('-', '_')}-{version}.tar.gz"
+    if not sdist.is_file():
+        ASSETS.mkdir(parents=True, exist_ok=True)
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+               "--disable-pip-version-check", "--retries", "1", "--timeout", "20", "-q", requirement, "-d", str(ASSETS)]
+        done = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=900)
+        if done.returncode or not sdist.is_file():
+            why = (done.stderr.strip().splitlines() or ["no output"])[-1]
+            pytest.skip(f"cannot download {requirement} from PyPI (registry unreachable?): {why}")
+    return sdist
+
+
 def wheel_member(wheel: Path, suffix: str) -> bytes:
     """The bytes of the one member of `wheel` whose name ends with `suffix`."""
     with zipfile.ZipFile(wheel) as z:

@@ -104,6 +104,22 @@ def test_uniform_quantization_equals_mlx_lm(hf_checkpoint, mlx_lm_quantized, tmp
     assert any("unquantized" in line for line in report.lines()) == bool(unquantized)
 
 
+@pytest.mark.parametrize("mode", ["mxfp4", "mxfp8", "nvfp4"])
+def test_floating_point_modes_equal_mlx_lm(hf_checkpoint, tmp_path, mode):
+    """--q-mode: MLX's microscaling formats (scales only, uint8), as mlx-lm's converter writes them."""
+    from mlx_lm import convert as mlx_lm_convert
+
+    src, out, ref = hf_checkpoint("llama"), tmp_path / "out", tmp_path / "ref"
+    mlx_lm_convert(str(src), str(ref), quantize=True, q_mode=mode, dtype="float32")
+    report = convert(src, out, q_mode=mode)
+    assert_same_tensors(tensors(out), tensors(ref))
+    assert quant_config(out) == quant_config(ref)
+    assert not [k for k in tensors(out) if k.endswith(".biases")]
+    np.testing.assert_allclose(logits(mlxinfer.load(out)[0]), mlx_lm_logits(ref), atol=TOL, rtol=0)
+    np.testing.assert_allclose(mlx_lm_logits(out), mlx_lm_logits(ref), atol=TOL, rtol=0)
+    assert any(mode in line for line in report.lines())
+
+
 def recipe_predicate(config: dict):
     """mlx-lm quantizing each layer exactly as our config.json says (to compare bits, not choices)."""
     return lambda path, module: config.get(path, False)
@@ -265,6 +281,10 @@ def test_force_never_replaces_the_source(hf_checkpoint, copy_checkpoint):
         (["--dtype", "float64"], "dtype 'float64' is not supported"),
         (["-q", "--dequantize"], "cannot be combined"),
         (["--shard-size", "lots"], "is not a size"),
+        (["--q-mode", "int3"], "--q-mode 'int3' is not an MLX quantization mode; choose one of affine, mxfp4"),
+        (["--q-mode", "mxfp4", "--bits", "8"], "--q-mode mxfp4 has --bits 4; drop --bits 8"),
+        (["--q-mode", "nvfp4", "--recipe", "mixed-4-6"], "cannot be combined with --q-mode nvfp4"),
+        (["--q-mode", "mxfp8", "--dequantize"], "cannot be combined"),
     ],
 )
 def test_bad_options_one_line_nothing_written(hf_checkpoint, tmp_path, args, error):

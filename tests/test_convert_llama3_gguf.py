@@ -24,7 +24,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import ASSETS, SHARED, build_hf_checkpoint
+from conftest import ASSETS, SHARED, build_hf_checkpoint, fetch_sdist
 
 import mlxinfer
 from convert import convert
@@ -73,16 +73,7 @@ def llama_cpp() -> Path:
     root = ASSETS / f"llama.cpp-{version}"
     if (root / "convert_hf_to_gguf.py").is_file():
         return root
-    sdist = ASSETS / f"{name.replace('-', '_')}-{version}.tar.gz"
-    if not sdist.is_file():
-        ASSETS.mkdir(parents=True, exist_ok=True)
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-               "--disable-pip-version-check", "--retries", "1", "--timeout", "20", "-q", f"{name}=={version}",
-               "-d", str(ASSETS)]
-        done = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=900)
-        if done.returncode or not sdist.is_file():
-            why = (done.stderr.strip().splitlines() or ["no output"])[-1]
-            pytest.skip(f"cannot download {name}=={version} from PyPI (registry unreachable?): {why}")
+    sdist = fetch_sdist(f"{name}=={version}")
     prefix = f"{sdist.name.removesuffix('.tar.gz')}/vendor/llama.cpp/"
     partial = root.with_suffix(".partial")
     shutil.rmtree(partial, ignore_errors=True)

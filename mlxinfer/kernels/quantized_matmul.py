@@ -15,6 +15,10 @@ reads ~0.5 GB/s), and costs as much per extra row as for the first. So off Metal
   1536x576 4-bit layer: 36 ms, against 679 ms for MLX's quantized matmul);
 - otherwise (no extension, `MLXINFER_CPU_QMM=off`) MLX's quantized matmul.
 
+The floating-point modes (mxfp4, as gpt-oss ships its experts; mxfp8, nvfp4) always go to
+MLX's quantized matmul: the extension is affine-only, and on the CPU MLX's mxfp4 product was
+no slower than dequantize + BLAS at 1 to 512 rows (1024 x 1024).
+
 On Metal MLX's own kernels always run. The extension is checked when first loaded: it
 must be built against the MLX release in use and agree with `mx.quantized_matmul` on a
 small product, or it stays unused and `reason()` says why.
@@ -163,4 +167,4 @@ def describe() -> str:
     if mode() == "off":
         return f"MLX's quantized_matmul: MLXINFER_CPU_QMM=off (the CPU extension, {ext.simd()}, is built)"
     return (f"CPU extension ({ext.simd()}, {ext.threads()} threads) for 1-{EXTENSION_ROWS} rows, "
-            f"dequantize + BLAS from {EXTENSION_ROWS + 1}")
+            f"dequantize + BLAS from {EXTENSION_ROWS + 1}; mxfp4/mxfp8/nvfp4 layers: MLX's quantized_matmul")

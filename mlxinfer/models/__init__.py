@@ -17,6 +17,7 @@ FAMILIES: dict[str, str] = {
     "gemma3": "gemma3",
     "gemma3_text": "gemma3_text",
     "glm4_moe": "glm4_moe",
+    "gpt_oss": "gpt_oss",
     "lfm2": "lfm2",
     "llama": "llama",
     "mistral": "mistral",

@@ -62,22 +62,26 @@ def stored_kv(cache, k: mx.array, v: mx.array) -> tuple[mx.array, mx.array]:
 
 
 def attend(q: mx.array, k: mx.array, v: mx.array, cache, scale: float, mask: Mask,
-           softcap: float | None = None) -> mx.array:
-    """Store k/v in `cache` (when there is one) and attend q over everything it keeps.
+           softcap: float | None = None, sinks: mx.array | None = None) -> mx.array:
+    """Store k/v in `cache` (when there is one) and attend q over everything it keeps;
+    `sinks` [heads] are learned logits each head's softmax also spreads over (gpt-oss).
 
     Quantized K/V are read in place by `kernels.quantized_attention` (no dequantized
-    copy of the whole cache per step); float K/V go to MLX's fused kernel.
+    copy of the whole cache per step); float K/V go to MLX's fused kernel, which takes
+    the sinks. The quantized kernel has no sink term, so with sinks a quantized cache is
+    dequantized for the fused kernel instead.
     """
     if softcap is not None:
         if cache is not None:
             k, v = stored_kv(cache, k, v)
         return softcapped_attention(q, k, v, scale, mask, softcap)
-    if cache is None:
-        return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
-    keys, values = cache.update_and_fetch(k, v)
-    if cache.bits is None:
-        return mx.fast.scaled_dot_product_attention(q, keys[0], values[0], scale=scale, mask=mask)
-    return quantized_attention(q, cache.keys, cache.values, scale, mask, cache.group_size, cache.bits, cache.size)
+    if cache is not None and (cache.bits is None or sinks is not None):
+        k, v = stored_kv(cache, k, v)
+    elif cache is not None:
+        cache.update_and_fetch(k, v)
+        return quantized_attention(q, cache.keys, cache.values, scale, mask, cache.group_size, cache.bits,
+                                   cache.size)
+    return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask, sinks=sinks)
 
 
 def offsets(cache) -> int | list[int]:
@@ -89,18 +93,19 @@ def offsets(cache) -> int | list[int]:
 
 
 def attention(q: mx.array, k: mx.array, v: mx.array, cache, mask, scale: float,
-              softcap: float | None = None) -> mx.array:
+              softcap: float | None = None, sinks: mx.array | None = None) -> mx.array:
     """Store k/v and attend, for one sequence or a batch (a cache with `rows`, one mask
     per row): a decode step over per-sequence caches goes through `decode_rows`, the
-    rest (prefill, soft-capping, one cache holding many rows) through `attend`."""
+    rest (prefill, soft-capping, sinks, one cache holding many rows) through `attend`
+    (the CPU primitive of `decode_rows` has no sink term)."""
     rows = getattr(cache, "rows", None)
     one_cache_many_rows = rows is None and q.shape[0] != 1  # a plain [B, ...] cache, not per-row buffers
-    if (cache is not None and q.shape[2] == 1 and softcap is None and not one_cache_many_rows
+    if (cache is not None and q.shape[2] == 1 and softcap is None and sinks is None and not one_cache_many_rows
             and cpu_attention.available(q)):
         return decode_rows(q, k, v, rows or [cache], mask if rows is not None else [mask], scale)
 
     def one(qi: mx.array, ki: mx.array, vi: mx.array, c, m: Mask) -> mx.array:
-        return attend(qi, ki, vi, c, scale, m, softcap)
+        return attend(qi, ki, vi, c, scale, m, softcap, sinks)
 
     return per_row(one, cache, mask, q, k, v)
 

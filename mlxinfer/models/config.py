@@ -109,6 +109,7 @@ class ModelConfig:
     query_pre_attn_scalar: float | None = None
     sandwich_norms: bool = False
     attn_softcap: float | None = None
+    attention_sinks: bool = False  # a learned logit per head in every softmax (gpt-oss)
     final_softcap: float | None = None
     nope_layers: frozenset[int] = frozenset()  # layers whose attention has no RoPE (SmolLM3's NoPE layers)
     quantization: dict[str, Any] | None = None
@@ -293,6 +294,9 @@ CONFIG_FIELDS: dict[str, Field] = {
     "no_rope_layers": Field(list, 0, 1, item=int),
     "no_rope_layer_interval": SIZE_SET,
     "use_qk_norm": FLAG,
+    # gpt-oss
+    "swiglu_alpha": NUMBER_SET,
+    "swiglu_limit": POSITIVE_SET,
 }
 
 ROPE_FIELDS: dict[str, Field] = {

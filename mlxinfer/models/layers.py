@@ -200,7 +200,8 @@ def rms_norm(cfg: ModelConfig, dims: int | None = None) -> nn.Module:
 
 class Attention(nn.Module):
     """Grouped-query attention with optional q/k/v/o bias, per-head q/k RMSNorm,
-    a per-layer RoPE (or none: the config's `nope_layers`) and score soft-capping."""
+    a per-layer RoPE (or none: the config's `nope_layers`), score soft-capping and attention
+    sinks (a learned logit per head that takes its share of every softmax, gpt-oss's `sinks`)."""
 
     def __init__(self, cfg: ModelConfig, layer: int = 0):
         super().__init__()
@@ -218,6 +219,8 @@ class Attention(nn.Module):
         if cfg.qk_norm:
             self.q_norm = rms_norm(cfg, d)
             self.k_norm = rms_norm(cfg, d)
+        if cfg.attention_sinks:
+            self.sinks = mx.zeros((self.n_heads,))
         self.rope = None if layer in cfg.nope_layers else RoPE(cfg, cfg.rope_of(layer))
         self.scale = (cfg.query_pre_attn_scalar or d) ** -0.5
         self.softcap = cfg.attn_softcap
@@ -249,7 +252,8 @@ class Attention(nn.Module):
         if self.rope is not None:
             offset = offsets(cache)
             q, k = self.rope(q, offset), self.rope(k, offset)
-        o = attention(q, k, v, cache, mask, self.scale, self.softcap).transpose(0, 2, 1, 3).reshape(B, T, -1)
+        o = attention(q, k, v, cache, mask, self.scale, self.softcap, self.get("sinks"))
+        o = o.transpose(0, 2, 1, 3).reshape(B, T, -1)
         return self.o_proj(o if gate is None else o * mx.sigmoid(gate))
 
 

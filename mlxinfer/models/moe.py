@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 from collections import defaultdict
-from typing import ClassVar
+from typing import Callable, ClassVar
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -86,12 +86,19 @@ def _add_bias(layer: nn.Module, y: mx.array, indices: mx.array) -> mx.array:
     return y + mx.expand_dims(layer.bias[indices], -2) if "bias" in layer else y
 
 
-class SwitchGLU(nn.Module):
-    """The SwiGLU feed-forward of every routed expert: down(silu(gate(x)) * up(x)),
-    evaluated only for the k experts each token picked."""
+def silu_glu(gate: mx.array, up: mx.array) -> mx.array:
+    return nn.silu(gate) * up
 
-    def __init__(self, hidden: int, intermediate: int, num_experts: int, bias: bool = False):
+
+class SwitchGLU(nn.Module):
+    """The gated feed-forward of every routed expert: down(glu(gate(x), up(x))), SwiGLU's
+    silu(gate) * up unless a family gives its own `glu`, evaluated only for the k experts
+    each token picked."""
+
+    def __init__(self, hidden: int, intermediate: int, num_experts: int, bias: bool = False,
+                 glu: Callable[[mx.array, mx.array], mx.array] = silu_glu):
         super().__init__()
+        self.glu = glu
         self.gate_proj = SwitchLinear(hidden, intermediate, num_experts, bias)
         self.up_proj = SwitchLinear(hidden, intermediate, num_experts, bias)
         self.down_proj = SwitchLinear(intermediate, hidden, num_experts, bias)
@@ -121,14 +128,14 @@ class SwitchGLU(nn.Module):
         out = []
         for e in np.flatnonzero(counts):
             r = rows[int(starts[e]) : int(starts[e + 1])]
-            h = nn.silu(self.gate_proj.dense(r, e)) * self.up_proj.dense(r, e)
+            h = self.glu(self.gate_proj.dense(r, e), self.up_proj.dense(r, e))
             out.append(self.down_proj.dense(h, e))
         return mx.concatenate(out)
 
     def _experts(self, x: mx.array, indices: mx.array, sorted_indices: bool) -> mx.array:
         gate = self.gate_proj(x, indices, sorted_indices)
         up = self.up_proj(x, indices, sorted_indices)
-        return self.down_proj(nn.silu(gate) * up, indices, sorted_indices)
+        return self.down_proj(self.glu(gate, up), indices, sorted_indices)
 
 
 def top_k(scores: mx.array, k: int) -> tuple[mx.array, mx.array]:
