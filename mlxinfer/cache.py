@@ -11,13 +11,18 @@ per-layer caches and keeps its token list in step with them.
 Keys and values are kept as tuples of arrays with the sequence on axis 2: one
 float array, or MLX's (packed, scales, biases) triple when quantized, so the
 growing and the rotating cache share one code path for both.
+
+Recurrent layers (linear attention, short convolutions) keep a fixed-size state
+instead (`StateCache`): the same `offset`, `trim`, `can_trim_to` and snapshots, with
+`state` / `update` in place of keys and values.
 """
 
 from __future__ import annotations
 
 import json
+import weakref
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import mlx.core as mx
 import numpy as np
@@ -136,6 +141,18 @@ class KVCache:
     def nbytes(self) -> int:
         """Bytes held by the live entries (keys and values, scales included)."""
         return self.size * self.bytes_per_token
+
+    @property
+    def held_bytes(self) -> int:
+        """Bytes the buffers occupy, spare preallocated slots included."""
+        return sum(p.nbytes for p in self.arrays())
+
+    def arrays(self) -> list[mx.array]:
+        """What evaluating the cache computes: its key and value buffers."""
+        return [*(self.keys or ()), *(self.values or ())]
+
+    def checkpoint(self) -> None:
+        """Nothing to keep: keys and values can be cut back at any length."""
 
     @property
     def bytes_per_token(self) -> int:
@@ -278,6 +295,162 @@ class RotatingKVCache(KVCache):
         self._set(keys or None, values or None, positions, offset)
 
 
+State = tuple[mx.array, ...]
+Replay = Callable[[State | None, State], State | None]
+
+
+class StateCache:
+    """The fixed-size state of a recurrent layer (a Gated DeltaNet's matrices and convolution
+    inputs, a short convolution's last inputs): whatever the length of the context, one
+    `state`, replaced by each `update` (None before the first token).
+
+    A state cannot be cut back the way keys and values can: it folds every token in. Going
+    back to an earlier length uses what is kept for that:
+
+    - recent updates are replayed: the cache keeps the state from before them and the
+      inputs each update consumed (at most `replay_tokens` tokens, or the last update if it
+      was longer), and the layer's `replay` rebuilds the state after any prefix of them. That
+      is what rolls back a speculative verification to its accepted drafts, and an interrupted
+      step, exactly as if only those tokens had been fed; it costs the recurrence over a few
+      tokens, never the model.
+    - checkpoints: `checkpoint()` keeps the state at the current length. `PromptCache.prefill`
+      takes one where a prefill starts (the end of the previous turn: what /undo and a branching
+      conversation return to) and after every chunk it runs (the end of a prompt: what an agent
+      loop's next turn shares when its template rewrites the last reply). At most
+      `max_checkpoints` are kept, thinned where they are densest (the newest always stays), as
+      each costs one state of memory.
+    - anywhere else: recompute. `PromptCache.reachable` finds the longest length every layer
+      can return to exactly and the prompt is prefilled again from there.
+
+    Recomputing from checkpoints rather than checkpointing every token: a state is as large as
+    hundreds of tokens of K/V, so a snapshot per token would cost more memory than attention;
+    a few at the places conversations return to make those returns cheap.
+    """
+
+    max_checkpoints = 8
+    replay_tokens = 32
+
+    def __init__(self):
+        self.offset = 0
+        self.state: State | None = None
+        self.checkpoints: dict[int, State | None] = {}
+        self._start = 0  # the replay log: the state at `_start` tokens and the inputs since
+        self._base: State | None = None
+        self._inputs: list[State] = []
+        self._replay: weakref.WeakMethod | None = None
+
+    def update(self, state: State, inputs: State, replay: Replay) -> None:
+        """The state after the new tokens; `inputs` (arrays [B, T, ...], T the new tokens) and
+        `replay` (a bound method of the layer, held weakly) rebuild it after any prefix of them."""
+        logged = self.offset - self._start
+        if logged and logged + inputs[0].shape[1] > self.replay_tokens:
+            self._start, self._base, self._inputs = self.offset, self.state, []
+        self._inputs.append(inputs)
+        self._replay = weakref.WeakMethod(replay)
+        self.state = state
+        self.offset += inputs[0].shape[1]
+
+    def checkpoint(self) -> None:
+        """Keep the state at the current length (see the class docstring)."""
+        if self.offset == 0 or self.offset in self.checkpoints:
+            return
+        self.checkpoints[self.offset] = self.state
+        while len(self.checkpoints) > self.max_checkpoints:
+            kept = sorted(self.checkpoints)
+            # drop the one whose loss leaves the smallest gap between its neighbours (never the newest)
+            gaps = [kept[i + 1] - (kept[i - 1] if i else 0) for i in range(len(kept) - 1)]
+            del self.checkpoints[kept[gaps.index(min(gaps))]]
+
+    def _replayable(self, offset: int) -> bool:
+        return self._start <= offset <= self.offset and (offset == self._start or self._replay() is not None)
+
+    def can_trim_to(self, offset: int) -> bool:
+        return 0 <= offset <= self.offset and (offset in (0, self.offset) or offset in self.checkpoints
+                                               or self._replayable(offset))
+
+    def state_at(self, offset: int) -> State | None:
+        """The state after the first `offset` tokens (`can_trim_to(offset)` must hold)."""
+        if offset == self.offset:
+            return self.state
+        if offset in self.checkpoints:
+            return self.checkpoints[offset]
+        if offset == 0:
+            return None
+        if not self._replayable(offset):
+            raise InvalidOptionError(f"this state cache cannot go back to {offset} tokens; "
+                                     "check can_trim_to first")
+        if offset == self._start:
+            return self._base
+        inputs = self._logged(offset - self._start)
+        return self._replay()(self._base, inputs)
+
+    def _logged(self, n: int) -> State:
+        """The first `n` logged tokens' inputs, joined."""
+        parts, left = [], n
+        for inputs in self._inputs:
+            take = min(left, inputs[0].shape[1])
+            parts.append(tuple(x[:, :take] for x in inputs))
+            left -= take
+            if not left:
+                break
+        return tuple(mx.concatenate(xs, axis=1) if len(xs) > 1 else xs[0] for xs in zip(*parts))
+
+    def trim(self, n: int) -> int:
+        """Go back `n` tokens (to a length `can_trim_to` allows); returns how many were dropped."""
+        n = min(n, self.offset)
+        if not n:
+            return 0
+        target = self.offset - n
+        state = self.state_at(target)
+        if self._start <= target:
+            if target > self._start:
+                self._inputs = [self._logged(target - self._start)]
+            else:
+                self._inputs = []
+        else:  # back before the log: it starts again here
+            self._start, self._base, self._inputs = target, state, []
+        self.state, self.offset = state, target
+        self.checkpoints = {k: v for k, v in self.checkpoints.items() if k <= target}
+        return n
+
+    def copy_at(self, offset: int) -> StateCache:
+        """A new cache holding this one's state after `offset` tokens and its checkpoints up to there."""
+        new = StateCache()
+        new.state = new._base = self.state_at(offset)
+        new.offset = new._start = offset
+        new.checkpoints = {k: v for k, v in self.checkpoints.items() if k <= offset}
+        return new
+
+    def arrays(self) -> list[mx.array]:
+        """What evaluating the cache computes: its state."""
+        return list(self.state or ())
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the state (the same at every length)."""
+        return sum(a.nbytes for a in self.state or ())
+
+    @property
+    def held_bytes(self) -> int:
+        """Bytes the cache keeps alive: the state, its checkpoints and the replay log."""
+        seen: dict[int, int] = {}
+        for part in (self.state, self._base, *self.checkpoints.values(), *self._inputs):
+            for a in part or ():
+                seen[id(a)] = a.nbytes
+        return sum(seen.values())
+
+    bytes_per_token = 0
+
+    def meta(self) -> dict[str, Any]:
+        return {"kind": "StateCache", "offset": self.offset}
+
+    def restore(self, state: State | None, offset: int) -> None:
+        """Hold `state` after `offset` tokens (a cache read back from a file)."""
+        self.state = self._base = state or None
+        self.offset = self._start = offset
+        self.checkpoints, self._inputs = {}, []
+
+
 def pick_kv_group_size(head_dim: int, requested: int | None) -> int:
     """The quantization group for cached keys/values: as requested, else the
     largest MLX group size that divides the head dimension."""
@@ -297,12 +470,16 @@ def make_cache(
     kv_bits: int | None = None,
     kv_group_size: int | None = None,
     keep: int = 4,
-) -> list[KVCache]:
+) -> list[KVCache | StateCache]:
     """One cache per layer: growing, or rotating when `max_kv_size` bounds memory;
-    a sliding-window layer gets a rotating cache the size of its window."""
+    a sliding-window layer gets a rotating cache the size of its window, a recurrent
+    layer a StateCache."""
     group = pick_kv_group_size(model.config.head_dim, kv_group_size) if kv_bits else 64
-    caches: list[KVCache] = []
+    caches: list[KVCache | StateCache] = []
     for layer in model.layers:
+        if not layer.attends:  # a recurrent layer: its state, whatever the K/V options
+            caches.append(StateCache())
+            continue
         sizes = [s for s in (max_kv_size, layer.window) if s]
         if not sizes:
             caches.append(KVCache(kv_bits, group))
@@ -367,10 +544,19 @@ class PromptCache:
 
     def prefill(self, model, tokens: Sequence[int], step: int = 512) -> None:
         """Run prompt tokens in chunks of at most `step` (bounded memory), evaluating
-        only the caches: the LM head's logits for these positions are never computed."""
+        only the caches: the LM head's logits for these positions are never computed.
+        Recurrent layers keep their state where the prefill starts and after each chunk
+        (`StateCache.checkpoint`): the lengths a later prompt most likely shares."""
+        self.checkpoint()
         for i in range(0, len(tokens), step):
             self.run(model, tokens[i : i + step])
-            mx.eval([(c.keys, c.values) for c in self.caches])
+            mx.eval([c.arrays() for c in self.caches])
+            self.checkpoint()
+
+    def checkpoint(self) -> None:
+        """Snapshot every recurrent layer's state at the current length."""
+        for c in self.caches:
+            c.checkpoint()
 
     def _length(self) -> int:
         return len(self._tokens) + sum(ids.size for ids in self._pending)
@@ -405,11 +591,16 @@ class PromptCache:
         vocab = model.config.vocab_size
         if any(not 0 <= t < vocab for t in self.tokens):
             return f"it holds token ids outside the vocabulary of {vocab}"
-        if all(c.keys is None for c in self.caches):
+        if not any(c.arrays() for c in self.caches):
             return None
         probe = PromptCache.for_model(model)
         probe.run(model, [0])
         for i, (c, fresh) in enumerate(zip(self.caches, probe.caches)):
+            if isinstance(c, StateCache) or isinstance(fresh, StateCache):
+                problem = _state_misfit(c, fresh)
+                if problem:
+                    return f"layer {i}'s {problem}"
+                continue
             for name, have, want in (("keys", c.keys, fresh.keys), ("values", c.values, fresh.values)):
                 if have is None:
                     continue
@@ -432,8 +623,8 @@ class PromptCache:
 
     @property
     def bounded(self) -> bool:
-        """Every layer rotates, so the context may grow past the model's window."""
-        return all(isinstance(c, RotatingKVCache) for c in self.caches)
+        """Every layer rotates or keeps a fixed-size state, so the context may grow past the model's window."""
+        return all(isinstance(c, (RotatingKVCache, StateCache)) for c in self.caches)
 
     def trim(self, n: int) -> None:
         """Forget the newest `n` tokens (speculative rollback, prefix reuse)."""
@@ -446,14 +637,25 @@ class PromptCache:
         """Whether every layer still holds what a context of the first `length` tokens needs."""
         return all(c.can_trim_to(length) for c in self.caches)
 
+    def reachable(self, length: int) -> int:
+        """The longest context of at most `length` tokens every layer can go back to exactly:
+        `length` itself where K/V can be cut there, else a recurrent layer's checkpoint below it
+        (the tokens after it are recomputed), else 0."""
+        marks = {m for c in self.caches if isinstance(c, StateCache) for m in c.checkpoints if m < length}
+        for n in sorted({length, *marks}, reverse=True):
+            if self.can_trim_to(n):
+                return n
+        return 0
+
     def prepare(self, prompt: Sequence[int]) -> list[int]:
-        """Reuse the longest common prefix with what is cached and return the
-        tokens still to prefill (always at least one, to get next-token logits)."""
+        """Reuse the longest common prefix with what is cached (that every layer can go back
+        to: `reachable`) and return the tokens still to prefill (always at least one, to get
+        next-token logits)."""
         prompt = list(prompt)
-        common = min(common_prefix(self.tokens, prompt), len(prompt) - 1)
-        if self.can_trim_to(common):
-            self.trim(len(self.tokens) - common)
-            return prompt[common:]
+        keep = self.reachable(min(common_prefix(self.tokens, prompt), len(prompt) - 1))
+        if keep:
+            self.trim(len(self.tokens) - keep)
+            return prompt[keep:]
         self.reset()
         return prompt
 
@@ -492,6 +694,18 @@ def run_rows(model, caches: Sequence[PromptCache], tokens: mx.array) -> mx.array
     return logits[:, -1]
 
 
+def _state_misfit(have: KVCache | StateCache, want: KVCache | StateCache) -> str | None:
+    """Why a saved layer cannot stand in for the model's (a recurrent state where it attends,
+    or states of other shapes or dtypes), or None."""
+    if type(have) is not type(want) and StateCache in (type(have), type(want)):
+        return f"cache is a {type(have).__name__}, the model keeps a {type(want).__name__}"
+    got = [(a.shape[1:], str(a.dtype)) for a in have.state or ()]
+    made = [(a.shape[1:], str(a.dtype)) for a in want.state or ()]
+    if got and got != made:
+        return f"state is (shape, dtype) {got}, the model makes {made}"
+    return None
+
+
 def _layout(parts: Parts, bits: int | None, group_size: int) -> tuple[int, int, str]:
     """(heads, dims per head, float dtype) of cached keys or values, quantized or not."""
     if bits is None:
@@ -504,6 +718,11 @@ def save_prompt_cache(path: str | Path, cache: PromptCache, metadata: dict[str, 
     arrays: dict[str, mx.array] = {"tokens": mx.array(np.array(cache.tokens, dtype=np.int32))}
     layers = []
     for i, c in enumerate(cache.caches):
+        if isinstance(c, StateCache):
+            for j, a in enumerate(c.state or ()):
+                arrays[f"{i}.state.{j}"] = a
+            layers.append({**c.meta(), "parts": len(c.state or ())})
+            continue
         keys, values = c.state
         for j, (k, v) in enumerate(zip(keys, values)):
             arrays[f"{i}.keys.{j}"], arrays[f"{i}.values.{j}"] = k, v
@@ -560,11 +779,14 @@ def _setting(path: Path, i: int, m: dict[str, Any], key: str, allowed: Any) -> A
     return value
 
 
-def _read_layer(path: Path, i: int, m: dict[str, Any], arrays: dict[str, mx.array], n_tokens: int) -> KVCache:
+def _read_layer(path: Path, i: int, m: dict[str, Any], arrays: dict[str, mx.array], n_tokens: int
+                ) -> KVCache | StateCache:
     """One layer's cache from its description and arrays, each checked against the others."""
     kind = m.get("kind")
-    if kind not in ("KVCache", "RotatingKVCache"):
+    if kind not in ("KVCache", "RotatingKVCache", "StateCache"):
         raise _unusable(path, f"layer {i} has unknown kind {kind!r:.40}")
+    if kind == "StateCache":
+        return _read_state(path, i, m, arrays, n_tokens)
     bits = _setting(path, i, m, "bits", (None, *KV_BITS))
     group = _setting(path, i, m, "group_size", KV_GROUP_SIZES)
     offset = _setting(path, i, m, "offset", range(INDEX_MAX))
@@ -588,6 +810,23 @@ def _read_layer(path: Path, i: int, m: dict[str, Any], arrays: dict[str, mx.arra
             raise _unusable(path, f"layer {i} keeps {stored} entries for {offset} tokens")
         c = KVCache(bits, group)
     c.restore(keys, values, offset, positions)
+    return c
+
+
+def _read_state(path: Path, i: int, m: dict[str, Any], arrays: dict[str, mx.array], n_tokens: int) -> StateCache:
+    """A recurrent layer's state: floating arrays [1, ...], present exactly when tokens were seen
+    (whether their shapes fit the model is `PromptCache.check_fits`)."""
+    offset = _setting(path, i, m, "offset", range(INDEX_MAX))
+    parts = _setting(path, i, m, "parts", range(8))
+    if n_tokens and offset != n_tokens:
+        raise _unusable(path, f"layer {i} covers {offset} tokens but the file lists {n_tokens}")
+    state = tuple(arrays.get(f"{i}.state.{j}") for j in range(parts))
+    if any(a is None or a.ndim < 2 or a.shape[0] != 1 or not mx.issubdtype(a.dtype, mx.floating) for a in state):
+        raise _unusable(path, f"layer {i}'s state is missing or not floating arrays [1, ...]")
+    if bool(state) != bool(offset):
+        raise _unusable(path, f"layer {i} has a state of {parts} arrays for {offset} tokens")
+    c = StateCache()
+    c.restore(state, offset)
     return c
 
 

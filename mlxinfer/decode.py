@@ -108,7 +108,7 @@ def scored_prefill(model, cache: PromptCache, tokens: Sequence[int], following: 
     k = min(top, rows.shape[-1])
     best = mx.argpartition(-rows, k - 1, axis=-1)[:, :k] if k else mx.zeros((len(tokens), 0), mx.int32)
     values = mx.take_along_axis(rows, best, axis=-1)
-    mx.eval(chosen, best, values, [(c.keys, c.values) for c in cache.caches])
+    mx.eval(chosen, best, values, [c.arrays() for c in cache.caches])
     return [Score(lp if lp >= LOWEST_LOGPROB else LOWEST_LOGPROB,  # -inf and NaN (an empty row) alike
                   sorted(((t, v) for t, v in zip(ids, vs) if math.isfinite(v)), key=lambda e: (-e[1], e[0])))
             for lp, ids, vs in zip(chosen.tolist(), best.tolist(), values.tolist())]

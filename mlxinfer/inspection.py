@@ -13,7 +13,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from .cache import PromptCache
+from .cache import PromptCache, StateCache
 from .models.config import SLIDING
 from .models.moe import SwitchGLU
 from .sample import SamplingConfig, filtered_probs
@@ -56,7 +56,10 @@ def inspect_pipeline(
         "embedding": embedding_view(model, len(prompt)),
         "layers": layers_view(model),
         "kv_cache": {"bytes_per_token": per_token, "prompt_bytes": prompt_bytes, "prompt_tokens": len(prompt),
-                     "dtype": str(cache.caches[0].keys[0].dtype).removeprefix("mlx.core.")},
+                     "dtype": str(next(c.keys[0] for c in cache.caches if c.arrays() and not isinstance(c, StateCache)
+                                       ).dtype).removeprefix("mlx.core."),
+                     "state_bytes": sum(c.nbytes for c in cache.caches if isinstance(c, StateCache)),
+                     "state_layers": sum(isinstance(c, StateCache) for c in cache.caches)},
         "timing": {
             "prefill_tokens": len(prompt), "prefill_s": prefill_s, "prefill_tps": len(prompt) / prefill_s,
             "decode_tokens": decode_tokens, "decode_s": decode_s,
@@ -98,7 +101,7 @@ def embedding_view(model, tokens: int) -> dict[str, Any]:
 def attention_view(model) -> tuple[str, str]:
     """How attention shares keys and values, and what the cache keeps per token and layer."""
     cfg = model.config
-    mla = getattr(model.layers[0].self_attn, "mla", None)
+    mla = getattr(next(layer for layer in model.layers if layer.attends).self_attn, "mla", None)
     if mla is not None:
         return (f"multi-head latent ({mla.heads} heads rebuild keys and values from one shared latent)",
                 f"a {mla.kv_lora_rank}-dim latent + a {mla.rope_dim}-dim rotary key")
@@ -136,6 +139,7 @@ def layers_view(model) -> dict[str, Any]:
         "mlp": mlp_view(model), "intermediate_size": cfg.intermediate_size,
         "norm": f"RMSNorm (eps {cfg.rms_norm_eps:g})", "rope": {"theta": cfg.rope.theta, "scaling": cfg.rope.kind},
         "qk_norm": cfg.qk_norm, "lm_head": "tied to the embedding" if cfg.tie_word_embeddings else "own matrix",
+        "recurrent": {kind: cfg.layer_types.count(kind) for kind in cfg.recurrent_kinds},
     }
 
 
@@ -192,7 +196,10 @@ def _layers_text(lay: dict[str, Any], shape: list[int]) -> str:
     if lay["sliding_window_layers"]:
         window = f"; {lay['sliding_window_layers']} layers see a sliding window of {lay['sliding_window']}"
     qk = "q/k RMSNorm; " if lay["qk_norm"] else ""
-    stack = (f"3. Transformer: {lay['count']} layers, each RMSNorm -> attention -> RMSNorm -> {lay['mlp']} "
+    others = lay.get("recurrent") or {}
+    mixer = " or ".join([f"attention ({lay['count'] - sum(others.values())})",
+                         *(f"{kind} ({n})" for kind, n in others.items())]) if others else "attention"
+    stack = (f"3. Transformer: {lay['count']} layers, each RMSNorm -> {mixer} -> RMSNorm -> {lay['mlp']} "
              f"({h} -> {lay['intermediate_size']} -> {h})")
     attention = (f"   attention: {lay['heads']} query heads, {lay['kv_heads']} KV heads, head dim {lay['head_dim']}: "
                  f"{lay['attention']}{window}")
@@ -202,9 +209,14 @@ def _layers_text(lay: dict[str, Any], shape: list[int]) -> str:
 
 
 def _cache_text(kv: dict[str, Any], lay: dict[str, Any]) -> str:
-    return (f"4. KV cache: {kv['bytes_per_token']:,} bytes per token ({kv['dtype']}, {lay['count']} layers x "
+    layers = lay["count"] - kv.get("state_layers", 0)
+    state = ""
+    if kv.get("state_layers"):  # recurrent layers: a fixed-size state, whatever the length
+        state = (f"; the other {kv['state_layers']} layers keep a recurrent state of {size(kv['state_bytes'])} "
+                 "per sequence, whatever its length")
+    return (f"4. KV cache: {kv['bytes_per_token']:,} bytes per token ({kv['dtype']}, {layers} layers x "
             f"{lay['cached']}); "
-            f"{size(kv['prompt_bytes'])} for the {kv['prompt_tokens']}-token prompt")
+            f"{size(kv['prompt_bytes'])} for the {kv['prompt_tokens']}-token prompt{state}")
 
 
 def _timing_text(t: dict[str, Any]) -> str:

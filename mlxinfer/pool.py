@@ -6,7 +6,10 @@ whole conversation).
 Reuse must be exact: a prefix means the same token ids at the same positions,
 cut where the first id differs (mlx-lm once reused K/V past the point where
 the prompts diverged), and a rotating cache that has overwritten tokens the
-shorter context still needs is not reused at all. The pool hands out copies
+shorter context still needs is not reused at all. A recurrent layer's state
+exists only at the lengths it was kept at (`cache.StateCache`: the end, the
+checkpoints where each prefill started and each chunk ended), so an entry is
+reused up to the longest of those within the common prefix. The pool hands out copies
 and keeps its entries untouched, so one conversation can branch into many.
 
 Not thread-safe: the batch engine calls it from its one scheduling thread.
@@ -22,7 +25,7 @@ from typing import Any, Callable, Sequence
 import mlx.core as mx
 import numpy as np
 
-from .cache import KV_GROUP_SIZES, KVCache, Parts, PromptCache, RotatingKVCache, common_prefix
+from .cache import KV_GROUP_SIZES, KVCache, Parts, PromptCache, RotatingKVCache, StateCache, common_prefix
 from .checks import integer
 from .errors import InvalidOptionError
 
@@ -86,8 +89,8 @@ class PromptCachePool:
         for serial, entry in self._entries.items():
             if entry.model() is not model or entry.layout != layout:
                 continue
-            n = min(common_prefix(entry.cache.tokens, prompt), len(prompt) - 1)
-            if n > 0 and (best is None or n >= best[0]) and entry.cache.can_trim_to(n):
+            n = entry.cache.reachable(min(common_prefix(entry.cache.tokens, prompt), len(prompt) - 1))
+            if n > 0 and (best is None or n >= best[0]):
                 best = (n, serial)  # `>=`: among equals the most recently used wins
         if best is None:
             self._misses += 1
@@ -142,12 +145,15 @@ def prefix_copy(cache: PromptCache, length: int) -> PromptCache:
     `a[...] = b` rebinds the array object `a`, so two caches sharing one would see
     each other's writes; neither cache's later writes reach the other."""
     copy = PromptCache([_layer_copy(c, length) for c in cache.caches], cache.tokens[:length], cache.metadata)
-    mx.eval([(c.keys, c.values) for c in copy.caches if c.keys is not None])  # its own memory, not a graph
+    mx.eval([c.arrays() for c in copy.caches])  # its own memory, not a graph
     return copy
 
 
-def _layer_copy(c: KVCache, length: int) -> KVCache:
-    """Layer `c` as `trim` would leave it at `length` tokens, in a new cache object."""
+def _layer_copy(c: KVCache | StateCache, length: int) -> KVCache | StateCache:
+    """Layer `c` as `trim` would leave it at `length` tokens, in a new cache object (a recurrent
+    state is never written in place, so the copy may share its arrays)."""
+    if isinstance(c, StateCache):
+        return c.copy_at(length)
     m = c.meta()
     new: KVCache
     if m["kind"] == "RotatingKVCache":
@@ -173,8 +179,9 @@ def _layout(cache: PromptCache) -> Layout:
 
 
 def cache_nbytes(cache: PromptCache) -> int:
-    """Bytes the cache's arrays occupy, spare preallocated slots included (that is what it holds)."""
-    return sum(p.nbytes for c in cache.caches if c.keys is not None for p in (*c.keys, *c.values))
+    """Bytes the cache's arrays occupy, spare preallocated slots and recurrent layers' checkpoints
+    included (that is what it holds)."""
+    return sum(c.held_bytes for c in cache.caches)
 
 
 def _checked(options: dict[str, Any]) -> dict[str, Any]:

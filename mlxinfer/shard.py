@@ -17,6 +17,12 @@ kv_b_proj, or the per-head embed_q / unembed_out); its cache, one compressed lat
 one rotary key per token that every head reads, is whole on every rank (it is already
 small: kv_lora_rank + rope dims per token and layer).
 
+Recurrent layers split the same way. A Gated DeltaNet's key and value heads divide among the
+ranks (each rank the key heads and the value heads they serve: its rows of in_proj_qkv, and of
+the convolution's channels in front of it, in_proj_z/b/a, dt_bias and A_log), out_proj by input
+columns; each rank's state holds its heads only. A short convolution (LFM2) splits its channels:
+its thirds of in_proj's rows, its conv channels, out_proj's columns.
+
 Loading reads each tensor lazily from the safetensors files and keeps only this rank's
 slice (one full tensor in memory at a time, never the whole model). Quantized tensors
 split along whole quantization groups.
@@ -35,16 +41,24 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .errors import ConfigError
+from .models import canonical_config
 
-COLUMN = re.compile(r"\.(q_proj|q_b_proj|kv_b_proj|gate_proj|up_proj)\.(weight|scales|biases|bias)$")
+COLUMN = re.compile(r"\.(q_proj|q_b_proj|kv_b_proj|gate_proj|up_proj|in_proj_z|in_proj_b|in_proj_a)\."
+                    r"(weight|scales|biases|bias)$")
+PER_HEAD = re.compile(r"\.linear_attn\.(dt_bias|A_log)$")  # one value per linear-attention value head
+QKV = re.compile(r"\.linear_attn\.(in_proj_qkv|conv1d)\.(weight|scales|biases)$")  # rows [q | k | v]
+THIRDS = re.compile(r"\.conv\.in_proj\.(weight|scales|biases|bias)$")  # LFM2's rows [B | C | x]
+CHANNELS = re.compile(r"\.conv\.conv\.(weight|bias)$")
 KV = re.compile(r"\.(k_proj|v_proj)\.(weight|scales|biases|bias)$")  # rows by KV head, copied when fewer than ranks
 HEADS = re.compile(r"\.(embed_q|unembed_out)\.(weight|scales|biases)$|\.sinks$")  # [heads, ...], gpt-oss's [heads]
 QK_NORM = re.compile(r"\.(q_norm|k_norm)\.weight$")  # per head (whole) or over the projection (split with it)
 VOCAB = re.compile(r"(^|\.)(embed_tokens|lm_head)\.(weight|scales|biases)$")
-ROW = re.compile(r"\.(o_proj|down_proj)\.(weight|scales|biases|bias)$")
+ROW = re.compile(r"\.(o_proj|down_proj|out_proj)\.(weight|scales|biases|bias)$")
 # in a rank's config: on how many ranks each KV head is (1: split; size / KV heads: replicated)
 REPLICAS = "kv_head_replicas"
-SPLIT_SIZES = ("intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size")
+SPLIT_SIZES = ("intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size",
+               "linear_num_key_heads", "linear_num_value_heads")
+CONV_CHANNELS = "short_conv_channels"  # in a rank's config: its channels of each short convolution
 
 
 @dataclass(frozen=True)
@@ -93,12 +107,19 @@ def _kv_heads(config: dict[str, Any]) -> int:
     return heads if latent else config.get("num_key_value_heads") or heads
 
 
+def _short_conv(config: dict[str, Any]) -> bool:
+    """Whether the model has short-convolution layers (LFM2), whose channels split."""
+    return "conv" in (config.get("layer_types") or ()) or bool(config.get("conv_L_cache"))
+
+
 def _fits(config: dict[str, Any], size: int) -> bool:
     """Whether `size` ranks can split the model: query heads divide, KV heads divide or
-    are replicated whole (ranks a multiple of them), feed-forward widths divide."""
+    are replicated whole (ranks a multiple of them), feed-forward widths, linear-attention
+    heads and short-convolution channels divide."""
     heads, kv = config["num_attention_heads"], _kv_heads(config)
     return (heads % size == 0 and (kv % size == 0 or size % kv == 0)
-            and all(config[key] % size == 0 for key in SPLIT_SIZES if config.get(key)))
+            and all(config[key] % size == 0 for key in SPLIT_SIZES if config.get(key))
+            and not (_short_conv(config) and config["hidden_size"] % size))
 
 
 def _working(config: dict[str, Any], most: int = 16) -> str:
@@ -110,6 +131,7 @@ def shard_config(config: dict[str, Any], size: int) -> dict[str, Any]:
     widths, head_dim made explicit. With fewer KV heads than ranks each rank keeps one
     (`REPLICAS` records on how many ranks each is). Sizes that do not divide are
     refused, naming the rank counts that work."""
+    config = canonical_config(config)
     heads, kv = config["num_attention_heads"], _kv_heads(config)
     out = dict(config, head_dim=config.get("head_dim") or config["hidden_size"] // heads)
     if heads % size:
@@ -127,6 +149,11 @@ def shard_config(config: dict[str, Any], size: int) -> dict[str, Any]:
                 raise ConfigError(f"tensor sharding needs {key} {config[key]} to divide among {size} ranks; "
                                   f"use {_working(config)} ranks")
             out[key] = config[key] // size
+    if _short_conv(config):
+        if config["hidden_size"] % size:
+            raise ConfigError(f"tensor sharding needs the {config['hidden_size']} short-convolution channels to "
+                              f"divide among {size} ranks; use {_working(config)} ranks")
+        out[CONV_CHANNELS] = config["hidden_size"] // size
     return out
 
 
@@ -149,13 +176,28 @@ def _kv_part(x: mx.array, axis: int, shard: Shard, config: dict[str, Any]) -> mx
     return _rows(x, axis, first * rows, (first + here) * rows)
 
 
+def _qkv_part(x: mx.array, shard: Shard, config: dict[str, Any]) -> mx.array:
+    """This rank's rows of a Gated DeltaNet's [q | k | v] rows (its projection, its convolution
+    channels): the q and k rows of its key heads, the v rows of the value heads they serve."""
+    keys = config["linear_num_key_heads"] * config["linear_key_head_dim"] * shard.size
+    q, k, v = mx.split(x, [keys, 2 * keys], axis=0)
+    return mx.concatenate([_part(q, 0, shard), _part(k, 0, shard), _part(v, 0, shard)])
+
+
 def shard_weights(weights: dict[str, mx.array], shard: Shard, config: dict[str, Any]) -> dict[str, mx.array]:
     """This rank's slice of every tensor (lazily: nothing is read until evaluated), for
     the rank's config from `shard_config`."""
     group_size = (config.get("quantization") or {}).get("group_size", 64)
     out = {}
     for name, w in weights.items():
-        if VOCAB.search(name):
+        if QKV.search(name):
+            out[name] = _qkv_part(w, shard, config)
+        elif THIRDS.search(name):
+            axis = w.ndim - 1 if name.endswith(".bias") else 0
+            out[name] = mx.concatenate([_part(third, axis, shard) for third in mx.split(w, 3, axis=axis)], axis=axis)
+        elif CHANNELS.search(name) or PER_HEAD.search(name):
+            out[name] = _part(w, 0, shard)
+        elif VOCAB.search(name):
             out[name] = _part(w, 0, shard) if w.shape[0] % shard.size == 0 else w
         elif HEADS.search(name):
             out[name] = _part(w, 0, shard)
@@ -280,10 +322,11 @@ def wrap_reductions(model, shard: Shard) -> None:
     from .models.layers import ProjectionNorm
 
     for block in model.layers:
-        for name, norm in block.self_attn.children().items():
+        mixer = block[block.mixer_name]
+        for name, norm in mixer.children().items():
             if isinstance(norm, ProjectionNorm):
-                block.self_attn[name] = SplitNorm(norm, shard)
-        block.self_attn = AllSum(block.self_attn, shard.group)
+                mixer[name] = SplitNorm(norm, shard)
+        setattr(block, block.mixer_name, AllSum(mixer, shard.group))
         setattr(block, block.ffn_name, AllSum(block[block.ffn_name], shard.group))
     if vocab_split(model, shard):
         model.model.embed_tokens = VocabEmbedding(model.model.embed_tokens, shard)

@@ -1,6 +1,7 @@
 """Run under `mlx.launch -n N` by tests/test_shard.py (not a test module): load a model
 sharded across the ranks, and write what rank R computed to OUT/rank{R}.json: logits of
-a fixed prompt (run into a fresh KV cache), the KV heads that cache holds per layer, a greedy
+a fixed prompt (run into a fresh KV cache), the KV heads that cache holds per layer (and the
+shapes of each recurrent layer's state), a greedy
 generation, the bytes of its parameters, and the split as `inspect` reports it.
 
     sharded_worker.py MODEL OUT [DTYPE] [MODEL_FOR_RANK_1]     (MLXINFER_TEST_SHARD=pipeline: by layers)
@@ -33,7 +34,8 @@ def main() -> None:
                                                         ignore_eos=True)]
     (out / f"rank{group.rank()}.json").write_text(json.dumps({
         "rank": group.rank(), "size": group.size(), "logits": logits.tolist(), "tokens": tokens,
-        "bytes": resident_bytes(model), "cached_kv_heads": [c.keys[0].shape[1] for c in cache],
+        "bytes": resident_bytes(model), "cached_kv_heads": [c.keys[0].shape[1] for c in cache if hasattr(c, "keys")],
+        "state_shapes": [[list(a.shape) for a in c.state] for c in cache if not hasattr(c, "keys")],
         "layout": layout(model)}))
 
 

@@ -20,6 +20,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 import test_models_deepseek as deepseek_tests
+import test_models_hybrid as hybrid_tests
 from test_models_gemma import VARIANTS as GEMMA
 from test_models_gpt_oss import CONFIG as GPT_OSS
 from test_models_moe import VARIANTS as MOE
@@ -76,9 +77,10 @@ def can_launch(tmp_path_factory):
         pytest.skip(f"mlx.launch cannot start processes here: {(done.stderr or done.stdout).strip()[-300:]}")
 
 
-def sharded(folder: Path, out: Path, n: int, dtype: str | None = "float32", *extra: str) -> list[dict]:
+def sharded(folder: Path, out: Path, n: int, dtype: str | None = "float32", *extra: str,
+            env: dict[str, str] | None = None) -> list[dict]:
     out.mkdir(parents=True, exist_ok=True)
-    done = launch(n, str(HERE / "sharded_worker.py"), str(folder), str(out), dtype or "", *extra)
+    done = launch(n, str(HERE / "sharded_worker.py"), str(folder), str(out), dtype or "", *extra, env=env)
     # mlx.launch's own status does not say when a rank failed: every rank's file must be there
     assert done.returncode == 0 and all((out / f"rank{r}.json").is_file() for r in range(n)), \
         done.stdout + done.stderr
@@ -179,6 +181,33 @@ def test_two_ranks_equal_one_process_4bit(can_launch, hf_checkpoint, mlx_lm_quan
     wider = {"moe_intermediate_size": 64} if family in ("qwen3_moe", "deepseek_v3") else {}
     folder = mlx_lm_quantized(checkpoint(hf_checkpoint, family, **wider), bits=4, group_size=32)
     check(sharded(folder, tmp_path, 2, None), folder, None, exact_bytes=family in DENSE)
+
+
+@pytest.mark.parametrize("family, split", [("qwen3_next", "tensor"), ("lfm2", "tensor"), ("qwen3_5_text", "pipeline")])
+def test_two_ranks_split_the_recurrent_state(can_launch, hf_checkpoint, tmp_path, family, split):
+    """Hybrid models: by tensor, each rank holds half the linear-attention heads (half of each
+    Gated DeltaNet's state) or half the short-convolution channels; by pipeline, its layers."""
+    arch, overrides = hybrid_tests.VARIANTS[family]
+    folder = hf_checkpoint(arch, **overrides)
+    ranks = sharded(folder, tmp_path, 2, "float32", env={"MLXINFER_TEST_SHARD": split})
+    config = json.loads((folder / "config.json").read_text())
+    kinds = [t for t in config["layer_types"] if t != "full_attention"]
+    if split == "pipeline":  # every rank keeps the embedding and head: no 1/N share of the bytes
+        logits, tokens, _ = alone(folder)
+        for r in ranks:
+            np.testing.assert_allclose(np.array(r["logits"]), logits, atol=1e-4, rtol=0)
+            assert r["tokens"] == tokens
+        assert sum(len(r["state_shapes"]) for r in ranks) == len(kinds)
+        return
+    check(ranks, folder)
+    if family == "lfm2":  # [1, K-1, channels]
+        want = [[[1, config["conv_L_cache"] - 1, config["hidden_size"] // 2]]] * len(kinds)
+    else:  # [1, K-1, q+k+v channels] and [1, value heads, key dim, value dim]
+        lin = {k.removeprefix("linear_"): v for k, v in config.items() if k.startswith("linear_")}
+        channels = 2 * lin["num_key_heads"] * lin["key_head_dim"] + lin["num_value_heads"] * lin["value_head_dim"]
+        want = [[[1, lin["conv_kernel_dim"] - 1, channels // 2],
+                 [1, lin["num_value_heads"] // 2, lin["key_head_dim"], lin["value_head_dim"]]]] * len(kinds)
+    assert all(r["state_shapes"] == want for r in ranks), [r["state_shapes"] for r in ranks]
 
 
 def test_four_ranks_where_the_heads_divide(can_launch, hf_checkpoint, tmp_path):

@@ -18,6 +18,7 @@ FAMILIES: dict[str, str] = {
     "gemma3_text": "gemma3_text",
     "glm4_moe": "glm4_moe",
     "gpt_oss": "gpt_oss",
+    "lfm2": "lfm2",
     "llama": "llama",
     "mistral": "mistral",
     "mixtral": "mixtral",
@@ -28,6 +29,11 @@ FAMILIES: dict[str, str] = {
     "qwen2_moe": "qwen2_moe",
     "qwen3": "qwen3",
     "qwen3_moe": "qwen3_moe",
+    "qwen3_5": "qwen3_5",
+    "qwen3_5_moe": "qwen3_5_moe",
+    "qwen3_5_moe_text": "qwen3_5_moe_text",
+    "qwen3_5_text": "qwen3_5_text",
+    "qwen3_next": "qwen3_next",
     "smollm3": "smollm3",
 }
 
@@ -45,6 +51,15 @@ def model_config(config: dict[str, Any]) -> ModelConfig:
     """The typed config of a config.json dict, checked key by key before any family reads it."""
     check_config(config)
     return family(config.get("model_type", "<missing>")).config(config)
+
+
+def canonical_config(config: dict[str, Any]) -> dict[str, Any]:
+    """config.json with the sizes a family derives from other keys written out (LFM2's MLP
+    width), so a rank's config (`shard.shard_config`) can divide them."""
+    if config.get("model_type") not in FAMILIES:
+        return config  # refused with its reason where the model is built
+    module = family(config["model_type"])
+    return module.canonical(config) if hasattr(module, "canonical") else config
 
 
 def build_model(config: dict[str, Any]) -> CausalLM:

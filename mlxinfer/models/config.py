@@ -14,6 +14,9 @@ from ..errors import ConfigError
 
 FULL = "full_attention"
 SLIDING = "sliding_attention"
+LINEAR = "linear_attention"  # Gated DeltaNet (Qwen3-Next, Qwen3.5)
+CONV = "conv"  # LFM2's short convolution
+RECURRENT = (LINEAR, CONV)  # layers that keep a fixed-size state instead of keys and values
 
 
 @dataclass(frozen=True)
@@ -52,6 +55,26 @@ class MoEConfig:
 
 
 @dataclass(frozen=True)
+class LinearAttentionConfig:
+    """A Gated DeltaNet's sizes: `key_heads` query/key heads of `key_dim`, `value_heads` value
+    heads of `value_dim` (a multiple of the key heads, each key head serving consecutive value
+    heads), and the width of the causal convolution in front of it."""
+
+    key_heads: int
+    value_heads: int
+    key_dim: int
+    value_dim: int
+    conv_kernel: int
+
+    def __post_init__(self) -> None:
+        if self.value_heads % self.key_heads:
+            raise ConfigError(
+                f"config.json's linear_num_value_heads ({self.value_heads}) is not a multiple of "
+                f"linear_num_key_heads ({self.key_heads}); fix the file"
+            )
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     model_type: str
     vocab_size: int
@@ -72,6 +95,11 @@ class ModelConfig:
     fused_qkv: bool = False  # one qkv_proj (Phi-3) instead of q/k/v_proj
     fused_gate_up: bool = False  # one gate_up_proj (Phi-3), gate rows first
     moe: MoEConfig | None = None
+    linear: LinearAttentionConfig | None = None  # the Gated DeltaNet of `linear_attention` layers
+    conv_kernel: int = 0  # the short convolution of `conv` layers (LFM2): its width
+    conv_channels: int = 0  # and its channels, when fewer than hidden_size (a tensor-sharded rank's)
+    conv_bias: bool = False
+    attn_output_gate: bool = False  # q_proj also yields a per-head gate: o * sigmoid(gate) (Qwen3-Next)
     hidden_act: str = "silu"
     layer_types: tuple[str, ...] = ()
     sliding_window: int | None = None
@@ -95,6 +123,11 @@ class ModelConfig:
         """RoPE settings of `layer`: its layer type's own when the config gives
         one (Gemma 3's local base for sliding layers), else the model's."""
         return self.layer_ropes.get(self.layer_types[layer], self.rope)
+
+    @property
+    def recurrent_kinds(self) -> tuple[str, ...]:
+        """The recurrent layer types this model has weights for."""
+        return ((LINEAR,) if self.linear else ()) + ((CONV,) if self.conv_kernel else ())
 
     @property
     def rotary_dims(self) -> int:
@@ -240,6 +273,22 @@ CONFIG_FIELDS: dict[str, Field] = {
     "first_k_dense_replace": AT_LEAST_0_SET,
     "moe_layer_freq": SIZE_SET,
     "rope_interleave": FLAG,
+    # hybrid models: Gated DeltaNet (Qwen3-Next, Qwen3.5) and short convolutions (LFM2)
+    "linear_conv_kernel_dim": Field(int, 1, 64, nullable=False),
+    "linear_key_head_dim": WIDTH,
+    "linear_value_head_dim": WIDTH,
+    "linear_num_key_heads": Field(int, 1, INT_MAX, nullable=False),
+    "linear_num_value_heads": Field(int, 1, INT_MAX, nullable=False),
+    "full_attention_interval": SIZE_SET,
+    "conv_L_cache": Field(int, 1, 64, nullable=False),
+    "conv_bias": FLAG,
+    "full_attn_idxs": Field(list, 0, item=int),
+    "block_ff_dim": SIZE_SET,
+    "block_multiple_of": SIZE_SET,
+    "block_ffn_dim_multiplier": POSITIVE,
+    "block_auto_adjust_ff_dim": FLAG,
+    "norm_eps": POSITIVE_SET,
+    "short_conv_channels": WIDTH,  # a tensor-sharded rank's share of the channels (`shard.shard_config`)
     "num_nextn_predict_layers": AT_LEAST_0,
     # SmolLM3's layers without RoPE; GLM-4.5's optional q/k norm
     "no_rope_layers": Field(list, 0, 1, item=int),
@@ -389,6 +438,10 @@ def parse_config(d: dict[str, Any], **family: Any) -> ModelConfig:
             f"num_attention_heads ({cfg.num_attention_heads}) is not a multiple of "
             f"num_key_value_heads ({cfg.num_key_value_heads})"
         )
+    unknown = sorted(set(cfg.layer_types) - {FULL, SLIDING, *cfg.recurrent_kinds})
+    if unknown:
+        raise ConfigError(f"config.json has layer type '{unknown[0]}', which {cfg.model_type} does not have; "
+                          "fix layer_types")
     if SLIDING in cfg.layer_types and not cfg.sliding_window:
         raise ConfigError("config.json has sliding-attention layers but no sliding_window size")
     if cfg.rotary_dims < 2 or cfg.rotary_dims % 2:

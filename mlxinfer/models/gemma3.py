@@ -5,33 +5,24 @@ from typing import Any
 
 import mlx.core as mx
 
-from . import gemma3_text
+from . import gemma3_text, multimodal
 from .config import ModelConfig
 from .layers import CausalLM
+from .multimodal import text_config, text_weights
 
-__all__ = ["Model", "config"]
+__all__ = ["Model", "canonical", "config"]
 
-# Older hub checkpoints prefix `language_model.model.`, transformers 5 saves `model.language_model.`.
-PREFIXES = {"language_model.model.": "model.", "model.language_model.": "model.", "language_model.lm_head.": "lm_head."}
 VISION = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
 
 
+def canonical(d: dict[str, Any]) -> dict[str, Any]:
+    return multimodal.canonical(d)
+
+
 def config(d: dict[str, Any]) -> ModelConfig:
-    text = dict(d.get("text_config") or {})
-    text["tie_word_embeddings"] = d.get("tie_word_embeddings", text.get("tie_word_embeddings", True))
-    if "quantization" in d:
-        text["quantization"] = d["quantization"]
-    return gemma3_text.config(text)
-
-
-def text_name(name: str) -> str:
-    for old, new in PREFIXES.items():
-        if name.startswith(old):
-            return new + name[len(old) :]
-    return name
+    return gemma3_text.config(text_config(d))
 
 
 class Model(CausalLM):
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
-        text = {text_name(k): v for k, v in weights.items() if not k.startswith(VISION)}
-        return super().sanitize(text)
+        return super().sanitize(text_weights(weights, VISION))

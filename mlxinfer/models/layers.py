@@ -207,10 +207,12 @@ class Attention(nn.Module):
         super().__init__()
         h, d = cfg.hidden_size, cfg.head_dim
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, d
+        self.output_gate = cfg.attn_output_gate
+        q_width = self.n_heads * d * (2 if self.output_gate else 1)  # a gate beside each head's query
         if cfg.fused_qkv:
-            self.qkv_proj = Linear(h, (self.n_heads + 2 * self.n_kv_heads) * d, bias=cfg.qkv_bias)
+            self.qkv_proj = Linear(h, q_width + 2 * self.n_kv_heads * d, bias=cfg.qkv_bias)
         else:
-            self.q_proj = Linear(h, self.n_heads * d, bias=cfg.qkv_bias)
+            self.q_proj = Linear(h, q_width, bias=cfg.qkv_bias)
             self.k_proj = Linear(h, self.n_kv_heads * d, bias=cfg.qkv_bias)
             self.v_proj = Linear(h, self.n_kv_heads * d, bias=cfg.qkv_bias)
         self.o_proj = Linear(self.n_heads * d, h, bias=cfg.o_bias)
@@ -233,13 +235,17 @@ class Attention(nn.Module):
     def _qkv(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
         if "qkv_proj" not in self:
             return self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        q_end = self.n_heads * self.head_dim
+        q_end = self.n_heads * self.head_dim * (2 if self.output_gate else 1)
         q, k, v = mx.split(self.qkv_proj(x), [q_end, q_end + self.n_kv_heads * self.head_dim], axis=-1)
         return q, k, v
 
     def __call__(self, x: mx.array, mask: Mask, cache=None) -> mx.array:
         B, T, _ = x.shape
         q, k, v = self._qkv(x)
+        gate = None
+        if self.output_gate:  # each head's rows: its query, then its gate
+            q, gate = mx.split(q.reshape(B, T, self.n_heads, 2 * self.head_dim), 2, axis=-1)
+            q, gate = q.reshape(B, T, -1), gate.reshape(B, T, -1)
         q = self._heads(q, self.n_heads, getattr(self, "q_norm", None))
         k = self._heads(k, self.n_kv_heads, getattr(self, "k_norm", None))
         v = self._heads(v, self.n_kv_heads)
@@ -247,7 +253,8 @@ class Attention(nn.Module):
             offset = offsets(cache)
             q, k = self.rope(q, offset), self.rope(k, offset)
         o = attention(q, k, v, cache, mask, self.scale, self.softcap, self.get("sinks"))
-        return self.o_proj(o.transpose(0, 2, 1, 3).reshape(B, T, -1))
+        o = o.transpose(0, 2, 1, 3).reshape(B, T, -1)
+        return self.o_proj(o if gate is None else o * mx.sigmoid(gate))
 
 
 GATE_ACTIVATIONS = {"silu": nn.silu, "gelu_pytorch_tanh": nn.gelu_approx}
@@ -293,13 +300,15 @@ class Block(nn.Module):
     """
 
     ffn_name = "mlp"
+    mixer_name = "self_attn"  # the token mixer's checkpoint name
+    attends = True  # the mixer is attention (it takes a mask); a recurrent one keeps a state instead
 
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
         self.window = cfg.window(layer)
         self.sandwich = cfg.sandwich_norms
         self.input_layernorm = rms_norm(cfg)
-        self.self_attn = self.attention(cfg, layer)
+        setattr(self, self.mixer_name, self.attention(cfg, layer))
         self.post_attention_layernorm = rms_norm(cfg)
         if self.sandwich:
             self.pre_feedforward_layernorm = rms_norm(cfg)
@@ -315,7 +324,7 @@ class Block(nn.Module):
         return SwiGLU(cfg)
 
     def __call__(self, x: mx.array, mask, cache=None) -> mx.array:
-        h = self.self_attn(self.input_layernorm(x), mask, cache)
+        h = self[self.mixer_name](self.input_layernorm(x), mask, cache)
         ffn = self[self.ffn_name]
         if not self.sandwich:
             x = x + h
@@ -346,6 +355,9 @@ class Backbone(nn.Module):
         caches = cache if cache is not None else [None] * len(self.layers)
         masks: dict[int | None, Any] = {}
         for layer, c in zip(self.layers, caches):
+            if not layer.attends:
+                x = layer(x, None, c)
+                continue
             if layer.window not in masks:
                 masks[layer.window] = (
                     c.make_mask(x.shape[1], layer.window)
