@@ -312,7 +312,9 @@ def _saved_options(data: dict[str, Any], path: Path) -> dict[str, Any]:
         return out
     try:
         return Request.from_json(data["request"]).keywords()
-    except (InvalidOptionError, KeyError, TypeError, ValueError, AttributeError):
+    except InvalidOptionError:  # a value out of range: the error names it
+        raise
+    except (KeyError, TypeError, ValueError, AttributeError):
         raise SessionFileError(f"'{path}' is damaged (its request settings do not read back); save the chat again") \
             from None
 

@@ -62,7 +62,9 @@ class Request:
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> Request:
         sampling = dict(data["sampling"])
-        sampling["logit_bias"] = {int(k): v for k, v in sampling["logit_bias"].items()}
+        # JSON object keys are strings; one that is not a token id stays as it is, for the vocabulary check to name
+        sampling["logit_bias"] = {int(k) if k.isascii() and k.isdigit() else k: v
+                                  for k, v in sampling["logit_bias"].items()}
         options = dict(data["options"])
         options["stop"] = tuple(options["stop"])
         return cls(_frozen(data["prompt"]), SamplingConfig(**sampling), GenerationOptions(**options))

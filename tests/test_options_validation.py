@@ -169,7 +169,7 @@ def test_chat_options_are_checked_when_set(loaded, tmp_path):
     session.save(tmp_path / "chat.json")
     data = json.loads((tmp_path / "chat.json").read_text())
     for bias, fact in [({"600": 5.0}, "600"), ({"-3": 1.0}, "'-3'"), ({"x": 1.0}, "'x'"), ({"3": None}, "None")]:
-        data["options"]["logit_bias"] = bias
+        data["request"]["sampling"]["logit_bias"] = bias
         (tmp_path / "bad.json").write_text(json.dumps(data))
         rejected(fact, lambda: ChatSession.load(tmp_path / "bad.json", model, tok))
 
@@ -213,7 +213,7 @@ def test_repl_survives_loading_a_chat_with_a_bad_bias(tiny, loaded, tmp_path):
     session = ChatSession(model, tok, max_tokens=2)
     session.save(tmp_path / "bad.json")
     data = json.loads((tmp_path / "bad.json").read_text())
-    data["options"]["logit_bias"] = {str(10**7): 5.0}
+    data["request"]["sampling"]["logit_bias"] = {str(10**7): 5.0}
     (tmp_path / "bad.json").write_text(json.dumps(data))
     script = f"/load {tmp_path / 'bad.json'}\nhello\n/exit\n"
     done = subprocess.run([sys.executable, "-m", "mlxinfer.cli", "chat", "-m", str(tiny), "--temp", "0",
