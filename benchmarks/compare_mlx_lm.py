@@ -5,6 +5,7 @@ our/their ratios for prefill and decode tok/s, and the decode roofline: bytes
 read per token (weights + KV cache) divided by the measured memory bandwidth.
 
     python benchmarks/compare_mlx_lm.py                 # builds a ~50M float32 Llama
+    python benchmarks/compare_mlx_lm.py --hybrid        # a ~58M float32 Qwen3.5-style hybrid instead
     python benchmarks/compare_mlx_lm.py PATH --repeat 5 # any folder both can load
 
 On Linux, preload OpenBLAS first (see README).
@@ -21,6 +22,7 @@ from pathlib import Path
 import mlxinfer  # first: it binds a fast BLAS before mlx.core loads (see mlxinfer.blas)
 import mlx.core as mx  # noqa: E402, I001
 from mlx.utils import tree_flatten  # noqa: E402
+from mlxinfer.models.config import RECURRENT  # noqa: E402
 from mlxinfer.bench import (Run, load_average, load_report, memory_bandwidth, random_prompt, ratios, run_once,  # noqa: E402
                             summarize, weight_bytes)
 
@@ -52,6 +54,15 @@ def write_word_tokenizer(folder: Path, vocab_size: int) -> None:
     (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "t1", "bos_token": "t0"}))
 
 
+def as_multimodal(folder: Path) -> Path:
+    """The text model's config wrapped as a `qwen3_5` checkpoint's (`text_config`): the shape
+    mlx-lm reads Qwen3.5 in (it has no `qwen3_5_text`); mlxinfer runs either."""
+    text = json.loads((folder / "config.json").read_text())
+    wrapped = {"model_type": "qwen3_5", "text_config": text, "tie_word_embeddings": text["tie_word_embeddings"]}
+    (folder / "config.json").write_text(json.dumps(wrapped))
+    return folder
+
+
 def run_mlx_lm(model, tokenizer, prompt: list[int], gen_tokens: int) -> Run:
     import mlx_lm
     from mlx_lm.sample_utils import make_sampler
@@ -72,6 +83,8 @@ def run_mlx_lm(model, tokenizer, prompt: list[int], gen_tokens: int) -> Run:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("model", nargs="?", help="checkpoint folder (default: build a ~50M float32 Llama)")
+    ap.add_argument("--hybrid", action="store_true",
+                    help="build a ~58M float32 Qwen3.5-style hybrid (Gated DeltaNet + attention) instead")
     ap.add_argument("--prompt-tokens", type=int, default=512)
     ap.add_argument("--gen-tokens", type=int, default=128)
     ap.add_argument("--repeat", type=int, default=5)
@@ -82,7 +95,14 @@ def main() -> None:
 
     load_before = load_average()
     with tempfile.TemporaryDirectory() as tmp:
-        path = Path(args.model) if args.model else build_llama_50m(Path(tmp))
+        if args.model:
+            path = Path(args.model)
+        elif args.hybrid:
+            from agent_loop import build_hybrid
+
+            path = as_multimodal(build_hybrid(Path(tmp)))
+        else:
+            path = build_llama_50m(Path(tmp))
         ours, our_tok = mlxinfer.load(path)
         theirs, their_tok = mlx_lm.load(str(path))
         prompt = random_prompt(ours.config.vocab_size, args.prompt_tokens)
@@ -99,12 +119,13 @@ def main() -> None:
     weights = weight_bytes(ours)
     cfg = ours.config
     act_bytes = ours.model.norm.weight.dtype.size
-    kv_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * act_bytes
+    attention_layers = sum(t not in RECURRENT for t in cfg.layer_types) if cfg.layer_types else cfg.num_hidden_layers
+    kv_per_token = 2 * attention_layers * cfg.num_key_value_heads * cfg.head_dim * act_bytes  # a state's is fixed
     mean_context = args.prompt_tokens + args.gen_tokens / 2
     bytes_per_token = weights + kv_per_token * mean_context
     roofline = bandwidth / bytes_per_token
     result = {
-        "model": str(args.model or "llama-50m-float32 (random)"),
+        "model": args.model or ("qwen3.5-hybrid-58m-float32" if args.hybrid else "llama-50m-float32") + " (random)",
         "params_m": sum(p.size for _, p in tree_flatten(ours.parameters())) / 1e6,
         "prompt_tokens": args.prompt_tokens, "gen_tokens": args.gen_tokens, "repeat": args.repeat,
         "mlxinfer": a.as_dict(), "mlx_lm": b.as_dict(),

@@ -348,7 +348,7 @@ class BatchGenerator:
         if s.tools is not None:
             s.reply.append(chunk.text)
             if chunk.finish_reason:
-                return read_tool_calls(chunk, "".join(s.reply), s.tools)
+                return read_tool_calls(chunk, "".join(s.reply), s.tools, s.text.addressed)
         return chunk
 
     def _fail(self, s: _Sequence, error: Exception, out: list[tuple[int, Chunk]]) -> None:

@@ -27,7 +27,7 @@ from .tools import ToolCall, ToolPlan, check_tools
 from .tools import plan as plan_tools
 from .decode import Score, Stats, Token
 from .errors import InvalidOptionError
-from .reasoning import Reasoning, reasoning_for, tags_for
+from .reasoning import ChannelSplitter, Reasoning, reasoning_for, tags_for
 from .sample import Sampler, SamplingConfig
 from .speculative import LOOKUP_DRAFT, MODEL_DRAFT, PREDICTION_DRAFT, PredictedOutput, SpeculativeDecoder, make_drafter
 from .tokenizer import Tokenizer
@@ -413,6 +413,14 @@ class TextStream:
         return Chunk(text, token.id, token.logprob, finish, stats, top_logprobs(token.logprobs, self.options.logprobs),
                      token.drafted, reasoning=thinking, stop_sequence=self.stop.matched, index=self.index)
 
+    @property
+    def addressed(self) -> list[tuple[str, str]] | None:
+        """(recipient, body) of each message the reply addressed to a tool (harmony's calls,
+        kept out of the text); None when the reply is not split (its text holds them)."""
+        if self.split is None:
+            return None
+        return self.split.calls if isinstance(self.split, ChannelSplitter) else []
+
     def _parts(self, text: str) -> tuple[str, str]:
         """(thinking, answer) in newly decoded text."""
         return self.split.push(text) if self.split is not None else ("", text)
@@ -498,11 +506,13 @@ def constraint_for(options: GenerationOptions, tokenizer: Tokenizer, vocab_size:
     return Constraint(fmt, tokenizer, vocab_size) if fmt is not None else None
 
 
-def read_tool_calls(chunk: Chunk, reply: str, tools: ToolPlan | None) -> Chunk:
-    """The last chunk of a reply, with the calls it made (finish_reason "tool_calls")."""
+def read_tool_calls(chunk: Chunk, reply: str, tools: ToolPlan | None,
+                    addressed: list[tuple[str, str]] | None = None) -> Chunk:
+    """The last chunk of a reply, with the calls it made (finish_reason "tool_calls"): read
+    from its text, or `addressed` to them (`TextStream.addressed`)."""
     if tools is None or chunk.finish_reason not in ("stop", "length"):
         return chunk
-    content, calls = tools.parse(reply)
+    content, calls = tools.parse(reply, addressed)
     if not calls:
         return chunk
     chunk.stats.finish_reason = "tool_calls"

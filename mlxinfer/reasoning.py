@@ -23,7 +23,10 @@ naming its channel and a body, `<|channel|>analysis<|message|>...<|end|>` then
 `<|start|>assistant<|channel|>final<|message|>...` (`<|return|>`, an end of sequence, closes
 the reply). The `analysis` channel is the thinking; `final`, and `commentary` (what the model
 tells the user around tool calls), the answer; the headers and end markers belong to neither
-(`ChannelSplitter`).
+(`ChannelSplitter`). A message whose header names a recipient (`to=functions.get_weather`,
+after the channel or before it: `<|channel|>commentary to=functions.get_weather
+<|constrain|>json<|message|>{...}<|call|>`) is a tool call: addressed to the tool, not the user,
+so its body is neither part; the splitter keeps it with its recipient for `tools` to read.
 """
 
 from __future__ import annotations
@@ -66,6 +69,7 @@ class Channels:
     message: str = "<|message|>"
     ends: tuple[str, ...] = ("<|end|>", "<|return|>", "<|call|>")
     thinking: str = "analysis"
+    recipient: str = "to="  # a header's recipient follows this (a reply's first header may open with it)
 
     @property
     def marker(self) -> str:
@@ -208,15 +212,22 @@ class ChannelSplitter:
     """Harmony text pieces in, (thinking, answer) pieces out, as soon as each is certain.
 
     Between messages text is held while it is, or may become, a header; at its `<|message|>`
-    the header's channel routes the body: `analysis` to the thinking, any other to the answer.
+    the header routes the body: one addressed to a recipient to `calls` (whole, once it ends:
+    a call is read only complete), `analysis` to the thinking, any other channel to the answer.
     A body goes out as it comes except an end that may still be a marker arriving. Text that
     cannot be a header (a model answering without channels) is answer as written."""
 
     def __init__(self, channels: Channels, inside: bool):
         self.c = channels
         self.channel: str | None = channels.thinking if inside else None  # None: between messages
+        self.recipient = ""  # the current message's recipient ("": the user)
+        self.calls: list[tuple[str, str]] = []  # (recipient, body) of each addressed message, in order
+        self._call = ""  # the body of the addressed message being read
         self._held = ""
         self._bounds = (*channels.ends, channels.start, channels.channel)  # what ends a body
+        # what a header opens with; the reply's first may open with its recipient, the prompt
+        # having written `<|start|>assistant` (the template renders a call back that way)
+        self._opens = (channels.start, channels.channel) + (() if inside else (" " + channels.recipient,))
 
     def push(self, text: str) -> tuple[str, str]:
         """Returns (thinking, answer) that `text` made certain."""
@@ -232,14 +243,15 @@ class ChannelSplitter:
     def _header(self) -> bool:
         """Reads a complete header (True: a body starts), or holds a possible one (False)."""
         head, found, rest = self._held.partition(self.c.message)
-        if found and head.startswith((self.c.start, self.c.channel)):
-            self.channel, self._held = _channel_name(head, self.c.channel), rest
+        if found and head.startswith(self._opens):
+            self.channel, self.recipient = _named(head, self.c.channel), _named(head, self.c.recipient)
+            self._held = rest
+            self._opens = self._opens[:2]
             return True
-        if len(head) <= MAX_HEADER and not found and any(
-            head.startswith(m) or m.startswith(head) for m in (self.c.start, self.c.channel)
-        ):
+        if len(head) <= MAX_HEADER and not found and any(head.startswith(m) or m.startswith(head)
+                                                         for m in self._opens):
             return False
-        self.channel = ""  # not a header: an answer without channels
+        self.channel, self._opens = "", self._opens[:2]  # not a header: an answer without channels
         return True
 
     def _body(self, out: list[str]) -> bool:
@@ -251,26 +263,40 @@ class ChannelSplitter:
         else:
             keep = max(_tag_prefix(self._held, b) for b in self._bounds)
             text, self._held = self._held[: len(self._held) - keep], self._held[len(self._held) - keep:]
-        out[0 if self.channel == self.c.thinking else 1] += text
+        if self.recipient:
+            self._call += text
+        else:
+            out[0 if self.channel == self.c.thinking else 1] += text
         if at >= 0:
-            self.channel = None
+            self._end()
         return at >= 0
+
+    def _end(self) -> None:
+        """The message ended: an addressed one is a complete call."""
+        if self.recipient:
+            self.calls.append((self.recipient, self._call))
+        self.channel, self.recipient, self._call = None, "", ""
 
     def flush(self) -> tuple[str, str]:
         """What is still held once the reply has ended: an unfinished header is dropped (markup,
         not text); what only looked like the start of one, or like a marker at the end of a body,
-        is text after all."""
+        is text after all. An addressed message ends with the reply (its `<|call|>` ends both)."""
         held, self._held = self._held, ""
         if self.channel is None:
-            return "", "" if held.startswith((self.c.start, self.c.channel)) else held
+            return "", "" if held.startswith(self._opens) else held
+        if self.recipient:
+            self._call += held
+            self._end()
+            return "", ""
         return (held, "") if self.channel == self.c.thinking else ("", held)
 
 
-def _channel_name(header: str, channel: str) -> str:
-    """The channel a header names: the word after `<|channel|>` (none: the answer's)."""
-    _, found, after = header.partition(channel)
+def _named(header: str, marker: str) -> str:
+    """The word after `marker` in a header: its channel after `<|channel|>`, its recipient
+    after `to=` (none: the answer's channel; the user)."""
+    _, found, after = header.partition(marker)
     words = after.replace("<|", " <|").split()
-    return words[0] if found and words else ""
+    return words[0] if found and words and not words[0].startswith("<|") else ""
 
 
 def _tag_prefix(text: str, tag: str) -> int:

@@ -134,7 +134,7 @@ class Tokenizer:
         variables = {"tools": None, "documents": None, **self._special_tokens, **template_kwargs}
         text = sandbox.render(
             template,
-            {"messages": _alias_reasoning(messages), "add_generation_prompt": add_generation_prompt, **variables},
+            {"messages": _as_templates_take(messages), "add_generation_prompt": add_generation_prompt, **variables},
         )
         return self.encode(text, add_special_tokens=False) if tokenize else text
 
@@ -547,15 +547,16 @@ def _clean_up_tokenization(text: str) -> str:
     return text
 
 
-def _alias_reasoning(messages: Iterable[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
-    """Expose a message's reasoning under every name templates read, as transformers does."""
-    aliased = []
+def _as_templates_take(messages: Iterable[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    """The messages as transformers hands them to a template: keys whose value is None dropped
+    (OpenAI's replies carry `content: null` beside tool calls, which a template may test with
+    `in`; transformers' `_normalize_chat_messages`), and the reasoning under every name templates read."""
+    out = []
     for message in messages:
-        reasoning = next((message[k] for k in _REASONING_KEYS if message.get(k) is not None), None)
-        aliased.append(
-            message if reasoning is None else {"thinking": reasoning, **message, "reasoning_content": reasoning}
-        )
-    return aliased
+        message = {k: v for k, v in message.items() if v is not None}
+        reasoning = next((message[k] for k in _REASONING_KEYS if k in message), None)
+        out.append(message if reasoning is None else {"thinking": reasoning, **message, "reasoning_content": reasoning})
+    return out
 
 
 def _one_line(value: object) -> str:

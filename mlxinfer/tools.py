@@ -5,12 +5,18 @@ template uses them, and otherwise through a documented fallback: a system messag
 lists the functions as JSON and asks for a call as one JSON object,
 `{"name": ..., "arguments": {...}}`. A call is written in the model's own syntax, read
 from its template: Hermes / Qwen (`<tool_call>{json}</tool_call>`), Mistral
-(`[TOOL_CALLS] [{json}, ...]`), or bare JSON (Llama 3.1 style, and the fallback).
+(`[TOOL_CALLS] [{json}, ...]`), bare JSON (Llama 3.1 style, and the fallback), or
+harmony's (gpt-oss): a message of its own addressed to the function,
+`<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{json}<|call|>`,
+which the reasoning split (`reasoning.ChannelSplitter`) keeps out of the thinking and the
+answer and hands here with its recipient.
 
 `tool_choice` "required" or a named function holds the whole reply to a call grammar
 whose arguments follow the function's `parameters` schema; "auto" lets the model choose,
 and once its first token opens a call, holds the rest of it to that grammar; "none"
-shows the tools and reads no calls.
+shows the tools and reads no calls. A harmony reply is a run of messages whose first
+token says nothing about a call, so its grammar covers the whole reply: free-text
+messages to think or talk in, then the call (or under "auto", the final answer instead).
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ import numpy as np
 from .constrain import JSON_LAYOUT, Constraint, Format, compiled_lark
 from .errors import InvalidOptionError
 from .grammar_checks import MAX_TOOLS_BYTES, check_schema
+from .reasoning import HARMONY as CHANNELS
 from .tokenizer import Tokenizer
 
 FALLBACK_PROMPT = ("You can call these functions:\n{tools}\nTo call one, reply with only a JSON object "
@@ -63,17 +70,25 @@ class Syntax:
     close: str = ""
     key: str = "arguments"
     listed: bool = False  # calls as one JSON list (Mistral) rather than one block each
+    addressed: bool = False  # calls as messages addressed to `functions.NAME` (harmony), never in the answer
 
 
 HERMES = Syntax("hermes", "<tool_call>", "</tool_call>")
 MISTRAL = Syntax("mistral", "[TOOL_CALLS]", listed=True)
 JSON_CALL = Syntax("json")
 LLAMA = Syntax("llama", key="parameters")
+HARMONY = Syntax("harmony", addressed=True)
+CALL_END = "<|call|>"  # harmony's end of a call, which ends the turn
+FUNCTIONS = "functions."  # harmony's namespace for the app's functions: a call's recipient is functions.NAME
+# harmony writes arguments compact (OpenAI's harmony guide: `{"location":"San Francisco"}`)
+HARMONY_LAYOUT = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
 
 
 def syntax_for(tokenizer: Tokenizer) -> Syntax:
     """The call syntax the model's chat template teaches (bare JSON when it teaches none)."""
     template = tokenizer.chat_template or ""
+    if CHANNELS.channel in template and CALL_END in template:
+        return HARMONY
     if "<tool_call>" in template:
         return HERMES
     if "[TOOL_CALLS]" in template:
@@ -196,6 +211,33 @@ def call_grammar(tokenizer: Tokenizer, syntax: Syntax, functions: list[dict[str,
     return f"start: {calls}{rules}\ncall: %json {schema}"
 
 
+def harmony_grammar(tokenizer: Tokenizer, functions: list[dict[str, Any]], choice: str,
+                    answer: dict[str, Any] | None = None) -> str:
+    """Lark for a harmony reply with tools: messages to think (`analysis`) or talk
+    (`commentary`) in, free text up to `<|end|>`, then one call to one of `functions`, its
+    arguments following its parameters and `<|call|>` ending the turn (so a reply makes one
+    call, whatever parallel_tool_calls says); under "auto" the final answer may come instead
+    of the call, following `answer` (a JSON Schema) when given."""
+    c = CHANNELS
+    channel, message = _token(tokenizer, c.channel), _token(tokenizer, c.message)
+    thought = (f'{channel} ("{c.thinking}" | "commentary") {message} TEXT {_token(tokenizer, "<|end|>")} '
+               f'{_token(tokenizer, c.start)} "assistant"')
+    calls = [f'{channel} "commentary" " to={FUNCTIONS}{f["name"]}" " " {_token(tokenizer, "<|constrain|>")} "json" '
+             f'{message} %json {json.dumps(_arguments_schema(f))} {_token(tokenizer, CALL_END)}' for f in functions]
+    rules = [f"start: thought* {'(call | final)' if choice == 'auto' else 'call'}", f"thought: {thought}",
+             f"call: {' | '.join(f'call_{i}' for i in range(len(calls)))}",
+             *(f"call_{i}: {call}" for i, call in enumerate(calls)), "TEXT: /(?s:.*)/"]
+    if choice == "auto":
+        body = "TEXT" if answer is None else f"%json {json.dumps({**answer, 'x-guidance': JSON_LAYOUT})}"
+        rules.append(f'final: {channel} "final" {message} {body}')
+    return "\n".join(rules)
+
+
+def _arguments_schema(function: dict[str, Any]) -> dict[str, Any]:
+    """A function's parameters as the schema of a harmony call's body (compact JSON)."""
+    return {**(function.get("parameters") or {"type": "object"}), "x-guidance": HARMONY_LAYOUT}
+
+
 @dataclass
 class ToolPlan:
     """What a request with tools does: how to render them, what to hold the reply to, how to read it."""
@@ -225,14 +267,21 @@ class ToolPlan:
         if self.grammar is None:
             return None
         constraint = Constraint(self.grammar, tokenizer, vocab_size)
-        return constraint if self.choice == "required" or self.answers else OnceCalled(constraint)
+        whole = self.choice == "required" or self.answers or self.syntax.addressed
+        return constraint if whole else OnceCalled(constraint)
 
-    def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
-        """(the text outside the calls or None, the calls) of a finished reply."""
+    def parse(self, text: str, addressed: list[tuple[str, str]] | None = None) -> tuple[str | None, list[ToolCall]]:
+        """(the text outside the calls or None, the calls) of a finished reply; harmony's
+        calls come `addressed` ((recipient, body) of each message the reasoning split kept
+        out of `text`), or when the reply was not split (`text` raw, markup and all), are
+        read from `text` itself, which stays as it is."""
         if self.choice == "none":
             return text, []
         names = {t["function"]["name"] for t in self.tools}
-        found, rest = _find_calls(text, self.syntax)
+        if self.syntax.addressed:
+            found, rest = _addressed_calls(_addressed_in(text) if addressed is None else addressed), text
+        else:
+            found, rest = _find_calls(text, self.syntax)
         calls = [ToolCall(c["name"], _arguments(c, self.syntax.key), f"call_{next(_call_ids)}") for c in found
                  if isinstance(c, Mapping) and c.get("name") in names]
         if not calls:
@@ -261,9 +310,11 @@ def call_syntax(tokenizer: Tokenizer) -> Syntax:
     return syntax_for(tokenizer) if "tools" in (tokenizer.chat_template or "") else JSON_CALL
 
 
-def call_opener(tokenizer: Tokenizer) -> str:
-    """The text a call starts with (to hold streamed text back until it is known not to be one)."""
-    return call_syntax(tokenizer).open or "{"
+def call_opener(tokenizer: Tokenizer) -> str | None:
+    """The text a call starts with (to hold streamed text back until it is known not to be one);
+    None where calls never reach the answer's text (harmony's are messages of their own)."""
+    syntax = call_syntax(tokenizer)
+    return None if syntax.addressed else syntax.open or "{"
 
 
 def plan(tokenizer: Tokenizer, tools: Any, tool_choice: Any = None, parallel: bool = True,
@@ -276,8 +327,12 @@ def plan(tokenizer: Tokenizer, tools: Any, tool_choice: Any = None, parallel: bo
     choice, functions = chosen_functions(tools, tool_choice)
     syntax = call_syntax(tokenizer)
     answer = answer if choice == "auto" else None
-    grammar = None if choice == "none" else compiled_lark(call_grammar(tokenizer, syntax, functions, parallel, answer),
-                                                          "tool call")
+    if choice == "none":
+        grammar = None
+    elif syntax.addressed:
+        grammar = compiled_lark(harmony_grammar(tokenizer, functions, choice, answer), "tool call")
+    else:
+        grammar = compiled_lark(call_grammar(tokenizer, syntax, functions, parallel, answer), "tool call")
     return ToolPlan(tools, choice, syntax, grammar, answer is not None)
 
 
@@ -353,6 +408,22 @@ def _find_calls(text: str, syntax: Syntax) -> tuple[list[Any], str]:
         return (calls if isinstance(calls, list) else []), head
     call = _loads(text.strip())
     return ([call] if isinstance(call, dict) else []), ""
+
+
+def _addressed_in(raw: str) -> list[tuple[str, str]]:
+    """The (recipient, body) of each addressed message in a raw harmony reply."""
+    splitter = CHANNELS.splitter(False)
+    splitter.push(raw)
+    splitter.flush()
+    return splitter.calls
+
+
+def _addressed_calls(addressed: list[tuple[str, str]]) -> list[dict[str, Any]]:
+    """The calls among harmony's addressed messages (recipient, body): those to `functions.NAME`
+    whose body is a JSON object."""
+    calls = [{"name": to.removeprefix(FUNCTIONS), "arguments": _loads(body)} for to, body in addressed
+             if to.startswith(FUNCTIONS)]
+    return [c for c in calls if isinstance(c["arguments"], dict)]
 
 
 def _loads(text: str) -> Any:

@@ -90,9 +90,13 @@ class Reply:
         return {"id": self.rid, "object": kind, "created": int(time.time()), "model": self.model,
                 "choices": choices, **extra}
 
-    def _choice(self, index: int, chunks: list[Chunk], delta: bool, first: bool = False) -> dict[str, Any]:
+    def _choice(self, index: int, chunks: list[Chunk], delta: bool, first: bool = False,
+                streamed: bool = False) -> dict[str, Any]:
+        """Choice `index` from its `chunks` (all of them, or a delta's: what was held back and
+        the newest; `streamed`: the text before them already went out, so a call's content,
+        which is the whole reply's text, is not theirs to send)."""
         last = chunks[-1]
-        text = last.content if last.tool_calls else "".join(c.text for c in chunks)
+        text = last.content if last.tool_calls and not streamed else "".join(c.text for c in chunks)
         lp = self.logprobs[index].of(chunks) if self.logprobs else None
         return choice(self.chat, text, last.finish_reason, lp, delta=delta, first=first, calls=last.tool_calls,
                       legacy=self.legacy, index=index, reasoning="".join(c.reasoning for c in chunks))
@@ -132,14 +136,15 @@ class Reply:
             async for stream, chunk in chunks:
                 i = stream * self.n + chunk.index
                 last[i] = chunk
-                pending = [*held.pop(i, ()), chunk]
+                pending, streamed = [*held.pop(i, ()), chunk], i in sent
                 if i not in sent and self._could_call("".join(c.text for c in pending)) and not chunk.finish_reason:
                     if not chunk.reasoning or any(c.text for c in pending):
                         held[i] = pending
                         continue
                 else:
                     sent.add(i)
-                yield sse(self._object([self._choice(i, pending, delta=True, first=i not in started)], chunk=True))
+                yield sse(self._object([self._choice(i, pending, delta=True, first=i not in started, streamed=streamed)],
+                                       chunk=True))
                 started.add(i)
             if include_usage and last:
                 yield sse(self._object([], chunk=True, usage=self._usage(last)))
