@@ -19,6 +19,7 @@ from mlxinfer.errors import ConfigError, ConversionError, CorruptCheckpointError
 from mlxinfer.models.layers import inv_freq, llama3_inv_freq
 
 from .gguf_file import BF16, BLOCK_TYPES, F32, FLOAT_TYPES, MXFP4, Q8_0, GGUFFile, Packed, TensorInfo, gguf_type
+from .gguf_recurrent import Layout, Part, gated_delta_layout, short_conv_layout
 from .gguf_tokenizer import generation_config, tokenizer_config, tokenizer_json
 from .quantize import BITS, QuantSpec
 from .sources import Source, SourceTensor, Tensor
@@ -75,7 +76,7 @@ def _moe_config(norm_topk_prob: bool) -> ConfigPart:
     llama.cpp renormalizes the top-k weights for Qwen3-MoE and not for Qwen2-MoE."""
 
     def config(get: Getter, names: set[str]) -> dict[str, Any]:
-        layers = get("block_count")
+        layers = get("block_count") - get("nextn_predict_layers", 0)
         return {
             "num_experts": get("expert_count"),
             "num_experts_per_tok": get("expert_used_count"),
@@ -203,6 +204,63 @@ def _gpt_oss_config(get: Getter, names: set[str]) -> dict[str, Any]:
     }
 
 
+def _gated_delta_config(get: Getter, names: set[str]) -> dict[str, Any]:
+    """Qwen3-Next and Qwen3.5: which layers are linear attention (`recurrent_layers`, else, as
+    llama.cpp reads older files, all but every `full_attention_interval`-th), the linear
+    attention's sizes from the `ssm` keys, and the multi-token-prediction layers that
+    `block_count` includes left out. Text positions make Qwen3.5's MRoPE sections plain RoPE."""
+    layers = get("block_count") - get("nextn_predict_layers", 0)
+    interval = get("full_attention_interval", 4)
+    recurrent = get("attention.recurrent_layers", [(i + 1) % interval != 0 for i in range(layers)])
+    if len(recurrent) < layers:
+        raise CorruptCheckpointError(
+            f"GGUF metadata 'attention.recurrent_layers' has {len(recurrent)} entries for {layers} layers; "
+            "the file is damaged"
+        )
+    value_heads, key_heads = get("ssm.time_step_rank"), get("ssm.group_count")
+    if value_heads % key_heads or get("ssm.inner_size") % value_heads:
+        raise CorruptCheckpointError(
+            f"GGUF ssm metadata: {value_heads} value heads (time_step_rank) of {get('ssm.inner_size')} values "
+            f"(inner_size) in all cannot serve {key_heads} key heads (group_count); the file is damaged"
+        )
+    return {
+        "num_hidden_layers": layers,
+        "layer_types": ["linear_attention" if r else "full_attention" for r in recurrent[:layers]],
+        "linear_num_key_heads": key_heads,
+        "linear_num_value_heads": value_heads,
+        "linear_key_head_dim": get("ssm.state_size"),
+        "linear_value_head_dim": get("ssm.inner_size") // value_heads,
+        "linear_conv_kernel_dim": get("ssm.conv_kernel"),
+    }
+
+
+def _gated_delta_moe_config(get: Getter, names: set[str]) -> dict[str, Any]:
+    """Qwen3-Next's and Qwen3.5-MoE's experts: llama.cpp always renormalises the top-k weights.
+    Qwen3.5-MoE configs have no dense width; its shared expert's stands in, as the family's."""
+    config = {**_gated_delta_config(get, names), **_moe_config(True)(get, names)}
+    if get("feed_forward_length", None) is None:
+        config["intermediate_size"] = get("expert_shared_feed_forward_length")
+    return config
+
+
+def _lfm2_config(get: Getter, names: set[str]) -> dict[str, Any]:
+    """LFM2: a layer with no KV heads is a short convolution; the MLP width is stored as used."""
+    layers, kv_heads = get("block_count"), get("attention.head_count_kv")
+    if not isinstance(kv_heads, list):
+        kv_heads = [kv_heads] * layers
+    if len(kv_heads) != layers:
+        raise CorruptCheckpointError(
+            f"GGUF metadata 'attention.head_count_kv' has {len(kv_heads)} entries for {layers} layers; "
+            "the file is damaged"
+        )
+    return {
+        "layer_types": ["full_attention" if n else "conv" for n in kv_heads],
+        "conv_L_cache": get("shortconv.l_cache"),
+        "conv_bias": any(n.endswith(".shortconv.conv.bias") for n in names),
+        "block_auto_adjust_ff_dim": False,
+    }
+
+
 @dataclass(frozen=True)
 class Arch:
     """How a GGUF `general.architecture` maps back onto a Hugging Face family."""
@@ -213,6 +271,7 @@ class Arch:
     names: dict[str, str] = field(default_factory=dict)  # block tensors named unlike Llama's
     norm_shift: float = 0.0  # llama.cpp stores norm weights plus this (Gemma's 1 + w, pre-added)
     config: ConfigPart | None = None  # family keys beyond the common ones
+    layout: Layout | None = None  # tensors llama.cpp rearranged, and how to put them back
 
 
 _GEMMA_NAMES = {
@@ -230,6 +289,26 @@ _MOE_NAMES = {
     "ffn_up_shexp": "mlp.shared_expert.up_proj",
     "ffn_down_shexp": "mlp.shared_expert.down_proj",
     "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+}
+# Qwen3-Next's and Qwen3.5's linear attention; `ssm_a` (no leaf) is a whole name.
+_GATED_DELTA_NAMES = {
+    "post_attention_norm": "post_attention_layernorm",
+    "attn_qkv": "linear_attn.in_proj_qkv",
+    "attn_gate": "linear_attn.in_proj_z",
+    "ssm_ba": "linear_attn.in_proj_ba",
+    "ssm_beta": "linear_attn.in_proj_b",
+    "ssm_alpha": "linear_attn.in_proj_a",
+    "ssm_a": "linear_attn.A_log",
+    "ssm_dt.bias": "linear_attn.dt_bias",
+    "ssm_conv1d": "linear_attn.conv1d",
+    "ssm_norm": "linear_attn.norm",
+    "ssm_out": "linear_attn.out_proj",
+}
+_LFM2_NAMES = {
+    "token_embd_norm": "model.norm",  # llama.cpp's name for LFM2's final norm
+    "shortconv.conv": "conv.conv",
+    "shortconv.in_proj": "conv.in_proj",
+    "shortconv.out_proj": "conv.out_proj",
 }
 _POST_NORMS = {"post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
 _SHARED_EXPERTS = {  # DeepSeek's and GLM's names: several shared experts as one, no gate
@@ -282,6 +361,19 @@ ARCHITECTURES = {
         "glm4_moe", "Glm4MoeForCausalLM", names={**_MOE_NAMES, **_SHARED_EXPERTS, **_POST_NORMS},
         config=_glm4moe_config,
     ),
+    "qwen3next": Arch(
+        "qwen3_next", "Qwen3NextForCausalLM", names={**_MOE_NAMES, **_GATED_DELTA_NAMES}, norm_shift=1.0,
+        config=_gated_delta_moe_config, layout=gated_delta_layout(reordered=False),
+    ),
+    "qwen35": Arch(
+        "qwen3_5_text", "Qwen3_5ForCausalLM", names=_GATED_DELTA_NAMES, norm_shift=1.0,
+        config=_gated_delta_config, layout=gated_delta_layout(reordered=True),
+    ),
+    "qwen35moe": Arch(
+        "qwen3_5_moe_text", "Qwen3_5MoeForCausalLM", names={**_MOE_NAMES, **_GATED_DELTA_NAMES}, norm_shift=1.0,
+        config=_gated_delta_moe_config, layout=gated_delta_layout(reordered=True),
+    ),
+    "lfm2": Arch("lfm2", "Lfm2ForCausalLM", names=_LFM2_NAMES, config=_lfm2_config, layout=short_conv_layout),
 }
 # DeepSeek's K/V up-projection: one attn_kv_b, or (newer llama.cpp) per-head attn_k_b and attn_v_b.
 _KV_B = re.compile(r"blk\.(\d+)\.attn_(kv|k|v)_b\.weight")
@@ -301,7 +393,7 @@ _BLOCK_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
-_BLOCK_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+_BLOCK_TENSOR = re.compile(r"blk\.(\d+)\.([\w.]+?)(?:\.(weight|bias))?")
 _BLOCK = re.compile(r"blk\.(\d+)\.")
 
 
@@ -321,6 +413,9 @@ def open_gguf(path: Path) -> Source:
             if (block := _BLOCK.match(info.name)) and int(block[1]) >= config["num_hidden_layers"]:
                 continue  # a block past the model's layers: GLM's multi-token-prediction layer
             name = hf_name(info.name, spec.names)
+            if spec.layout and (parts := spec.layout(name, info.shape, config)) is not None:
+                tensors.update(_parts(gguf, info, parts))
+                continue
             rows = heads.get(name.rpartition(".")[0].rpartition(".")[2]) if spec.permuted_qk else None
             shift = spec.norm_shift if name.endswith("norm.weight") else 0.0
             shape = _hf_shape(name, info.shape)
@@ -348,17 +443,32 @@ def open_gguf(path: Path) -> Source:
 
 
 def hf_name(name: str, overrides: dict[str, str] | None = None) -> str:
-    """llama.cpp's tensor name as Hugging Face's (`overrides`: an architecture's own block
-    names); unknown names pass through to be reported as unused."""
+    """llama.cpp's tensor name as Hugging Face's (`overrides`: an architecture's own names);
+    unknown names pass through to be reported as unused."""
     names = {**_BLOCK_NAMES, **(overrides or {})}
     if match := _BLOCK_TENSOR.fullmatch(name):
         layer, part, leaf = match.groups()
+        if leaf is None:  # a tensor with no leaf (Qwen3-Next's `ssm_a`): the entry is the whole name
+            return f"model.layers.{layer}.{names[part]}" if part in names else name
         if f"{part}.{leaf}" in names:  # an entry naming the leaf too maps the whole name
             return f"model.layers.{layer}.{names[f'{part}.{leaf}']}"
         if part in names:
             return f"model.layers.{layer}.{names[part]}.{leaf}"
     base, _, leaf = name.rpartition(".")
-    return f"{_GLOBAL_NAMES[base]}.{leaf}" if base in _GLOBAL_NAMES else name
+    outer = {**_GLOBAL_NAMES, **(overrides or {})}
+    return f"{outer[base]}.{leaf}" if base in outer else name
+
+
+def _parts(gguf: GGUFFile, info: TensorInfo, parts: list[Part]) -> dict[str, SourceTensor]:
+    """The tensors a layout makes of one stored tensor, each read and rearranged on demand."""
+    return {
+        p.name: SourceTensor(p.name, p.shape, info.type_name, _precision(info), partial(_undo, gguf, info, p))
+        for p in parts
+    }
+
+
+def _undo(gguf: GGUFFile, info: TensorInfo, part: Part) -> Tensor:
+    return part.undo(gguf.read(info))
 
 
 def _mla_tensors(gguf: GGUFFile, config: dict[str, Any]) -> dict[str, SourceTensor]:
@@ -435,14 +545,19 @@ def hf_config(gguf: GGUFFile, meta: dict[str, Any]) -> dict[str, Any]:
 
     heads, hidden = get("attention.head_count"), get("embedding_length")
     kv_heads = get("attention.head_count_kv", heads)
-    if isinstance(kv_heads, list):
-        raise UnsupportedArchitectureError("GGUF models with a different head count per layer are not supported")
+    if isinstance(kv_heads, list):  # per layer; 0 marks a layer without attention (LFM2's convolutions)
+        counts = set(kv_heads) - {0}
+        if len(counts) != 1:
+            raise UnsupportedArchitectureError(
+                f"GGUF '{arch}' models with KV head counts {sorted(set(kv_heads))} per layer are not supported"
+            )
+        kv_heads = counts.pop()
     head_dim = get("attention.key_length", hidden // heads)
     config = {
         "architectures": [spec.cls],
         "model_type": spec.model_type,
         "hidden_size": hidden,
-        "intermediate_size": get("feed_forward_length"),
+        "intermediate_size": get("feed_forward_length", None),
         "num_hidden_layers": get("block_count"),
         "num_attention_heads": heads,
         "num_key_value_heads": kv_heads,
@@ -464,6 +579,8 @@ def hf_config(gguf: GGUFFile, meta: dict[str, Any]) -> dict[str, Any]:
         if "hidden_activation" in family:
             del config["hidden_act"]
         config.update(family)
+    if config["intermediate_size"] is None:
+        get("feed_forward_length")  # the family did not supply it either: the file is incomplete
     if rope_dims != config["head_dim"]:
         config["partial_rotary_factor"] = rope_dims / config["head_dim"]
     for key in ("bos_token_id", "eos_token_id"):
@@ -617,13 +734,20 @@ ARCH_KEYS: dict[str, tuple[Callable[[Any], bool], str]] = {
             "expert_used_count", "expert_feed_forward_length", "rope.scaling.original_context_length",
             "attention.q_lora_rank", "attention.kv_lora_rank", "attention.key_length_mla",
             "attention.value_length_mla", "expert_group_count", "expert_group_used_count", "expert_gating_func",
+            "ssm.conv_kernel", "ssm.state_size", "ssm.group_count", "ssm.time_step_rank", "ssm.inner_size",
+            "full_attention_interval", "shortconv.l_cache",
         ),
         _INT,
     ),
     **dict.fromkeys(("expert_shared_count", "leading_dense_block_count", "nextn_predict_layers"), _COUNT),
-    "attention.sliding_window_pattern": (_list_of(lambda v: type(v) is bool), "a list of true/false"),
+    **dict.fromkeys(
+        ("attention.sliding_window_pattern", "attention.recurrent_layers"),
+        (_list_of(lambda v: type(v) is bool), "a list of true/false"),
+    ),
     "expert_weights_norm": _FLAG,
-    "attention.head_count_kv": (lambda v: _positive_int(v) or _list_of(_positive_int)(v), "a positive integer"),
+    "attention.head_count_kv": (
+        lambda v: _positive_int(v) or (_list_of(_COUNT[0])(v) and any(v)), "a positive integer or a list of counts"
+    ),
     "attention.sliding_window": _COUNT,
     "expert_shared_feed_forward_length": _COUNT,
     "rope.scaling.yarn_log_multiplier": (_number, "a number"),

@@ -22,6 +22,9 @@ _WORDS = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|"
 _REST = r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 _LLAMA3_SPLIT = _WORDS + r"\p{N}{1,3}" + _REST  # numbers in chunks of up to three digits
 _QWEN2_SPLIT = _WORDS + r"\p{N}" + _REST  # one digit per piece
+# Qwen3.5: Qwen2's split with combining marks (\p{M}) kept inside words
+_QWEN35_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
+                 r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 
 
 @dataclass(frozen=True)
@@ -55,8 +58,10 @@ PRE_TOKENIZERS = {
     "llama-bpe": _LLAMA3,
     "llama3": _LLAMA3,
     "llama-v3": _LLAMA3,
+    "lfm2": _LLAMA3,  # llama.cpp runs LFM2's tokenizer as Llama 3's
     "qwen2": _QWEN2,
     "deepseek-r1-qwen": _QWEN2,
+    "qwen35": PreTokenizer(_split_then_bytes(_QWEN35_SPLIT), normalizer=normalizers.NFC),
 }
 
 
