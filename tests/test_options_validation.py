@@ -292,7 +292,7 @@ VALID = {
 }
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(options=st.fixed_dictionaries({}, optional=VALID),
        prompt=st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=12))
 def test_valid_options_at_their_edges_generate(loaded, options, prompt):
