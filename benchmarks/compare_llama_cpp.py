@@ -28,7 +28,7 @@ from pathlib import Path
 
 import mlxinfer  # first: it binds a fast BLAS before mlx.core loads (see mlxinfer.blas)
 from convert import convert
-from mlxinfer.bench import load_average, load_report, memory_bandwidth, ratios, weight_bytes
+from mlxinfer.bench import Quiet, memory_bandwidth, ratios, weight_bytes
 from mlxinfer.demo import demo_gguf
 from mlxinfer.kernels import quantized_matmul
 
@@ -74,7 +74,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, help="threads for both (default: the extension's, else every core)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
-    load_before = load_average()
+    quiet = Quiet()
     try:
         from llama_cpp import Llama
     except ImportError:
@@ -100,7 +100,7 @@ def main() -> None:
             theirs.append(timed(llama_tokens(llm, prompt), n))
         gguf_bytes = gguf.stat().st_size
 
-    load_line, busy = load_report(load_before, load_average())
+    load_line, busy = quiet.report()
     a, b = median_run(ours, len(prompt)), median_run(theirs, len(prompt))
     bandwidth = memory_bandwidth()
     cfg = model.config
@@ -114,7 +114,7 @@ def main() -> None:
         "ratios": {k: a[k] / b[k] for k in a},
         "decode_ratios": [r["decode_tps"] / t["decode_tps"] for r, t in zip(ours, theirs)],
         "ttft_ratios": [r["ttft"] / t["ttft"] for r, t in zip(ours, theirs)],
-        "load_before": load_before, "load_after": load_average(), "busy": busy,
+        "load_before": quiet.before, "busy": busy,
         "bandwidth_gbs": bandwidth / 1e9,
         "bytes_per_token_mb": {"mlxinfer": our_bytes / 1e6, "llama_cpp": their_bytes / 1e6},
         "roofline_tps": {"mlxinfer": bandwidth / our_bytes, "llama_cpp": bandwidth / their_bytes},

@@ -23,7 +23,7 @@ import mlxinfer  # first: it binds a fast BLAS before mlx.core loads (see mlxinf
 import mlx.core as mx  # noqa: E402, I001
 from mlx.utils import tree_flatten  # noqa: E402
 from mlxinfer.models.config import RECURRENT  # noqa: E402
-from mlxinfer.bench import (Run, load_average, load_report, memory_bandwidth, random_prompt, ratios, run_once,  # noqa: E402
+from mlxinfer.bench import (Run, Quiet, memory_bandwidth, random_prompt, ratios, run_once,  # noqa: E402
                             summarize, weight_bytes)
 
 LLAMA_50M = dict(
@@ -93,7 +93,7 @@ def main() -> None:
 
     import mlx_lm
 
-    load_before = load_average()
+    quiet = Quiet()
     with tempfile.TemporaryDirectory() as tmp:
         if args.model:
             path = Path(args.model)
@@ -113,7 +113,7 @@ def main() -> None:
             our_runs.append(run_once(ours, our_tok, prompt, args.gen_tokens))
             their_runs.append(run_mlx_lm(theirs, their_tok, prompt, args.gen_tokens))
 
-    load_line, busy = load_report(load_before, load_average())
+    load_line, busy = quiet.report()
     a, b = summarize(our_runs), summarize(their_runs)
     bandwidth = memory_bandwidth()
     weights = weight_bytes(ours)
@@ -137,7 +137,7 @@ def main() -> None:
         "mlx_lm_roofline_frac": b.decode_tps[0] / roofline,
         "decode_ratios": [r.decode_tps / t.decode_tps for r, t in zip(our_runs, their_runs)],
         "prefill_ratios": [r.prefill_tps / t.prefill_tps for r, t in zip(our_runs, their_runs)],
-        "load_before": load_before, "load_after": load_average(), "busy": busy,
+        "load_before": quiet.before, "busy": busy,
     }
     if args.json:
         print(json.dumps(result))

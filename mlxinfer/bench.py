@@ -99,17 +99,47 @@ def load_average() -> float:
     return os.getloadavg()[0]
 
 
-def load_report(before: float, after: float) -> tuple[str, bool]:
-    """A line with the load average before and after a comparison, and whether it was busy:
-    above half the cores, a peer whose threads spin (llama.cpp) loses far more to the other
-    work than we do, so a ratio measured then flatters us."""
-    cores = os.cpu_count() or 1
-    busy = max(before, after) > 0.5 * cores
-    line = f"load average before {before:.2f}, after {after:.2f} ({cores} cores)"
-    if busy:
-        line += (f"\n*** WARNING: the machine was busy (load above {0.5 * cores:g} = 0.5 x cores): these ratios are "
-                 "not fit to report; rerun on an idle machine ***")
-    return line, busy
+def _busy_seconds() -> float | None:
+    """CPU seconds all processes have used since boot (Linux's /proc/stat), or None elsewhere."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle and iowait
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+class Quiet:
+    """Whether the machine was quiet around a comparison: the load average before it, and the
+    CPU that other processes used while it ran (the load average after it counts the
+    benchmark's own threads, so it cannot say). A peer whose threads spin (llama.cpp) loses
+    far more to other work than we do, so a ratio measured on a busy machine flatters us."""
+
+    LIMIT = 0.5  # cores: the load before, and the other processes' use during, must stay below it
+
+    def __init__(self) -> None:
+        self.before = load_average()
+        self._busy, self._ours, self._start = _busy_seconds(), _own_seconds(), time.perf_counter()
+
+    def report(self) -> tuple[str, bool]:
+        """A line saying how quiet it was, with a loud warning when it was not; and whether it was busy."""
+        line = f"load average before {self.before:.2f}, after {load_average():.2f} (this run's own threads count there)"
+        others = None
+        if self._busy is not None:
+            wall = time.perf_counter() - self._start
+            others = max(_busy_seconds() - self._busy - (_own_seconds() - self._ours), 0.0) / wall
+            line += f"; other processes used {others:.2f} cores during it"
+        busy = self.before > self.LIMIT or (others is not None and others > self.LIMIT)
+        if busy:
+            line += (f"\n*** WARNING: the machine was busy (above {self.LIMIT} cores of other work): these ratios are "
+                     "not fit to report; rerun on an idle machine ***")
+        return line, busy
+
+
+def _own_seconds() -> float:
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
 
 
 def ratios(ours: list[float], theirs: list[float]) -> str:
