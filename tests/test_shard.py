@@ -24,6 +24,7 @@ import test_models_hybrid as hybrid_tests
 from test_models_gemma import VARIANTS as GEMMA
 from test_models_gpt_oss import CONFIG as GPT_OSS
 from test_models_moe import VARIANTS as MOE
+from test_models_smollm3 import VARIANTS as SMOLLM3
 from test_parity import VARIANTS as PARITY
 
 import mlxinfer
@@ -35,7 +36,8 @@ HERE = Path(__file__).parent
 FAMILIES = {"llama": PARITY["llama"], "qwen3": PARITY["qwen3"], "gemma3_text": GEMMA["gemma3_text"],
             "mixtral": MOE["mixtral-k2"], "qwen3_moe": MOE["qwen3_moe"],
             "deepseek_v2": deepseek_tests.VARIANTS["v2-q-lora-null"],
-            "deepseek_v3": deepseek_tests.VARIANTS["v3-grouped-k2"], "gpt_oss": ("gpt_oss", GPT_OSS)}
+            "deepseek_v3": deepseek_tests.VARIANTS["v3-grouped-k2"], "gpt_oss": ("gpt_oss", GPT_OSS),
+            "smollm3": ("smollm3", SMOLLM3["sliding-bias"])}
 PROMPT = list(range(3, 40))
 TIMEOUT = 120
 
