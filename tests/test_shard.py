@@ -490,7 +490,7 @@ def shared_bytes(folder: Path, dtype: str | None = "float32") -> int:
 
 
 @pytest.mark.parametrize("family, ranks", [("llama", 2), ("qwen3", 2), ("gemma3_text", 2), ("llama", 3),
-                                           ("mixtral", 2), ("qwen3_moe", 2), ("deepseek_v3", 2)])
+                                           ("mixtral", 2), ("qwen3_moe", 2), ("deepseek_v3", 2), ("gpt_oss", 2)])
 def test_pipeline_ranks_equal_one_process(can_launch, hf_checkpoint, tmp_path, monkeypatch, family, ranks):
     folder = checkpoint(hf_checkpoint, family, num_hidden_layers=3)
     monkeypatch.setenv("MLXINFER_TEST_SHARD", "pipeline")
