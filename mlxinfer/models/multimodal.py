@@ -3,6 +3,7 @@ text weights under a language-model prefix, the vision tower dropped."""
 
 from __future__ import annotations
 
+from types import ModuleType
 from typing import Any
 
 import mlx.core as mx
@@ -40,3 +41,21 @@ def canonical(d: dict[str, Any], tied: bool = True) -> dict[str, Any]:
     """The text model's config under the wrapper's model_type (its weights keep the wrapper's
     names): the sizes at the top level, where a rank's config (`shard.shard_config`) divides them."""
     return {**text_config(d, tied), "model_type": d["model_type"]}
+
+
+def wrapper(text: ModuleType, vision: tuple[str, ...], tied: bool = True) -> tuple[Any, Any, type]:
+    """(canonical, config, Model) of a multimodal family around the text family `text`: its
+    config read from `text_config` (the LM head tied as `tied` when neither level says), its
+    weights from under the language-model prefix, those under the `vision` prefixes dropped."""
+
+    def canonical_config(d: dict[str, Any]) -> dict[str, Any]:
+        return canonical(d, tied)
+
+    def config(d: dict[str, Any]):
+        return text.config(text_config(d, tied))
+
+    class Model(text.Model):
+        def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
+            return super().sanitize(text_weights(weights, vision))
+
+    return canonical_config, config, Model
