@@ -84,11 +84,8 @@ class ChatSession:
         self.system = system
         self.draft_model = draft_model
         self.settings = _settings(options, model, draft_model)  # the request each turn makes, less its prompt
-        # Each turn runs in a fresh one-sequence engine (a Ctrl-C may stop one mid-step), or in
-        # `engine` when given: rank 0's `Replica` of a model sharded across ranks, which keeps a
-        # twin of this cache on every rank.
         self.engine = engine
-        self.cache = (engine or BatchGenerator(model, tokenizer, max_batch=1)).new_cache(**self.cache_options)
+        self.cache = self._engine().new_cache(**self.cache_options)
         self.draft_cache = PromptCache.for_model(draft_model, **self.cache_options) if draft_model else None
         self.stats: Stats | None = None
         self.cache_restored = False
@@ -148,7 +145,7 @@ class ChatSession:
                 request = dataclasses.replace(request, options=dataclasses.replace(
                     request.options, draft_model=self.draft_model, draft_cache=self.draft_cache))
             eos = set(self.tokenizer.eos_token_ids)
-            engine = self.engine or BatchGenerator(self.model, self.tokenizer, max_batch=1)
+            engine = self._engine()
             for chunk in stream_request(engine, request, self.cache, kept=self.engine is not None):
                 pieces.append(chunk.text)
                 thoughts.append(chunk.reasoning)
@@ -274,9 +271,14 @@ class ChatSession:
 
     def _sync_cache(self, tokens: list[int]) -> None:
         """Make the cache hold exactly `tokens`: keep the common prefix, prefill the rest."""
-        engine = self.engine or BatchGenerator(self.model, self.tokenizer, max_batch=1,
-                                               prefill_step=self.settings.options.prefill_step)
-        engine.fill(self.cache, tokens)
+        self._engine().fill(self.cache, tokens)
+
+    def _engine(self) -> BatchGenerator:
+        """The engine that runs the session's work: `engine` when given (rank 0's `Replica` of a
+        model sharded across ranks, which keeps a twin of the cache on every rank), else a fresh
+        one-sequence engine each time, since a Ctrl-C may stop one mid-step."""
+        return self.engine or BatchGenerator(self.model, self.tokenizer, max_batch=1,
+                                             prefill_step=self.settings.options.prefill_step)
 
     def _close_stream(self) -> None:
         if self._streaming is not None:

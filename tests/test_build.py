@@ -48,6 +48,9 @@ def test_a_machine_without_cmake_builds_the_extension(tmp_path):
     assert shutil.which("cmake", path=path) is None and shutil.which("make", path=path) is None
     done = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-w", str(tmp_path / "wheels"),
                            str(source)], env=env, capture_output=True, text=True, timeout=1200)
+    unreachable = ("No matching distribution", "Could not find a version", "NewConnectionError", "Temporary failure")
+    if done.returncode != 0 and any(s in done.stderr for s in unreachable):
+        pytest.skip(f"the build requirements cannot be fetched (registry unreachable?): {done.stderr.strip()[-200:]}")
     assert done.returncode == 0, done.stderr[-3000:]
     (wheel,) = (tmp_path / "wheels").glob("mlxinfer-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
