@@ -40,6 +40,9 @@ DEQUANTIZE_ROWS = 8
 BITS = (2, 3, 4, 5, 6, 8)
 GROUP_SIZES = (32, 64, 128)
 MODES = ("auto", "off")
+# What this package calls in the extension: a build from older sources lacks some.
+ENTRY_POINTS = ("affine_quantized_matmul", "affine_gather_quantized_matmul", "decode_attention", "decode_layer_in",
+                "decode_layer_out")
 _loaded: list[ModuleType | None] = []
 _why_not: list[str] = []
 # Beside the package: why setup.py did not build the extension (no C++ compiler, ...), for the first run's hint.
@@ -86,6 +89,8 @@ def extension() -> ModuleType | None:
             why = _not_built() if missing else f"built but unloadable ({e})"
         if ext is not None and _release(ext.mlx_version) != _release(mx.__version__):
             why = f"built for MLX {ext.mlx_version}, but MLX {mx.__version__} is installed"
+        if ext is not None and why is None and not all(hasattr(ext, name) for name in ENTRY_POINTS):
+            why = "built from older sources than this mlxinfer's; reinstall it (pip install -e .) to rebuild"
         if ext is not None and why is None:
             why = _self_check(ext)
         _loaded.append(ext if why is None else None)
