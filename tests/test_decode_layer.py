@@ -159,3 +159,27 @@ def test_an_extension_built_from_older_sources_is_not_used(monkeypatch):
     assert qmm.extension() is None
     assert "older sources" in qmm.reason() and "pip install -e ." in qmm.reason()
     assert not decode_layer.available(mx.zeros((1, 1, 8)))
+
+
+@needs_extension
+def test_half_scales_are_kept_and_read_exactly(hf_checkpoint, tmp_path, monkeypatch):
+    """A checkpoint whose quantization scales are float16 (as a GGUF's are) keeps them so beside
+    float32 activations where the extension reads them: logits (a prompt past the extension's rows
+    too, which dequantizes) equal those of the same model with float32 scales, bit for bit."""
+    from mlxinfer import loading
+
+    src = hf_checkpoint("llama", tie_word_embeddings=True, max_position_embeddings=512)
+    convert(src, tmp_path / "q", quantize=True, bits=4, group_size=32, dtype="float16")
+    ids = np.random.default_rng(6).integers(3, 500, size=300).tolist()
+
+    def logits():
+        model, _ = mlxinfer.load(tmp_path / "q")
+        return model, decode_logits(model, ids, prefill=290)
+
+    model, half = logits()
+    assert model.layers[0].self_attn.qkv_proj.scales.dtype == mx.float16
+    assert model.model.embed_tokens.scales.dtype == mx.float16
+    monkeypatch.setattr(loading, "half_scales", lambda model, weights: set())
+    model, single = logits()
+    assert model.layers[0].self_attn.qkv_proj.scales.dtype == mx.float32
+    assert half.dtype == np.float32 and np.array_equal(half, single)

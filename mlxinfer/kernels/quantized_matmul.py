@@ -128,9 +128,26 @@ def quantized_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.arra
     impl = implementation(x.size // x.shape[-1])
     if impl == "cpu-extension":
         return extension().affine_quantized_matmul(x, w, scales, biases, group_size, bits)
+    scales, biases = like(x, scales, biases)
     if impl == "dequantize+blas":
         return x @ mx.dequantize(w, scales, biases, group_size=group_size, bits=bits).T
     return mx.quantized_matmul(x, w, scales, biases, transpose=True, group_size=group_size, bits=bits)
+
+
+def half_scales_read_exactly() -> bool:
+    """Whether quantized layers here may keep half-precision scales and biases beside float32
+    activations: the extension reads them as stored and computes in float32 (so the result is the
+    one float32 scales give) while reading fewer bytes per weight (4-bit, group 32: 20 instead of 24
+    bytes per group). The loader keeps them so only then; the other paths cast them first (`like`)."""
+    return implementation(1) == "cpu-extension"
+
+
+def like(x: mx.array, scales: mx.array, biases: mx.array) -> tuple[mx.array, mx.array]:
+    """Scales and biases in x's dtype: MLX's kernels would otherwise dequantize in the half
+    precision the scales are kept in (see `half_scales_read_exactly`)."""
+    if scales.dtype == x.dtype or not mx.issubdtype(scales.dtype, mx.floating):
+        return scales, biases
+    return scales.astype(x.dtype), biases.astype(x.dtype)
 
 
 def gather_quantized_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array | None,
@@ -143,6 +160,8 @@ def gather_quantized_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: 
     fast = (mode == "affine" and biases is not None and bits in BITS and group_size in GROUP_SIZES
             and x.shape[-2] == 1 and implementation(rows) == "cpu-extension")
     if not fast:
+        if mode == "affine" and biases is not None:
+            scales, biases = like(x, scales, biases)
         return mx.gather_qmm(x, w, scales, biases, rhs_indices=indices, transpose=True, group_size=group_size,
                              bits=bits, mode=mode, sorted_indices=sorted_indices)
     batch = mx.broadcast_shapes(x.shape[:-2], indices.shape)

@@ -171,7 +171,17 @@ class Linear(nn.Linear):
 
 
 class QuantizedEmbedding(nn.QuantizedEmbedding):
-    """nn.QuantizedEmbedding whose use as the (tied) LM head goes through kernels.quantized_matmul."""
+    """nn.QuantizedEmbedding whose use as the (tied) LM head goes through kernels.quantized_matmul,
+    and whose lookups give `dtype` where the loader kept the scales in half precision for the head's
+    sake (`kernels.quantized_matmul.half_scales_read_exactly`)."""
+
+    dtype: mx.Dtype | None = None
+
+    def __call__(self, x: mx.array) -> mx.array:
+        if self.dtype is None:
+            return super().__call__(x)
+        scales, biases = self["scales"][x].astype(self.dtype), self["biases"][x].astype(self.dtype)
+        return mx.dequantize(self["weight"][x], scales, biases, group_size=self.group_size, bits=self.bits)
 
     def as_linear(self, x: mx.array) -> mx.array:
         return quantized_matmul(x, self.weight, self.scales, self.get("biases"), self.group_size, self.bits, self.mode)
@@ -343,7 +353,6 @@ class Block(nn.Module):
             return x + ffn(self.post_attention_layernorm(x))
         x = x + self.post_attention_layernorm(h)
         return x + self.post_feedforward_layernorm(ffn(self.pre_feedforward_layernorm(x)))
-
 
     def _decode_step(self, x: mx.array, mask, cache) -> mx.array | None:
         """A one-token step by the CPU decode primitives (`kernels.decode_layer`): two ops
