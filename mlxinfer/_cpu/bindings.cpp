@@ -56,12 +56,12 @@ NB_MODULE(_cpu_qmm, m) {
       },
       "x"_a, "norm"_a, "qkv"_a, "qkv_bits"_a, "qkv_group"_a, "qk_norms"_a, "inv_freq"_a, "positions"_a, "heads"_a,
       "kv_heads"_a, "head_dim"_a, "eps"_a, "qk_eps"_a, "attention_factor"_a,
-      "A decode step's first half of a pre-norm block: [q, keys_0, values_0, ...] (norm, QKV, q/k norm, RoPE). "
+      "A step's first half of a pre-norm block: [q, keys_0, values_0, ...] (norm, QKV, q/k norm, RoPE). "
       "A projection is [w] or [w, bias] (float32, bits 0), or [w, scales, biases(, bias)] (affine).");
   m.def(
       "decode_layer_out",
       [](const mx::array& x, const mx::array& q, const std::vector<mx::array>& o, int o_bits, int o_group,
-         const mx::array& norm, const std::vector<mx::array>& gate_up, int gate_up_bits, int gate_up_group,
+         const std::vector<mx::array>& norms, const std::vector<mx::array>& gate_up, int gate_up_bits, int gate_up_group,
          const std::vector<mx::array>& down, int down_bits, int down_group, const std::vector<mx::array>& caches,
          const std::vector<int>& lengths, int heads, int kv_heads, int head_dim, float scale, float eps, bool gelu) {
         mlxinfer::LayerOutSpec spec;
@@ -75,13 +75,13 @@ NB_MODULE(_cpu_qmm, m) {
         spec.down = linear(down, down_bits, down_group);
         spec.gelu = gelu;
         spec.lengths = lengths;
-        return mlxinfer::decode_layer_out(x, q, o, norm, gate_up, down, caches, std::move(spec));
+        return mlxinfer::decode_layer_out(x, q, o, norms, gate_up, down, caches, std::move(spec));
       },
-      "x"_a, "q"_a, "o"_a, "o_bits"_a, "o_group"_a, "norm"_a, "gate_up"_a, "gate_up_bits"_a, "gate_up_group"_a,
+      "x"_a, "q"_a, "o"_a, "o_bits"_a, "o_group"_a, "norms"_a, "gate_up"_a, "gate_up_bits"_a, "gate_up_group"_a,
       "down"_a, "down_bits"_a, "down_group"_a, "caches"_a, "lengths"_a, "heads"_a, "kv_heads"_a, "head_dim"_a,
       "scale"_a, "eps"_a, "gelu"_a,
-      "A decode step's second half: attention over each row's stored cache, O, residual, norm, gated MLP, "
-      "residual -> the block's output.");
+      "A step's second half: causal attention over each row's stored cache, O, residual, norm, gated MLP, "
+      "residual -> the block's output. norms: [pre-MLP] or [post-attention, pre-MLP, post-MLP] (sandwich).");
   m.def("threads", &mlxinfer::threads, "Threads a matmul is split across (the calling one included).");
   m.def("set_threads", &mlxinfer::set_threads, "n"_a);
   m.def("simd", &mlxinfer::simd_name, "The loop in use on this CPU: 'avx2+fma' or 'scalar'.");

@@ -285,7 +285,7 @@ void DecodeLayerIn::eval_gpu(const std::vector<mx::array>&, std::vector<mx::arra
 }
 
 mx::array decode_layer_out(const mx::array& x, const mx::array& q, const std::vector<mx::array>& o,
-                           const mx::array& norm, const std::vector<mx::array>& gate_up,
+                           const std::vector<mx::array>& norms, const std::vector<mx::array>& gate_up,
                            const std::vector<mx::array>& down, const std::vector<mx::array>& caches,
                            LayerOutSpec spec) {
   check(x.dtype() == mx::float32 && x.ndim() == 3, "x must be float32 [rows, tokens, hidden]");
@@ -304,14 +304,18 @@ mx::array decode_layer_out(const mx::array& x, const mx::array& q, const std::ve
               " live slots");
   }
   check_linear(o, spec.o, spec.heads * dims, hidden, "o");
-  check_vector(norm, hidden, "the post-attention norm");
+  check(norms.size() == 1 || norms.size() == 3, "norms must be [pre-MLP] or [post-attention, pre-MLP, post-MLP]");
+  spec.sandwich = norms.size() == 3;
+  for (const auto& n : norms) {
+    check_vector(n, hidden, "a norm");
+  }
   check(gate_up.size() > 0 && gate_up[0].ndim() == 2 && gate_up[0].shape(0) % 2 == 0, "gate_up must be [2 * intermediate, ...]");
   const int intermediate = gate_up[0].shape(0) / 2;
   check_linear(gate_up, spec.gate_up, hidden, 2 * intermediate, "gate_up");
   check_linear(down, spec.down, intermediate, hidden, "down");
   std::vector<mx::array> inputs{x, q};
   inputs.insert(inputs.end(), o.begin(), o.end());
-  inputs.push_back(norm);
+  inputs.insert(inputs.end(), norms.begin(), norms.end());
   inputs.insert(inputs.end(), gate_up.begin(), gate_up.end());
   inputs.insert(inputs.end(), down.begin(), down.end());
   inputs.insert(inputs.end(), caches.begin(), caches.end());
@@ -329,8 +333,12 @@ void DecodeLayerOut::eval_cpu(const std::vector<mx::array>& inputs, std::vector<
     size_t at = 2;
     const Projection o = projection(inputs, at, spec.o, keep);
     at += spec.o.count();
-    const auto* norm = static_cast<const float*>(row_major(inputs[at], keep[at]));
-    at += 1;
+    // [pre-MLP] or, for sandwich norms, [post-attention, pre-MLP, post-MLP]
+    std::vector<const float*> norms;
+    for (int n = 0; n < (spec.sandwich ? 3 : 1); ++n, ++at) {
+      norms.push_back(static_cast<const float*>(row_major(inputs[at], keep[at])));
+    }
+    const float* pre_mlp = norms[spec.sandwich ? 1 : 0];
     const Projection gate_up = projection(inputs, at, spec.gate_up, keep);
     at += spec.gate_up.count();
     const Projection down = projection(inputs, at, spec.down, keep);
@@ -368,15 +376,19 @@ void DecodeLayerOut::eval_cpu(const std::vector<mx::array>& inputs, std::vector<
       pool().run(all * heads, head);
     }
 
-    // x + o(attention), then + down(act(gate) * up) of its norm.
+    // x + o(attention), then + down(act(gate) * up) of its norm; sandwich norms also norm each
+    // sublayer's output before its residual add (Gemma).
     float* y = ys[0];
     project(o, attended.data(), all, y);
+    for (int i = 0; spec.sandwich && i < all; ++i) {
+      rms_norm(y + static_cast<size_t>(i) * hidden, norms[0], hidden, spec.eps, y + static_cast<size_t>(i) * hidden);
+    }
     for (size_t i = 0; i < static_cast<size_t>(all) * hidden; ++i) {
       y[i] = xs[i] + y[i];
     }
     std::vector<float> h(static_cast<size_t>(all) * hidden);
     for (int i = 0; i < all; ++i) {
-      rms_norm(y + static_cast<size_t>(i) * hidden, norm, hidden, spec.eps, h.data() + static_cast<size_t>(i) * hidden);
+      rms_norm(y + static_cast<size_t>(i) * hidden, pre_mlp, hidden, spec.eps, h.data() + static_cast<size_t>(i) * hidden);
     }
     const int inter = gate_up.out / 2;
     std::vector<float> gu(static_cast<size_t>(all) * gate_up.out), act(static_cast<size_t>(all) * inter);
@@ -391,6 +403,10 @@ void DecodeLayerOut::eval_cpu(const std::vector<mx::array>& inputs, std::vector<
     }
     std::vector<float> d(static_cast<size_t>(all) * hidden);
     project(down, act.data(), all, d.data());
+    for (int i = 0; spec.sandwich && i < all; ++i) {
+      rms_norm(d.data() + static_cast<size_t>(i) * hidden, norms[2], hidden, spec.eps,
+               d.data() + static_cast<size_t>(i) * hidden);
+    }
     for (size_t i = 0; i < d.size(); ++i) {
       y[i] = y[i] + d[i];
     }

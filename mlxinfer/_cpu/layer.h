@@ -52,7 +52,8 @@ struct LayerOutSpec {
   int kv_heads = 0;
   int head_dim = 0;
   float scale = 0; // of the attention scores
-  float eps = 0;   // the post-attention norm's
+  float eps = 0;   // the norms'
+  bool sandwich = false; // also a norm on each sublayer's output (Gemma)
   LinearSpec o, gate_up, down;
   bool gelu = false; // tanh-approximated GELU (GeGLU) instead of SiLU
   std::vector<int> lengths; // each row's live cache slots, the new ones (its last `tokens`) included
@@ -70,9 +71,10 @@ std::vector<mx::array> decode_layer_in(const mx::array& x, const mx::array& norm
 // x [rows, tokens, hidden] the block's input (the residual), q from decode_layer_in, `caches`
 // [keys_0, values_0, keys_1, ...] each row's float32 buffers [1, kv_heads, slots, dims] with
 // the new entries stored; each new token attends causally (to its row's slots up to itself).
+// `norms`: [pre-MLP norm], or [post-attention, pre-MLP, post-MLP] for sandwich norms.
 // -> the block's output [rows, tokens, hidden].
 mx::array decode_layer_out(const mx::array& x, const mx::array& q, const std::vector<mx::array>& o,
-                           const mx::array& norm, const std::vector<mx::array>& gate_up,
+                           const std::vector<mx::array>& norms, const std::vector<mx::array>& gate_up,
                            const std::vector<mx::array>& down, const std::vector<mx::array>& caches,
                            LayerOutSpec spec);
 

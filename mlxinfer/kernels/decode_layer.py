@@ -70,13 +70,15 @@ def layer_in(x: mx.array, norm: mx.array, eps: float, qkv: Projection, heads: He
     return out[0], [(out[1 + 2 * r], out[2 + 2 * r]) for r in range(x.shape[0])]
 
 
-def layer_out(x: mx.array, q: mx.array, o: Projection, norm: mx.array, eps: float, gate_up: Projection,
-              down: Projection, caches: list[tuple[mx.array, mx.array, int]], heads: Heads, scale: float,
-              gelu: bool) -> mx.array:
+def layer_out(x: mx.array, q: mx.array, o: Projection, norms: tuple[mx.array, ...], eps: float,
+              gate_up: Projection, down: Projection, caches: list[tuple[mx.array, mx.array, int]], heads: Heads,
+              scale: float, gelu: bool) -> mx.array:
     """The block's output [rows, tokens, hidden] from its input `x` and q, row b attending
-    causally over caches[b] = (keys, values, live slots) with its new entries stored."""
+    causally over caches[b] = (keys, values, live slots) with its new entries stored; `norms`
+    the pre-MLP norm's weight, or for sandwich norms (Gemma) the post-attention, pre-MLP and
+    post-MLP ones."""
     buffers = [a for keys, values, _ in caches for a in (keys, values)]
     return extension().decode_layer_out(
-        x, q, o.arrays, o.bits, o.group, norm, gate_up.arrays, gate_up.bits, gate_up.group, down.arrays,
+        x, q, o.arrays, o.bits, o.group, list(norms), gate_up.arrays, gate_up.bits, gate_up.group, down.arrays,
         down.bits, down.group, buffers, [n for _, _, n in caches], heads.heads, heads.kv_heads, heads.dims,
         scale, eps, gelu)

@@ -7,6 +7,8 @@ so HF and mlx-lm checkpoints load without renaming.
 from __future__ import annotations
 
 import math
+import operator
+from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
@@ -356,44 +358,100 @@ class Block(nn.Module):
 
     def _decode_step(self, x: mx.array, mask, cache) -> mx.array | None:
         """A step of a few tokens by the CPU primitives (`kernels.decode_layer`): two ops where
-        the per-op path has ~60. None where they do not apply, and the per-op path runs: a row
-        with a mask other than the plain causal one (windows, rotating caches) or a quantized
-        cache, sandwich or offset norms, MoE, output gates, sinks, soft-capping, a
-        length-dependent RoPE, or projections other than plain float32 or affine-quantized ones
-        (sharded, adapted)."""
-        if self.sandwich or not self.attends:  # a recurrent mixer's cache keeps a state, not keys
+        the per-op path has ~60. None where they do not apply, and the per-op path runs: a
+        recurrent mixer, a row with a mask other than the plain causal one (windows past their
+        length) or a quantized cache, or a block `_fused_plan` cannot take."""
+        if not self.attends:  # a recurrent mixer's cache keeps a state, not keys
             return None
         rows = getattr(cache, "rows", None)
         caches, masks = (rows, mask) if rows is not None else ([cache], [mask])
         plain = (lambda m: m is None) if x.shape[1] == 1 else (lambda m: isinstance(m, str) and m == "causal")
         if len(caches) != x.shape[0] or not all(map(plain, masks)) or any(c.bits is not None for c in caches):
             return None
-        attn, mlp = self[self.mixer_name], self[self.ffn_name]
-        if (type(attn) is not Attention or type(mlp) is not SwiGLU
-                or attn.output_gate or attn.softcap is not None or "sinks" in attn or "qkv_proj" not in attn
-                or "gate_up_proj" not in mlp or mlp.act not in DECODE_ACTIVATIONS):
+        plan = self._fused_plan()
+        if plan is None:
             return None
-        norms = [self.input_layernorm, self.post_attention_layernorm, *(attn[n] for n in ("q_norm", "k_norm") if n in attn)]
-        if any(type(n) is not nn.RMSNorm or n["weight"].dtype != mx.float32 for n in norms):
-            return None
-        projections = [_decode_projection(m) for m in (attn["qkv_proj"], attn["o_proj"], mlp["gate_up_proj"],
-                                                        mlp["down_proj"])]
-        table = attn.rope.table() if attn.rope is not None else None
-        if any(p is None for p in projections) or (attn.rope is not None and table is None):
-            return None
-        qkv, o, gate_up, down = projections
-        heads = decode_layer.Heads(attn.n_heads, attn.n_kv_heads, attn.head_dim)
-        qk = (attn["q_norm"]["weight"], attn["k_norm"]["weight"], attn["q_norm"].eps) if "q_norm" in attn else None
-        q, new = decode_layer.layer_in(x, norms[0]["weight"], norms[0].eps, qkv, heads, [c.offset for c in caches],
-                                       qk, None if table is None else (table, attn.rope.attention_factor))
+        q, new = decode_layer.layer_in(x, plan.norms[0], plan.eps, plan.qkv, plan.heads, [c.offset for c in caches],
+                                       plan.qk, plan.rope)
         for c, (k, v) in zip(caches, new):
             c.store(k, v)
-        return decode_layer.layer_out(x, q, o, norms[1]["weight"], norms[1].eps, gate_up, down,
-                                      [(c.keys[0], c.values[0], c.size) for c in caches], heads, attn.scale,
-                                      mlp.act is nn.gelu_approx)
+        return decode_layer.layer_out(x, q, plan.o, plan.norms[1:], plan.eps, plan.gate_up, plan.down,
+                                      [(c.keys[0], c.values[0], c.size) for c in caches], plan.heads, plan.scale,
+                                      plan.gelu)
+
+    def _fused_plan(self) -> FusedPlan | None:
+        """This block as the CPU primitives take it, or None where they cannot: MoE or another
+        feed-forward, output gates, sinks, soft-capping, a length-dependent RoPE, norms other than
+        (offset) RMSNorms, projections other than plain float32 or affine-quantized ones (sharded,
+        adapted). Made once and kept while every module and parameter it read is the same object
+        (reloaded weights or a wrapped layer make a new one): a step then costs no checks."""
+        attn, mlp = self[self.mixer_name], self[self.ffn_name]
+        parts = [attn, mlp, *(self[n] for n in self._norm_names),
+                 *(attn[n] for n in ("q_norm", "k_norm", "qkv_proj", "o_proj") if n in attn),
+                 *(mlp[n] for n in ("gate_up_proj", "down_proj") if n in mlp)]
+        sources = [*parts, *(a for m in parts[2:] for a in m.values())]
+        kept = self.__dict__.get("_plan")
+        if kept is not None and len(kept[0]) == len(sources) and all(map(operator.is_, kept[0], sources)):
+            return kept[1]
+        plan = FusedPlan.of(self, attn, mlp)
+        self.__dict__["_plan"] = (sources, plan)
+        return plan
+
+    @property
+    def _norm_names(self) -> tuple[str, ...]:
+        """The block's norms in the order the primitives take them (input first)."""
+        if self.sandwich:
+            return ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                    "post_feedforward_layernorm")
+        return ("input_layernorm", "post_attention_layernorm")
 
 
 DECODE_ACTIVATIONS = (nn.silu, nn.gelu_approx)
+
+
+@dataclass(frozen=True)
+class FusedPlan:
+    """What the CPU layer primitives need of a block (`Block._fused_plan`)."""
+
+    qkv: decode_layer.Projection
+    o: decode_layer.Projection
+    gate_up: decode_layer.Projection
+    down: decode_layer.Projection
+    norms: tuple[mx.array, ...]  # effective weights (Gemma's offset added), in `Block._norm_names` order
+    eps: float
+    qk: tuple[mx.array, mx.array, float] | None  # per-head q/k norm weights and eps
+    rope: tuple[mx.array, float] | None  # inverse frequencies and attention factor
+    heads: decode_layer.Heads
+    scale: float
+    gelu: bool
+
+    @classmethod
+    def of(cls, block: Block, attn: nn.Module, mlp: nn.Module) -> FusedPlan | None:
+        if (type(attn) is not Attention or type(mlp) is not SwiGLU or attn.output_gate or attn.softcap is not None
+                or "sinks" in attn or "qkv_proj" not in attn or "gate_up_proj" not in mlp
+                or mlp.act not in DECODE_ACTIVATIONS):
+            return None
+        norms = [_norm_weight(block[n]) for n in block._norm_names]
+        qk = [_norm_weight(attn[n]) for n in ("q_norm", "k_norm") if n in attn]
+        projections = [_decode_projection(m) for m in (attn["qkv_proj"], attn["o_proj"], mlp["gate_up_proj"],
+                                                        mlp["down_proj"])]
+        table = attn.rope.table() if attn.rope is not None else None
+        eps = {block[n].eps for n in block._norm_names}
+        if (any(w is None for w in norms + qk) or None in projections or len(eps) > 1
+                or (attn.rope is not None and table is None)):
+            return None
+        return cls(*projections, norms=tuple(norms), eps=eps.pop(),
+                   qk=(qk[0], qk[1], attn["q_norm"].eps) if qk else None,
+                   rope=None if table is None else (table, attn.rope.attention_factor),
+                   heads=decode_layer.Heads(attn.n_heads, attn.n_kv_heads, attn.head_dim), scale=attn.scale,
+                   gelu=mlp.act is nn.gelu_approx)
+
+
+def _norm_weight(norm: nn.Module) -> mx.array | None:
+    """The weight an RMSNorm multiplies by (Gemma's 1 + w), or None for another kind of norm."""
+    if type(norm) not in (nn.RMSNorm, OffsetRMSNorm) or norm["weight"].dtype != mx.float32:
+        return None
+    return norm["weight"] if type(norm) is nn.RMSNorm else norm.offset + norm["weight"]
 
 
 def _decode_projection(layer: nn.Module) -> decode_layer.Projection | None:
