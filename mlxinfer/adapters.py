@@ -1,0 +1,377 @@
+"""Read LoRA adapters (PEFT's folders and mlx-lm's) and put them on a loaded model, unfused
+(`load_adapter`: the base weights stay as they are, quantized or not) or merged into its
+weights (`fuse_adapter`, for the converter).
+
+Both formats come down to one list of `Part`s: for one layer as the checkpoint names it (a
+PEFT `target_modules` module, a `target_parameters` expert tensor, an mlx-lm layer), `a`
+[r, in] and `b` [out, r] with the scale folded into b ([E, r, in] and [E, out, r] for experts),
+and DoRA's magnitude. `placements` says where each such name lies in our model, whose loader
+fused some layers (q/k/v into one `qkv_proj`, gate/up into one `gate_up_proj`) and stacked the
+experts (`switch_mlp.*`): an update of q_proj is the rows of qkv_proj it covers, one of
+transformers 5's fused `experts.gate_up_proj` is the gate and up expert stacks.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_unflatten
+
+from .errors import AdapterError, CorruptCheckpointError, ModelNotFoundError
+from .loading import PICKLE_SUFFIXES, checkpoint_json, read_weights
+from .loading import load as load_base
+from .models.layers import Attention, Linear, QuantizedLinear, SwiGLU
+from .models import CausalLM
+from .models.lora import LoRALinear, LoRASwitchLinear, Update, registry
+from .tokenizer import Tokenizer
+from .models.moe import QuantizedSwitchLinear, SwitchGLU, SwitchLinear
+
+PEFT_FILE, MLX_FILE = "adapter_model.safetensors", "adapters.safetensors"
+PEFT_PREFIX = "base_model.model."
+# PEFT options that change what the adapter computes in ways we do not run: refused when set.
+PEFT_REFUSED = ("modules_to_save", "fan_in_fan_out", "lora_bias", "layer_replication", "trainable_token_indices",
+                "alora_invocation_tokens", "use_qalora")
+LINEARS = (Linear, QuantizedLinear, nn.Linear, nn.QuantizedLinear, LoRALinear)
+SWITCHES = (SwitchLinear, QuantizedSwitchLinear, LoRASwitchLinear)
+
+
+@dataclass(frozen=True)
+class Part:
+    """One adapter's update of one layer, as the adapter names the layer (or the layers it may
+    be, its shapes telling which: see `_peft_targets`)."""
+
+    targets: tuple[str, ...]
+    a: mx.array
+    b: mx.array
+    magnitude: mx.array | None = None  # DoRA
+
+
+@dataclass(frozen=True)
+class Place:
+    """Where (part of) a named layer lies in our model: rows `rows` of the update go to rows
+    from `offset` of the layer at `path`."""
+
+    path: str
+    offset: int = 0
+    rows: slice = field(default_factory=lambda: slice(None))
+
+
+def adapter_folder(path: str | Path) -> Path:
+    folder = Path(path).expanduser()
+    if not folder.is_dir():
+        raise ModelNotFoundError(f"no adapter folder at '{path}'; pass the folder that holds adapter_config.json")
+    if not (folder / "adapter_config.json").is_file():
+        raise ModelNotFoundError(f"no adapter_config.json in '{folder}'; is this a PEFT or mlx-lm adapter folder?")
+    return folder
+
+
+def read_adapter(path: str | Path) -> list[Part]:
+    """The parts of the adapter in folder `path`, PEFT's format or mlx-lm's."""
+    folder = adapter_folder(path)
+    config = checkpoint_json(folder, "adapter_config.json")
+    if not isinstance(config, dict):
+        raise AdapterError(f"{folder / 'adapter_config.json'} is not a JSON object")
+    for name in (PEFT_FILE, MLX_FILE):
+        if (folder / name).is_file():
+            weights = read_weights([folder / name])[0]
+            return _peft_parts(config, weights) if name == PEFT_FILE else _mlx_parts(config, weights)
+    pickles = sorted(p.name for p in folder.iterdir() if p.suffix in (*PICKLE_SUFFIXES, ".npz"))
+    if pickles:
+        raise CorruptCheckpointError(
+            f"'{folder}' holds its adapter as {pickles[0]}, a pickle (unsafe to load) or not safetensors; "
+            f"save it as {PEFT_FILE} (PEFT: save_pretrained(safe_serialization=True))"
+        )
+    raise ModelNotFoundError(f"no {PEFT_FILE} (PEFT) or {MLX_FILE} (mlx-lm) in '{folder}'")
+
+
+def _number(config: dict[str, Any], key: str, default: Any = None) -> float:
+    value = config.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+        raise AdapterError(f"adapter_config.json has {key} {value!r:.40}; expected a positive number")
+    return value
+
+
+def _pattern(patterns: Any, target: str, default: Any) -> Any:
+    """PEFT's per-module override (`rank_pattern`, `alpha_pattern`): a key matching the end of
+    the module's name."""
+    for key, value in (patterns or {}).items():
+        if re.match(rf"(.*\.)?({key})$", target):
+            return value
+    return default
+
+
+def _peft_parts(config: dict[str, Any], weights: dict[str, mx.array]) -> list[Part]:
+    if config.get("peft_type", "LORA") != "LORA":
+        raise AdapterError(f"adapter_config.json is a {config.get('peft_type')!r:.40} adapter; only LoRA is supported")
+    for key in PEFT_REFUSED:
+        if config.get(key):
+            raise AdapterError(f"adapter_config.json sets {key}, which mlxinfer does not run; "
+                               "merge the adapter with PEFT (merge_and_unload) and load the merged model")
+    if config.get("bias", "none") != "none":
+        raise AdapterError(f"adapter_config.json has bias {config['bias']!r:.40}; only 'none' is supported")
+    r, alpha = _number(config, "r"), _number(config, "lora_alpha", config.get("r"))
+    groups: dict[str, dict[str, mx.array]] = defaultdict(dict)
+    for key, value in weights.items():
+        name = key.removeprefix(PEFT_PREFIX)
+        for leaf in (".lora_A.weight", ".lora_B.weight", ".lora_magnitude_vector", ".lora_magnitude_vector.weight"):
+            if name.endswith(leaf):
+                groups[name.removesuffix(leaf)][leaf.split(".")[1]] = value
+                break
+        else:
+            raise AdapterError(f"adapter tensor '{key[:120]}' is not a LoRA A, B or DoRA magnitude; "
+                               "only LoRA adapters are supported")
+    parts = []
+    for module, tensors in groups.items():
+        targets = _peft_targets(module, config.get("target_parameters") or [])
+        target, stacked = targets[0], targets[0] != module
+        rank = _pattern(config.get("rank_pattern"), target, r)
+        scale = _pattern(config.get("alpha_pattern"), target, alpha)
+        scale = scale / math.sqrt(rank) if config.get("use_rslora") else scale / rank
+        a, b = _pair(tensors, module)
+        experts = a.shape[0] // rank if stacked else 1
+        if a.shape[0] != rank * experts or not experts:
+            raise AdapterError(f"adapter layer '{module[:120]}' has rank {a.shape[0] // experts} but adapter_config.json "
+                               f"says r={rank}; the adapter's files do not match")
+        if experts > 1:  # PEFT's expert layout: A [E*r, in] as (E, r, in), B [out, r*E] as (out, r, E)
+            a = a.reshape(experts, rank, -1)
+            b = b.reshape(b.shape[0], rank, experts).transpose(2, 0, 1)
+        parts.append(Part(targets, a, b * scale, tensors.get("lora_magnitude_vector")))
+    return parts
+
+
+def _peft_targets(module: str, target_parameters: list[str]) -> tuple[str, ...]:
+    """The layers a PEFT module name may stand for: itself, or for a module whose tensors
+    `target_parameters` wraps (`mlp.experts` for `mlp.experts.gate_up_proj`, once per tensor,
+    in an order the file does not keep: `experts.base_layer.lora_A`) each such expert tensor,
+    the one whose shapes fit chosen in `updates`."""
+    base = re.sub(r"(\.base_layer)+$", "", module)
+    owned = [p.rsplit(".", 1) for p in target_parameters if "." in p]
+    leaves = tuple(f"{base}.{leaf}" for owner, leaf in owned if base == owner or base.endswith(f".{owner}"))
+    return leaves or (module,)
+
+
+def _pair(tensors: dict[str, mx.array], module: str) -> tuple[mx.array, mx.array]:
+    if "lora_A" not in tensors or "lora_B" not in tensors:
+        raise AdapterError(f"adapter layer '{module[:120]}' lacks its lora_A or lora_B tensor; the file is incomplete")
+    a, b = tensors["lora_A"], tensors["lora_B"]
+    if a.ndim != 2 or b.ndim != 2 or a.shape[0] != b.shape[1]:
+        raise AdapterError(f"adapter layer '{module[:120]}' has lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)}, "
+                           "which do not make a low-rank pair")
+    return a, b
+
+
+def _mlx_parts(config: dict[str, Any], weights: dict[str, mx.array]) -> list[Part]:
+    kind = config.get("fine_tune_type", "lora")
+    if kind not in ("lora", "dora"):
+        raise AdapterError(f"adapter_config.json has fine_tune_type {kind!r:.40}; only 'lora' and 'dora' are adapters")
+    params = config.get("lora_parameters")
+    if not isinstance(params, dict):
+        raise AdapterError("adapter_config.json has no lora_parameters object (rank, scale)")
+    rank, scale = _number(params, "rank"), params.get("scale")
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise AdapterError(f"adapter_config.json has lora_parameters.scale {scale!r:.40}; expected a number")
+    groups: dict[str, dict[str, mx.array]] = defaultdict(dict)
+    for key, value in weights.items():
+        module, _, leaf = key.rpartition(".")
+        if leaf not in ("lora_a", "lora_b", "m"):
+            raise AdapterError(f"adapter tensor '{key[:120]}' is not a LoRA lora_a, lora_b or DoRA m")
+        groups[module][leaf] = value
+    parts = []
+    for module, t in groups.items():
+        if "lora_a" not in t or "lora_b" not in t:
+            raise AdapterError(f"adapter layer '{module[:120]}' lacks its lora_a or lora_b tensor; the file is incomplete")
+        a, b = t["lora_a"], t["lora_b"]
+        if a.ndim == 2:  # mlx-lm's LoRALinear: x @ a [in, r] @ b [r, out]
+            a, b = a.T, b.T
+        if a.shape[-2] != rank or b.shape[-1] != rank:
+            raise AdapterError(f"adapter layer '{module[:120]}' has rank {a.shape[-2]} but adapter_config.json says "
+                               f"rank {rank}; the adapter's files do not match")
+        parts.append(Part((module,), a, b * scale, t.get("m")))
+    return parts
+
+
+def placements(model: nn.Module) -> dict[str, list[Place]]:
+    """Every layer name an adapter may target -> where it lies in `model` (see the module doc)."""
+    places: dict[str, list[Place]] = {}
+    for path, m in model.named_modules():
+        if isinstance(m, LINEARS + SWITCHES):
+            places[path] = [Place(path)]
+        if isinstance(m, Attention) and "qkv_proj" in m:
+            q = m.n_heads * m.head_dim * (2 if m.output_gate else 1)
+            kv = m.n_kv_heads * m.head_dim
+            for name, offset in (("q_proj", 0), ("k_proj", q), ("v_proj", q + kv)):
+                places[f"{path}.{name}"] = [Place(f"{path}.qkv_proj", offset)]
+        elif isinstance(m, SwiGLU) and "gate_up_proj" in m:
+            half = _out_dims(m.gate_up_proj) // 2
+            places[f"{path}.gate_proj"] = [Place(f"{path}.gate_up_proj", 0)]
+            places[f"{path}.up_proj"] = [Place(f"{path}.gate_up_proj", half)]
+        elif isinstance(m, SwitchGLU):  # transformers 5's fused experts, as PEFT's target_parameters name them
+            block = path.rpartition(".")[0]
+            half = _out_dims(m.gate_proj)
+            places[f"{block}.experts.gate_up_proj"] = [Place(f"{path}.gate_proj", 0, slice(0, half)),
+                                                      Place(f"{path}.up_proj", 0, slice(half, 2 * half))]
+            places[f"{block}.experts.down_proj"] = [Place(f"{path}.down_proj")]
+    return {k: v for k, v in places.items() if not k.endswith(".base")}
+
+
+def _base(m: nn.Module) -> nn.Module:
+    return m.base if isinstance(m, (LoRALinear, LoRASwitchLinear)) else m
+
+
+def _out_dims(m: nn.Module) -> int:
+    return _base(m).weight.shape[-2]
+
+
+def dense_weight(m: nn.Module) -> mx.array:
+    """A (quantized) linear or expert layer's weight [..., out, in] as floats."""
+    m = _base(m)
+    if "scales" not in m:
+        return m.weight
+    return mx.dequantize(m.weight, m.scales, m.get("biases"), m.group_size, m.bits, m.mode)
+
+
+def _float_dtype(m: nn.Module) -> mx.Dtype:
+    m = _base(m)
+    return m.scales.dtype if "scales" in m else m.weight.dtype
+
+
+def updates(model: nn.Module, parts: list[Part]) -> dict[str, Update]:
+    """Each of our layers' update from `parts`: the parts that land in one (q, k, v in a fused
+    qkv_proj) side by side, each B in its rows, their ranks concatenated."""
+    places = placements(model)
+    modules = dict(model.named_modules())
+    pieces: dict[str, list[tuple[int, mx.array, mx.array, mx.array | None]]] = defaultdict(list)
+    for part in parts:
+        target = _target(part, places, modules)
+        for place in places[target]:
+            b = part.b[..., place.rows, :]
+            layer = modules[place.path]
+            _check_shape(target, part, place, layer, b)
+            gain = None
+            if part.magnitude is not None:
+                if isinstance(_base(layer), SWITCHES):
+                    raise AdapterError(f"the adapter uses DoRA on expert layer '{target[:120]}'; "
+                                       "DoRA is supported on linear layers only")
+                w = dense_weight(layer)[place.offset : place.offset + b.shape[-2]].astype(mx.float32)
+                adapted = w + (b.astype(mx.float32) @ part.a.astype(mx.float32))
+                gain = part.magnitude.astype(mx.float32) / mx.linalg.norm(adapted, axis=1)
+            pieces[place.path].append((place.offset, part.a, b, gain))
+    return {path: _combined(modules[path], ps) for path, ps in pieces.items()}
+
+
+def _target(part: Part, places: dict[str, list[Place]], modules: dict[str, nn.Module]) -> str:
+    """The one of the part's possible layers that this model has and its shapes fit."""
+    known = [t for t in part.targets if t in places]
+    if not known:
+        raise AdapterError(f"the adapter targets layer '{part.targets[0][:120]}', which this model does not have; "
+                           "was it trained for another model?")
+    fitting = [t for t in known if all(_fits(part, p, modules[p.path], part.b[..., p.rows, :]) for p in places[t])]
+    return fitting[0] if len(fitting) == 1 else known[0]  # none or several: the shape check names the first
+
+
+def _fits(part: Part, place: Place, layer: nn.Module, b: mx.array) -> bool:
+    w = _base(layer).weight
+    in_dims = w.shape[-1] * 32 // _base(layer).bits if "scales" in _base(layer) else w.shape[-1]
+    experts = tuple(w.shape[:-2])
+    return (part.a.shape[-1] == in_dims and place.offset + b.shape[-2] <= w.shape[-2] and b.shape[-2] > 0
+            and tuple(part.a.shape[:-2]) == experts and tuple(b.shape[:-2]) == experts)
+
+
+def _check_shape(target: str, part: Part, place: Place, layer: nn.Module, b: mx.array) -> None:
+    if not _fits(part, place, layer, b):
+        w = _base(layer).weight
+        in_dims = w.shape[-1] * 32 // _base(layer).bits if "scales" in _base(layer) else w.shape[-1]
+        raise AdapterError(
+            f"the adapter's layer '{target[:120]}' has A {tuple(part.a.shape)} and B {tuple(b.shape)}, which do not "
+            f"fit the model's layer of {tuple(w.shape[:-2])} x {w.shape[-2]} x {in_dims}; was it trained for another model?"
+        )
+
+
+def _combined(layer: nn.Module, pieces: list[tuple[int, mx.array, mx.array, mx.array | None]]) -> Update:
+    dtype, out = _float_dtype(layer), _out_dims(layer)
+    offset, a, b, gain = pieces[0]
+    if len(pieces) > 1 or offset or b.shape[-2] != out:
+        a = mx.concatenate([p[1] for p in pieces], axis=-2)
+        full = mx.zeros((*b.shape[:-2], out, a.shape[-2]), mx.float32)
+        start = 0
+        for offset, _, b_i, _ in pieces:
+            full[..., offset : offset + b_i.shape[-2], start : start + b_i.shape[-1]] = b_i.astype(mx.float32)
+            start += b_i.shape[-1]
+        b = full
+        if any(p[3] is not None for p in pieces):
+            g = mx.ones((out,), mx.float32)
+            for offset, _, b_i, g_i in pieces:
+                if g_i is not None:
+                    g[offset : offset + b_i.shape[-2]] = g_i
+            gain = g
+    update = Update(a.astype(dtype), b.astype(dtype), None if gain is None else gain.astype(dtype))
+    mx.eval(update.a, update.b, *([] if update.gain is None else [update.gain]))
+    return update
+
+
+def check_unsharded(model: nn.Module) -> None:
+    if "shard" in model.__dict__:
+        raise AdapterError("adapters on a sharded model are not supported yet; load the model without --shard/--pipeline "
+                           "or fuse the adapter into it first (mlxinfer convert --adapter)")
+
+
+def load_adapter(model: nn.Module, path: str | Path, name: str | None = None) -> str:
+    """Register the adapter in folder `path` on `model` under `name` (default: the folder's
+    name), unfused: the base weights stay, and requests choose it by name."""
+    check_unsharded(model)
+    name = name or Path(path).expanduser().resolve().name
+    found = updates(model, read_adapter(path))
+    adapters = registry(model)
+    slot = adapters.add(name)
+    modules = dict(model.named_modules())
+    wrapped = []
+    for path_, update in found.items():
+        layer = modules[path_]
+        if not isinstance(layer, (LoRALinear, LoRASwitchLinear)):
+            layer = (LoRASwitchLinear if isinstance(layer, SWITCHES) else LoRALinear)(layer, adapters)
+            wrapped.append((path_, layer))
+        layer.table.updates[slot] = update
+    if wrapped:
+        model.update_modules(tree_unflatten(wrapped))
+    return name
+
+
+def unload_adapter(model: nn.Module, name: str) -> None:
+    """Forget adapter `name` (its layers stay wrapped; with no update they add nothing)."""
+    slot = registry(model).remove(name)
+    for _, m in model.named_modules():
+        if isinstance(m, (LoRALinear, LoRASwitchLinear)):
+            m.table.updates.pop(slot, None)
+
+
+def fuse_adapter(model: nn.Module, path: str | Path) -> None:
+    """Merge the adapter in folder `path` into `model`'s float weights: W' = W + B·A, and for
+    DoRA W' = gain · (W + B·A) (rows scaled; a bias stays as it is)."""
+    for path_, update in updates(model, read_adapter(path)).items():
+        layer = dict(model.named_modules())[path_]
+        if "scales" in layer:
+            raise AdapterError("fusing an adapter into a quantized model is not supported; fuse into the float "
+                               "checkpoint, then quantize (mlxinfer convert SRC --adapter DIR --bits N)")
+        w = layer.weight.astype(mx.float32) + update.b.astype(mx.float32) @ update.a.astype(mx.float32)
+        if update.gain is not None:
+            w = update.gain.astype(mx.float32)[:, None] * w
+        layer.weight = w.astype(layer.weight.dtype)
+        mx.eval(layer.weight)
+
+
+def load(path_or_repo: str | os.PathLike, *args: Any, adapter_path: str | os.PathLike | None = None,
+         **kwargs: Any) -> tuple[CausalLM, Tokenizer]:
+    """`loading.load` (the same arguments), then the LoRA adapter in folder `adapter_path`
+    (PEFT or mlx-lm) applied unfused as the model's default: requests that name no adapter use it."""
+    model, tokenizer = load_base(path_or_repo, *args, **kwargs)
+    if adapter_path is not None:
+        registry(model).default = load_adapter(model, adapter_path)
+    return model, tokenizer

@@ -1,0 +1,194 @@
+"""LoRA adapters against their makers: PEFT adapters (random, non-zero: init_lora_weights=False)
+give PEFT's float32 logits on random-weight Llama, Qwen3 and Qwen3-MoE checkpoints and on an
+mlx-lm-quantized Llama (PEFT running on its dequantized weights); adapters written by mlx-lm's
+own LoRA/DoRA layers give mlx-lm's logits; bad adapters are refused in one line."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+import torch
+from test_parity import TOL, tokens
+
+import mlxinfer
+from mlxinfer.errors import AdapterError, CorruptCheckpointError, ModelNotFoundError
+
+MOE = dict(num_experts=4, moe_intermediate_size=48, num_experts_per_tok=2, head_dim=16, norm_topk_prob=True)
+ATTN_MLP = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+PEFT_VARIANTS = {
+    "llama": ("llama", {}, dict(r=4, lora_alpha=8, target_modules=ATTN_MLP)),
+    "llama-dora": ("llama", {}, dict(r=4, lora_alpha=16, target_modules=["q_proj", "v_proj", "down_proj"],
+                                     use_dora=True)),
+    "qwen3-rslora-patterns": ("qwen3", dict(head_dim=32), dict(
+        r=8, lora_alpha=8, use_rslora=True, target_modules=["k_proj", "o_proj", "up_proj"],
+        rank_pattern={"o_proj": 2}, alpha_pattern={"up_proj": 32})),
+    "qwen3_moe": ("qwen3_moe", MOE, dict(r=4, lora_alpha=8, target_modules=["q_proj", "o_proj"],
+                                         target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])),
+}
+
+
+def peft_adapter(base: Path, out: Path, seed: int = 1, **lora) -> tuple[Path, np.ndarray]:
+    """A random PEFT adapter on the transformers model in `base` (or a dequantized copy),
+    saved to `out`, and PEFT's logits on `tokens()` with it."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32, attn_implementation="eager").eval()
+    torch.manual_seed(seed)
+    model = get_peft_model(model, LoraConfig(init_lora_weights=False, **lora)).eval()
+    model.save_pretrained(out)
+    with torch.no_grad():
+        return out, model(torch.tensor(tokens())).logits.numpy()
+
+
+def ours(model) -> np.ndarray:
+    return np.array(model(mx.array(tokens())))
+
+
+@pytest.mark.parametrize("name", sorted(PEFT_VARIANTS))
+def test_peft_adapter_matches_peft(name, hf_checkpoint, tmp_path):
+    model_type, overrides, lora = PEFT_VARIANTS[name]
+    folder = hf_checkpoint(model_type, **overrides)
+    adapter, ref = peft_adapter(folder, tmp_path / "adapter", **lora)
+    model, _ = mlxinfer.load(folder, dtype="float32", adapter_path=adapter)
+    got = ours(model)
+    base = np.array(mlxinfer.load(folder, dtype="float32")[0](mx.array(tokens())))
+    assert np.abs(ref - base).max() > 0.05, "the adapter barely changes the logits: the test would prove nothing"
+    np.testing.assert_allclose(got, ref, atol=TOL, rtol=0)
+    model.adapters.default = None  # the base weights stay intact under the adapter
+    np.testing.assert_array_equal(ours(model), base)
+
+
+def test_quantized_base_matches_peft_on_its_dequantized_weights(hf_checkpoint, mlx_lm_quantized, tmp_path):
+    """A 4-bit base stays 4-bit (the adapter float beside it); PEFT runs on the same weights dequantized."""
+    from mlx_lm import convert
+
+    quantized = mlx_lm_quantized(hf_checkpoint("llama"), bits=4)
+    dense = tmp_path / "dequantized"
+    convert(str(quantized), str(dense), dequantize=True)
+    adapter, ref = peft_adapter(dense, tmp_path / "adapter", r=4, lora_alpha=8, target_modules=ATTN_MLP)
+    model, _ = mlxinfer.load(quantized, adapter_path=adapter)
+    layer = model.layers[0].mlp.down_proj
+    assert type(layer.base).__name__ == "QuantizedLinear" and layer.table.updates[1].a.dtype == mx.float32
+    np.testing.assert_allclose(ours(model), ref, atol=TOL, rtol=0)
+
+
+MLX_VARIANTS = {
+    "llama-lora": ("llama", {}, "lora", 1),
+    "llama-dora": ("llama", {}, "dora", 2),
+    "qwen3_moe-lora": ("qwen3_moe", MOE, "lora", 2),
+}
+
+
+def mlx_lm_adapter(folder: Path, out: Path, kind: str, num_layers: int) -> Path:
+    """An adapter folder as mlx-lm's trainer writes it: its own LoRA/DoRA layers on the last
+    `num_layers` layers, their (random, non-zero) parameters saved as adapters.safetensors."""
+    import mlx_lm
+    from mlx.utils import tree_flatten
+    from mlx_lm.tuner.utils import linear_to_lora_layers
+
+    model, _ = mlx_lm.load(str(folder))
+    model.freeze()
+    params = {"rank": 4, "scale": 3.0, "dropout": 0.0}
+    linear_to_lora_layers(model, num_layers, params, use_dora=kind == "dora")
+    mx.random.seed(3)
+    trainable = dict(tree_flatten(model.trainable_parameters()))
+    trainable = {k: v + 0.1 * mx.random.normal(v.shape) if k.endswith(("lora_b", "m")) else v
+                 for k, v in trainable.items()}
+    out.mkdir()
+    mx.save_safetensors(str(out / "adapters.safetensors"), trainable)
+    config = {"fine_tune_type": kind, "num_layers": num_layers, "lora_parameters": params}
+    (out / "adapter_config.json").write_text(json.dumps(config))
+    return out
+
+
+@pytest.mark.parametrize("name", sorted(MLX_VARIANTS))
+def test_mlx_lm_adapter_matches_mlx_lm(name, hf_checkpoint, tmp_path):
+    import mlx_lm
+
+    model_type, overrides, kind, num_layers = MLX_VARIANTS[name]
+    folder = hf_checkpoint(model_type, **overrides)
+    adapter = mlx_lm_adapter(folder, tmp_path / "adapter", kind, num_layers)
+    ref_model, _ = mlx_lm.load(str(folder), adapter_path=str(adapter))
+    ref = np.array(ref_model(mx.array(tokens())))
+    base = np.array(mlx_lm.load(str(folder))[0](mx.array(tokens())))
+    assert np.abs(ref - base).max() > 0.05
+    model, _ = mlxinfer.load(folder, adapter_path=adapter)
+    np.testing.assert_allclose(ours(model), ref, atol=TOL, rtol=0)
+
+
+# --- refusals ---
+
+
+def write_peft(folder: Path, config: dict, tensors: dict[str, np.ndarray], file: str = "adapter_model.safetensors"):
+    from safetensors.numpy import save_file
+
+    folder.mkdir()
+    (folder / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 4, "lora_alpha": 8, **config}))
+    if file.endswith(".safetensors"):
+        save_file(tensors, str(folder / file))
+    else:
+        (folder / file).write_bytes(b"\x80\x04not really a pickle")
+    return folder
+
+
+def lora_pair(module: str, rank: int = 4, in_dims: int = 64, out_dims: int = 64) -> dict[str, np.ndarray]:
+    prefix = f"base_model.model.{module}"
+    return {f"{prefix}.lora_A.weight": np.ones((rank, in_dims), np.float32),
+            f"{prefix}.lora_B.weight": np.ones((out_dims, rank), np.float32)}
+
+
+@pytest.mark.parametrize("case,error,words", [
+    ("unknown-module", AdapterError, "model.layers.7.self_attn.q_proj"),
+    ("rank-mismatch", AdapterError, "rank 4 but adapter_config.json says r=8"),
+    ("wrong-shape", AdapterError, "do not fit"),
+    ("pickle", CorruptCheckpointError, "adapter_model.bin"),
+    ("no-weights", ModelNotFoundError, "adapter_model.safetensors"),
+    ("no-config", ModelNotFoundError, "adapter_config.json"),
+    ("modules-to-save", AdapterError, "modules_to_save"),
+])
+def test_bad_adapters_are_refused_in_one_line(case, error, words, tiny, tmp_path):
+    model, _ = mlxinfer.load(tiny, dtype="float32")
+    q = "model.layers.0.self_attn.q_proj"
+    folder = tmp_path / case
+    if case == "unknown-module":
+        write_peft(folder, {}, lora_pair("model.layers.7.self_attn.q_proj"))
+    elif case == "rank-mismatch":
+        write_peft(folder, {"r": 8}, lora_pair(q))
+    elif case == "wrong-shape":
+        write_peft(folder, {}, lora_pair(q, in_dims=48))
+    elif case == "pickle":
+        write_peft(folder, {}, {}, file="adapter_model.bin")
+    elif case == "no-weights":
+        write_peft(folder, {}, {}, file="README.md")
+    elif case == "no-config":
+        folder.mkdir()
+    else:
+        write_peft(folder, {"modules_to_save": ["lm_head"]}, lora_pair(q))
+    with pytest.raises(error) as e:
+        mlxinfer.load_adapter(model, folder)
+    assert words in str(e.value) and "\n" not in str(e.value)
+    assert model.adapters.slots == {} if "adapters" in model.__dict__ else True  # nothing half-registered
+
+
+def test_names_are_unique_and_unload_frees_them(tiny, tmp_path):
+    model, _ = mlxinfer.load(tiny, dtype="float32")
+    folder = write_peft(tmp_path / "a", {}, lora_pair("model.layers.0.self_attn.q_proj"))
+    assert mlxinfer.load_adapter(model, folder) == "a"
+    with pytest.raises(mlxinfer.MlxinferError, match="already loaded"):
+        mlxinfer.load_adapter(model, folder)
+    mlxinfer.unload_adapter(model, "a")
+    assert mlxinfer.load_adapter(model, folder, name="b") == "b"
+
+
+def test_a_sharded_model_refuses_an_adapter(tiny, tmp_path):
+    """Sharding adapters is not built: a model loaded with --shard/--pipeline refuses one in one line."""
+    model, _ = mlxinfer.load(tiny, dtype="float32")
+    model.shard = object()  # what the loader attaches to a rank's part of a sharded model
+    folder = write_peft(tmp_path / "a", {}, lora_pair("model.layers.0.self_attn.q_proj"))
+    with pytest.raises(AdapterError, match="sharded model"):
+        mlxinfer.load_adapter(model, folder)
