@@ -192,3 +192,123 @@ def test_a_sharded_model_refuses_an_adapter(tiny, tmp_path):
     folder = write_peft(tmp_path / "a", {}, lora_pair("model.layers.0.self_attn.q_proj"))
     with pytest.raises(AdapterError, match="sharded model"):
         mlxinfer.load_adapter(model, folder)
+
+
+# --- several adapters on one model, chosen per request ---
+
+
+@pytest.fixture(scope="module")
+def two_adapters(hf_checkpoint, tmp_path_factory):
+    """{family: (folder, adapter A, adapter B)}: A on attention and MLP, B DoRA on other layers
+    (Llama); for Qwen3-MoE, A and B on the experts, of different ranks."""
+    out = {}
+    root = tmp_path_factory.mktemp("adapters")
+    llama = hf_checkpoint("llama", head_dim=32)
+    out["llama"] = (llama,
+                    peft_adapter(llama, root / "llama-a", seed=1, r=4, lora_alpha=8, target_modules=ATTN_MLP)[0],
+                    peft_adapter(llama, root / "llama-b", seed=2, r=2, lora_alpha=8, use_dora=True,
+                                 target_modules=["v_proj", "o_proj", "up_proj"])[0])
+    moe = hf_checkpoint("qwen3_moe", **MOE)
+    experts = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+    out["qwen3_moe"] = (moe,
+                        peft_adapter(moe, root / "moe-a", seed=1, r=4, lora_alpha=8, target_modules=["q_proj"],
+                                     target_parameters=experts)[0],
+                        peft_adapter(moe, root / "moe-b", seed=2, r=2, lora_alpha=4,
+                                     target_parameters=experts[1:])[0])
+    return out
+
+
+def with_adapters(folder: Path, a: Path, b: Path):
+    model, tok = mlxinfer.load(folder, dtype="float32")
+    assert mlxinfer.load_adapter(model, a, "a") == "a" and mlxinfer.load_adapter(model, b, "b") == "b"
+    return model, tok
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
+def test_rows_of_different_adapters_in_one_pass_equal_each_alone(family, two_adapters):
+    """Three rows (base, A, B) of 32 tokens in one forward pass (experts see 192 routed rows: the
+    count from which they sort rows by expert) give each row's logits alone."""
+    from mlxinfer.models.lora import selecting
+
+    model, _ = with_adapters(*two_adapters[family])
+    ids = mx.array(np.random.default_rng(0).integers(0, 500, size=(3, 32)))
+    with selecting(model, [None, "a", "b"]):
+        together = np.array(model(ids))
+    alone = []
+    for i, name in enumerate([None, "a", "b"]):
+        with selecting(model, [name]):
+            alone.append(np.array(model(ids[i : i + 1]))[0])
+    np.testing.assert_allclose(together, np.stack(alone), atol=TOL, rtol=0)
+    assert np.abs(alone[1] - alone[0]).max() > 0.05 and np.abs(alone[2] - alone[1]).max() > 0.05
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
+def test_batch_of_base_a_and_b_equals_each_alone(family, two_adapters):
+    """batch_generate with adapters=[None, 'a', 'b'] on one prompt: each stream equals its own
+    stream_generate, token for token; the base's equals a model that never had an adapter."""
+    from test_batch import assert_batch_equals_solo
+
+    folder, a, b = two_adapters[family]
+    model, tok = with_adapters(folder, a, b)
+    ids = np.random.default_rng(1).integers(3, 500, size=20).tolist()
+    opts = dict(max_tokens=10, ignore_eos=True, temperature=0.0)
+    items = [(ids, dict(opts, adapter=name)) for name in (None, "a", "b")]
+    assert assert_batch_equals_solo(model, tok, items) == 3
+    texts = mlxinfer.batch_generate(model, tok, [ids] * 3, adapters=[None, "a", "b"], **opts)
+    assert len(set(texts)) == 3, "the adapters should change the greedy continuation"
+    plain, _ = mlxinfer.load(folder, dtype="float32")
+    assert texts[0] == mlxinfer.generate(plain, tok, ids, **opts)
+    assert texts[1] == mlxinfer.generate(model, tok, ids, adapter="a", **opts)
+
+
+def test_the_pool_keeps_kv_apart_by_adapter(two_adapters):
+    """A prompt served with adapter A leaves K/V that a request with B (or the base) must not
+    reuse; a request with A again reuses them, and each equals its fresh run."""
+    from mlxinfer.batch import BatchGenerator
+    from mlxinfer.pool import PromptCachePool
+    from test_pool import BIG
+
+    model, tok = with_adapters(*two_adapters["llama"])
+    pool = PromptCachePool(BIG)
+    ids = np.random.default_rng(2).integers(3, 500, size=24).tolist()
+    opts = dict(max_tokens=6, ignore_eos=True, temperature=0.0)
+
+    def served(name):
+        engine = BatchGenerator(model, tok, pool=pool)
+        uid = engine.submit(ids, adapter=name, **opts)
+        chunks = [c for u, c in engine.stream() if u == uid]
+        return [c.token for c in chunks if c.token is not None], chunks[-1].stats.prefill_tokens
+
+    first = served("a")
+    assert first[1] == len(ids)
+    for name in ("b", None):
+        tokens, prefilled = served(name)
+        assert prefilled == len(ids), f"adapter {name}'s request reused adapter a's K/V"
+        assert tokens == [c.token for c in mlxinfer.stream_generate(model, tok, ids, adapter=name, **opts)
+                          if c.token is not None]
+    again = served("a")
+    assert again[1] < len(ids) and again[0] == first[0]
+    assert pool.fetch(model, ids + [5], adapter="b").tokens != []  # b's own entry is there now
+    mlxinfer.unload_adapter(model, "b")
+    mlxinfer.load_adapter(model, two_adapters["llama"][1], "b")  # a new b (A's weights) under the old name
+    assert pool.fetch(model, ids + [5], adapter="b").tokens == []
+
+
+def test_unknown_adapter_in_a_request_is_refused(two_adapters):
+    model, tok = with_adapters(*two_adapters["llama"])
+    with pytest.raises(mlxinfer.MlxinferError, match="no adapter named 'c'"):
+        mlxinfer.generate(model, tok, "hi", adapter="c", max_tokens=2)
+    with pytest.raises(mlxinfer.MlxinferError, match="one per prompt"):
+        mlxinfer.batch_generate(model, tok, ["a", "b"], adapters=["a"])
+
+
+def test_chat_session_runs_its_adapter(two_adapters):
+    """A ChatSession with adapter='a' replies as stream_generate with A does on the same messages."""
+    model, tok = with_adapters(*two_adapters["llama"])
+    opts = dict(max_tokens=8, ignore_eos=True, temperature=0.0)
+    messages = [{"role": "user", "content": "hello there"}]
+    for name in ("a", "b"):
+        chat = mlxinfer.ChatSession(model, tok, adapter=name, **opts)
+        got = [c.token for c in chat.send("hello there") if c.token is not None]
+        assert got == [c.token for c in mlxinfer.stream_generate(model, tok, messages, adapter=name, **opts)
+                       if c.token is not None]
