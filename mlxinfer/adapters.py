@@ -19,7 +19,7 @@ import re
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -243,11 +243,14 @@ def _float_dtype(m: nn.Module) -> mx.Dtype:
     return m.scales.dtype if "scales" in m else m.weight.dtype
 
 
-def updates(model: nn.Module, parts: list[Part]) -> dict[str, Update]:
+def updates(model: nn.Module, parts: list[Part], weight_of: Callable[[str], mx.array] | None = None
+            ) -> dict[str, Update]:
     """Each of our layers' update from `parts`: the parts that land in one (q, k, v in a fused
-    qkv_proj) side by side, each B in its rows, their ranks concatenated."""
+    qkv_proj) side by side, each B in its rows, their ranks concatenated. DoRA's gains need the
+    base weights: `weight_of(path)` (default: the model's own, dequantized)."""
     places = placements(model)
     modules = dict(model.named_modules())
+    weight_of = weight_of or (lambda path: dense_weight(modules[path]))
     pieces: dict[str, list[tuple[int, mx.array, mx.array, mx.array | None]]] = defaultdict(list)
     for part in parts:
         target = _target(part, places, modules)
@@ -260,7 +263,7 @@ def updates(model: nn.Module, parts: list[Part]) -> dict[str, Update]:
                 if isinstance(_base(layer), SWITCHES):
                     raise AdapterError(f"the adapter uses DoRA on expert layer '{target[:120]}'; "
                                        "DoRA is supported on linear layers only")
-                w = dense_weight(layer)[place.offset : place.offset + b.shape[-2]].astype(mx.float32)
+                w = weight_of(place.path)[place.offset : place.offset + b.shape[-2]].astype(mx.float32)
                 adapted = w + (b.astype(mx.float32) @ part.a.astype(mx.float32))
                 gain = part.magnitude.astype(mx.float32) / mx.linalg.norm(adapted, axis=1)
             pieces[place.path].append((place.offset, part.a, b, gain))
@@ -352,19 +355,19 @@ def unload_adapter(model: nn.Module, name: str) -> None:
             m.table.updates.pop(slot, None)
 
 
-def fuse_adapter(model: nn.Module, path: str | Path) -> None:
-    """Merge the adapter in folder `path` into `model`'s float weights: W' = W + B·A, and for
-    DoRA W' = gain · (W + B·A) (rows scaled; a bias stays as it is)."""
-    for path_, update in updates(model, read_adapter(path)).items():
-        layer = dict(model.named_modules())[path_]
-        if "scales" in layer:
-            raise AdapterError("fusing an adapter into a quantized model is not supported; fuse into the float "
-                               "checkpoint, then quantize (mlxinfer convert SRC --adapter DIR --bits N)")
-        w = layer.weight.astype(mx.float32) + update.b.astype(mx.float32) @ update.a.astype(mx.float32)
-        if update.gain is not None:
-            w = update.gain.astype(mx.float32)[:, None] * w
-        layer.weight = w.astype(layer.weight.dtype)
-        mx.eval(layer.weight)
+def fused_weights(model: nn.Module, path: str | Path, weight_of: Callable[[str], mx.array]
+                  ) -> dict[str, Callable[[], mx.array]]:
+    """The adapter in folder `path` merged into the weights of the layers it changes (as
+    `weight_of(layer path)` gives them, floats), each made when called: W + B·A, and for DoRA
+    gain · (W + B·A), rows scaled (a bias stays as it is). For a model built unfused (the
+    converter's), whose layers are the checkpoint's."""
+    found = updates(model, read_adapter(path), weight_of)
+
+    def fused(layer: str, update: Update) -> mx.array:
+        w = weight_of(layer).astype(mx.float32) + update.b.astype(mx.float32) @ update.a.astype(mx.float32)
+        return w if update.gain is None else update.gain.astype(mx.float32)[:, None] * w
+
+    return {layer: (lambda layer=layer, update=update: fused(layer, update)) for layer, update in found.items()}
 
 
 def load(path_or_repo: str | os.PathLike, *args: Any, adapter_path: str | os.PathLike | None = None,

@@ -40,6 +40,10 @@ def peft_adapter(base: Path, out: Path, seed: int = 1, **lora) -> tuple[Path, np
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32, attn_implementation="eager").eval()
     torch.manual_seed(seed)
     model = get_peft_model(model, LoraConfig(init_lora_weights=False, **lora)).eval()
+    with torch.no_grad():  # DoRA starts each magnitude at its row's norm (a gain of 1): move them
+        for name, p in model.named_parameters():
+            if "lora_magnitude_vector" in name:
+                p.mul_(1 + 0.5 * torch.rand_like(p))
     model.save_pretrained(out)
     with torch.no_grad():
         return out, model(torch.tensor(tokens())).logits.numpy()
@@ -312,3 +316,50 @@ def test_chat_session_runs_its_adapter(two_adapters):
         got = [c.token for c in chat.send("hello there") if c.token is not None]
         assert got == [c.token for c in mlxinfer.stream_generate(model, tok, messages, adapter=name, **opts)
                        if c.token is not None]
+
+
+# --- fused into the weights by the converter ---
+
+
+@pytest.mark.parametrize("name", ["llama", "llama-dora", "qwen3_moe"])
+def test_convert_fuses_like_peft_merge_and_unload(name, hf_checkpoint, tmp_path):
+    """`convert --adapter` writes weights with the adapter merged (DoRA included): the output,
+    loaded without it, gives the logits of PEFT's merge_and_unload within 1e-4."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from convert import convert
+
+    model_type, overrides, lora = PEFT_VARIANTS[name]
+    folder = hf_checkpoint(model_type, **overrides)
+    adapter, unmerged = peft_adapter(folder, tmp_path / "adapter", **lora)
+    base = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager")
+    merged = PeftModel.from_pretrained(base, adapter).merge_and_unload().eval()
+    with torch.no_grad():
+        ref = merged(torch.tensor(tokens())).logits.numpy()
+    np.testing.assert_allclose(ref, unmerged, atol=TOL, rtol=0)  # PEFT's own merge is the adapter's logits
+    convert(folder, tmp_path / "fused", adapter=adapter, dtype="float32")
+    model, _ = mlxinfer.load(tmp_path / "fused", dtype="float32")
+    np.testing.assert_allclose(ours(model), ref, atol=TOL, rtol=0)
+
+
+def test_convert_fuses_before_quantizing(hf_checkpoint, tmp_path):
+    """With --bits the merged weights are what gets quantized: the output equals quantizing
+    PEFT's merged checkpoint (up to a rounding step flipping a weight's bin)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from convert import convert
+
+    model_type, overrides, lora = PEFT_VARIANTS["llama-dora"]
+    folder = hf_checkpoint(model_type, **overrides)
+    adapter, _ = peft_adapter(folder, tmp_path / "adapter", **lora)
+    base = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    PeftModel.from_pretrained(base, adapter).merge_and_unload().save_pretrained(tmp_path / "merged")
+    for f in folder.glob("tokenizer*"):
+        (tmp_path / "merged" / f.name).write_bytes(f.read_bytes())
+    convert(folder, tmp_path / "fused4", adapter=adapter, bits=4, group_size=32, quantize=True, dtype="float32")
+    convert(tmp_path / "merged", tmp_path / "merged4", bits=4, group_size=32, quantize=True, dtype="float32")
+    fused = mlxinfer.load(tmp_path / "fused4")[0]
+    assert type(fused.layers[0].self_attn.qkv_proj).__name__ == "QuantizedLinear"
+    np.testing.assert_allclose(ours(fused), ours(mlxinfer.load(tmp_path / "merged4")[0]), atol=2e-2, rtol=0)
