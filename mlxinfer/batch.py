@@ -184,6 +184,10 @@ class BatchGenerator:
         """Bytes of K/V held by the sequences in flight."""
         return sum(s.cache.nbytes for s in (*self._prefilling, *self._decoding) if s.cache is not None)
 
+    def uses_adapter(self, name: str) -> bool:
+        """Whether a sequence in flight (waiting, prefilling or decoding) runs adapter `name`."""
+        return any(s.options.adapter == name for s in (*self._waiting, *self._prefilling, *self._decoding))
+
     def submit(self, prompt: Prompt, **options: Any) -> int:
         """Queue a sequence (a string, token ids or chat messages) with its own options
         (those of `stream_generate`); returns its uid. Bad options fail here. For n > 1

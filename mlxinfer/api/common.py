@@ -38,6 +38,7 @@ class ServerConfig:
     max_body: int = 4 << 20
     hosts: frozenset[str] | None = allowed_hosts("127.0.0.1", ())  # what a request's Host may name; None: any
     responses_store: int = 256  # Responses API objects kept for retrieval and previous_response_id
+    max_adapters: int = 8  # LoRA adapters loaded at once (POST /v1/adapters)
 
 
 @dataclass(frozen=True)
