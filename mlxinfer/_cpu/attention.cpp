@@ -1,5 +1,5 @@
-// Decode attention (one query per head) over one sequence's float32 K/V cache; see
-// kernel.h. Scores, a max-subtracted softmax in float32, then the weighted sum of
+// Decode attention (one query per head) over one sequence's float32 K/V cache, and the
+// float32 dot products it and the float matmul share; see kernel.h. Scores, a max-subtracted softmax in float32, then the weighted sum of
 // values, each in one fixed order; AVX2 where the CPU has it, else a scalar loop.
 #include <algorithm>
 #include <cmath>
@@ -15,7 +15,7 @@ namespace mlxinfer {
 
 namespace {
 
-float dot_scalar(const float* a, const float* b, int n) {
+float dot_scalar_loop(const float* a, const float* b, int n) {
   float sum = 0.0f;
   for (int i = 0; i < n; ++i) {
     sum += a[i] * b[i];
@@ -64,6 +64,24 @@ MLXINFER_AVX2 void axpy_avx2(float p, const float* v, float* acc, int n) {
 
 } // namespace
 
+float dot(const float* a, const float* b, int n) {
+#if defined(__x86_64__)
+  if (simd_avx2()) {
+    return dot_avx2(a, b, n);
+  }
+#endif
+  return dot_scalar_loop(a, b, n);
+}
+
+void float_matmul_range(const float* w, int in, const float* x, int rows, float* y, int out, int n0, int n1) {
+  for (int n = n0; n < n1; ++n) {
+    const float* wn = w + static_cast<size_t>(n) * in;
+    for (int r = 0; r < rows; ++r) {
+      y[static_cast<size_t>(r) * out + n] = dot(x + static_cast<size_t>(r) * in, wn, in);
+    }
+  }
+}
+
 void decode_attention_head(const float* q, const CachedHeads& keys, const CachedHeads& values, int kv_head,
                            int length, int dims, float scale, float* out, float* scores) {
 #if defined(__x86_64__)
@@ -77,9 +95,9 @@ void decode_attention_head(const float* q, const CachedHeads& keys, const Cached
   for (int j = 0; j < length; ++j) {
     const float* kj = k + j * keys.slot_stride;
 #if defined(__x86_64__)
-    const float s = (avx2 ? dot_avx2(q, kj, dims) : dot_scalar(q, kj, dims)) * scale;
+    const float s = (avx2 ? dot_avx2(q, kj, dims) : dot_scalar_loop(q, kj, dims)) * scale;
 #else
-    const float s = dot_scalar(q, kj, dims) * scale;
+    const float s = dot_scalar_loop(q, kj, dims) * scale;
 #endif
     scores[j] = s;
     top = std::max(top, s);

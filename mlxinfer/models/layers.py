@@ -14,7 +14,8 @@ import mlx.nn as nn
 import numpy as np
 
 from ..errors import ConfigError, NoLMHeadError
-from ..kernels.quantized_matmul import quantized_matmul
+from ..kernels import decode_layer
+from ..kernels.quantized_matmul import BITS, GROUP_SIZES, quantized_matmul
 from .attention import Mask, attention, attention_mask, offsets
 from .config import ModelConfig, RopeConfig
 from .pooling import EmbeddingConfig
@@ -115,6 +116,15 @@ class RoPE:
                 self.long_freqs = mx.array(1.0 / long, dtype=mx.float32)
         self.freqs = None if r.kind in ("default", "dynamic") else mx.array(1.0 / inv, dtype=mx.float32)
 
+    def table(self) -> mx.array | None:
+        """The inverse frequencies of every position (for the CPU decode primitives), or None
+        where they depend on the length (`dynamic`, a two-table `longrope`) or pairs are adjacent."""
+        if self.kind == "dynamic" or self.long_freqs is not None or self.traditional:
+            return None
+        if not hasattr(self, "_table"):
+            self._table = decode_layer.rope_table(None if self.freqs is not None else self.base, self.freqs, self.dims)
+        return self._table
+
     def _base(self, seq_len: int) -> float:
         if self.kind != "dynamic" or seq_len <= self.max_pos:
             return self.base
@@ -161,7 +171,17 @@ class Linear(nn.Linear):
 
 
 class QuantizedEmbedding(nn.QuantizedEmbedding):
-    """nn.QuantizedEmbedding whose use as the (tied) LM head goes through kernels.quantized_matmul."""
+    """nn.QuantizedEmbedding whose use as the (tied) LM head goes through kernels.quantized_matmul,
+    and whose lookups give `dtype` where the loader kept the scales in half precision for the head's
+    sake (`kernels.quantized_matmul.half_scales_read_exactly`)."""
+
+    dtype: mx.Dtype | None = None
+
+    def __call__(self, x: mx.array) -> mx.array:
+        if self.dtype is None:
+            return super().__call__(x)
+        scales, biases = self["scales"][x].astype(self.dtype), self["biases"][x].astype(self.dtype)
+        return mx.dequantize(self["weight"][x], scales, biases, group_size=self.group_size, bits=self.bits)
 
     def as_linear(self, x: mx.array) -> mx.array:
         return quantized_matmul(x, self.weight, self.scales, self.get("biases"), self.group_size, self.bits, self.mode)
@@ -324,6 +344,8 @@ class Block(nn.Module):
         return SwiGLU(cfg)
 
     def __call__(self, x: mx.array, mask, cache=None) -> mx.array:
+        if cache is not None and decode_layer.available(x) and (y := self._decode_step(x, mask, cache)) is not None:
+            return y
         h = self[self.mixer_name](self.input_layernorm(x), mask, cache)
         ffn = self[self.ffn_name]
         if not self.sandwich:
@@ -331,6 +353,62 @@ class Block(nn.Module):
             return x + ffn(self.post_attention_layernorm(x))
         x = x + self.post_attention_layernorm(h)
         return x + self.post_feedforward_layernorm(ffn(self.pre_feedforward_layernorm(x)))
+
+    def _decode_step(self, x: mx.array, mask, cache) -> mx.array | None:
+        """A one-token step by the CPU decode primitives (`kernels.decode_layer`): two ops
+        where the per-op path has ~60. None where they do not apply, and the per-op path
+        runs: a row with a mask or a quantized cache, sandwich or offset norms, MoE, output
+        gates, sinks, soft-capping, a length-dependent RoPE, or projections other than plain
+        float32 or affine-quantized ones (sharded, adapted)."""
+        if self.sandwich or not self.attends:  # a recurrent mixer's cache keeps a state, not keys
+            return None
+        rows = getattr(cache, "rows", None)
+        caches, masks = (rows, mask) if rows is not None else ([cache], [mask])
+        if len(caches) != x.shape[0] or any(m is not None for m in masks) or any(c.bits is not None for c in caches):
+            return None
+        attn, mlp = self[self.mixer_name], self[self.ffn_name]
+        if (type(attn) is not Attention or type(mlp) is not SwiGLU
+                or attn.output_gate or attn.softcap is not None or "sinks" in attn or "qkv_proj" not in attn
+                or "gate_up_proj" not in mlp or mlp.act not in DECODE_ACTIVATIONS):
+            return None
+        norms = [self.input_layernorm, self.post_attention_layernorm, *(attn[n] for n in ("q_norm", "k_norm") if n in attn)]
+        if any(type(n) is not nn.RMSNorm or n["weight"].dtype != mx.float32 for n in norms):
+            return None
+        projections = [_decode_projection(m) for m in (attn["qkv_proj"], attn["o_proj"], mlp["gate_up_proj"],
+                                                        mlp["down_proj"])]
+        table = attn.rope.table() if attn.rope is not None else None
+        if any(p is None for p in projections) or (attn.rope is not None and table is None):
+            return None
+        qkv, o, gate_up, down = projections
+        heads = decode_layer.Heads(attn.n_heads, attn.n_kv_heads, attn.head_dim)
+        qk = (attn["q_norm"]["weight"], attn["k_norm"]["weight"], attn["q_norm"].eps) if "q_norm" in attn else None
+        q, new = decode_layer.layer_in(x, norms[0]["weight"], norms[0].eps, qkv, heads, [c.offset for c in caches],
+                                       qk, None if table is None else (table, attn.rope.attention_factor))
+        for c, (k, v) in zip(caches, new):
+            c.store(k, v)
+        return decode_layer.layer_out(x, q, o, norms[1]["weight"], norms[1].eps, gate_up, down,
+                                      [(c.keys[0], c.values[0], c.size) for c in caches], heads, attn.scale,
+                                      mlp.act is nn.gelu_approx)
+
+
+DECODE_ACTIVATIONS = (nn.silu, nn.gelu_approx)
+
+
+def _decode_projection(layer: nn.Module) -> decode_layer.Projection | None:
+    """`layer` as the decode primitives take it, or None when they cannot (another kind of layer,
+    another dtype or quantization mode)."""
+    if type(layer) is Linear and layer["weight"].dtype == mx.float32:
+        arrays, bits, group = [layer["weight"]], 0, 0
+    elif (type(layer) is QuantizedLinear and layer.mode == "affine" and "biases" in layer and layer.bits in BITS
+          and layer.group_size in GROUP_SIZES):
+        arrays, bits, group = [layer["weight"], layer["scales"], layer["biases"]], layer.bits, layer.group_size
+    else:
+        return None
+    if "bias" in layer:
+        if layer["bias"].dtype != mx.float32:
+            return None
+        arrays.append(layer["bias"])
+    return decode_layer.Projection(arrays, bits, group)
 
 
 class Backbone(nn.Module):
