@@ -363,3 +363,20 @@ def test_convert_fuses_before_quantizing(hf_checkpoint, tmp_path):
     fused = mlxinfer.load(tmp_path / "fused4")[0]
     assert type(fused.layers[0].self_attn.qkv_proj).__name__ == "QuantizedLinear"
     np.testing.assert_allclose(ours(fused), ours(mlxinfer.load(tmp_path / "merged4")[0]), atol=2e-2, rtol=0)
+
+
+def test_base_rows_of_an_adapted_model_are_the_plain_models(two_adapters):
+    """Loading adapters leaves the base's results bit for bit: a base request decodes as on a
+    model that never had one (the same fused decode step where it applies), logprobs included."""
+    folder, a, b = two_adapters["llama"]
+    model, tok = with_adapters(folder, a, b)
+    plain, _ = mlxinfer.load(folder, dtype="float32")
+    ids = np.random.default_rng(3).integers(3, 500, size=20).tolist()
+    opts = dict(max_tokens=8, ignore_eos=True, temperature=0.0)
+
+    def run(m, **extra):
+        return [(c.token, c.logprob) for c in mlxinfer.stream_generate(m, tok, ids, **opts, **extra)
+                if c.token is not None]
+
+    assert run(model) == run(plain)
+    assert run(model, adapter="a") != run(plain)

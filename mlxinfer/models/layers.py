@@ -18,6 +18,7 @@ from ..kernels import decode_layer
 from ..kernels.quantized_matmul import BITS, GROUP_SIZES, quantized_matmul
 from .attention import Mask, attention, attention_mask, offsets
 from .config import ModelConfig, RopeConfig
+from .lora import LoRALinear
 from .pooling import EmbeddingConfig
 
 ROPE_KINDS = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
@@ -359,7 +360,7 @@ class Block(nn.Module):
         where the per-op path has ~60. None where they do not apply, and the per-op path
         runs: a row with a mask or a quantized cache, sandwich or offset norms, MoE, output
         gates, sinks, soft-capping, a length-dependent RoPE, or projections other than plain
-        float32 or affine-quantized ones (sharded, adapted)."""
+        float32 or affine-quantized ones (sharded, or running a LoRA adapter)."""
         if self.sandwich or not self.attends:  # a recurrent mixer's cache keeps a state, not keys
             return None
         rows = getattr(cache, "rows", None)
@@ -396,7 +397,9 @@ DECODE_ACTIVATIONS = (nn.silu, nn.gelu_approx)
 
 def _decode_projection(layer: nn.Module) -> decode_layer.Projection | None:
     """`layer` as the decode primitives take it, or None when they cannot (another kind of layer,
-    another dtype or quantization mode)."""
+    another dtype or quantization mode). A LoRA layer none of whose rows runs an adapter here is its base."""
+    if isinstance(layer, LoRALinear) and layer.table.uniform() is None:
+        layer = layer.base
     if type(layer) is Linear and layer["weight"].dtype == mx.float32:
         arrays, bits, group = [layer["weight"]], 0, 0
     elif (type(layer) is QuantizedLinear and layer.mode == "affine" and "biases" in layer and layer.bits in BITS
