@@ -111,3 +111,21 @@ def test_adapters_load_and_unload_at_run_time(server, adapted):
     assert status == 404 and error["error"]["type"] == "not_found_error"
     status, error = post(url, {"action": "reload", "name": "c"})
     assert status == 400 and error["error"]["param"] == "action"
+
+
+def test_responses_and_messages_choose_the_adapter_by_model(server, adapted):
+    """The Responses and Anthropic Messages APIs take `BASE:NAME` as chat completions does."""
+    folder, _, _ = adapted
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0)
+    base, messages = folder.name, [{"role": "user", "content": PROMPT}]
+
+    def chat(model: str) -> str:
+        return client.chat.completions.create(model=model, messages=messages, **OPTS).choices[0].message.content
+
+    for model in (base, f"{base}:a"):
+        r = client.responses.create(model=model, input=PROMPT, max_output_tokens=8, temperature=0.0)
+        assert r.output_text == chat(model)
+        status, body = post(f"{server.url}/v1/messages", {"model": model, "messages": messages, "max_tokens": 8,
+                                                           "temperature": 0.0})
+        assert status == 200 and body["content"][0]["text"] == chat(model)
+    assert chat(base) != chat(f"{base}:a")

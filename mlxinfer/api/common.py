@@ -52,6 +52,14 @@ class Context:
     config: ServerConfig
 
 
+def adapter_of(model: str | None, base: str) -> dict[str, str]:
+    """The option choosing the LoRA adapter a request's `model` names as `BASE:NAME` (none for
+    the base model; any other name is taken as the base, as clients send their own defaults)."""
+    if model is None or not model.startswith(f"{base}:"):
+        return {}
+    return {"adapter": model[len(base) + 1 :]}
+
+
 class RequestError(Exception):
     """A request the server refuses: HTTP `status`, a one-line message, and what kind of
     error it is; each API writes it in its own shape (`body`, `anthropic_body`)."""

@@ -15,7 +15,7 @@ from fastapi.responses import Response
 from ..generate import Chunk, Stats
 from ..models.lora import adapters_of
 from ..tools import call_opener
-from .common import Context, RequestError, body_of, merged, respond_each, sse
+from .common import Context, RequestError, adapter_of, body_of, merged, respond_each, sse
 from .engine_thread import chunks_of
 from .openai_schema import ChatCompletion, Completion, Logprobs, TextCompletion, choice, parse, usage
 
@@ -49,8 +49,7 @@ def router(ctx: Context) -> APIRouter:
         body = parse(await body_of(request, config.max_body), kind)
         options = body.options(config.max_tokens)
         adapter = adapter_of(body.model, config.model_name)
-        if adapter is not None:
-            options["adapter"] = adapter
+        options.update(adapter)
         chat = kind is ChatCompletion
         if chat and (template := body.template_kwargs(tokenizer)):
             options["chat_template_kwargs"] = template
@@ -60,7 +59,8 @@ def router(ctx: Context) -> APIRouter:
         o = typed[0].options
         calls = chat and o.tools and o.tool_choice != "none"
         rows = body.logprob_rows()
-        reply = Reply(f"{'chatcmpl' if chat else 'cmpl'}-{next(ids)}", chat, body.model if adapter else config.model_name,
+        served_as = body.model if adapter else config.model_name
+        reply = Reply(f"{'chatcmpl' if chat else 'cmpl'}-{next(ids)}", chat, served_as,
                       [Logprobs(tokenizer, chat, rows) for _ in range(len(typed) * n)] if rows else None,
                       call_opener(tokenizer) if calls else None, chat and body.legacy, n, o.prediction is not None)
         # each prompt its own request of n sequences (its choices), all decoded together
@@ -77,14 +77,6 @@ def router(ctx: Context) -> APIRouter:
         return await complete(request, TextCompletion)
 
     return api
-
-
-def adapter_of(model: str | None, base: str) -> str | None:
-    """The LoRA adapter a request's `model` names as `BASE:NAME` (None: the base model; any
-    other name is taken as the base, as clients send their own defaults)."""
-    if model is None or not model.startswith(f"{base}:"):
-        return None
-    return model[len(base) + 1 :]
 
 
 @dataclass

@@ -109,14 +109,16 @@ def registry(model: nn.Module) -> Adapters:
     return found
 
 
+_NONE = Adapters()  # what a model that never had an adapter has: its rows all run the base
+
+
 @contextmanager
 def selecting(model: nn.Module, names: Sequence[str | None]) -> Iterator[None]:
     """Build the forward pass inside with row i running adapter `names[i]` (None: the default)."""
     found = adapters_of(model)
     if found is None:
-        if any(n is not None for n in names):
-            name = next(n for n in names if n is not None)
-            raise InvalidOptionError(f"no adapter named '{name}' is loaded on this model (loaded: none is loaded)")
+        for name in names:
+            _NONE.slot(name)  # refuses a name
         yield
         return
     with found.selecting(names):
@@ -124,8 +126,8 @@ def selecting(model: nn.Module, names: Sequence[str | None]) -> Iterator[None]:
 
 
 def identity(model: nn.Module, name: str | None) -> int:
-    found = adapters_of(model)
-    return 0 if found is None and name is None else registry(model).identity(name)
+    """`Adapters.identity` of the model's registry (refusing a name it does not have)."""
+    return (adapters_of(model) or _NONE).identity(name)
 
 
 class _Table:
