@@ -1,6 +1,6 @@
 """Read LoRA adapters (PEFT's folders and mlx-lm's) and put them on a loaded model, unfused
 (`load_adapter`: the base weights stay as they are, quantized or not) or merged into its
-weights (`fuse_adapter`, for the converter).
+weights (`fused_weights`, for the converter).
 
 Both formats come down to one list of `Part`s: for one layer as the checkpoint names it (a
 PEFT `target_modules` module, a `target_parameters` expert tensor, an mlx-lm layer), `a`
@@ -28,11 +28,11 @@ from mlx.utils import tree_unflatten
 from .errors import AdapterError, CorruptCheckpointError, ModelNotFoundError
 from .loading import PICKLE_SUFFIXES, checkpoint_json, read_weights
 from .loading import load as load_base
-from .models.layers import Attention, Linear, QuantizedLinear, SwiGLU
 from .models import CausalLM
+from .models.layers import Attention, Linear, QuantizedLinear, SwiGLU
 from .models.lora import LoRALinear, LoRASwitchLinear, Update, registry
-from .tokenizer import Tokenizer
 from .models.moe import QuantizedSwitchLinear, SwitchGLU, SwitchLinear
+from .tokenizer import Tokenizer
 
 PEFT_FILE, MLX_FILE = "adapter_model.safetensors", "adapters.safetensors"
 PEFT_PREFIX = "base_model.model."
@@ -138,8 +138,8 @@ def _peft_parts(config: dict[str, Any], weights: dict[str, mx.array]) -> list[Pa
         a, b = _pair(tensors, module)
         experts = a.shape[0] // rank if stacked else 1
         if a.shape[0] != rank * experts or not experts:
-            raise AdapterError(f"adapter layer '{module[:120]}' has rank {a.shape[0] // experts} but adapter_config.json "
-                               f"says r={rank}; the adapter's files do not match")
+            raise AdapterError(f"adapter layer '{module[:120]}' has rank {a.shape[0] // max(experts, 1)} but "
+                               f"adapter_config.json says r={rank}; the adapter's files do not match")
         if experts > 1:  # PEFT's expert layout: A [E*r, in] as (E, r, in), B [out, r*E] as (out, r, E)
             a = a.reshape(experts, rank, -1)
             b = b.reshape(b.shape[0], rank, experts).transpose(2, 0, 1)

@@ -380,3 +380,18 @@ def test_base_rows_of_an_adapted_model_are_the_plain_models(two_adapters):
 
     assert run(model) == run(plain)
     assert run(model, adapter="a") != run(plain)
+
+
+def test_a_batch_after_an_unload_skips_the_layers_left_without_updates(two_adapters):
+    """A covers every projection, B a few: once A is unloaded, a batch of base and B rows runs,
+    each row as alone (the layers only A had add nothing)."""
+    from mlxinfer.models.lora import selecting
+
+    model, _ = with_adapters(*two_adapters["llama"])
+    mlxinfer.unload_adapter(model, "a")
+    ids = mx.array(np.random.default_rng(4).integers(0, 500, size=(2, 16)))
+    with selecting(model, [None, "b"]):
+        together = np.array(model(ids))
+    for i, name in enumerate([None, "b"]):
+        with selecting(model, [name]):
+            np.testing.assert_allclose(together[i], np.array(model(ids[i : i + 1]))[0], atol=TOL, rtol=0)

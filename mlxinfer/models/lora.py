@@ -145,9 +145,9 @@ class _Table:
         rows = self.adapters.rows
         if rows is None:
             return self.updates.get(self.adapters.slot(None))
-        if len(set(rows)) > 1:
-            return False
-        return self.updates.get(rows[0])
+        if not any(slot in self.updates for slot in rows):
+            return None
+        return self.updates[rows[0]] if len(set(rows)) == 1 else False
 
     def stack(self) -> tuple[mx.array, mx.array, mx.array | None]:
         """Every slot's a and b zero-padded to one rank and stacked [slots, ...] (slot 0 and
