@@ -15,7 +15,7 @@ from test_parity import TOL, hf_logits
 
 import mlxinfer
 from convert import convert
-from mlxinfer.cache import make_cache
+from mlxinfer.cache import LayerRows, PromptCache, make_cache
 from mlxinfer.kernels import decode_layer
 
 PREFILL = 9
@@ -100,14 +100,34 @@ def test_quantized_fused_steps_match_the_per_op_path(bits, hf_checkpoint, tmp_pa
 
 
 @needs_extension
-def test_a_batch_of_rows_gets_each_rows_own_numbers(hf_checkpoint, tmp_path, calls):
-    """Sequences of mixed lengths decoded together equal each alone, logprobs bit for bit
-    (the engine's check), with several rows in one fused step."""
+@pytest.mark.parametrize("bits", [None, 4])
+def test_a_batch_of_rows_gets_each_rows_own_numbers(bits, hf_checkpoint, tmp_path, calls):
+    """Sequences of mixed lengths decoded together equal each alone, in tokens and logprobs
+    (the engine's check: 1e-4) and, for one step, bit for bit; float32 and 4-bit weights."""
     src = hf_checkpoint("qwen3", head_dim=32)
-    convert(src, tmp_path / "q4", quantize=True, bits=4, group_size=32)
-    model, tok = mlxinfer.load(tmp_path / "q4")
+    if bits is None:
+        model, tok = mlxinfer.load(src, dtype="float32")
+    else:
+        convert(src, tmp_path / "q", quantize=True, bits=bits, group_size=32)
+        model, tok = mlxinfer.load(tmp_path / "q")
     widest = assert_batch_equals_solo(model, tok, [(ids, GREEDY) for ids in prompts_for(model)])
     assert widest > 1 and max(calls) > 1
+    prompts = [ids_of(seed)[: 5 + 7 * seed] for seed in range(3)]
+
+    def caches() -> list[PromptCache]:
+        out = [PromptCache(make_cache(model)) for _ in prompts]
+        for c, ids in zip(out, prompts):
+            c.prefill(model, ids[:-1])
+        return out
+
+    def hidden(rows: list[PromptCache], ids: list[int]) -> np.ndarray:
+        """The last layer's output (a float LM head is MLX's matmul, which sums a batch in another order)."""
+        layers = [LayerRows([c.caches[i] for c in rows]) for i in range(len(model.layers))]
+        return np.array(model.model.blocks(model.model.embed(mx.array(ids)[:, None]), layers))[:, 0]
+
+    together = hidden(caches(), [ids[-1] for ids in prompts])
+    alone = [hidden([c], [ids[-1]])[0] for c, ids in zip(caches(), prompts)]
+    assert all(np.array_equal(together[b], alone[b]) for b in range(len(prompts)))
 
 
 @needs_extension
