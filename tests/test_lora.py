@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 from test_parity import TOL, tokens
+from test_shard import can_launch  # noqa: F401  (the fixture: two ranks can start here)
 
 import mlxinfer
 from mlxinfer.errors import AdapterError, CorruptCheckpointError, ModelNotFoundError
@@ -189,13 +190,23 @@ def test_names_are_unique_and_unload_frees_them(tiny, tmp_path):
     assert mlxinfer.load_adapter(model, folder, name="b") == "b"
 
 
-def test_a_sharded_model_refuses_an_adapter(tiny, tmp_path):
-    """Sharding adapters is not built: a model loaded with --shard/--pipeline refuses one in one line."""
-    model, _ = mlxinfer.load(tiny, dtype="float32")
-    model.shard = object()  # what the loader attaches to a rank's part of a sharded model
+def test_a_sharded_model_refuses_an_adapter(can_launch, tiny, tmp_path):
+    """Sharding adapters is not built: a model loaded across 2 ranks (by heads or by layers, under
+    mlx.launch) with an adapter refuses it in one line on every rank."""
+    from test_shard import launch
+
     folder = write_peft(tmp_path / "a", {}, lora_pair("model.layers.0.self_attn.q_proj"))
-    with pytest.raises(AdapterError, match="sharded model"):
-        mlxinfer.load_adapter(model, folder)
+    script = tmp_path / "rank.py"
+    script.write_text(
+        "import os\nimport mlxinfer\nfrom mlxinfer.errors import MlxinferError\ntry:\n"
+        f"    mlxinfer.load({str(tiny)!r}, dtype='float32', shard=os.environ['SPLIT'], adapter_path={str(folder)!r})\n"
+        "except MlxinferError as e:\n    print('refused:', e)\n")
+    root = str(Path(__file__).resolve().parent.parent)
+    for split in ("tensor", "pipeline"):
+        done = launch(2, str(script), env={"SPLIT": split, "PYTHONPATH": root})
+        refused = [line for line in done.stdout.splitlines() if line.startswith("refused:")]
+        assert len(refused) == 2 and all("adapters on a sharded model" in line for line in refused), \
+            done.stdout + done.stderr
 
 
 # --- several adapters on one model, chosen per request ---
