@@ -9,6 +9,12 @@ and DoRA's magnitude. `placements` says where each such name lies in our model, 
 fused some layers (q/k/v into one `qkv_proj`, gate/up into one `gate_up_proj`) and stacked the
 experts (`switch_mlp.*`): an update of q_proj is the rows of qkv_proj it covers, one of
 transformers 5's fused `experts.gate_up_proj` is the gate and up expert stacks.
+
+On a sharded model each rank takes its part, along the axes its weights were split on
+(`shard.shard_weights`): a layer split by output rows (q/k/v, gate/up) takes those rows of B
+(and of DoRA's magnitude), one split by input columns (o, down; its outputs summed over the
+ranks) those columns of A, and DoRA's row norms there sum their squares over the ranks; a
+pipeline rank takes the layers it holds.
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ import math
 import os
 import re
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -32,6 +38,7 @@ from .models import CausalLM
 from .models.layers import Attention, Linear, QuantizedLinear, SwiGLU
 from .models.lora import LoRALinear, LoRASwitchLinear, Update, registry
 from .models.moe import QuantizedSwitchLinear, SwitchGLU, SwitchLinear
+from .shard import COLUMN, KV, LAYER, ROW, Shard, Stage, _kv_part, _part
 from .tokenizer import Tokenizer
 
 PEFT_FILE, MLX_FILE = "adapter_model.safetensors", "adapters.safetensors"
@@ -56,12 +63,17 @@ class Part:
 
 @dataclass(frozen=True)
 class Place:
-    """Where (part of) a named layer lies in our model: rows `rows` of the update go to rows
-    from `offset` of the layer at `path`."""
+    """Where (part of) a named layer lies in our model: the `share`-th of `shares` equal runs
+    of the update's rows (all of them by default) go to rows from `offset` of the layer at `path`."""
 
     path: str
     offset: int = 0
-    rows: slice = field(default_factory=lambda: slice(None))
+    share: int = 0
+    shares: int = 1
+
+    def rows(self, b: mx.array) -> mx.array:
+        n = b.shape[-2] // self.shares
+        return b[..., self.share * n : (self.share + 1) * n, :]
 
 
 def adapter_folder(path: str | Path) -> Path:
@@ -198,27 +210,41 @@ def _mlx_parts(config: dict[str, Any], weights: dict[str, mx.array]) -> list[Par
     return parts
 
 
+def _first_layer(model: nn.Module) -> int:
+    """The checkpoint's number of the model's first layer (a pipeline rank's is not 0)."""
+    return model.model.first_layer if isinstance(model.model, Stage) else 0
+
+
+def checkpoint_name(path: str, first_layer: int = 0) -> str:
+    """The checkpoint's name of the module at `path`, less a sharded model's wrappers (a pipeline
+    `Stage`'s backbone, the `AllSum` around a block half) and with pipeline layers renumbered."""
+    path = re.sub(r"^model\.backbone\.", "model.", path)
+    path = re.sub(r"\.inner(?=\.|$)", "", path)
+    return LAYER.sub(lambda m: f"model.layers.{int(m[1]) + first_layer}.", path) if first_layer else path
+
+
 def placements(model: nn.Module) -> dict[str, list[Place]]:
     """Every layer name an adapter may target -> where it lies in `model` (see the module doc)."""
     places: dict[str, list[Place]] = {}
-    for path, m in model.named_modules():
+    first = _first_layer(model)
+    for actual, m in model.named_modules():
+        path = checkpoint_name(actual, first)
         if isinstance(m, LINEARS + SWITCHES):
-            places[path] = [Place(path)]
+            places[path] = [Place(actual)]
         if isinstance(m, Attention) and "qkv_proj" in m:
             q = m.n_heads * m.head_dim * (2 if m.output_gate else 1)
             kv = m.n_kv_heads * m.head_dim
             for name, offset in (("q_proj", 0), ("k_proj", q), ("v_proj", q + kv)):
-                places[f"{path}.{name}"] = [Place(f"{path}.qkv_proj", offset)]
+                places[f"{path}.{name}"] = [Place(f"{actual}.qkv_proj", offset)]
         elif isinstance(m, SwiGLU) and "gate_up_proj" in m:
             half = _out_dims(m.gate_up_proj) // 2
-            places[f"{path}.gate_proj"] = [Place(f"{path}.gate_up_proj", 0)]
-            places[f"{path}.up_proj"] = [Place(f"{path}.gate_up_proj", half)]
+            places[f"{path}.gate_proj"] = [Place(f"{actual}.gate_up_proj", 0)]
+            places[f"{path}.up_proj"] = [Place(f"{actual}.gate_up_proj", half)]
         elif isinstance(m, SwitchGLU):  # transformers 5's fused experts, as PEFT's target_parameters name them
             block = path.rpartition(".")[0]
-            half = _out_dims(m.gate_proj)
-            places[f"{block}.experts.gate_up_proj"] = [Place(f"{path}.gate_proj", 0, slice(0, half)),
-                                                      Place(f"{path}.up_proj", 0, slice(half, 2 * half))]
-            places[f"{block}.experts.down_proj"] = [Place(f"{path}.down_proj")]
+            places[f"{block}.experts.gate_up_proj"] = [Place(f"{actual}.gate_proj", 0, 0, 2),
+                                                      Place(f"{actual}.up_proj", 0, 1, 2)]
+            places[f"{block}.experts.down_proj"] = [Place(f"{actual}.down_proj")]
     return {k: v for k, v in places.items() if not k.endswith(".base")}
 
 
@@ -246,55 +272,115 @@ def _float_dtype(m: nn.Module) -> mx.Dtype:
 def updates(model: nn.Module, parts: list[Part], weight_of: Callable[[str], mx.array] | None = None
             ) -> dict[str, Update]:
     """Each of our layers' update from `parts`: the parts that land in one (q, k, v in a fused
-    qkv_proj) side by side, each B in its rows, their ranks concatenated. DoRA's gains need the
-    base weights: `weight_of(path)` (default: the model's own, dequantized)."""
+    qkv_proj) side by side, each B in its rows, their ranks concatenated; on a sharded model,
+    this rank's part (see the module doc). DoRA's gains need the base weights: `weight_of(path)`
+    (default: the model's own, dequantized)."""
     places = placements(model)
     modules = dict(model.named_modules())
     weight_of = weight_of or (lambda path: dense_weight(modules[path]))
+    split = _Split.of(model)
     pieces: dict[str, list[tuple[int, mx.array, mx.array, mx.array | None]]] = defaultdict(list)
     for part in parts:
-        target = _target(part, places, modules)
+        if split is not None and split.elsewhere(part):
+            continue
+        target = _target(part, places, modules, split)
         for place in places[target]:
-            b = part.b[..., place.rows, :]
+            a, b, magnitude, columns = _local(part, target, place, split)
             layer = modules[place.path]
-            _check_shape(target, part, place, layer, b)
+            _check_shape(target, a, b, place, layer)
             gain = None
-            if part.magnitude is not None:
+            if magnitude is not None:
                 if isinstance(_base(layer), SWITCHES):
                     raise AdapterError(f"the adapter uses DoRA on expert layer '{target[:120]}'; "
                                        "DoRA is supported on linear layers only")
                 w = weight_of(place.path)[place.offset : place.offset + b.shape[-2]].astype(mx.float32)
-                adapted = w + (b.astype(mx.float32) @ part.a.astype(mx.float32))
-                gain = part.magnitude.astype(mx.float32) / mx.linalg.norm(adapted, axis=1)
-            pieces[place.path].append((place.offset, part.a, b, gain))
+                squares = mx.square(w + b.astype(mx.float32) @ a.astype(mx.float32)).sum(axis=1)
+                if columns:  # each rank holds some columns of every row: the row's norm sums them all
+                    squares = mx.distributed.all_sum(squares, group=split.shard.group)
+                gain = magnitude.astype(mx.float32) / mx.sqrt(squares)
+            pieces[place.path].append((place.offset, a, b, gain))
     return {path: _combined(modules[path], ps) for path, ps in pieces.items()}
 
 
-def _target(part: Part, places: dict[str, list[Place]], modules: dict[str, nn.Module]) -> str:
+@dataclass(frozen=True)
+class _Split:
+    """How a sharded model is split: by heads (`tensor`, with the rank's config) or by layers
+    (this rank's `layers` in the checkpoint's numbering)."""
+
+    shard: Shard
+    tensor: bool
+    config: dict[str, Any]
+    layers: range
+
+    @classmethod
+    def of(cls, model: nn.Module) -> _Split | None:
+        shard = model.__dict__.get("shard")
+        if shard is None:
+            return None
+        first = _first_layer(model)
+        return cls(shard, not isinstance(model.model, Stage), model.config.raw, range(first, first + len(model.layers)))
+
+    def elsewhere(self, part: Part) -> bool:
+        """A layer another pipeline rank holds."""
+        found = LAYER.match(part.targets[0])
+        return not self.tensor and found is not None and int(found[1]) not in self.layers
+
+
+def _local(part: Part, target: str, place: Place, split: _Split | None
+           ) -> tuple[mx.array, mx.array, mx.array | None, bool]:
+    """The part's a, b and magnitude for `place` on this rank, and whether its layer's input
+    columns are split among the ranks (its outputs then summed)."""
+    a, b, magnitude = part.a, place.rows(part.b), part.magnitude
+    if split is None or not split.tensor:
+        return a, b, magnitude, False
+    name = checkpoint_name(place.path, 0)
+    if name.endswith(("qkv_proj", "gate_up_proj")) and not target.endswith(("qkv_proj", "gate_up_proj")):
+        name = target  # one of the projections the loader fused: split as that projection is
+    name, shard = f"{name}.weight", split.shard
+    if KV.search(name):
+        rows = lambda x, axis: _kv_part(x, axis, shard, split.config)  # noqa: E731
+    elif COLUMN.search(name):
+        rows = lambda x, axis: _part(x, axis, shard)  # noqa: E731
+    elif ROW.search(name):
+        return _part(a, a.ndim - 1, shard), b, magnitude, True
+    else:  # a layer every rank holds whole (a router), or one split otherwise: the shape check refuses those
+        return a, b, magnitude, False
+    return a, rows(b, b.ndim - 2), None if magnitude is None else rows(magnitude, 0), False
+
+
+def _target(part: Part, places: dict[str, list[Place]], modules: dict[str, nn.Module], split: _Split | None) -> str:
     """The one of the part's possible layers that this model has and its shapes fit."""
     known = [t for t in part.targets if t in places]
     if not known:
         raise AdapterError(f"the adapter targets layer '{part.targets[0][:120]}', which this model does not have; "
                            "was it trained for another model?")
-    fitting = [t for t in known if all(_fits(part, p, modules[p.path], part.b[..., p.rows, :]) for p in places[t])]
+
+    def fits(target: str) -> bool:
+        return all(_fits(*_local(part, target, p, split)[:2], p, modules[p.path]) for p in places[target])
+
+    fitting = [t for t in known if fits(t)]
     return fitting[0] if len(fitting) == 1 else known[0]  # none or several: the shape check names the first
 
 
-def _fits(part: Part, place: Place, layer: nn.Module, b: mx.array) -> bool:
+def _in_dims(layer: nn.Module) -> int:
     w = _base(layer).weight
-    in_dims = w.shape[-1] * 32 // _base(layer).bits if "scales" in _base(layer) else w.shape[-1]
+    return w.shape[-1] * 32 // _base(layer).bits if "scales" in _base(layer) else w.shape[-1]
+
+
+def _fits(a: mx.array, b: mx.array, place: Place, layer: nn.Module) -> bool:
+    w = _base(layer).weight
     experts = tuple(w.shape[:-2])
-    return (part.a.shape[-1] == in_dims and place.offset + b.shape[-2] <= w.shape[-2] and b.shape[-2] > 0
-            and tuple(part.a.shape[:-2]) == experts and tuple(b.shape[:-2]) == experts)
+    return (a.shape[-1] == _in_dims(layer) and place.offset + b.shape[-2] <= w.shape[-2] and b.shape[-2] > 0
+            and tuple(a.shape[:-2]) == experts and tuple(b.shape[:-2]) == experts)
 
 
-def _check_shape(target: str, part: Part, place: Place, layer: nn.Module, b: mx.array) -> None:
-    if not _fits(part, place, layer, b):
+def _check_shape(target: str, a: mx.array, b: mx.array, place: Place, layer: nn.Module) -> None:
+    if not _fits(a, b, place, layer):
         w = _base(layer).weight
-        in_dims = w.shape[-1] * 32 // _base(layer).bits if "scales" in _base(layer) else w.shape[-1]
         raise AdapterError(
-            f"the adapter's layer '{target[:120]}' has A {tuple(part.a.shape)} and B {tuple(b.shape)}, which do not "
-            f"fit the model's layer of {tuple(w.shape[:-2])} x {w.shape[-2]} x {in_dims}; was it trained for another model?"
+            f"the adapter's layer '{target[:120]}' has A {tuple(a.shape)} and B {tuple(b.shape)}, which do not "
+            f"fit the model's layer of {tuple(w.shape[:-2])} x {w.shape[-2]} x {_in_dims(layer)}; was it trained "
+            "for another model?"
         )
 
 
@@ -320,16 +406,9 @@ def _combined(layer: nn.Module, pieces: list[tuple[int, mx.array, mx.array, mx.a
     return update
 
 
-def check_unsharded(model: nn.Module) -> None:
-    if "shard" in model.__dict__:
-        raise AdapterError("adapters on a sharded model are not supported yet; load the model without --shard/--pipeline "
-                           "or fuse the adapter into it first (mlxinfer convert --adapter)")
-
-
 def load_adapter(model: nn.Module, path: str | Path, name: str | None = None) -> str:
     """Register the adapter in folder `path` on `model` under `name` (default: the folder's
     name), unfused: the base weights stay, and requests choose it by name."""
-    check_unsharded(model)
     name = name or Path(path).expanduser().resolve().name
     found = updates(model, read_adapter(path))
     adapters = registry(model)

@@ -190,23 +190,35 @@ def test_names_are_unique_and_unload_frees_them(tiny, tmp_path):
     assert mlxinfer.load_adapter(model, folder, name="b") == "b"
 
 
-def test_a_sharded_model_refuses_an_adapter(can_launch, tiny, tmp_path):
-    """Sharding adapters is not built: a model loaded across 2 ranks (by heads or by layers, under
-    mlx.launch) with an adapter refuses it in one line on every rank."""
-    from test_shard import launch
+SHARDED = {
+    "llama-tensor": ("llama-dora", "tensor"),
+    "llama-pipeline": ("llama-dora", "pipeline"),
+    "qwen3_moe-tensor": ("qwen3_moe", "tensor"),
+}
 
-    folder = write_peft(tmp_path / "a", {}, lora_pair("model.layers.0.self_attn.q_proj"))
-    script = tmp_path / "rank.py"
-    script.write_text(
-        "import os\nimport mlxinfer\nfrom mlxinfer.errors import MlxinferError\ntry:\n"
-        f"    mlxinfer.load({str(tiny)!r}, dtype='float32', shard=os.environ['SPLIT'], adapter_path={str(folder)!r})\n"
-        "except MlxinferError as e:\n    print('refused:', e)\n")
+
+@pytest.mark.parametrize("name", sorted(SHARDED))
+def test_sharded_model_with_an_adapter_equals_one_process(name, can_launch, hf_checkpoint, tmp_path):
+    """2 ranks under mlx.launch (split by heads: B's rows or A's columns follow their weight's
+    split, DoRA's row norms summed over the ranks; or by layers) with a PEFT adapter give the
+    logits (within 1e-4) and greedy tokens of one process with it."""
+    from test_shard import PROMPT, sharded
+
+    variant, split = SHARDED[name]
+    model_type, overrides, lora = PEFT_VARIANTS[variant]
+    folder = hf_checkpoint(model_type, **overrides)
+    adapter, _ = peft_adapter(folder, tmp_path / "adapter", **lora)
+    model, tok = mlxinfer.load(folder, dtype="float32", adapter_path=adapter)
+    logits = np.array(model(mx.array([PROMPT]))[0])
+    tokens = [c.token for c in mlxinfer.stream_generate(model, tok, PROMPT, max_tokens=12, temperature=0.0,
+                                                        ignore_eos=True)]
     root = str(Path(__file__).resolve().parent.parent)
-    for split in ("tensor", "pipeline"):
-        done = launch(2, str(script), env={"SPLIT": split, "PYTHONPATH": root})
-        refused = [line for line in done.stdout.splitlines() if line.startswith("refused:")]
-        assert len(refused) == 2 and all("adapters on a sharded model" in line for line in refused), \
-            done.stdout + done.stderr
+    ranks = sharded(folder, tmp_path / "out", 2, "float32", env={"MLXINFER_TEST_SHARD": split,
+                                                                  "MLXINFER_TEST_ADAPTER": str(adapter),
+                                                                  "PYTHONPATH": root})
+    for rank in ranks:
+        np.testing.assert_allclose(np.array(rank["logits"]), logits, atol=TOL, rtol=0)
+        assert rank["tokens"] == tokens
 
 
 # --- several adapters on one model, chosen per request ---
