@@ -115,13 +115,7 @@ _NONE = Adapters()  # what a model that never had an adapter has: its rows all r
 @contextmanager
 def selecting(model: nn.Module, names: Sequence[str | None]) -> Iterator[None]:
     """Build the forward pass inside with row i running adapter `names[i]` (None: the default)."""
-    found = adapters_of(model)
-    if found is None:
-        for name in names:
-            _NONE.slot(name)  # refuses a name
-        yield
-        return
-    with found.selecting(names):
+    with (adapters_of(model) or _NONE).selecting(names):
         yield
 
 
