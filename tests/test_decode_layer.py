@@ -18,7 +18,7 @@ from convert import convert
 from mlxinfer.cache import LayerRows, PromptCache, make_cache
 from mlxinfer.kernels import decode_layer
 
-PREFILL = 9
+CHUNKS = (9, 7)  # prompt chunks before single tokens
 LENGTH = 40
 REL = 2e-5  # of the largest logit: the primitives against the per-op path (another summation order)
 
@@ -52,11 +52,13 @@ def calls(monkeypatch) -> list[int]:
     return seen
 
 
-def decode_logits(model, ids: list[int], prefill: int = PREFILL) -> np.ndarray:
-    """Logits of `ids`: the first `prefill` in one chunk, then one token at a time."""
-    cache = make_cache(model)
-    out = [model(mx.array([ids[:prefill]]), cache=cache)]
-    out += [model(mx.array([[t]]), cache=cache) for t in ids[prefill:]]
+def decode_logits(model, ids: list[int], chunks: tuple[int, ...] = CHUNKS) -> np.ndarray:
+    """Logits of `ids`: prompt chunks of the given sizes (the second attends to the first's cache
+    and causally within itself), then one token at a time."""
+    cache, out, at = make_cache(model), [], 0
+    for n in [*chunks] + [1] * (len(ids) - sum(chunks)):
+        out.append(model(mx.array([ids[at : at + n]]), cache=cache))
+        at += n
     return np.array(mx.concatenate(out, axis=1))[0]
 
 
@@ -78,7 +80,8 @@ def test_fused_steps_match_transformers_and_the_per_op_path(name, hf_checkpoint,
     model, _ = mlxinfer.load(folder, dtype="float32")
     ids = ids_of()
     fused = decode_logits(model, ids)
-    assert len(calls) == (LENGTH - PREFILL) * len(model.layers), "a layer's decode step was not fused"
+    steps = LENGTH - sum(CHUNKS) + len(CHUNKS)
+    assert calls == [1] * steps * len(model.layers), "a layer's step was not fused"
     ref = hf_logits(folder, np.array([ids]))[0]
     assert np.abs(ref).max() > 0.1
     np.testing.assert_allclose(fused, ref, atol=TOL, rtol=0)
@@ -96,7 +99,7 @@ def test_quantized_fused_steps_match_the_per_op_path(bits, hf_checkpoint, tmp_pa
     assert calls, "no decode step was fused"
     slow = per_op(model, ids, monkeypatch)
     np.testing.assert_allclose(fused, slow, atol=REL * np.abs(slow).max(), rtol=0)
-    assert (fused[PREFILL:].argmax(-1) == slow[PREFILL:].argmax(-1)).all()
+    assert (fused.argmax(-1) == slow.argmax(-1)).all()
 
 
 @needs_extension
@@ -150,7 +153,7 @@ def test_layers_the_primitives_cannot_run_take_the_per_op_path(hf_checkpoint, ca
     for model_type, overrides in (("gemma2", dict(head_dim=16)),
                                   ("qwen3_moe", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32))):
         model, _ = mlxinfer.load(hf_checkpoint(model_type, **overrides), dtype="float32")
-        decode_logits(model, ids_of()[:PREFILL + 2])
+        decode_logits(model, ids_of()[: sum(CHUNKS) + 2])
     assert calls == []
 
 
@@ -194,7 +197,7 @@ def test_half_scales_are_kept_and_read_exactly(hf_checkpoint, tmp_path, monkeypa
 
     def logits():
         model, _ = mlxinfer.load(tmp_path / "q")
-        return model, decode_logits(model, ids, prefill=290)
+        return model, decode_logits(model, ids, chunks=(290,))
 
     model, half = logits()
     assert model.layers[0].self_attn.qkv_proj.scales.dtype == mx.float16

@@ -187,8 +187,8 @@ mx::Stream cpu() {
 std::vector<mx::array> decode_layer_in(const mx::array& x, const mx::array& norm, const std::vector<mx::array>& qkv,
                                        const std::vector<mx::array>& qk_norms,
                                        const std::vector<mx::array>& inv_freq, LayerInSpec spec) {
-  check(x.dtype() == mx::float32 && x.ndim() == 3 && x.shape(1) == 1, "x must be float32 [rows, 1, hidden]");
-  const int rows = x.shape(0), hidden = x.shape(2), dims = spec.head_dim;
+  check(x.dtype() == mx::float32 && x.ndim() == 3, "x must be float32 [rows, tokens, hidden]");
+  const int rows = x.shape(0), tokens = x.shape(1), hidden = x.shape(2), dims = spec.head_dim;
   check(spec.heads > 0 && spec.kv_heads > 0 && spec.heads % spec.kv_heads == 0 && dims > 0,
         "heads must be a multiple of kv_heads");
   check(static_cast<int>(spec.positions.size()) == rows, "need one position per row");
@@ -209,10 +209,10 @@ std::vector<mx::array> decode_layer_in(const mx::array& x, const mx::array& norm
   inputs.insert(inputs.end(), qkv.begin(), qkv.end());
   inputs.insert(inputs.end(), qk_norms.begin(), qk_norms.end());
   inputs.insert(inputs.end(), inv_freq.begin(), inv_freq.end());
-  std::vector<mx::Shape> shapes{{rows, spec.heads, 1, dims}};
+  std::vector<mx::Shape> shapes{{rows, spec.heads, tokens, dims}};
   for (int r = 0; r < rows; ++r) {
-    shapes.push_back({1, spec.kv_heads, 1, dims});
-    shapes.push_back({1, spec.kv_heads, 1, dims});
+    shapes.push_back({1, spec.kv_heads, tokens, dims});
+    shapes.push_back({1, spec.kv_heads, tokens, dims});
   }
   std::vector<mx::Dtype> dtypes(shapes.size(), mx::float32);
   return mx::array::make_arrays(std::move(shapes), dtypes, std::make_shared<DecodeLayerIn>(cpu(), std::move(spec)),
@@ -223,8 +223,8 @@ void DecodeLayerIn::eval_cpu(const std::vector<mx::array>& inputs, std::vector<m
   queue_on_cpu(stream(), inputs, outputs, [inputs, spec = spec_](const std::vector<float*>& ys) {
     std::vector<std::vector<uint8_t>> keep(inputs.size());
     const mx::array& x = inputs[0];
-    const int rows = x.shape(0), hidden = x.shape(2), dims = spec.head_dim;
-    const int heads = spec.heads, kv_heads = spec.kv_heads;
+    const int rows = x.shape(0), tokens = x.shape(1), hidden = x.shape(2), dims = spec.head_dim;
+    const int heads = spec.heads, kv_heads = spec.kv_heads, all = rows * tokens;
     const auto* xs = static_cast<const float*>(row_major(x, keep[0]));
     const auto* norm = static_cast<const float*>(row_major(inputs[1], keep[1]));
     const Projection qkv = projection(inputs, 2, spec.qkv, keep);
@@ -239,24 +239,25 @@ void DecodeLayerIn::eval_cpu(const std::vector<mx::array>& inputs, std::vector<m
       inv_freq = static_cast<const float*>(row_major(inputs[at], keep[at]));
     }
 
-    std::vector<float> h(static_cast<size_t>(rows) * hidden);
-    for (int r = 0; r < rows; ++r) {
-      rms_norm(xs + static_cast<size_t>(r) * hidden, norm, hidden, spec.eps, h.data() + static_cast<size_t>(r) * hidden);
+    std::vector<float> h(static_cast<size_t>(all) * hidden);
+    for (int i = 0; i < all; ++i) {
+      rms_norm(xs + static_cast<size_t>(i) * hidden, norm, hidden, spec.eps, h.data() + static_cast<size_t>(i) * hidden);
     }
-    std::vector<float> projected(static_cast<size_t>(rows) * qkv.out);
-    project(qkv, h.data(), rows, projected.data());
+    std::vector<float> projected(static_cast<size_t>(all) * qkv.out);
+    project(qkv, h.data(), all, projected.data());
 
     const int half = spec.rope_dims / 2;
     std::vector<float> cosines(half), sines(half), head(dims);
-    for (int r = 0; r < rows; ++r) {
+    for (int i = 0; i < all; ++i) {
+      const int r = i / tokens, t = i % tokens;
       // theta = float(position) * inv_freq, one float32 product as mx.fast.rope's fallback forms it
-      const float position = static_cast<float>(spec.positions[r]);
+      const float position = static_cast<float>(spec.positions[r] + t);
       for (int i = 0; i < half; ++i) {
         const float theta = position * inv_freq[i];
         cosines[i] = std::cos(theta);
         sines[i] = std::sin(theta);
       }
-      const float* row = projected.data() + static_cast<size_t>(r) * qkv.out;
+      const float* row = projected.data() + static_cast<size_t>(i) * qkv.out;
       auto finish = [&](const float* src, const float* weight, bool rotate, float* dst) {
         if (weight != nullptr) {
           rms_norm(src, weight, dims, spec.qk_eps, dst);
@@ -268,11 +269,12 @@ void DecodeLayerIn::eval_cpu(const std::vector<mx::array>& inputs, std::vector<m
         }
       };
       for (int hd = 0; hd < heads; ++hd) {
-        finish(row + hd * dims, q_norm, true, ys[0] + (static_cast<size_t>(r) * heads + hd) * dims);
+        finish(row + hd * dims, q_norm, true, ys[0] + ((static_cast<size_t>(r) * heads + hd) * tokens + t) * dims);
       }
       for (int hd = 0; hd < kv_heads; ++hd) {
-        finish(row + (heads + hd) * dims, k_norm, true, ys[1 + 2 * r] + static_cast<size_t>(hd) * dims);
-        finish(row + (heads + kv_heads + hd) * dims, nullptr, false, ys[2 + 2 * r] + static_cast<size_t>(hd) * dims);
+        const size_t at = (static_cast<size_t>(hd) * tokens + t) * dims;
+        finish(row + (heads + hd) * dims, k_norm, true, ys[1 + 2 * r] + at);
+        finish(row + (heads + kv_heads + hd) * dims, nullptr, false, ys[2 + 2 * r] + at);
       }
     }
   });
@@ -286,10 +288,10 @@ mx::array decode_layer_out(const mx::array& x, const mx::array& q, const std::ve
                            const mx::array& norm, const std::vector<mx::array>& gate_up,
                            const std::vector<mx::array>& down, const std::vector<mx::array>& caches,
                            LayerOutSpec spec) {
-  check(x.dtype() == mx::float32 && x.ndim() == 3 && x.shape(1) == 1, "x must be float32 [rows, 1, hidden]");
-  const int rows = x.shape(0), hidden = x.shape(2), dims = spec.head_dim;
-  check(q.dtype() == mx::float32 && q.shape() == mx::Shape{rows, spec.heads, 1, dims},
-        "q must be float32 [rows, heads, 1, head_dim], got " + shape_text(q));
+  check(x.dtype() == mx::float32 && x.ndim() == 3, "x must be float32 [rows, tokens, hidden]");
+  const int rows = x.shape(0), tokens = x.shape(1), hidden = x.shape(2), dims = spec.head_dim;
+  check(q.dtype() == mx::float32 && q.shape() == mx::Shape{rows, spec.heads, tokens, dims},
+        "q must be float32 [rows, heads, tokens, head_dim], got " + shape_text(q));
   check(spec.kv_heads > 0 && spec.heads % spec.kv_heads == 0, "heads must be a multiple of kv_heads");
   check(static_cast<int>(spec.lengths.size()) == rows && static_cast<int>(caches.size()) == 2 * rows,
         "need keys, values and a length for each row");
@@ -297,7 +299,7 @@ mx::array decode_layer_out(const mx::array& x, const mx::array& q, const std::ve
     const mx::array& c = caches[i];
     const int length = spec.lengths[i / 2];
     check(c.dtype() == mx::float32 && c.ndim() == 4 && c.shape(0) == 1 && c.shape(1) == spec.kv_heads &&
-              c.shape(3) == dims && length >= 1 && length <= c.shape(2),
+              c.shape(3) == dims && length >= tokens && length <= c.shape(2),
           "row " + std::to_string(i / 2) + "'s cache is " + shape_text(c) + " with " + std::to_string(length) +
               " live slots");
   }
@@ -320,7 +322,8 @@ void DecodeLayerOut::eval_cpu(const std::vector<mx::array>& inputs, std::vector<
   queue_on_cpu(stream(), inputs, outputs, [inputs, spec = spec_](const std::vector<float*>& ys) {
     std::vector<std::vector<uint8_t>> keep(inputs.size());
     const mx::array& x = inputs[0];
-    const int rows = x.shape(0), hidden = x.shape(2), dims = spec.head_dim, heads = spec.heads;
+    const int rows = x.shape(0), tokens = x.shape(1), hidden = x.shape(2), dims = spec.head_dim, heads = spec.heads;
+    const int all = rows * tokens;
     const auto* xs = static_cast<const float*>(row_major(x, keep[0]));
     const auto* qs = static_cast<const float*>(row_major(inputs[1], keep[1]));
     size_t at = 2;
@@ -346,37 +349,39 @@ void DecodeLayerOut::eval_cpu(const std::vector<mx::array>& inputs, std::vector<
       }
       work += static_cast<size_t>(spec.lengths[(i - at) / 2]) * dims;
     }
-    std::vector<float> attended(static_cast<size_t>(rows) * heads * dims);
+    // Token t of a row attends to its cache up to itself: the last `tokens` live slots are the new ones.
+    std::vector<float> attended(static_cast<size_t>(all) * heads * dims);
     const int group = heads / spec.kv_heads;
     auto head = [&](int task) {
-      const int r = task / heads, hd = task % heads;
-      std::vector<float> scores(spec.lengths[r]);
-      const size_t where = (static_cast<size_t>(r) * heads + hd) * dims;
-      decode_attention_head(qs + where, caches[2 * r], caches[2 * r + 1], hd / group, spec.lengths[r], dims,
-                            spec.scale, attended.data() + where, scores.data());
+      const int i = task / heads, hd = task % heads, r = i / tokens, t = i % tokens;
+      const int length = spec.lengths[r] - tokens + 1 + t;
+      std::vector<float> scores(length);
+      decode_attention_head(qs + ((static_cast<size_t>(r) * heads + hd) * tokens + t) * dims, caches[2 * r],
+                            caches[2 * r + 1], hd / group, length, dims, spec.scale,
+                            attended.data() + (static_cast<size_t>(i) * heads + hd) * dims, scores.data());
     };
-    if (work * heads < kSplitFrom) {
-      for (int t = 0; t < rows * heads; ++t) {
-        head(t);
+    if (work * heads * tokens < kSplitFrom) {
+      for (int task = 0; task < all * heads; ++task) {
+        head(task);
       }
     } else {
-      pool().run(rows * heads, head);
+      pool().run(all * heads, head);
     }
 
     // x + o(attention), then + down(act(gate) * up) of its norm.
     float* y = ys[0];
-    project(o, attended.data(), rows, y);
-    for (size_t i = 0; i < static_cast<size_t>(rows) * hidden; ++i) {
+    project(o, attended.data(), all, y);
+    for (size_t i = 0; i < static_cast<size_t>(all) * hidden; ++i) {
       y[i] = xs[i] + y[i];
     }
-    std::vector<float> h(static_cast<size_t>(rows) * hidden);
-    for (int r = 0; r < rows; ++r) {
-      rms_norm(y + static_cast<size_t>(r) * hidden, norm, hidden, spec.eps, h.data() + static_cast<size_t>(r) * hidden);
+    std::vector<float> h(static_cast<size_t>(all) * hidden);
+    for (int i = 0; i < all; ++i) {
+      rms_norm(y + static_cast<size_t>(i) * hidden, norm, hidden, spec.eps, h.data() + static_cast<size_t>(i) * hidden);
     }
     const int inter = gate_up.out / 2;
-    std::vector<float> gu(static_cast<size_t>(rows) * gate_up.out), act(static_cast<size_t>(rows) * inter);
-    project(gate_up, h.data(), rows, gu.data());
-    for (int r = 0; r < rows; ++r) {
+    std::vector<float> gu(static_cast<size_t>(all) * gate_up.out), act(static_cast<size_t>(all) * inter);
+    project(gate_up, h.data(), all, gu.data());
+    for (int r = 0; r < all; ++r) {
       const float* g = gu.data() + static_cast<size_t>(r) * gate_up.out;
       const float* u = g + inter;
       float* a = act.data() + static_cast<size_t>(r) * inter;
@@ -384,8 +389,8 @@ void DecodeLayerOut::eval_cpu(const std::vector<mx::array>& inputs, std::vector<
         a[i] = (spec.gelu ? gelu_tanh(g[i]) : g[i] * sigmoid(g[i])) * u[i];
       }
     }
-    std::vector<float> d(static_cast<size_t>(rows) * hidden);
-    project(down, act.data(), rows, d.data());
+    std::vector<float> d(static_cast<size_t>(all) * hidden);
+    project(down, act.data(), all, d.data());
     for (size_t i = 0; i < d.size(); ++i) {
       y[i] = y[i] + d[i];
     }

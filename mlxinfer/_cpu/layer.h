@@ -1,6 +1,7 @@
-// One decode step of a pre-norm transformer block (Llama, Mistral, Qwen2/3, SmolLM, Phi-3 and
-// the like) as two CPU primitives in place of the ~60 small MLX ops the same step takes on the
-// CPU, where every op costs a fixed dispatch and rope and rms_norm are themselves built of ops.
+// One step of a pre-norm transformer block (Llama, Mistral, Qwen2/3, SmolLM, Phi-3 and the like)
+// over a few new tokens per sequence (a decode step, a short prompt chunk) as two CPU primitives
+// in place of the ~60 small MLX ops the same step takes on the CPU, where every op costs a fixed
+// dispatch and rope and rms_norm are themselves built of ops.
 //
 // The step is cut in two around the cache: `decode_layer_in` gives the rotated queries and the
 // new keys and values (norm -> QKV -> q/k norm -> RoPE), the caller stores the keys and values
@@ -42,7 +43,7 @@ struct LayerInSpec {
   bool qk_norm = false;
   int rope_dims = 0; // 0: the layer has no rotary embedding
   float attention_factor = 1;
-  std::vector<int> positions; // each row's position
+  std::vector<int> positions; // each row's first new position
   bool operator==(const LayerInSpec&) const = default;
 };
 
@@ -54,21 +55,22 @@ struct LayerOutSpec {
   float eps = 0;   // the post-attention norm's
   LinearSpec o, gate_up, down;
   bool gelu = false; // tanh-approximated GELU (GeGLU) instead of SiLU
-  std::vector<int> lengths; // each row's live cache slots, the new one included
+  std::vector<int> lengths; // each row's live cache slots, the new ones (its last `tokens`) included
   bool operator==(const LayerOutSpec&) const = default;
 };
 
-// x [rows, 1, hidden] float32; `qkv` the fused q/k/v projection's arrays (see LinearSpec);
+// x [rows, tokens, hidden] float32; `qkv` the fused q/k/v projection's arrays (see LinearSpec);
 // `qk_norms` empty or the per-head [q_norm, k_norm] weights; `inv_freq` empty or the RoPE
-// table [rope_dims / 2] (float32, as mx.fast.rope derives it). -> [q [rows, heads, 1, dims],
-// then for each row its keys and values [1, kv_heads, 1, dims]].
+// table [rope_dims / 2] (float32, as mx.fast.rope derives it). -> [q [rows, heads, tokens, dims],
+// then for each row its keys and values [1, kv_heads, tokens, dims]].
 std::vector<mx::array> decode_layer_in(const mx::array& x, const mx::array& norm, const std::vector<mx::array>& qkv,
                                        const std::vector<mx::array>& qk_norms,
                                        const std::vector<mx::array>& inv_freq, LayerInSpec spec);
 
-// x [rows, 1, hidden] the block's input (the residual), q from decode_layer_in, `caches`
+// x [rows, tokens, hidden] the block's input (the residual), q from decode_layer_in, `caches`
 // [keys_0, values_0, keys_1, ...] each row's float32 buffers [1, kv_heads, slots, dims] with
-// the new entry stored. -> the block's output [rows, 1, hidden].
+// the new entries stored; each new token attends causally (to its row's slots up to itself).
+// -> the block's output [rows, tokens, hidden].
 mx::array decode_layer_out(const mx::array& x, const mx::array& q, const std::vector<mx::array>& o,
                            const mx::array& norm, const std::vector<mx::array>& gate_up,
                            const std::vector<mx::array>& down, const std::vector<mx::array>& caches,

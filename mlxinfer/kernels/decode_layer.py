@@ -1,6 +1,7 @@
-"""One decode step of a pre-norm block as two compiled CPU primitives of the CPU extension
-(`decode_layer_in`: norm, QKV, q/k norm, RoPE; `decode_layer_out`: attention over each row's
-cache, O, residual, norm, gated MLP, residual), for a batch of sequences with their own caches.
+"""One step of a pre-norm block over a few new tokens per sequence (a decode step, or a prompt
+chunk up to the extension's row count) as two compiled CPU primitives of the CPU extension
+(`decode_layer_in`: norm, QKV, q/k norm, RoPE; `decode_layer_out`: causal attention over each
+row's cache, O, residual, norm, gated MLP, residual), for sequences with their own caches.
 
 Why: on MLX's CPU backend the same step is ~60 small ops per layer (rms_norm and rope are
 themselves built of ops there), each paying a fixed dispatch and a graph node for Python to
@@ -20,7 +21,7 @@ import mlx.core as mx
 import numpy as np
 
 from . import cpu_attention
-from .quantized_matmul import extension
+from .quantized_matmul import EXTENSION_ROWS, extension
 
 
 @dataclass(frozen=True)
@@ -41,8 +42,9 @@ class Heads:
 
 
 def available(x: mx.array) -> bool:
-    """Whether the primitives run here for a step's hidden state `x` [rows, 1, hidden]."""
-    return x.shape[1] == 1 and cpu_attention.available(x)
+    """Whether the primitives run here for a step's hidden state `x` [rows, tokens, hidden]: up to
+    the rows the extension's products take (beyond, dequantize + BLAS is quicker)."""
+    return x.shape[0] * x.shape[1] <= EXTENSION_ROWS and cpu_attention.available(x)
 
 
 def rope_table(base: float | None, freqs: mx.array | None, dims: int) -> mx.array:
@@ -58,7 +60,7 @@ def rope_table(base: float | None, freqs: mx.array | None, dims: int) -> mx.arra
 def layer_in(x: mx.array, norm: mx.array, eps: float, qkv: Projection, heads: Heads, positions: list[int],
              qk_norms: tuple[mx.array, mx.array, float] | None, rope: tuple[mx.array, float] | None
              ) -> tuple[mx.array, list[tuple[mx.array, mx.array]]]:
-    """q [rows, heads, 1, dims] and each row's new (keys, values) [1, kv_heads, 1, dims];
+    """q [rows, heads, tokens, dims] and each row's new (keys, values) [1, kv_heads, tokens, dims];
     `qk_norms` (q weight, k weight, eps) and `rope` (table, attention factor) where the layer has them."""
     q_norm, k_norm, qk_eps = qk_norms or (None, None, 0.0)
     table, factor = rope or (None, 1.0)
@@ -71,8 +73,8 @@ def layer_in(x: mx.array, norm: mx.array, eps: float, qkv: Projection, heads: He
 def layer_out(x: mx.array, q: mx.array, o: Projection, norm: mx.array, eps: float, gate_up: Projection,
               down: Projection, caches: list[tuple[mx.array, mx.array, int]], heads: Heads, scale: float,
               gelu: bool) -> mx.array:
-    """The block's output [rows, 1, hidden] from its input `x` and q, row b attending over
-    caches[b] = (keys, values, live slots) with its new entry stored."""
+    """The block's output [rows, tokens, hidden] from its input `x` and q, row b attending
+    causally over caches[b] = (keys, values, live slots) with its new entries stored."""
     buffers = [a for keys, values, _ in caches for a in (keys, values)]
     return extension().decode_layer_out(
         x, q, o.arrays, o.bits, o.group, norm, gate_up.arrays, gate_up.bits, gate_up.group, down.arrays,

@@ -356,16 +356,18 @@ class Block(nn.Module):
         return x + self.post_feedforward_layernorm(ffn(self.pre_feedforward_layernorm(x)))
 
     def _decode_step(self, x: mx.array, mask, cache) -> mx.array | None:
-        """A one-token step by the CPU decode primitives (`kernels.decode_layer`): two ops
-        where the per-op path has ~60. None where they do not apply, and the per-op path
-        runs: a row with a mask or a quantized cache, sandwich or offset norms, MoE, output
-        gates, sinks, soft-capping, a length-dependent RoPE, or projections other than plain
-        float32 or affine-quantized ones (sharded, or running a LoRA adapter)."""
+        """A step of a few tokens by the CPU primitives (`kernels.decode_layer`): two ops where
+        the per-op path has ~60. None where they do not apply, and the per-op path runs: a row
+        with a mask other than the plain causal one (windows, rotating caches) or a quantized
+        cache, sandwich or offset norms, MoE, output gates, sinks, soft-capping, a
+        length-dependent RoPE, or projections other than plain float32 or affine-quantized ones
+        (sharded, or running a LoRA adapter)."""
         if self.sandwich or not self.attends:  # a recurrent mixer's cache keeps a state, not keys
             return None
         rows = getattr(cache, "rows", None)
         caches, masks = (rows, mask) if rows is not None else ([cache], [mask])
-        if len(caches) != x.shape[0] or any(m is not None for m in masks) or any(c.bits is not None for c in caches):
+        plain = (lambda m: m is None) if x.shape[1] == 1 else (lambda m: isinstance(m, str) and m == "causal")
+        if len(caches) != x.shape[0] or not all(map(plain, masks)) or any(c.bits is not None for c in caches):
             return None
         attn, mlp = self[self.mixer_name], self[self.ffn_name]
         if (type(attn) is not Attention or type(mlp) is not SwiGLU
