@@ -311,6 +311,7 @@ class _Split:
     tensor: bool
     config: dict[str, Any]
     layers: range
+    total: int  # layers in the whole model
 
     @classmethod
     def of(cls, model: nn.Module) -> _Split | None:
@@ -318,12 +319,13 @@ class _Split:
         if shard is None:
             return None
         first = _first_layer(model)
-        return cls(shard, not isinstance(model.model, Stage), model.config.raw, range(first, first + len(model.layers)))
+        return cls(shard, not isinstance(model.model, Stage), model.config.raw, range(first, first + len(model.layers)),
+                   model.config.num_hidden_layers)
 
     def elsewhere(self, part: Part) -> bool:
-        """A layer another pipeline rank holds."""
+        """A layer another pipeline rank holds (one the model does not have is refused later)."""
         found = LAYER.match(part.targets[0])
-        return not self.tensor and found is not None and int(found[1]) not in self.layers
+        return not self.tensor and found is not None and int(found[1]) not in self.layers and int(found[1]) < self.total
 
 
 def _local(part: Part, target: str, place: Place, split: _Split | None
@@ -415,11 +417,11 @@ def load_adapter(model: nn.Module, path: str | Path, name: str | None = None) ->
     slot = adapters.add(name)
     modules = dict(model.named_modules())
     wrapped = []
-    for path_, update in found.items():
-        layer = modules[path_]
+    for where, update in found.items():
+        layer = modules[where]
         if not isinstance(layer, (LoRALinear, LoRASwitchLinear)):
             layer = (LoRASwitchLinear if isinstance(layer, SWITCHES) else LoRALinear)(layer, adapters)
-            wrapped.append((path_, layer))
+            wrapped.append((where, layer))
         layer.table.updates[slot] = update
     if wrapped:
         model.update_modules(tree_unflatten(wrapped))
