@@ -488,7 +488,7 @@ def load_model(path: Path, dtype: str | mx.Dtype | None = None, shard: str | Non
         wrap_reductions(model, place)
     if place is not None:
         if shard == "pipeline":
-            model.model = Stage(model.model, place)
+            model.model = Stage(model.model, place, mine.start)
         model.shard = place
     return model
 

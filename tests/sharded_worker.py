@@ -4,7 +4,8 @@ a fixed prompt (run into a fresh KV cache), the KV heads that cache holds per la
 shapes of each recurrent layer's state), a greedy
 generation, the bytes of its parameters, and the split as `inspect` reports it.
 
-    sharded_worker.py MODEL OUT [DTYPE] [MODEL_FOR_RANK_1]     (MLXINFER_TEST_SHARD=pipeline: by layers)
+    sharded_worker.py MODEL OUT [DTYPE] [MODEL_FOR_RANK_1]     (MLXINFER_TEST_SHARD=pipeline: by layers;
+                                                               MLXINFER_TEST_ADAPTER=DIR: with that LoRA adapter)
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ def main() -> None:
     group = mx.distributed.init()
     if len(sys.argv) > 4 and group.rank() == 1:  # a different checkpoint on rank 1: must be refused
         model_path = Path(sys.argv[4])
-    model, tokenizer = mlxinfer.load(model_path, dtype=dtype, shard=os.environ.get("MLXINFER_TEST_SHARD", "tensor"))
+    model, tokenizer = mlxinfer.load(model_path, dtype=dtype, shard=os.environ.get("MLXINFER_TEST_SHARD", "tensor"),
+                                     adapter_path=os.environ.get("MLXINFER_TEST_ADAPTER"))
     prompt = list(range(3, 40))
     cache = make_cache(model)
     logits = model(mx.array([prompt]), cache)[0].astype(mx.float32)

@@ -20,6 +20,7 @@ from ..kernels import decode_layer
 from ..kernels.quantized_matmul import BITS, GROUP_SIZES, quantized_matmul
 from .attention import Mask, attention, attention_mask, offsets
 from .config import ModelConfig, RopeConfig
+from .lora import LoRALinear
 from .pooling import EmbeddingConfig
 
 ROPE_KINDS = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
@@ -360,7 +361,8 @@ class Block(nn.Module):
         """A step of a few tokens by the CPU primitives (`kernels.decode_layer`): two ops where
         the per-op path has ~60. None where they do not apply, and the per-op path runs: a
         recurrent mixer, a row with a mask other than the plain causal one (windows past their
-        length) or a quantized cache, or a block `_fused_plan` cannot take."""
+        length) or a quantized cache, a block `_fused_plan` cannot take, or rows running a LoRA
+        adapter in one of its projections."""
         if not self.attends:  # a recurrent mixer's cache keeps a state, not keys
             return None
         rows = getattr(cache, "rows", None)
@@ -369,7 +371,7 @@ class Block(nn.Module):
         if len(caches) != x.shape[0] or not all(map(plain, masks)) or any(c.bits is not None for c in caches):
             return None
         plan = self._fused_plan()
-        if plan is None:
+        if plan is None or any(t.uniform() is not None for t in plan.adapters):
             return None
         q, new = decode_layer.layer_in(x, plan.norms[0], plan.eps, plan.qkv, plan.heads, [c.offset for c in caches],
                                        plan.qk, plan.rope)
@@ -389,6 +391,7 @@ class Block(nn.Module):
         parts = [attn, mlp, *(self[n] for n in self._norm_names),
                  *(attn[n] for n in ("q_norm", "k_norm", "qkv_proj", "o_proj") if n in attn),
                  *(mlp[n] for n in ("gate_up_proj", "down_proj") if n in mlp)]
+        parts += [m.base for m in parts if isinstance(m, LoRALinear)]
         sources = [*parts, *(a for m in parts[2:] for a in m.values())]
         kept = self.__dict__.get("_plan")
         if kept is not None and len(kept[0]) == len(sources) and all(map(operator.is_, kept[0], sources)):
@@ -424,6 +427,7 @@ class FusedPlan:
     heads: decode_layer.Heads
     scale: float
     gelu: bool
+    adapters: tuple  # the LoRA tables of wrapped projections: a step whose rows run one is not fused
 
     @classmethod
     def of(cls, block: Block, attn: nn.Module, mlp: nn.Module) -> FusedPlan | None:
@@ -433,8 +437,9 @@ class FusedPlan:
             return None
         norms = [_norm_weight(block[n]) for n in block._norm_names]
         qk = [_norm_weight(attn[n]) for n in ("q_norm", "k_norm") if n in attn]
-        projections = [_decode_projection(m) for m in (attn["qkv_proj"], attn["o_proj"], mlp["gate_up_proj"],
-                                                        mlp["down_proj"])]
+        layers = [attn["qkv_proj"], attn["o_proj"], mlp["gate_up_proj"], mlp["down_proj"]]
+        adapters = tuple(m.table for m in layers if isinstance(m, LoRALinear))
+        projections = [_decode_projection(m.base if isinstance(m, LoRALinear) else m) for m in layers]
         table = attn.rope.table() if attn.rope is not None else None
         eps = {block[n].eps for n in block._norm_names}
         if (any(w is None for w in norms + qk) or None in projections or len(eps) > 1
@@ -444,7 +449,7 @@ class FusedPlan:
                    qk=(qk[0], qk[1], attn["q_norm"].eps) if qk else None,
                    rope=None if table is None else (table, attn.rope.attention_factor),
                    heads=decode_layer.Heads(attn.n_heads, attn.n_kv_heads, attn.head_dim), scale=attn.scale,
-                   gelu=mlp.act is nn.gelu_approx)
+                   gelu=mlp.act is nn.gelu_approx, adapters=adapters)
 
 
 def _norm_weight(norm: nn.Module) -> mx.array | None:
