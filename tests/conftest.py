@@ -11,10 +11,12 @@ import base64
 import hashlib
 import json
 import os
+import select
 import shutil
 import signal
 import subprocess
 import sys
+import tarfile
 import tempfile
 import zipfile
 from pathlib import Path
@@ -335,3 +337,111 @@ def gemma3_gguf() -> Path:
     assert sha256(partial) == expected, "the joined GGUF does not match SHA256SUMS"
     partial.rename(target)
     return target
+
+
+LLAMA_CPP = ("llama-cpp-python", "0.3.36")
+
+
+@pytest.fixture(scope="session")
+def llama_cpp() -> Path:
+    """llama.cpp's converter with the `conversion` package and gguf-py it imports, out of the
+    llama-cpp-python sdist (`pip download`, never built or installed), cached in ASSETS;
+    skips the test when PyPI cannot be reached. Its converter process starts here, so that
+    it imports while the test builds its checkpoints (`llama_cpp_gguf`)."""
+    name, version = LLAMA_CPP
+    root = ASSETS / f"llama.cpp-{version}"
+    if not (root / "convert_hf_to_gguf.py").is_file():
+        sdist = fetch_sdist(f"{name}=={version}")
+        prefix = f"{sdist.name.removesuffix('.tar.gz')}/vendor/llama.cpp/"
+        partial = root.with_suffix(".partial")
+        shutil.rmtree(partial, ignore_errors=True)
+        with tarfile.open(sdist) as tar:
+            members = []
+            for m in tar.getmembers():
+                inside = m.name.removeprefix(prefix)
+                if m.isfile() and m.name.startswith(prefix) and inside.startswith(
+                    ("convert_hf_to_gguf.py", "conversion/", "gguf-py/gguf/")
+                ):
+                    m.name = inside
+                    members.append(m)
+            tar.extractall(partial, members=members, filter="data")
+        partial.rename(root)
+    LlamaCppConverter.of(root)
+    return root
+
+
+def llama_cpp_gguf(llama_cpp: Path, src: Path, out: Path, outtype: str = "f32") -> Path:
+    """The GGUF (`outtype`: f32, q8_0, ...) llama.cpp's `convert_hf_to_gguf.py` writes of `src`."""
+    LlamaCppConverter.of(llama_cpp).convert(src, out, outtype)
+    return out
+
+
+# The converter's driver: each line on stdin is one run's arguments; one line on stdout answers
+# it with the run's exit status (the converter's own prints go to stderr, its log).
+_DRIVER = """import json, os, sys, traceback
+answer = os.fdopen(os.dup(1), "w")
+os.dup2(2, 1)
+sys.stdout = sys.stderr
+import convert_hf_to_gguf
+for line in sys.stdin:
+    sys.argv = ["convert_hf_to_gguf.py", *json.loads(line)]
+    try:
+        convert_hf_to_gguf.main()
+        status = 0
+    except SystemExit as e:
+        status = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except BaseException:
+        traceback.print_exc()
+        status = 1
+    print(status, file=answer, flush=True)
+"""
+
+
+class LlamaCppConverter:
+    """llama.cpp's `convert_hf_to_gguf.py` imported once per session (torch and transformers: most of
+    what one run of it costs) in a process that converts each checkpoint it is handed in turn, as a
+    fresh run of the script would (`main()` with the same arguments)."""
+
+    running: dict[Path, LlamaCppConverter] = {}
+
+    @classmethod
+    def of(cls, root: Path) -> LlamaCppConverter:
+        converter = cls.running.get(root)
+        if converter is None or converter.proc.poll() is not None:
+            converter = cls.running[root] = cls(root)
+        return converter
+
+    def __init__(self, root: Path):
+        self.log = Path(tempfile.mkstemp(prefix="llama-cpp-convert-", suffix=".log", dir=SESSION_HOME)[1])
+        env = {**os.environ, "PYTHONPATH": str(root / "gguf-py")}
+        with open(self.log, "ab") as log:
+            self.proc = subprocess.Popen([sys.executable, "-c", _DRIVER], cwd=root, env=env, stdin=subprocess.PIPE,
+                                         stdout=subprocess.PIPE, stderr=log, text=True)
+
+    def convert(self, src: Path, out: Path, outtype: str) -> None:
+        start = self.log.stat().st_size
+        try:
+            self.proc.stdin.write(json.dumps([str(src), "--outtype", outtype, "--outfile", str(out)]) + "\n")
+            self.proc.stdin.flush()
+        except BrokenPipeError:
+            pass  # it died: the empty answer below says so, with its log
+        ready, _, _ = select.select([self.proc.stdout], [], [], 600)
+        status = self.proc.stdout.readline().strip() if ready else "no answer in 600 s"
+        if status != "0":
+            self.close()
+        with open(self.log, "rb") as log:
+            log.seek(start)
+            assert status == "0", f"llama.cpp's converter on {src}: {status or 'died'}\n" + \
+                log.read().decode(errors="replace")[-3000:]
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+        self.proc.stdin.close()
+        self.proc.stdout.close()
+
+
+def pytest_sessionfinish(session, exitstatus) -> None:
+    for converter in LlamaCppConverter.running.values():
+        converter.close()

@@ -21,7 +21,6 @@ from family_checks import (  # noqa: F401  (the test_ functions run here, on thi
     test_pool_reuse_equals_fresh,
     test_speculative_equals_plain,
 )
-from test_convert_llama3_gguf import llama_cpp  # noqa: F401  (a fixture)
 from test_shard import can_launch, check, sharded  # noqa: F401  (can_launch: a fixture)
 from test_parity import TOL, assert_matches_mlx_lm, assert_matches_transformers, hf_logits, tokens
 

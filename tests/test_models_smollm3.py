@@ -13,7 +13,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import ASSETS, SHARED
+from conftest import ASSETS, LLAMA_CPP, SHARED
 from family_checks import (  # noqa: F401  (the test_ functions run here, on this module's `variant`)
     assert_llama_cpp_gguf_matches_transformers,
     real_vocab_checkpoint,
@@ -23,7 +23,6 @@ from family_checks import (  # noqa: F401  (the test_ functions run here, on thi
     test_pool_reuse_equals_fresh,
     test_speculative_equals_plain,
 )
-from test_convert_llama3_gguf import LLAMA_CPP, llama_cpp  # noqa: F401  (a fixture)
 from test_parity import assert_matches_mlx_lm, assert_matches_transformers, tokens
 
 import mlxinfer
