@@ -21,6 +21,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
+from serving import free_ports
 import test_models_deepseek as deepseek_tests
 import test_models_hybrid as hybrid_tests
 from test_models_gemma import VARIANTS as GEMMA
@@ -48,7 +49,9 @@ def launcher(n: int, *args: str) -> list[str]:
     found = shutil.which("mlx.launch", path=str(Path(sys.executable).parent)) or shutil.which("mlx.launch")
     if found is None:
         pytest.skip("mlx.launch is not installed")
-    return [found, "-n", str(n), "--backend", "ring", "--python", sys.executable, *args]
+    # a port block of its own: two launches on one machine (two test runs) would meet on the default
+    return [found, "-n", str(n), "--backend", "ring", "--starting-port", str(free_ports(n)), "--python", sys.executable,
+            *args]
 
 
 def launch(n: int, *args: str, timeout: int = TIMEOUT, stdin: str | None = None,
