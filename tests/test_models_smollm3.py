@@ -13,7 +13,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import ASSETS, LLAMA_CPP, SHARED
+from conftest import ASSETS, LLAMA_CPP, SHARED, asset_lock
 from family_checks import (  # noqa: F401  (the test_ functions run here, on this module's `variant`)
     assert_llama_cpp_gguf_matches_transformers,
     real_vocab_checkpoint,
@@ -86,13 +86,15 @@ def smollm3_template(llama_cpp) -> str:  # noqa: F811
     message), read from the llama-cpp-python sdist the `llama_cpp` fixture fetched."""
     name, version = LLAMA_CPP
     cached = ASSETS / f"smollm3-template-{version}.jinja"
-    if not cached.is_file():
-        sdist = ASSETS / f"{name.replace('-', '_')}-{version}.tar.gz"
-        if not sdist.is_file():
-            pytest.skip(f"{sdist.name} is not in the test assets")
-        with tarfile.open(sdist) as tar:
-            member = tar.extractfile(f"{sdist.name.removesuffix('.tar.gz')}/vendor/llama.cpp/{TEMPLATE}")
-            cached.write_bytes(member.read())
+    with asset_lock(cached.name):
+        if not cached.is_file():
+            sdist = ASSETS / f"{name.replace('-', '_')}-{version}.tar.gz"
+            if not sdist.is_file():
+                pytest.skip(f"{sdist.name} is not in the test assets")
+            with tarfile.open(sdist) as tar:
+                member = tar.extractfile(f"{sdist.name.removesuffix('.tar.gz')}/vendor/llama.cpp/{TEMPLATE}")
+                cached.with_suffix(".partial").write_bytes(member.read())
+            cached.with_suffix(".partial").rename(cached)
     return cached.read_text()
 
 
