@@ -106,7 +106,8 @@ def launch_jobs(jobs: dict[str, Job], root: Path) -> dict[str, list[dict] | str]
             out.mkdir(parents=True)
         (root / f"{n}-ranks.json").write_text(json.dumps(specs))
         # a hang guard only: a group left hanging is killed and every job in it fails
-        done = launch(n, str(HERE / "sharded_worker.py"), str(root / f"{n}-ranks.json"), timeout=TIMEOUT + 30 * len(specs))
+        done = launch(n, str(HERE / "sharded_worker.py"), str(root / f"{n}-ranks.json"),
+                      timeout=TIMEOUT + 30 * len(specs))
         for key, out in outs.items():
             # mlx.launch's own status does not say when a rank failed: every rank's file must be there
             files = [out / f"rank{r}.json" for r in range(n)]
