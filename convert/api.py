@@ -7,16 +7,19 @@ import resource
 import sys
 import time
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 
 import mlx.core as mx
 
+from mlxinfer.adapters import fused_weights
 from mlxinfer.errors import ConversionError, MlxinferError, ModelNotFoundError
 from mlxinfer.loading import check_weights, resolve
 from mlxinfer.models import build_model
 from mlxinfer.tokenizer import load_tokenizer_from_dir
 
 from . import perplexity
+from .gguf_file import Packed
 from .gguf_source import open_gguf
 from .plan import Job, parameter_count, plan, quantization_config
 from .quantize import Options, dtype_name
@@ -70,6 +73,7 @@ def convert(
     eval_ppl: str | os.PathLike | None = None,
     revision: str | None = None,
     progress: bool | None = None,
+    adapter: str | os.PathLike | None = None,
 ) -> Report:
     """Convert a Hugging Face folder or hub id, an MLX folder or a GGUF file into an MLX folder
     that mlxinfer and mlx-lm both load.
@@ -79,7 +83,8 @@ def convert(
     `bits`/`group_size` (default 4 and 64) or by the recipe, in affine mode or the floating-point
     `q_mode` (mxfp4, mxfp8, nvfp4: each fixes bits and group size). `dequantize` writes floats.
     Nothing is written unless the whole conversion succeeds; `progress` (default: stderr is a
-    TTY) shows a bar.
+    TTY) shows a bar. `adapter`: a LoRA adapter folder (PEFT or mlx-lm, DoRA included) merged
+    into the weights before anything is quantized, so the output runs without it.
     """
     options = Options(quantize, bits, group_size, recipe, dtype, dequantize, shard_size, q_mode)
     output = Path(output_dir).expanduser()
@@ -92,6 +97,8 @@ def convert(
         check_not_source(output, src.location)
         model = build_model(src.config)
         check_weights(model, src.tensors, src.origin, src.location)
+        if adapter is not None:
+            fuse_adapter(model, src, adapter)
         jobs = plan(model, src, options)
         total = sum(job.nbytes for job in jobs)
         with staged(output, force) as tmp:
@@ -116,6 +123,20 @@ def convert(
         return report
     finally:
         src.close()
+
+
+def fuse_adapter(model, src: Source, adapter: str | os.PathLike) -> None:
+    """Make the source's tensors of the layers the adapter changes read as their merged floats."""
+
+    originals = dict(src.tensors)  # the merged tensors read these, not themselves
+
+    def floats(layer: str) -> mx.array:
+        t = originals[f"{layer}.weight"].read()
+        return t.dequantize(mx.float32) if isinstance(t, Packed) else t.astype(mx.float32)
+
+    for layer, merged in fused_weights(model, adapter, floats).items():
+        t = src.tensors[f"{layer}.weight"]
+        src.tensors[t.name] = replace(t, stored=f"{t.stored} + adapter", precision=None, read=merged)
 
 
 def check_tokenizer(stage: Path, source: str) -> None:

@@ -44,8 +44,10 @@ def _choices(values) -> str:
 @click.option("--shard-size", default="5GB", show_default=True, help="Largest safetensors file.")
 @click.option("--eval-ppl", type=click.Path(path_type=Path), help="Text file: compare perplexity with the source.")
 @click.option("--revision", help="Hub revision (branch, tag or commit) for a hub id.")
+@click.option("--adapter", type=click.Path(path_type=Path),
+              help="LoRA adapter folder (PEFT or mlx-lm) to merge into the weights before quantizing.")
 def convert_command(source, output, quantize, bits, group_size, recipe, q_mode, dtype, dequantize, force,
-                    shard_size, eval_ppl, revision) -> None:
+                    shard_size, eval_ppl, revision, adapter) -> None:
     """Convert SOURCE (Hugging Face/MLX folder, hub id or .gguf file) into an MLX folder."""
     report = convert(
         source,
@@ -61,5 +63,6 @@ def convert_command(source, output, quantize, bits, group_size, recipe, q_mode, 
         shard_size=parse_size(shard_size),
         eval_ppl=eval_ppl,
         revision=revision,
+        adapter=adapter,
     )
     click.echo("\n".join(report.lines()))

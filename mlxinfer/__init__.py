@@ -4,13 +4,14 @@ from . import blas
 
 blas.preload()  # before anything imports mlx.core: a BLAS chosen later would not be used
 
+from .adapters import load, load_adapter, unload_adapter
 from .batch import BatchGenerator, batch_generate, generate, stream_generate
 from .cache import PromptCache, load_prompt_cache, make_cache, save_prompt_cache
 from .chat import ChatSession
 from .embed import embed
 from .errors import MlxinferError
 from .generate import Chunk, Stats
-from .loading import load, load_tokenizer
+from .loading import load_tokenizer
 from .pool import PromptCachePool
 from .sample import SamplingConfig
 
@@ -29,9 +30,11 @@ __all__ = [
     "embed",
     "generate",
     "load",
+    "load_adapter",
     "load_prompt_cache",
     "load_tokenizer",
     "make_cache",
     "save_prompt_cache",
     "stream_generate",
+    "unload_adapter",
 ]

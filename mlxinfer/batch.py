@@ -37,6 +37,7 @@ from .errors import InvalidOptionError
 from .generate import (Chunk, GenerationOptions, Prompt, TextStream, check_context, context_limit,
                        constraint_for, generation_stream, predicted_tokens, read_tool_calls, reasoning_of,
                        request_tokens, speculative_source, tool_plan, wired_limit)
+from .models.lora import identity
 from .pool import PromptCachePool, prefix_copy
 from .reasoning import Reasoning
 from .request import Request
@@ -183,6 +184,10 @@ class BatchGenerator:
         """Bytes of K/V held by the sequences in flight."""
         return sum(s.cache.nbytes for s in (*self._prefilling, *self._decoding) if s.cache is not None)
 
+    def uses_adapter(self, name: str) -> bool:
+        """Whether a sequence in flight (waiting, prefilling or decoding) runs adapter `name`."""
+        return any(s.options.adapter == name for s in (*self._waiting, *self._prefilling, *self._decoding))
+
     def submit(self, prompt: Prompt, **options: Any) -> int:
         """Queue a sequence (a string, token ids or chat messages) with its own options
         (those of `stream_generate`); returns its uid. Bad options fail here. For n > 1
@@ -202,6 +207,7 @@ class BatchGenerator:
         tools = tool_plan(o, self.tokenizer)
         ids = request_tokens(self.tokenizer, request.prompt, vocab, tools, o.chat_template_kwargs)
         check_context(self.model, PromptCache.for_model(self.model, **_cache_options(o)), len(ids))
+        identity(self.model, o.adapter)  # an adapter this model does not have is refused here, before any work
         constraints = tuple(constraint_for(o, self.tokenizer, vocab, tools) for _ in range(o.n))
         return Prepared(request, ids, request.sampling, o, tools, constraints, reasoning_of(o, self.tokenizer, ids),
                         predicted_tokens(self.tokenizer, o, vocab))
@@ -411,12 +417,13 @@ class BatchGenerator:
             s.shared = None  # once every waiting choice has started, nothing holds the copy
         elif s.own_cache is not None:
             s.cache = s.own_cache
+            s.cache.use_adapter(s.options.adapter)
             if scored:
                 s.cache.reset()
         elif self.pool is not None and not scored:
-            s.cache = self.pool.fetch(self.model, s.prompt, **opts)
+            s.cache = self.pool.fetch(self.model, s.prompt, s.options.adapter, **opts)
         else:
-            s.cache = PromptCache.for_model(self.model, **opts)
+            s.cache = PromptCache.for_model(self.model, s.options.adapter, **opts)
         if s.shared is not None:  # no copy of the prompt yet: this choice runs it for those that wait
             shared.runner = s
         limit = context_limit(self.model, s.cache, len(s.prompt), s.options.max_tokens)
@@ -583,11 +590,15 @@ def generate(model, tokenizer: Tokenizer, prompt: Prompt, **options: Any) -> str
 
 
 def batch_generate(model, tokenizer: Tokenizer, prompts: Sequence[Prompt], max_batch: int = 8,
-                   **options: Any) -> list[str]:
+                   adapters: Sequence[str | None] | None = None, **options: Any) -> list[str]:
     """Complete every prompt (same options as `stream_generate`), decoding up to `max_batch`
-    of them together; the texts in the order of `prompts`."""
+    of them together; the texts in the order of `prompts`. `adapters[i]`: the LoRA adapter
+    prompt i runs with (None: the model's default); rows of different adapters share each step."""
+    if adapters is not None and len(adapters) != len(prompts):
+        raise InvalidOptionError(f"adapters has {len(adapters)} entries for {len(prompts)} prompts; give one per prompt")
     engine = BatchGenerator(model, tokenizer, max_batch=max_batch, **options)
-    uids = [engine.submit(p) for p in prompts]
+    chosen = adapters if adapters is not None else [options.get("adapter")] * len(prompts)
+    uids = [engine.submit(p, adapter=a) for p, a in zip(prompts, chosen)]
     texts: dict[int, list[str]] = {uid: [] for uid in uids}
     for uid, chunk in engine.stream():
         texts[uid].append(chunk.text)

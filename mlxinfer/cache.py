@@ -32,6 +32,7 @@ from .errors import CorruptCheckpointError, InvalidOptionError, MlxinferError
 from .files import replacing
 from .loading import safetensors_header
 from .models.attention import attention_mask
+from .models.lora import selecting
 
 Parts = tuple[mx.array, ...]
 KV_BITS = (4, 8)
@@ -509,10 +510,15 @@ class PromptCache:
     It is also the one place that runs a model over tokens (`run`, `prefill`, and
     `run_rows` for a batch): the per-layer caches and the token list advance together,
     and a run interrupted while its graph is being built is rolled back, so the two
-    never disagree whatever stops a generation."""
+    never disagree whatever stops a generation.
 
-    def __init__(self, caches: list[KVCache], tokens: Sequence[int] = (), metadata: dict[str, str] | None = None):
+    `adapter` is the LoRA adapter its runs use (None: the model's default, the base unless one
+    was loaded as the default): its K/V depend on it, so it belongs to the cache."""
+
+    def __init__(self, caches: list[KVCache], tokens: Sequence[int] = (), metadata: dict[str, str] | None = None,
+                 adapter: str | None = None):
         self.caches = caches
+        self.adapter = adapter
         self._tokens = list(tokens)
         self._pending: list[mx.array] = []  # ids run as arrays whose values were not read yet
         self.metadata = dict(metadata or {})
@@ -532,7 +538,8 @@ class PromptCache:
         is queued before this one's token is read); its ids join `tokens` when read."""
         ids = tokens if isinstance(tokens, mx.array) else mx.array([int(t) for t in tokens])
         try:
-            logits = model(ids[None], cache=self.caches)
+            with selecting(model, [self.adapter]):
+                logits = model(ids[None], cache=self.caches)
         except BaseException:
             self._settle()
             raise
@@ -610,8 +617,14 @@ class PromptCache:
         return None
 
     @classmethod
-    def for_model(cls, model, **options: Any) -> "PromptCache":
-        return cls(make_cache(model, **options))
+    def for_model(cls, model, adapter: str | None = None, **options: Any) -> "PromptCache":
+        return cls(make_cache(model, **options), adapter=adapter)
+
+    def use_adapter(self, adapter: str | None) -> None:
+        """Run with `adapter` from now on; what it holds was made with another, so it empties."""
+        if adapter != self.adapter:
+            self.reset()
+            self.adapter = adapter
 
     @property
     def offset(self) -> int:
@@ -684,7 +697,8 @@ def run_rows(model, caches: Sequence[PromptCache], tokens: mx.array) -> mx.array
         return caches[0].run(model, tokens)[-1:]
     layers = [LayerRows([c.caches[i] for c in caches]) for i in range(len(model.layers))]
     try:
-        logits = model(tokens[:, None], cache=layers)
+        with selecting(model, [c.adapter for c in caches]):
+            logits = model(tokens[:, None], cache=layers)
     except BaseException:
         for c in caches:
             c._settle()

@@ -133,6 +133,7 @@ def hints_once() -> None:
 
 
 MODEL_HELP = "Local folder, hub id, .gguf file or a name from `mlxinfer models` (default: the demo model)."
+ADAPTER_HELP = "A LoRA adapter folder (PEFT or mlx-lm) to run with, unfused."
 MODEL_OPTIONS = [
     click.option("--model", "-m", help=MODEL_HELP),
     click.option("--dtype", type=click.Choice(["float16", "bfloat16", "float32"]),
@@ -143,6 +144,7 @@ PIPELINE_OPTION = click.option(
     help="Under mlx.launch: split the model by layers across the ranks (default: by heads, tensor-parallel).")
 GENERATION_OPTIONS = [
     *MODEL_OPTIONS,
+    click.option("--adapter", metavar="DIR", help=ADAPTER_HELP),
     click.option("--draft-model", help="A small model of the same family that drafts tokens (speculative decoding)."),
     click.option("--prompt-lookup", is_flag=True, help="Draft tokens by copying from the context (no draft model)."),
     click.option("--num-draft-tokens", type=int,
@@ -224,6 +226,7 @@ class Run:
     system: str | None
     options: dict[str, Any]
     think: bool | None = None  # --think / --no-think: checked against the model's template once it is loaded
+    adapter: str | None = None  # --adapter: a LoRA adapter folder, the model's default
 
     @classmethod
     def from_params(cls, params: dict[str, Any]) -> Run:
@@ -256,14 +259,15 @@ class Run:
                 "type": "function", "function": {"name": choice}}
         Request.of("", **options)  # a bad value fails now, before a model is fetched and loaded
         system = typed_text(params["system"]) if params["system"] is not None else None
-        return cls(params["model"], params["dtype"], params["draft_model"], system, options, params.get("think"))
+        return cls(params["model"], params["dtype"], params["draft_model"], system, options, params.get("think"),
+                   params.get("adapter"))
 
     def load(self, pipeline: bool = False):
         """(model, tokenizer, where it came from, draft model or None)."""
         from .store import open_model
 
         no_drafting_across_ranks(bool(self.draft_model or self.options.get("prompt_lookup")))
-        model, tokenizer, where = open_model(self.model, self.dtype, pipeline=pipeline)
+        model, tokenizer, where = open_model(self.model, self.dtype, pipeline=pipeline, adapter=self.adapter)
         draft = open_model(self.draft_model, self.dtype)[0] if self.draft_model else None
         return model, tokenizer, where, draft
 
@@ -559,9 +563,14 @@ def bench(model_argument, model, dtype, prompt_tokens, gen_tokens, repeat, max_k
 @click.option("--responses-store", type=click.IntRange(0), default=256, show_default=True,
               help="Responses API responses kept in memory for GET /v1/responses/{id} and previous_response_id "
                    "(the least recently used go first; 0: none).")
+@click.option("--adapter", "adapters", multiple=True, metavar="NAME=DIR",
+              help="A LoRA adapter to serve as the model BASE:NAME (repeatable; DIR alone: named after its folder).")
+@click.option("--max-adapters", type=click.IntRange(0), default=8, show_default=True,
+              help="Most adapters loaded at once (--adapter and POST /v1/adapters together).")
 @PIPELINE_OPTION
 def serve(model, dtype, host, port, max_concurrency, max_queue, max_kv_size, kv_bits, prompt_cache_bytes,
-          draft_model, prompt_lookup, api_key, cors, allowed_host, max_connections, responses_store, pipeline) -> None:
+          draft_model, prompt_lookup, api_key, cors, allowed_host, max_connections, responses_store, adapters,
+          max_adapters, pipeline) -> None:
     """Serve the model over OpenAI's HTTP API (chat and text completions, streaming).
     Concurrent requests are decoded together; Ctrl-C stops after the requests in flight."""
     from .batch import BatchGenerator
@@ -570,6 +579,7 @@ def serve(model, dtype, host, port, max_concurrency, max_queue, max_kv_size, kv_
     from .server import EngineThread, ServerConfig, create_app, run
     from .shard import launched, summed, world
     from .shard import summary as shard_summary
+    from .adapters import load_adapter
     from .store import open_model
 
     if draft_model and prompt_lookup:
@@ -580,7 +590,12 @@ def serve(model, dtype, host, port, max_concurrency, max_queue, max_kv_size, kv_
         check_free(host, port)
     if host not in LOOPBACK_NAMES and api_key is None:
         click.echo(f"warning: listening on {host} without --api-key: anyone who can reach it can use it", err=True)
+    if len(adapters) > max_adapters:
+        raise click.UsageError(f"{len(adapters)} --adapter options but --max-adapters is {max_adapters}")
     m, tokenizer, where = open_model(model, dtype, pipeline=pipeline)
+    for spec in adapters:
+        name, _, folder = spec.rpartition("=")
+        load_adapter(m, folder, name or None)
     sharded = getattr(m, "shard", None) is not None
     # ranks hold different K/V bytes in a pipeline: the pool counts all ranks' bytes, so all keep the same entries
     measure = summed(cache_nbytes, m.shard.group) if sharded else cache_nbytes
@@ -596,7 +611,8 @@ def serve(model, dtype, host, port, max_concurrency, max_queue, max_kv_size, kv_
                           max_queued=max_queue)
     name = model_name(where)
     config = ServerConfig(name, max_tokens=m.config.max_position_embeddings, api_key=api_key, cors=cors,
-                          hosts=allowed_hosts(host, allowed_host), responses_store=responses_store)
+                          hosts=allowed_hosts(host, allowed_host), responses_store=responses_store,
+                          max_adapters=max_adapters)
     split = shard_summary(m)
     click.echo(f"serving {name} at http://{host}:{port}/v1 (Ctrl-C stops)" + (f" [{split}]" if split else ""),
                err=True)

@@ -37,6 +37,10 @@ class InvalidOptionError(MlxinferError, ValueError):
     """An option value out of its allowed range."""
 
 
+class AdapterError(MlxinferError):
+    """A LoRA adapter that does not fit the model or uses what we do not run."""
+
+
 class ConversionError(MlxinferError):
     """A conversion that cannot go ahead: output in the way, disk full, tensor type we cannot read."""
 

@@ -95,6 +95,7 @@ class GenerationOptions:
     prompt_logprobs: int | None = None  # with echo: score the prompt's tokens, with this many top alternatives
     n: int = 1  # choices: the batch engine runs n sequences from one prefill (`BatchGenerator.enqueue_choices`)
     prediction: str | None = None  # the expected output (Predicted Outputs): the speculative draft, in place of others
+    adapter: str | None = None  # the LoRA adapter (by its loaded name) to run with; None: the model's default
 
     def __post_init__(self) -> None:
         """Types and ranges, so a bad value fails before any work and not inside MLX."""
@@ -131,6 +132,8 @@ class GenerationOptions:
             integer("num_draft_tokens", self.num_draft_tokens, 1)
         flag("prompt_lookup", self.prompt_lookup)
         integer("n", self.n, 1, MAX_CHOICES)
+        if self.adapter is not None and not (isinstance(self.adapter, str) and self.adapter):
+            raise InvalidOptionError(f"adapter must be the name of a loaded adapter, got {self.adapter!r:.60}")
         if self.prediction is not None and not isinstance(self.prediction, str):
             raise InvalidOptionError(f"prediction must be the expected output as text, got "
                                      f"{type(self.prediction).__name__}")

@@ -16,7 +16,8 @@ from mlx.utils import tree_flatten
 from .errors import ConfigError, CorruptCheckpointError, InvalidOptionError, ModelNotFoundError
 from .files import checkpoint_file, read_checkpoint_file
 from .models import CausalLM, build_model
-from .models.layers import fuse_projections
+from .kernels import quantized_matmul
+from .models.layers import QuantizedEmbedding, QuantizedLinear, fuse_projections
 from .models.pooling import MODES as POOLING_MODES
 from .models.pooling import EmbeddingConfig
 from .shard import (Shard, Stage, check_same_model, layer_ranges, layer_sizes, materialize, shard_config,
@@ -424,6 +425,25 @@ def compute_dtype(weights: dict[str, mx.array], requested: mx.Dtype | None) -> m
     return mx.float32 if stored & set(HALF) else None
 
 
+def half_scales(model: CausalLM, weights: dict[str, mx.array]) -> set[str]:
+    """The half-precision scales and biases that stay so when the rest becomes float32: those of
+    affine-quantized linear layers and embeddings where the CPU extension reads them exactly (it
+    computes in float32 either way), so a token reads fewer bytes (a GGUF Q4_1 weight: 5 bits, not
+    6). Embeddings then look up in float32."""
+    if not quantized_matmul.half_scales_read_exactly():
+        return set()
+    kept = set()
+    for name, module in model.named_modules():
+        if type(module) not in (QuantizedLinear, QuantizedEmbedding) or module.mode != "affine":
+            continue
+        parts = [f"{name}.scales", f"{name}.biases"]
+        if all(p in weights and weights[p].dtype in HALF for p in parts):
+            kept.update(parts)
+            if isinstance(module, QuantizedEmbedding):
+                module.dtype = mx.float32
+    return kept
+
+
 def load_model(path: Path, dtype: str | mx.Dtype | None = None, shard: str | None = None, group=None) -> CausalLM:
     """Build and fill the model in a local checkpoint folder; with `shard="tensor"` and a
     distributed group of more than one process (`group`, default: the one `mlx.launch`
@@ -455,7 +475,9 @@ def load_model(path: Path, dtype: str | mx.Dtype | None = None, shard: str | Non
     check_weights(model, weights, origin, path)
     target = compute_dtype(weights, requested)
     if target is not None:
-        weights = {k: v.astype(target) if mx.issubdtype(v.dtype, mx.floating) else v for k, v in weights.items()}
+        kept = half_scales(model, weights) if requested is None else set()
+        weights = {k: v.astype(target) if mx.issubdtype(v.dtype, mx.floating) and k not in kept else v
+                   for k, v in weights.items()}
     if place is not None:
         weights = materialize(weights)
     model.load_weights(list(weights.items()))
@@ -466,7 +488,7 @@ def load_model(path: Path, dtype: str | mx.Dtype | None = None, shard: str | Non
         wrap_reductions(model, place)
     if place is not None:
         if shard == "pipeline":
-            model.model = Stage(model.model, place)
+            model.model = Stage(model.model, place, mine.start)
         model.shard = place
     return model
 

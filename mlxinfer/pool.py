@@ -28,6 +28,7 @@ import numpy as np
 from .cache import KV_GROUP_SIZES, KVCache, Parts, PromptCache, RotatingKVCache, StateCache, common_prefix
 from .checks import integer
 from .errors import InvalidOptionError
+from .models.lora import identity
 
 CACHE_OPTIONS = ("max_kv_size", "kv_bits", "kv_group_size", "keep")
 
@@ -48,10 +49,12 @@ class PoolStats:
 
 @dataclass
 class _Entry:
-    """A pooled cache, the model that filled it and the cache layout it has."""
+    """A pooled cache, the model that filled it, the cache layout it has and the adapter it ran
+    with (`lora.identity`: never the same for two adapters, even of one name)."""
 
     model: weakref.ref
     layout: Layout
+    adapter: int
     cache: PromptCache
     nbytes: int
 
@@ -63,7 +66,8 @@ class PromptCachePool:
     prompt (or a fresh cache), which the caller runs and may `store` back when the
     request ends. Entries are matched by model and by the layout of their
     per-layer caches (kind, quantization, window), so a cache is only ever
-    continued by the kind of cache that made it. `measure` gives an entry's size
+    continued by the kind of cache that made it, and by the LoRA adapter that made it
+    (K/V made with one adapter are not another's). `measure` gives an entry's size
     (default: its K/V bytes here)."""
 
     def __init__(self, max_bytes: int, measure: Callable[[PromptCache], int] | None = None):
@@ -78,16 +82,16 @@ class PromptCachePool:
     def stats(self) -> PoolStats:
         return PoolStats(self._hits, self._misses, self._reused, len(self._entries), self._held())
 
-    def fetch(self, model, prompt: Sequence[int], **cache_options: Any) -> PromptCache:
+    def fetch(self, model, prompt: Sequence[int], adapter: str | None = None, **cache_options: Any) -> PromptCache:
         """A cache the caller owns, ready for `cache.prepare(prompt)`: a copy of the
         pooled entry that shares the longest usable prefix with `prompt`, cut to
         that prefix and leaving at least one prompt token to run (the next-token
         logits come from it); else a fresh cache (a miss)."""
-        fresh = PromptCache.for_model(model, **_checked(cache_options))
-        layout, prompt = _layout(fresh), list(prompt)
+        fresh = PromptCache.for_model(model, adapter, **_checked(cache_options))
+        layout, prompt, made_by = _layout(fresh), list(prompt), identity(model, adapter)
         best: tuple[int, int] | None = None  # (reused tokens, entry serial)
         for serial, entry in self._entries.items():
-            if entry.model() is not model or entry.layout != layout:
+            if entry.model() is not model or entry.layout != layout or entry.adapter != made_by:
                 continue
             n = entry.cache.reachable(min(common_prefix(entry.cache.tokens, prompt), len(prompt) - 1))
             if n > 0 and (best is None or n >= best[0]):
@@ -99,7 +103,9 @@ class PromptCachePool:
         self._entries.move_to_end(serial)
         self._hits += 1
         self._reused += n
-        return prefix_copy(self._entries[serial].cache, n)
+        copy = prefix_copy(self._entries[serial].cache, n)
+        copy.adapter = adapter
+        return copy
 
     def store(self, cache: PromptCache, model, **cache_options: Any) -> None:
         """Keep `cache` (the caller hands it over and must not run it again) under
@@ -121,13 +127,15 @@ class PromptCachePool:
         size = self._measure(cache)
         if size > self.max_bytes or not tokens:
             return
+        made_by = identity(model, cache.adapter)
         for serial, entry in list(self._entries.items()):
             old = entry.cache.tokens
-            covered = entry.model() is model and entry.layout == layout and common_prefix(old, tokens) == len(old)
+            covered = (entry.model() is model and entry.layout == layout and entry.adapter == made_by
+                       and common_prefix(old, tokens) == len(old))
             if entry.model() is None or (covered and cache.can_trim_to(len(old))):
                 del self._entries[serial]  # covered, or its model is gone and nothing can fetch it
         self._serial += 1
-        self._entries[self._serial] = _Entry(weakref.ref(model), layout, cache, size)
+        self._entries[self._serial] = _Entry(weakref.ref(model), layout, made_by, cache, size)
         while self._held() > self.max_bytes:
             self._entries.popitem(last=False)
 
@@ -144,7 +152,8 @@ def prefix_copy(cache: PromptCache, length: int) -> PromptCache:
     every layer must be able to trim to). Built from new array objects: MLX's
     `a[...] = b` rebinds the array object `a`, so two caches sharing one would see
     each other's writes; neither cache's later writes reach the other."""
-    copy = PromptCache([_layer_copy(c, length) for c in cache.caches], cache.tokens[:length], cache.metadata)
+    copy = PromptCache([_layer_copy(c, length) for c in cache.caches], cache.tokens[:length], cache.metadata,
+                       cache.adapter)
     mx.eval([c.arrays() for c in copy.caches])  # its own memory, not a graph
     return copy
 

@@ -19,7 +19,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from .api import anthropic, embeddings, metrics, openai, responses, tokens
+from .api import adapters, anthropic, embeddings, metrics, openai, responses, tokens
 from .api.common import Context, RequestError, ServerConfig
 from .api.engine_thread import EngineThread
 from .errors import MlxinferError
@@ -130,7 +130,7 @@ def create_app(engine: EngineThread, model, tokenizer, config: ServerConfig) -> 
 
     ctx = Context(engine, model, tokenizer, config)
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(authorized)])
-    for api in (openai, responses, anthropic, embeddings):
+    for api in (openai, responses, anthropic, embeddings, adapters):
         v1.include_router(api.router(ctx))
     root = APIRouter(dependencies=[Depends(authorized)])
     for api in (tokens, metrics):

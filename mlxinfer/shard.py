@@ -486,10 +486,11 @@ class Stage(nn.Module):
     the middle of a call, so a send left lazy for later would leave the next rank
     waiting for data that its sender will only send after waiting on that rank."""
 
-    def __init__(self, backbone: nn.Module, shard: Shard):
+    def __init__(self, backbone: nn.Module, shard: Shard, first_layer: int = 0):
         super().__init__()
         self.backbone = backbone
         self._shard = shard
+        self.first_layer = first_layer  # the checkpoint's number of this rank's first layer
 
     @property
     def layers(self) -> list:

@@ -20,7 +20,8 @@ from convert.sources import is_gguf
 from .cachedir import Notify, convert_into, is_model_folder, models_dir, stderr_line
 from .demo import demo_model
 from .errors import MlxinferError, ModelNotFoundError
-from .loading import load, read_config, safetensors_header, weight_files
+from .adapters import load
+from .loading import read_config, safetensors_header, weight_files
 from .models import FAMILIES
 from .shard import launched
 from .terminal import spinner
@@ -70,13 +71,15 @@ def gguf_in_cache(path: Path, notify: Notify) -> Path:
     return out
 
 
-def open_model(spec: str | None, dtype: str | None = None, notify: Notify = stderr_line, pipeline: bool = False):
-    """(model, tokenizer, folder or hub id) for a `--model` value, with a spinner while loading."""
+def open_model(spec: str | None, dtype: str | None = None, notify: Notify = stderr_line, pipeline: bool = False,
+               adapter: str | None = None):
+    """(model, tokenizer, folder or hub id) for a `--model` value, with a spinner while loading;
+    `adapter`: a LoRA adapter folder applied unfused as the model's default."""
     where = resolve_model(spec, notify)
     with spinner(f"loading {spec or Path(where).name}"):
         # one rank of several (mlx.launch): this rank's part of the model
         split = "pipeline" if pipeline else "tensor"
-        model, tokenizer = load(where, dtype=dtype, shard=split if launched() else None)
+        model, tokenizer = load(where, dtype=dtype, shard=split if launched() else None, adapter_path=adapter)
     return model, tokenizer, where
 
 

@@ -4,8 +4,9 @@ a fixed prompt (run into a fresh KV cache), the KV heads that cache holds per la
 shapes of each recurrent layer's state), a greedy
 generation, the bytes of its parameters, and the split as `inspect` reports it.
 
-    sharded_worker.py JOBS     (JOBS: a JSON file, a list of {"model", "out", "dtype", "split"},
-                                "model_for_rank_1" optional: another checkpoint there, to be refused)
+    sharded_worker.py JOBS     (JOBS: a JSON file, a list of {"model", "out", "dtype", "split"}; optional:
+                                "adapter", a LoRA adapter to load with the model, and "model_for_rank_1",
+                                another checkpoint there, to be refused)
 
 The jobs run one after another in one launch, as each would in a launch of its own: a launch
 costs every rank a Python start, mlxinfer's import and MLX's ring set-up. A job that fails
@@ -29,7 +30,8 @@ from mlxinfer.shard import layout, resident_bytes  # noqa: E402
 
 def run(job: dict, group) -> None:
     model_path = job["model_for_rank_1"] if group.rank() == 1 and "model_for_rank_1" in job else job["model"]
-    model, tokenizer = mlxinfer.load(Path(model_path), dtype=job["dtype"], shard=job["split"])
+    model, tokenizer = mlxinfer.load(Path(model_path), dtype=job["dtype"], shard=job["split"],
+                                     adapter_path=job.get("adapter"))
     prompt = list(range(3, 40))
     cache = make_cache(model)
     logits = model(mx.array([prompt]), cache)[0].astype(mx.float32)

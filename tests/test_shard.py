@@ -92,22 +92,23 @@ class Job:
     ranks: int
     dtype: str | None = "float32"
     split: str = "tensor"
+    adapter: Path | None = None
 
 
-def launch_jobs(jobs: dict[str, Job], root: Path) -> dict[str, list[dict] | str]:
+def launch_jobs(jobs: dict[str, Job], root: Path, env: dict[str, str] | None = None) -> dict[str, list[dict] | str]:
     """{key: every rank's record of its job, or what went wrong}, the jobs run one launch per
     rank count (tests/sharded_worker.py runs each as a launch of its own would)."""
     results: dict[str, list[dict] | str] = {}
     for n in sorted({job.ranks for job in jobs.values()}):
         outs = {key: root / f"{n}-ranks-job{i}" for i, (key, job) in enumerate(jobs.items()) if job.ranks == n}
-        specs = [{"model": str(jobs[key].folder), "out": str(out), "dtype": jobs[key].dtype, "split": jobs[key].split}
-                 for key, out in outs.items()]
+        specs = [{"model": str(jobs[key].folder), "out": str(out), "dtype": jobs[key].dtype, "split": jobs[key].split,
+                  **({"adapter": str(jobs[key].adapter)} if jobs[key].adapter else {})} for key, out in outs.items()]
         for out in outs.values():
             out.mkdir(parents=True)
         (root / f"{n}-ranks.json").write_text(json.dumps(specs))
         # a hang guard only: a group left hanging is killed and every job in it fails
         done = launch(n, str(HERE / "sharded_worker.py"), str(root / f"{n}-ranks.json"),
-                      timeout=TIMEOUT + 30 * len(specs))
+                      timeout=TIMEOUT + 30 * len(specs), env=env)
         for key, out in outs.items():
             # mlx.launch's own status does not say when a rank failed: every rank's file must be there
             files = [out / f"rank{r}.json" for r in range(n)]
@@ -119,9 +120,10 @@ def launch_jobs(jobs: dict[str, Job], root: Path) -> dict[str, list[dict] | str]
     return results
 
 
-def sharded(folder: Path, out: Path, n: int, dtype: str | None = "float32", split: str = "tensor") -> list[dict]:
-    """Every rank's record of `folder` loaded across `n` ranks, in a launch of its own."""
-    got = launch_jobs({"job": Job(folder, n, dtype, split)}, out)["job"]
+def sharded(folder: Path, out: Path, n: int, dtype: str | None = "float32", split: str = "tensor",
+            adapter: Path | None = None, env: dict[str, str] | None = None) -> list[dict]:
+    """Every rank's record of `folder` (with a LoRA `adapter`) loaded across `n` ranks, in a launch of its own."""
+    got = launch_jobs({"job": Job(folder, n, dtype, split, adapter)}, out, env)["job"]
     assert not isinstance(got, str), got
     return got
 

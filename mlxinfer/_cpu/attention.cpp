@@ -1,5 +1,5 @@
-// Decode attention (one query per head) over one sequence's float32 K/V cache; see
-// kernel.h. Scores, a max-subtracted softmax in float32, then the weighted sum of
+// Decode attention (one query per head) over one sequence's float32 K/V cache, and the
+// float32 dot products it and the float matmul share; see kernel.h. Scores, a max-subtracted softmax in float32, then the weighted sum of
 // values, each in one fixed order; AVX2 where the CPU has it, else a scalar loop.
 #include <algorithm>
 #include <cmath>
@@ -15,7 +15,7 @@ namespace mlxinfer {
 
 namespace {
 
-float dot_scalar(const float* a, const float* b, int n) {
+float dot_scalar_loop(const float* a, const float* b, int n) {
   float sum = 0.0f;
   for (int i = 0; i < n; ++i) {
     sum += a[i] * b[i];
@@ -60,9 +60,94 @@ MLXINFER_AVX2 void axpy_avx2(float p, const float* v, float* acc, int n) {
   }
 }
 
+// Horizontal sum of dot_avx2's accumulator plus its scalar tail, in dot_avx2's order.
+MLXINFER_AVX2 inline float finish_dot(__m256 acc, const float* a, const float* b, int from, int n) {
+  __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+  __m128 pairs = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  float sum = _mm_cvtss_f32(_mm_add_ss(pairs, _mm_shuffle_ps(pairs, pairs, 1)));
+  for (int i = from; i < n; ++i) {
+    sum += a[i] * b[i];
+  }
+  return sum;
+}
+
+// R rows of x against NO rows of w: R * NO independent dot_avx2 chains side by side, so the
+// products are not bound by one chain's latency, each equal to dot_avx2 bit for bit.
+template <int R, int NO>
+MLXINFER_AVX2 void float_tile_avx2(const float* x, const float* w, int in, float* y, int out) {
+  __m256 acc[R][NO];
+  for (int r = 0; r < R; ++r) {
+    for (int o = 0; o < NO; ++o) {
+      acc[r][o] = _mm256_setzero_ps();
+    }
+  }
+  int k = 0;
+  for (; k + 8 <= in; k += 8) {
+    __m256 wv[NO];
+    for (int o = 0; o < NO; ++o) {
+      wv[o] = _mm256_loadu_ps(w + static_cast<size_t>(o) * in + k);
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m256 xv = _mm256_loadu_ps(x + static_cast<size_t>(r) * in + k);
+      for (int o = 0; o < NO; ++o) {
+        acc[r][o] = _mm256_fmadd_ps(xv, wv[o], acc[r][o]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int o = 0; o < NO; ++o) {
+      y[static_cast<size_t>(r) * out + o] =
+          finish_dot(acc[r][o], x + static_cast<size_t>(r) * in, w + static_cast<size_t>(o) * in, k, in);
+    }
+  }
+}
+
+// Rows two at a time against outputs four at a time (remainders by smaller tiles).
+MLXINFER_AVX2 void float_matmul_avx2(const float* w, int in, const float* x, int rows, float* y, int out, int n0,
+                                     int n1) {
+  for (int n = n0; n < n1; n += 4) {
+    const int outputs = std::min(4, n1 - n);
+    const float* wn = w + static_cast<size_t>(n) * in;
+    for (int r = 0; r < rows; r += 2) {
+      const float* xr = x + static_cast<size_t>(r) * in;
+      float* yr = y + static_cast<size_t>(r) * out + n;
+      const bool pair = r + 1 < rows;
+      switch (outputs) {
+        case 4: pair ? float_tile_avx2<2, 4>(xr, wn, in, yr, out) : float_tile_avx2<1, 4>(xr, wn, in, yr, out); break;
+        case 3: pair ? float_tile_avx2<2, 3>(xr, wn, in, yr, out) : float_tile_avx2<1, 3>(xr, wn, in, yr, out); break;
+        case 2: pair ? float_tile_avx2<2, 2>(xr, wn, in, yr, out) : float_tile_avx2<1, 2>(xr, wn, in, yr, out); break;
+        default: pair ? float_tile_avx2<2, 1>(xr, wn, in, yr, out) : float_tile_avx2<1, 1>(xr, wn, in, yr, out);
+      }
+    }
+  }
+}
+
 #endif
 
 } // namespace
+
+float dot(const float* a, const float* b, int n) {
+#if defined(__x86_64__)
+  if (simd_avx2()) {
+    return dot_avx2(a, b, n);
+  }
+#endif
+  return dot_scalar_loop(a, b, n);
+}
+
+void float_matmul_range(const float* w, int in, const float* x, int rows, float* y, int out, int n0, int n1) {
+#if defined(__x86_64__)
+  if (simd_avx2()) {
+    return float_matmul_avx2(w, in, x, rows, y, out, n0, n1);
+  }
+#endif
+  for (int n = n0; n < n1; ++n) {
+    const float* wn = w + static_cast<size_t>(n) * in;
+    for (int r = 0; r < rows; ++r) {
+      y[static_cast<size_t>(r) * out + n] = dot(x + static_cast<size_t>(r) * in, wn, in);
+    }
+  }
+}
 
 void decode_attention_head(const float* q, const CachedHeads& keys, const CachedHeads& values, int kv_head,
                            int length, int dims, float scale, float* out, float* scores) {
@@ -77,9 +162,9 @@ void decode_attention_head(const float* q, const CachedHeads& keys, const Cached
   for (int j = 0; j < length; ++j) {
     const float* kj = k + j * keys.slot_stride;
 #if defined(__x86_64__)
-    const float s = (avx2 ? dot_avx2(q, kj, dims) : dot_scalar(q, kj, dims)) * scale;
+    const float s = (avx2 ? dot_avx2(q, kj, dims) : dot_scalar_loop(q, kj, dims)) * scale;
 #else
-    const float s = dot_scalar(q, kj, dims) * scale;
+    const float s = dot_scalar_loop(q, kj, dims) * scale;
 #endif
     scores[j] = s;
     top = std::max(top, s);

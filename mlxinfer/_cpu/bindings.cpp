@@ -6,10 +6,25 @@
 #include "mlx/version.h"
 
 #include "kernel.h"
+#include "layer.h"
 #include "primitive.h"
 
 namespace nb = nanobind;
+namespace mx = mlx::core;
 using namespace nb::literals;
+
+namespace {
+
+// A projection's spec from its arrays: [w(, bias)] when bits is 0, else [w, scales, biases(, bias)].
+mlxinfer::LinearSpec linear(const std::vector<mx::array>& arrays, int bits, int group) {
+  mlxinfer::LinearSpec spec;
+  spec.bits = bits;
+  spec.group = group;
+  spec.bias = static_cast<int>(arrays.size()) == (bits ? 4 : 2);
+  return spec;
+}
+
+} // namespace
 
 NB_MODULE(_cpu_qmm, m) {
   m.doc() = "y = x @ dequantize(w).T for MLX's affine quantized format on the CPU (1 to a few rows)";
@@ -22,6 +37,51 @@ NB_MODULE(_cpu_qmm, m) {
   m.def("decode_attention", &mlxinfer::decode_attention, "q"_a, "caches"_a, "lengths"_a, "scale"_a,
         "One query per head of each row b over the first lengths[b] slots of its own float32 K/V buffers "
         "(caches = [keys_0, values_0, keys_1, ...]), each (row, head) in one fixed order.");
+  m.def(
+      "decode_layer_in",
+      [](const mx::array& x, const mx::array& norm, const std::vector<mx::array>& qkv, int qkv_bits, int qkv_group,
+         const std::vector<mx::array>& qk_norms, const std::vector<mx::array>& inv_freq,
+         const std::vector<int>& positions, int heads, int kv_heads, int head_dim, float eps, float qk_eps,
+         float attention_factor) {
+        mlxinfer::LayerInSpec spec;
+        spec.heads = heads;
+        spec.kv_heads = kv_heads;
+        spec.head_dim = head_dim;
+        spec.eps = eps;
+        spec.qk_eps = qk_eps;
+        spec.qkv = linear(qkv, qkv_bits, qkv_group);
+        spec.attention_factor = attention_factor;
+        spec.positions = positions;
+        return mlxinfer::decode_layer_in(x, norm, qkv, qk_norms, inv_freq, std::move(spec));
+      },
+      "x"_a, "norm"_a, "qkv"_a, "qkv_bits"_a, "qkv_group"_a, "qk_norms"_a, "inv_freq"_a, "positions"_a, "heads"_a,
+      "kv_heads"_a, "head_dim"_a, "eps"_a, "qk_eps"_a, "attention_factor"_a,
+      "A step's first half of a pre-norm block: [q, keys_0, values_0, ...] (norm, QKV, q/k norm, RoPE). "
+      "A projection is [w] or [w, bias] (float32, bits 0), or [w, scales, biases(, bias)] (affine).");
+  m.def(
+      "decode_layer_out",
+      [](const mx::array& x, const mx::array& q, const std::vector<mx::array>& o, int o_bits, int o_group,
+         const std::vector<mx::array>& norms, const std::vector<mx::array>& gate_up, int gate_up_bits, int gate_up_group,
+         const std::vector<mx::array>& down, int down_bits, int down_group, const std::vector<mx::array>& caches,
+         const std::vector<int>& lengths, int heads, int kv_heads, int head_dim, float scale, float eps, bool gelu) {
+        mlxinfer::LayerOutSpec spec;
+        spec.heads = heads;
+        spec.kv_heads = kv_heads;
+        spec.head_dim = head_dim;
+        spec.scale = scale;
+        spec.eps = eps;
+        spec.o = linear(o, o_bits, o_group);
+        spec.gate_up = linear(gate_up, gate_up_bits, gate_up_group);
+        spec.down = linear(down, down_bits, down_group);
+        spec.gelu = gelu;
+        spec.lengths = lengths;
+        return mlxinfer::decode_layer_out(x, q, o, norms, gate_up, down, caches, std::move(spec));
+      },
+      "x"_a, "q"_a, "o"_a, "o_bits"_a, "o_group"_a, "norms"_a, "gate_up"_a, "gate_up_bits"_a, "gate_up_group"_a,
+      "down"_a, "down_bits"_a, "down_group"_a, "caches"_a, "lengths"_a, "heads"_a, "kv_heads"_a, "head_dim"_a,
+      "scale"_a, "eps"_a, "gelu"_a,
+      "A step's second half: causal attention over each row's stored cache, O, residual, norm, gated MLP, "
+      "residual -> the block's output. norms: [pre-MLP] or [post-attention, pre-MLP, post-MLP] (sandwich).");
   m.def("threads", &mlxinfer::threads, "Threads a matmul is split across (the calling one included).");
   m.def("set_threads", &mlxinfer::set_threads, "n"_a);
   m.def("simd", &mlxinfer::simd_name, "The loop in use on this CPU: 'avx2+fma' or 'scalar'.");

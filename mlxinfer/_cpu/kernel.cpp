@@ -20,6 +20,7 @@ namespace {
 
 constexpr int kLanes = 8;
 constexpr int kMaxBlockRows = 4; // rows sharing one unpacking of the weights
+constexpr int kManyRows = 5;     // from here each output row is dequantized once for all rows
 
 std::atomic<bool> scalar_forced{false};
 
@@ -205,6 +206,88 @@ MLXINFER_AVX2 void block_avx2(const QuantizedMatrix& m, const float* x, float* y
   }
 }
 
+// Row n of the matrix as the floats block_avx2 multiplies by: per 16-input chunk its w0 then
+// its w1 (for 4 bits, even inputs then odd ones), each fma(q, s, b) as there.
+template <int BITS>
+MLXINFER_AVX2 void dequantized_row(const QuantizedMatrix& m, int n, float* out) {
+  const size_t row_bytes = static_cast<size_t>(m.in) * BITS / 8;
+  const int groups = m.in / m.group;
+  const uint8_t* w = m.packed + n * row_bytes;
+  for (int g = 0; g < groups; ++g) {
+    const __m256 s = _mm256_set1_ps(scale_at_avx2(m.scales, m.scale_type, static_cast<size_t>(n) * groups + g));
+    const __m256 b = _mm256_set1_ps(scale_at_avx2(m.biases, m.scale_type, static_cast<size_t>(n) * groups + g));
+    for (int k = g * m.group; k < (g + 1) * m.group; k += 2 * kLanes) {
+      __m256 q0, q1;
+      if constexpr (BITS == 4) {
+        const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + k / 2)));
+        q0 = _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(0xf)));
+        q1 = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));
+      } else {
+        q0 = unpack_avx2<BITS>(w + k * BITS / 8);
+        q1 = unpack_avx2<BITS>(w + (k + kLanes) * BITS / 8);
+      }
+      _mm256_storeu_ps(out + k, _mm256_fmadd_ps(q0, s, b));
+      _mm256_storeu_ps(out + k + kLanes, _mm256_fmadd_ps(q1, s, b));
+    }
+  }
+}
+
+// R rows (1 or 2) against the dequantized rows of NO outputs (1 or 2), register-blocked: each
+// (row, output) accumulates exactly as block_avx2 does, so the result is the same bit for bit.
+template <int R, int NO>
+MLXINFER_AVX2 inline void tile_avx2(const float* x, int in, const float* const* w, float* y, int out) {
+  __m256 acc[R][NO][2];
+  for (int r = 0; r < R; ++r) {
+    for (int o = 0; o < NO; ++o) {
+      acc[r][o][0] = acc[r][o][1] = _mm256_setzero_ps();
+    }
+  }
+  for (int k = 0; k < in; k += 2 * kLanes) {
+    __m256 w0[NO], w1[NO];
+    for (int o = 0; o < NO; ++o) {
+      w0[o] = _mm256_loadu_ps(w[o] + k);
+      w1[o] = _mm256_loadu_ps(w[o] + k + kLanes);
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m256 x0 = _mm256_loadu_ps(x + static_cast<size_t>(r) * in + k);
+      const __m256 x1 = _mm256_loadu_ps(x + static_cast<size_t>(r) * in + k + kLanes);
+      for (int o = 0; o < NO; ++o) {
+        acc[r][o][0] = _mm256_fmadd_ps(x0, w0[o], acc[r][o][0]);
+        acc[r][o][1] = _mm256_fmadd_ps(x1, w1[o], acc[r][o][1]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int o = 0; o < NO; ++o) {
+      y[static_cast<size_t>(r) * out + o] = tree_sum_avx2(acc[r][o][0], acc[r][o][1]);
+    }
+  }
+}
+
+// Many rows: each pair of outputs is dequantized once (into L1) for all rows, then multiplied
+// two rows by two outputs at a time, where block_avx2 unpacks again for every 4 rows.
+template <int BITS>
+MLXINFER_AVX2 void many_rows_avx2(const QuantizedMatrix& m, const float* x, int rows, float* y, int n0, int n1) {
+  thread_local std::vector<float> buffer;
+  buffer.resize(2 * static_cast<size_t>(m.in));
+  float* w[2] = {buffer.data(), buffer.data() + m.in};
+  for (int n = n0; n < n1; n += 2) {
+    const int outputs = n + 1 < n1 ? 2 : 1;
+    for (int o = 0; o < outputs; ++o) {
+      dequantized_row<BITS>(m, n + o, w[o]);
+    }
+    for (int r = 0; r < rows; r += 2) {
+      const float* xr = x + static_cast<size_t>(r) * m.in;
+      float* yr = y + static_cast<size_t>(r) * m.out + n;
+      if (r + 1 < rows) {
+        outputs == 2 ? tile_avx2<2, 2>(xr, m.in, w, yr, m.out) : tile_avx2<2, 1>(xr, m.in, w, yr, m.out);
+      } else {
+        outputs == 2 ? tile_avx2<1, 2>(xr, m.in, w, yr, m.out) : tile_avx2<1, 1>(xr, m.in, w, yr, m.out);
+      }
+    }
+  }
+}
+
 // x with each 16-input chunk reordered as the 4-bit loop reads it (see sum_of).
 const float* deinterleaved(const float* x, int rows, int in) {
   thread_local std::vector<float> buffer;
@@ -221,6 +304,9 @@ template <int BITS>
 MLXINFER_AVX2 void rows_avx2(const QuantizedMatrix& m, const float* x, int rows, float* y, int n0, int n1) {
   if constexpr (BITS == 4) {
     x = deinterleaved(x, rows, m.in);
+  }
+  if (rows >= kManyRows) {
+    return many_rows_avx2<BITS>(m, x, rows, y, n0, n1);
   }
   for (int r0 = 0; r0 < rows; r0 += kMaxBlockRows) {
     const float* xb = x + static_cast<size_t>(r0) * m.in;

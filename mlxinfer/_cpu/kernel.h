@@ -51,6 +51,14 @@ struct CachedHeads {
 void decode_attention_head(const float* q, const CachedHeads& keys, const CachedHeads& values, int kv_head,
                            int length, int dims, float scale, float* out, float* scores);
 
+// a . b over n floats in one fixed order (AVX2 lanes then a fixed tree where the CPU has
+// them, else a plain loop).
+float dot(const float* a, const float* b, int n);
+
+// y[r, n] = x[r] . w[n] for a float32 w [out, in] and outputs n in [n0, n1), x [rows, in] and
+// y [rows, out] row major: each output one `dot`, so a row's result never depends on its batch.
+void float_matmul_range(const float* w, int in, const float* x, int rows, float* y, int out, int n0, int n1);
+
 // Force the scalar loop (true) or let the CPU decide (false); for tests and doctor.
 void force_scalar(bool on);
 

@@ -15,21 +15,13 @@
 
 #include "mlx/backend/cpu/encoder.h"
 
+#include "common.h"
 #include "kernel.h"
-#include "pool.h"
 
 namespace mlxinfer {
 
-namespace {
-
-// Below this many weights one thread is quicker than waking another.
-constexpr size_t kSplitFrom = 1 << 16;
-// Outputs per chunk are a multiple of this, so two threads never share a cache line of y.
-constexpr int kOutputAlign = 16;
-// Chunks per thread: enough that a late or slow thread leaves little for the others to wait on.
-constexpr int kChunksPerThread = 4;
-
-int default_threads() {
+// Helpers shared with layer.cpp (declared in common.h).
+static int default_threads() {
 #if defined(__linux__)
   cpu_set_t set;
   if (sched_getaffinity(0, sizeof set, &set) == 0) {
@@ -57,6 +49,8 @@ ScaleType scale_type(mx::Dtype dtype) {
   throw std::invalid_argument("scales and biases must be float32, float16 or bfloat16");
 }
 
+namespace {
+
 // A row-major copy of a strided view (a transposed or broadcast array); rare, so simple.
 std::vector<uint8_t> row_major_copy(const mx::array& a) {
   const size_t item = a.itemsize();
@@ -74,7 +68,8 @@ std::vector<uint8_t> row_major_copy(const mx::array& a) {
   return out;
 }
 
-// The array's data as a row-major buffer, copied into `keep` only if it is strided.
+} // namespace
+
 const void* row_major(const mx::array& a, std::vector<uint8_t>& keep) {
   if (a.flags().row_contiguous) {
     return a.data<void>();
@@ -90,6 +85,15 @@ std::string shape_text(const mx::array& a) {
   }
   return text;
 }
+
+int output_chunk(int out, int in) {
+  const size_t weights = static_cast<size_t>(out) * in;
+  return weights < kSplitFrom
+      ? out
+      : std::max(kOutputAlign, out / (kChunksPerThread * pool().size()) / kOutputAlign * kOutputAlign);
+}
+
+namespace {
 
 // `experts`: 1 when w, scales and biases are stacked per expert (gather), else 0.
 void check_arguments(const mx::array& x, const mx::array& w, const mx::array& scales, const mx::array& biases,
@@ -178,10 +182,7 @@ void AffineQuantizedMatmul::eval_cpu(const std::vector<mx::array>& inputs, std::
                       group};
     const auto* xs = static_cast<const float*>(row_major(x, keep[0]));
     const int rows = static_cast<int>(x.size() / m.in);
-    const size_t weights = static_cast<size_t>(m.out) * m.in;
-    const int chunk = weights < kSplitFrom
-        ? m.out
-        : std::max(kOutputAlign, m.out / (kChunksPerThread * pool().size()) / kOutputAlign * kOutputAlign);
+    const int chunk = output_chunk(m.out, m.in);
     const int per_matrix = (m.out + chunk - 1) / chunk;
     if (!gather) {
       pool().run(per_matrix, [&](int c) {

@@ -38,6 +38,7 @@ class ServerConfig:
     max_body: int = 4 << 20
     hosts: frozenset[str] | None = allowed_hosts("127.0.0.1", ())  # what a request's Host may name; None: any
     responses_store: int = 256  # Responses API objects kept for retrieval and previous_response_id
+    max_adapters: int = 8  # LoRA adapters loaded at once (POST /v1/adapters)
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,14 @@ class Context:
     model: Any
     tokenizer: Any
     config: ServerConfig
+
+
+def adapter_of(model: str | None, base: str) -> dict[str, str]:
+    """The option choosing the LoRA adapter a request's `model` names as `BASE:NAME` (none for
+    the base model; any other name is taken as the base, as clients send their own defaults)."""
+    if model is None or not model.startswith(f"{base}:"):
+        return {}
+    return {"adapter": model[len(base) + 1 :]}
 
 
 class RequestError(Exception):

@@ -204,6 +204,8 @@ class EngineThread:
     def _call(fn: Callable[[], Any], done: asyncio.Future, loop: asyncio.AbstractEventLoop) -> None:
         try:
             result, error = fn(), None
+        except RequestError as e:  # refused as the caller says
+            result, error = None, e
         except MlxinferError as e:  # the request's own fault
             result, error = None, RequestError(str(e))
         except Exception as e:  # noqa: BLE001 - a fault of ours ends this request, not the server

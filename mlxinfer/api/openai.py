@@ -13,8 +13,9 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from ..generate import Chunk, Stats
+from ..models.lora import adapters_of
 from ..tools import call_opener
-from .common import Context, RequestError, body_of, merged, respond_each, sse
+from .common import Context, RequestError, adapter_of, body_of, merged, respond_each, sse
 from .engine_thread import chunks_of
 from .openai_schema import ChatCompletion, Completion, Logprobs, TextCompletion, choice, parse, usage
 
@@ -25,23 +26,30 @@ def router(ctx: Context) -> APIRouter:
     ids = itertools.count()
     config, tokenizer, engine = ctx.config, ctx.tokenizer, ctx.engine
 
-    def model_object() -> dict[str, Any]:
-        return {"id": config.model_name, "object": "model", "created": int(time.time()), "owned_by": "mlxinfer"}
+    def model_object(name: str) -> dict[str, Any]:
+        return {"id": name, "object": "model", "created": int(time.time()), "owned_by": "mlxinfer"}
+
+    def served() -> list[str]:
+        """The base model and each loaded adapter on it, as `BASE:NAME`."""
+        found = adapters_of(ctx.model)
+        return [config.model_name, *(f"{config.model_name}:{n}" for n in sorted(found.slots if found else ()))]
 
     @api.get("/models")
     async def models():
-        return {"object": "list", "data": [model_object()]}
+        return {"object": "list", "data": [model_object(n) for n in served()]}
 
     @api.get("/models/{name:path}")
     async def model(name: str):
-        if name != config.model_name:
-            raise RequestError(f"the model '{name[:200]}' does not exist; this server serves '{config.model_name}'",
-                               "model", status=404, kind="not_found_error")
-        return model_object()
+        if name not in served():
+            raise RequestError(f"the model '{name[:200]}' does not exist; this server serves "
+                               f"{', '.join(served())}", "model", status=404, kind="not_found_error")
+        return model_object(name)
 
     async def complete(request: Request, kind: type[Completion]) -> Response:
         body = parse(await body_of(request, config.max_body), kind)
         options = body.options(config.max_tokens)
+        adapter = adapter_of(body.model, config.model_name)
+        options.update(adapter)
         chat = kind is ChatCompletion
         if chat and (template := body.template_kwargs(tokenizer)):
             options["chat_template_kwargs"] = template
@@ -51,7 +59,8 @@ def router(ctx: Context) -> APIRouter:
         o = typed[0].options
         calls = chat and o.tools and o.tool_choice != "none"
         rows = body.logprob_rows()
-        reply = Reply(f"{'chatcmpl' if chat else 'cmpl'}-{next(ids)}", chat, config.model_name,
+        served_as = body.model if adapter else config.model_name
+        reply = Reply(f"{'chatcmpl' if chat else 'cmpl'}-{next(ids)}", chat, served_as,
                       [Logprobs(tokenizer, chat, rows) for _ in range(len(typed) * n)] if rows else None,
                       call_opener(tokenizer) if calls else None, chat and body.legacy, n, o.prediction is not None)
         # each prompt its own request of n sequences (its choices), all decoded together

@@ -27,7 +27,7 @@ from ..generate import Chunk
 from ..request import Request as TypedRequest
 from ..reasoning import effort_kwargs
 from ..tools import ToolCall, call_opener
-from .common import Context, RequestError, body_of, respond, sse
+from .common import Context, RequestError, adapter_of, body_of, respond, sse
 from .engine_thread import chunks_of
 from .openai_schema import parse
 from .responses_schema import ITEM, CountInputTokens, CreateResponse, ItemReference, listed, messages
@@ -109,7 +109,7 @@ def router(ctx: Context) -> APIRouter:
 
     def typed(body: CreateResponse, context: list) -> TypedRequest:
         """The one typed request `body` makes, answering `context`."""
-        options = body.options(config.max_tokens)
+        options = {**body.options(config.max_tokens), **adapter_of(body.model, config.model_name)}
         if body.reasoning is not None and (template := effort_kwargs(tokenizer, body.reasoning.effort)):
             options["chat_template_kwargs"] = template
         return engine.engine.request(messages(context, body.instructions), **options)

@@ -40,6 +40,9 @@ DEQUANTIZE_ROWS = 8
 BITS = (2, 3, 4, 5, 6, 8)
 GROUP_SIZES = (32, 64, 128)
 MODES = ("auto", "off")
+# What this package calls in the extension: a build from older sources lacks some.
+ENTRY_POINTS = ("affine_quantized_matmul", "affine_gather_quantized_matmul", "decode_attention", "decode_layer_in",
+                "decode_layer_out")
 _loaded: list[ModuleType | None] = []
 _why_not: list[str] = []
 # Beside the package: why setup.py did not build the extension (no C++ compiler, ...), for the first run's hint.
@@ -86,6 +89,8 @@ def extension() -> ModuleType | None:
             why = _not_built() if missing else f"built but unloadable ({e})"
         if ext is not None and _release(ext.mlx_version) != _release(mx.__version__):
             why = f"built for MLX {ext.mlx_version}, but MLX {mx.__version__} is installed"
+        if ext is not None and why is None and not all(hasattr(ext, name) for name in ENTRY_POINTS):
+            why = "built from older sources than this mlxinfer's; reinstall it (pip install -e .) to rebuild"
         if ext is not None and why is None:
             why = _self_check(ext)
         _loaded.append(ext if why is None else None)
@@ -123,9 +128,26 @@ def quantized_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.arra
     impl = implementation(x.size // x.shape[-1])
     if impl == "cpu-extension":
         return extension().affine_quantized_matmul(x, w, scales, biases, group_size, bits)
+    scales, biases = like(x, scales, biases)
     if impl == "dequantize+blas":
         return x @ mx.dequantize(w, scales, biases, group_size=group_size, bits=bits).T
     return mx.quantized_matmul(x, w, scales, biases, transpose=True, group_size=group_size, bits=bits)
+
+
+def half_scales_read_exactly() -> bool:
+    """Whether quantized layers here may keep half-precision scales and biases beside float32
+    activations: the extension reads them as stored and computes in float32 (so the result is the
+    one float32 scales give) while reading fewer bytes per weight (4-bit, group 32: 20 instead of 24
+    bytes per group). The loader keeps them so only then; the other paths cast them first (`like`)."""
+    return implementation(1) == "cpu-extension"
+
+
+def like(x: mx.array, scales: mx.array, biases: mx.array) -> tuple[mx.array, mx.array]:
+    """Scales and biases in x's dtype: MLX's kernels would otherwise dequantize in the half
+    precision the scales are kept in (see `half_scales_read_exactly`)."""
+    if scales.dtype == x.dtype or not mx.issubdtype(scales.dtype, mx.floating):
+        return scales, biases
+    return scales.astype(x.dtype), biases.astype(x.dtype)
 
 
 def gather_quantized_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array | None,
@@ -138,6 +160,8 @@ def gather_quantized_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: 
     fast = (mode == "affine" and biases is not None and bits in BITS and group_size in GROUP_SIZES
             and x.shape[-2] == 1 and implementation(rows) == "cpu-extension")
     if not fast:
+        if mode == "affine" and biases is not None:
+            scales, biases = like(x, scales, biases)
         return mx.gather_qmm(x, w, scales, biases, rhs_indices=indices, transpose=True, group_size=group_size,
                              bits=bits, mode=mode, sorted_indices=sorted_indices)
     batch = mx.broadcast_shapes(x.shape[:-2], indices.shape)

@@ -7,6 +7,8 @@ so HF and mlx-lm checkpoints load without renaming.
 from __future__ import annotations
 
 import math
+import operator
+from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
@@ -14,9 +16,11 @@ import mlx.nn as nn
 import numpy as np
 
 from ..errors import ConfigError, NoLMHeadError
-from ..kernels.quantized_matmul import quantized_matmul
+from ..kernels import decode_layer
+from ..kernels.quantized_matmul import BITS, GROUP_SIZES, quantized_matmul
 from .attention import Mask, attention, attention_mask, offsets
 from .config import ModelConfig, RopeConfig
+from .lora import LoRALinear
 from .pooling import EmbeddingConfig
 
 ROPE_KINDS = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
@@ -115,6 +119,15 @@ class RoPE:
                 self.long_freqs = mx.array(1.0 / long, dtype=mx.float32)
         self.freqs = None if r.kind in ("default", "dynamic") else mx.array(1.0 / inv, dtype=mx.float32)
 
+    def table(self) -> mx.array | None:
+        """The inverse frequencies of every position (for the CPU decode primitives), or None
+        where they depend on the length (`dynamic`, a two-table `longrope`) or pairs are adjacent."""
+        if self.kind == "dynamic" or self.long_freqs is not None or self.traditional:
+            return None
+        if not hasattr(self, "_table"):
+            self._table = decode_layer.rope_table(None if self.freqs is not None else self.base, self.freqs, self.dims)
+        return self._table
+
     def _base(self, seq_len: int) -> float:
         if self.kind != "dynamic" or seq_len <= self.max_pos:
             return self.base
@@ -161,7 +174,17 @@ class Linear(nn.Linear):
 
 
 class QuantizedEmbedding(nn.QuantizedEmbedding):
-    """nn.QuantizedEmbedding whose use as the (tied) LM head goes through kernels.quantized_matmul."""
+    """nn.QuantizedEmbedding whose use as the (tied) LM head goes through kernels.quantized_matmul,
+    and whose lookups give `dtype` where the loader kept the scales in half precision for the head's
+    sake (`kernels.quantized_matmul.half_scales_read_exactly`)."""
+
+    dtype: mx.Dtype | None = None
+
+    def __call__(self, x: mx.array) -> mx.array:
+        if self.dtype is None:
+            return super().__call__(x)
+        scales, biases = self["scales"][x].astype(self.dtype), self["biases"][x].astype(self.dtype)
+        return mx.dequantize(self["weight"][x], scales, biases, group_size=self.group_size, bits=self.bits)
 
     def as_linear(self, x: mx.array) -> mx.array:
         return quantized_matmul(x, self.weight, self.scales, self.get("biases"), self.group_size, self.bits, self.mode)
@@ -324,6 +347,8 @@ class Block(nn.Module):
         return SwiGLU(cfg)
 
     def __call__(self, x: mx.array, mask, cache=None) -> mx.array:
+        if cache is not None and decode_layer.available(x) and (y := self._decode_step(x, mask, cache)) is not None:
+            return y
         h = self[self.mixer_name](self.input_layernorm(x), mask, cache)
         ffn = self[self.ffn_name]
         if not self.sandwich:
@@ -331,6 +356,124 @@ class Block(nn.Module):
             return x + ffn(self.post_attention_layernorm(x))
         x = x + self.post_attention_layernorm(h)
         return x + self.post_feedforward_layernorm(ffn(self.pre_feedforward_layernorm(x)))
+
+    def _decode_step(self, x: mx.array, mask, cache) -> mx.array | None:
+        """A step of a few tokens by the CPU primitives (`kernels.decode_layer`): two ops where
+        the per-op path has ~60. None where they do not apply, and the per-op path runs: a
+        recurrent mixer, a row with a mask other than the plain causal one (windows past their
+        length) or a quantized cache, a block `_fused_plan` cannot take, or rows running a LoRA
+        adapter in one of its projections."""
+        if not self.attends:  # a recurrent mixer's cache keeps a state, not keys
+            return None
+        rows = getattr(cache, "rows", None)
+        caches, masks = (rows, mask) if rows is not None else ([cache], [mask])
+        plain = (lambda m: m is None) if x.shape[1] == 1 else (lambda m: isinstance(m, str) and m == "causal")
+        if len(caches) != x.shape[0] or not all(map(plain, masks)) or any(c.bits is not None for c in caches):
+            return None
+        plan = self._fused_plan()
+        if plan is None or any(t.uniform() is not None for t in plan.adapters):
+            return None
+        q, new = decode_layer.layer_in(x, plan.norms[0], plan.eps, plan.qkv, plan.heads, [c.offset for c in caches],
+                                       plan.qk, plan.rope)
+        for c, (k, v) in zip(caches, new):
+            c.store(k, v)
+        return decode_layer.layer_out(x, q, plan.o, plan.norms[1:], plan.eps, plan.gate_up, plan.down,
+                                      [(c.keys[0], c.values[0], c.size) for c in caches], plan.heads, plan.scale,
+                                      plan.gelu)
+
+    def _fused_plan(self) -> FusedPlan | None:
+        """This block as the CPU primitives take it, or None where they cannot: MoE or another
+        feed-forward, output gates, sinks, soft-capping, a length-dependent RoPE, norms other than
+        (offset) RMSNorms, projections other than plain float32 or affine-quantized ones (sharded,
+        adapted). Made once and kept while every module and parameter it read is the same object
+        (reloaded weights or a wrapped layer make a new one): a step then costs no checks."""
+        attn, mlp = self[self.mixer_name], self[self.ffn_name]
+        parts = [attn, mlp, *(self[n] for n in self._norm_names),
+                 *(attn[n] for n in ("q_norm", "k_norm", "qkv_proj", "o_proj") if n in attn),
+                 *(mlp[n] for n in ("gate_up_proj", "down_proj") if n in mlp)]
+        parts += [m.base for m in parts if isinstance(m, LoRALinear)]
+        sources = [*parts, *(a for m in parts[2:] for a in m.values())]
+        kept = self.__dict__.get("_plan")
+        if kept is not None and len(kept[0]) == len(sources) and all(map(operator.is_, kept[0], sources)):
+            return kept[1]
+        plan = FusedPlan.of(self, attn, mlp)
+        self.__dict__["_plan"] = (sources, plan)
+        return plan
+
+    @property
+    def _norm_names(self) -> tuple[str, ...]:
+        """The block's norms in the order the primitives take them (input first)."""
+        if self.sandwich:
+            return ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                    "post_feedforward_layernorm")
+        return ("input_layernorm", "post_attention_layernorm")
+
+
+DECODE_ACTIVATIONS = (nn.silu, nn.gelu_approx)
+
+
+@dataclass(frozen=True)
+class FusedPlan:
+    """What the CPU layer primitives need of a block (`Block._fused_plan`)."""
+
+    qkv: decode_layer.Projection
+    o: decode_layer.Projection
+    gate_up: decode_layer.Projection
+    down: decode_layer.Projection
+    norms: tuple[mx.array, ...]  # effective weights (Gemma's offset added), in `Block._norm_names` order
+    eps: float
+    qk: tuple[mx.array, mx.array, float] | None  # per-head q/k norm weights and eps
+    rope: tuple[mx.array, float] | None  # inverse frequencies and attention factor
+    heads: decode_layer.Heads
+    scale: float
+    gelu: bool
+    adapters: tuple  # the LoRA tables of wrapped projections: a step whose rows run one is not fused
+
+    @classmethod
+    def of(cls, block: Block, attn: nn.Module, mlp: nn.Module) -> FusedPlan | None:
+        if (type(attn) is not Attention or type(mlp) is not SwiGLU or attn.output_gate or attn.softcap is not None
+                or "sinks" in attn or "qkv_proj" not in attn or "gate_up_proj" not in mlp
+                or mlp.act not in DECODE_ACTIVATIONS):
+            return None
+        norms = [_norm_weight(block[n]) for n in block._norm_names]
+        qk = [_norm_weight(attn[n]) for n in ("q_norm", "k_norm") if n in attn]
+        layers = [attn["qkv_proj"], attn["o_proj"], mlp["gate_up_proj"], mlp["down_proj"]]
+        adapters = tuple(m.table for m in layers if isinstance(m, LoRALinear))
+        projections = [_decode_projection(m.base if isinstance(m, LoRALinear) else m) for m in layers]
+        table = attn.rope.table() if attn.rope is not None else None
+        eps = {block[n].eps for n in block._norm_names}
+        if (any(w is None for w in norms + qk) or None in projections or len(eps) > 1
+                or (attn.rope is not None and table is None)):
+            return None
+        return cls(*projections, norms=tuple(norms), eps=eps.pop(),
+                   qk=(qk[0], qk[1], attn["q_norm"].eps) if qk else None,
+                   rope=None if table is None else (table, attn.rope.attention_factor),
+                   heads=decode_layer.Heads(attn.n_heads, attn.n_kv_heads, attn.head_dim), scale=attn.scale,
+                   gelu=mlp.act is nn.gelu_approx, adapters=adapters)
+
+
+def _norm_weight(norm: nn.Module) -> mx.array | None:
+    """The weight an RMSNorm multiplies by (Gemma's 1 + w), or None for another kind of norm."""
+    if type(norm) not in (nn.RMSNorm, OffsetRMSNorm) or norm["weight"].dtype != mx.float32:
+        return None
+    return norm["weight"] if type(norm) is nn.RMSNorm else norm.offset + norm["weight"]
+
+
+def _decode_projection(layer: nn.Module) -> decode_layer.Projection | None:
+    """`layer` as the decode primitives take it, or None when they cannot (another kind of layer,
+    another dtype or quantization mode)."""
+    if type(layer) is Linear and layer["weight"].dtype == mx.float32:
+        arrays, bits, group = [layer["weight"]], 0, 0
+    elif (type(layer) is QuantizedLinear and layer.mode == "affine" and "biases" in layer and layer.bits in BITS
+          and layer.group_size in GROUP_SIZES):
+        arrays, bits, group = [layer["weight"], layer["scales"], layer["biases"]], layer.bits, layer.group_size
+    else:
+        return None
+    if "bias" in layer:
+        if layer["bias"].dtype != mx.float32:
+            return None
+        arrays.append(layer["bias"])
+    return decode_layer.Projection(arrays, bits, group)
 
 
 class Backbone(nn.Module):

@@ -29,6 +29,8 @@ _PER_EXPERT = re.compile(r"^(?P<block>.+)\.experts\.(?P<e>\d+)\.(?P<proj>\w+)\.(
 class SwitchLinear(nn.Module):
     """A linear layer per expert, weights stacked as [num_experts, out, in]."""
 
+    row_bound = False  # the product depends only on each routed row, not on its batch row (see lora)
+
     def __init__(self, in_dims: int, out_dims: int, num_experts: int, bias: bool = False):
         super().__init__()
         self.weight = mx.zeros((num_experts, out_dims, in_dims))
@@ -55,6 +57,8 @@ class SwitchLinear(nn.Module):
 class QuantizedSwitchLinear(nn.Module):
     """SwitchLinear with each expert's matrix quantized along its input dimension
     (the layout `mx.quantize` gives a 3-D tensor and mlx-lm stores)."""
+
+    row_bound = False
 
     def __init__(self, weight: mx.array, group_size: int, bits: int, mode: str, bias: mx.array | None = None):
         super().__init__()
@@ -106,7 +110,7 @@ class SwitchGLU(nn.Module):
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
         """x [..., hidden], indices [..., k] -> [..., k, hidden], one output per chosen expert."""
         k = indices.shape[-1]
-        if indices.size < SORT_FROM:
+        if indices.size < SORT_FROM or self.row_bound:
             y = self._experts(mx.expand_dims(x, (-2, -3)), indices, False)
             return y.squeeze(-2)
         # Many rows: group them by expert so each expert's weights are read once.
@@ -118,6 +122,12 @@ class SwitchGLU(nn.Module):
         else:
             y = self._experts(mx.expand_dims(rows, -2), flat[order], True).squeeze(-2)
         return y[mx.argsort(order)].reshape(*indices.shape, -1)
+
+    @property
+    def row_bound(self) -> bool:
+        """A projection's product depends on each routed row's batch row (adapters that differ
+        by row): sorting rows by expert would lose it, so they stay in batch order."""
+        return self.gate_proj.row_bound or self.up_proj.row_bound or self.down_proj.row_bound
 
     def _per_expert(self, rows: mx.array, experts: mx.array) -> mx.array:
         """MLX's CPU gather matmuls go row by row (512 routed rows through 8 experts of
