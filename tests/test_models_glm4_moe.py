@@ -98,7 +98,7 @@ def test_two_ranks_equal_one_process(can_launch, variant, tmp_path):  # noqa: F8
     check(sharded(variant[1], tmp_path, 2), variant[1])
 
 
-def test_llama_cpp_gguf_matches_transformers(llama_cpp, tmp_path):  # noqa: F811
+def test_llama_cpp_gguf_matches_transformers(llama_cpp, tmp_path):
     """llama.cpp counts the prediction layer in `block_count` (and stores it): left out here."""
     src = real_vocab_checkpoint(tmp_path / "hf", "glm4_moe", VARIANTS["glm4.5-air"],
                                 {3: "[gMASK]", 4: "<|user|>", 5: "<|observation|>"})  # what its converter asks for

@@ -97,7 +97,7 @@ def test_mlx_lm_quantized_checkpoints_match_mlx_lm(hf_checkpoint, mlx_lm_quantiz
 
 
 @pytest.mark.parametrize("name", ["olmo2", "olmo3"])
-def test_llama_cpp_gguf_matches_transformers(llama_cpp, tmp_path, name):  # noqa: F811
+def test_llama_cpp_gguf_matches_transformers(llama_cpp, tmp_path, name):
     """llama.cpp writes both as `olmo2`, OLMo 3 with its window, sliding pattern, sliding base and
     the full layers' YaRN."""
     model_type, overrides = VARIANTS[name]

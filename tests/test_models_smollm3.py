@@ -65,7 +65,7 @@ def test_mlx_lm_quantized_checkpoint_matches_mlx_lm(variant, mlx_lm_quantized):
     assert_matches_mlx_lm(mlx_lm_quantized(variant[1], bits=4, group_size=32), 4)
 
 
-def test_llama_cpp_gguf_matches_transformers(llama_cpp, tmp_path):  # noqa: F811
+def test_llama_cpp_gguf_matches_transformers(llama_cpp, tmp_path):
     """llama.cpp keeps no NoPE list in the file (it leaves RoPE out of every 4th layer): the
     converted config must say the same, and the logits be transformers'."""
     src = real_vocab_checkpoint(tmp_path / "hf", "smollm3", dict(num_hidden_layers=4, tie_word_embeddings=True))
@@ -80,7 +80,7 @@ ASK = [{"role": "user", "content": "What is two plus two?"}]
 
 
 @pytest.fixture(scope="module")
-def smollm3_template(llama_cpp) -> str:  # noqa: F811
+def smollm3_template(llama_cpp) -> str:
     """SmolLM3's chat template as llama.cpp ships it for its tests (Unsloth's edit of the
     original: the same switch, `enable_thinking`, and `/think` or `/no_think` in the system
     message), read from the llama-cpp-python sdist the `llama_cpp` fixture fetched."""
