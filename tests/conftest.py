@@ -444,7 +444,7 @@ class LlamaCppConverter:
         ready, _, _ = select.select([self.proc.stdout], [], [], 600)
         status = self.proc.stdout.readline().strip() if ready else "no answer in 600 s"
         if status != "0":
-            self.close()
+            self.close()  # a failed run may leave the process in any state: the next job starts a fresh one
         with open(self.log, "rb") as log:
             log.seek(start)
             assert status == "0", f"llama.cpp's converter on {src}: {status or 'died'}\n" + \
