@@ -47,6 +47,10 @@ os.environ.update({name: str(SESSION_HOME / sub) for name, sub in HOMES.items()}
 for _name in ("MLXINFER_DEMO_SOURCE", "HF_XET_CACHE", "HF_ASSETS_CACHE", "HF_TOKEN_PATH", "HUGGINGFACE_HUB_CACHE",
               "TRANSFORMERS_CACHE"):
     os.environ.pop(_name, None)
+# Every subprocess (the CLI, a server, mlx.launch's ranks) imports the checkout under test, not the
+# one an editable install of mlxinfer points at (another worktree's).
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[1]),
+                                                         os.environ.get("PYTHONPATH")]))
 # Nothing in the suite may download weights; set before huggingface_hub is imported.
 os.environ["HF_HUB_OFFLINE"] = "1"
 # Ctrl-C as a terminal delivers it: a suite started where SIGINT is ignored (a background job of a
