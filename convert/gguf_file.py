@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import math
 import mmap
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -41,6 +42,7 @@ _SCALARS = {
     0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "?", 10: "<u8", 11: "<i8", 12: "<f8"
 }
 _STRING, _ARRAY = 8, 9
+_LENGTH = struct.Struct("<Q")  # a string's byte count
 
 
 @dataclass(frozen=True)
@@ -296,6 +298,25 @@ class _Parser:
         self.pos += n
         return text
 
+    def _strings(self, count: int, key: str) -> list[str]:
+        """`_string` `count` times, in one loop: a vocabulary holds hundreds of thousands. An item that
+        would not read cleanly is read by `_string`, which raises what is wrong with it."""
+        buf, pos, end, out = self.buf, self.pos, len(self.buf), []
+        length = _LENGTH.unpack_from
+        for i in range(count):
+            n = length(buf, pos)[0] if end - pos >= 8 else end
+            try:
+                if n > end - pos - 8:
+                    raise ValueError
+                out.append(buf[pos + 8 : pos + 8 + n].decode("utf-8"))
+            except ValueError:  # UnicodeDecodeError included
+                self.pos = pos
+                self._string(f"metadata '{key}' item #{i}")  # raises, naming what is wrong
+                raise
+            pos += 8 + n
+        self.pos = pos
+        return out
+
     def _value(self, kind: int, key: str, depth: int = 0) -> Any:
         if kind == _STRING:
             return self._string(f"metadata '{key}'")
@@ -311,7 +332,7 @@ class _Parser:
         size = _MIN_ITEM.get(item) or np.dtype(_SCALARS[item]).itemsize
         self._fits(count, size, f"metadata '{key}' item count ({count})")
         if item == _STRING:
-            return [self._string(f"metadata '{key}' item #{i}") for i in range(count)]
+            return self._strings(count, key)
         if item == _ARRAY:
             return [self._value(_ARRAY, key, depth + 1) for _ in range(count)]
         values = np.frombuffer(self.buf, np.dtype(_SCALARS[item]), count, self.pos).tolist()

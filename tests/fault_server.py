@@ -12,6 +12,8 @@ Environment:
 - MLXINFER_TEST_GATE: a file path; MLXINFER_TEST_GATE_PREPARE / MLXINFER_TEST_GATE_PREFILL: token
   ids. Preparing (or prefilling) a prompt that holds them waits until the file exists (at most
   120 s), so a test can hold a request in that stage for as long as it needs.
+- MLXINFER_TEST_HEADER_SECONDS: the header deadline (the server's HEADER_SECONDS), so a test
+  that waits for it to free connections waits that long, not the 10 s a real client gets.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from __future__ import annotations
 import os
 import time
 
+from mlxinfer import server
 from mlxinfer.batch import BatchGenerator
 from mlxinfer.cache import PromptCache
 from mlxinfer.cli import main
@@ -80,6 +83,7 @@ BatchGenerator.step = slow_step
 PromptCache.prefill = faulty_prefill
 TextStream.emit = faulty_emit
 BatchGenerator.prepare = gated_prepare
+server.HEADER_SECONDS = float(os.environ.get("MLXINFER_TEST_HEADER_SECONDS", server.HEADER_SECONDS))
 
 if __name__ == "__main__":
     main()

@@ -3,6 +3,7 @@ free loopback port, readiness by /health, raw POSTs. All traffic goes to 127.0.0
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import resource
@@ -24,6 +25,21 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def free_ports(n: int) -> int:
+    """The first of `n` consecutive free loopback ports: mlx.launch's ring backend listens on its
+    --starting-port and the n - 1 after it, by default 32323 for every launch on the machine."""
+    for _ in range(100):
+        start = free_port()
+        try:
+            with contextlib.ExitStack() as held:
+                for port in range(start, start + n):
+                    held.enter_context(socket.socket()).bind(("127.0.0.1", port))
+            return start
+        except (OSError, OverflowError):
+            continue
+    raise RuntimeError(f"no {n} consecutive free loopback ports")
 
 
 def answers_health(url: str, proc: subprocess.Popen, seconds: float, output=None) -> bool:

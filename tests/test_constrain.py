@@ -16,6 +16,7 @@ import pytest
 
 import mlxinfer
 from conftest import SHARED
+from mlxinfer.cache import PromptCache, make_cache
 from mlxinfer.constrain import grammar_tokenizer
 from mlxinfer.errors import InvalidOptionError
 from mlxinfer.tokenizer import load_tokenizer_from_dir
@@ -87,35 +88,42 @@ def smollm2(smollm2_gguf, tmp_path_factory):
     return mlxinfer.load(folder)
 
 
+@pytest.fixture(scope="module")
+def smollm2_cache(smollm2) -> PromptCache:
+    """One prompt cache for the real model's runs of the same prompt: each prefills only what
+    differs from the last (a reused cache gives what a fresh one does, tests/test_pool.py)."""
+    return PromptCache(make_cache(smollm2[0]))
+
+
 @pytest.mark.parametrize("index", range(len(SCHEMAS)))
-def test_json_schema_replies_validate(smollm2, index):
+def test_json_schema_replies_validate(smollm2, smollm2_cache, index):
     model, tok = smollm2
     schema = SCHEMAS[index]
     messages = [{"role": "user", "content": "Reply with JSON only."}]
     for seed in range(3):
-        chunks = list(mlxinfer.stream_generate(model, tok, messages, max_tokens=96, temperature=1.0, seed=seed,
-                                               response_format=schema_format(schema)))
+        chunks = list(mlxinfer.stream_generate(model, tok, messages, smollm2_cache, max_tokens=96, temperature=1.0,
+                                               seed=seed, response_format=schema_format(schema)))
         text = "".join(c.text for c in chunks)
         assert chunks[-1].finish_reason == "stop", (schema, seed, text)
         jsonschema.validate(json.loads(text), schema, format_checker=jsonschema.FormatChecker())
 
 
-def test_json_object_regex_and_lark_on_a_real_model(smollm2):
+def test_json_object_regex_and_lark_on_a_real_model(smollm2, smollm2_cache):
     model, tok = smollm2
     ask = [{"role": "user", "content": "Say something."}]
     for seed in range(3):
         person = [{"role": "user", "content": "Give a JSON object with a person's name and age."}]
         # free-form JSON has no bound on its strings and numbers: at 1.0 this small model can ramble on in one
-        chunks = list(mlxinfer.stream_generate(model, tok, person, max_tokens=200, temperature=0.7, seed=seed,
-                                               response_format={"type": "json_object"}))
+        chunks = list(mlxinfer.stream_generate(model, tok, person, smollm2_cache, max_tokens=200, temperature=0.7,
+                                               seed=seed, response_format={"type": "json_object"}))
         assert chunks[-1].finish_reason == "stop"
         assert isinstance(json.loads("".join(c.text for c in chunks)), dict)
         pattern = r"(yes|no), [0-9]{1,3} (apples|pears)"
-        text = mlxinfer.generate(model, tok, ask, max_tokens=32, temperature=1.0, seed=seed,
+        text = mlxinfer.generate(model, tok, ask, prompt_cache=smollm2_cache, max_tokens=32, temperature=1.0, seed=seed,
                                  response_format={"type": "regex", "pattern": pattern})
         assert re.fullmatch(pattern, text), text
         lark = 'start: "(" item ("," item)* ")"\nitem: /[a-z]{1,5}/'
-        text = mlxinfer.generate(model, tok, ask, max_tokens=32, temperature=1.0, seed=seed,
+        text = mlxinfer.generate(model, tok, ask, prompt_cache=smollm2_cache, max_tokens=32, temperature=1.0, seed=seed,
                                  response_format={"type": "grammar", "lark": lark})
         assert re.fullmatch(r"\([a-z]{1,5}(,[a-z]{1,5})*\)", text), text
 

@@ -14,7 +14,6 @@ import pytest
 from conftest import SHARED
 from test_convert import tensors
 from family_checks import SMOLLM2_VOCAB, llama_cpp_gguf
-from test_convert_llama3_gguf import llama_cpp  # noqa: F401  (llama.cpp's converter, a fixture)
 from test_models_gpt_oss import PROMPT, build, hf_logits, hf_mxfp4_logits, to_mxfp4
 from test_parity import TOL
 

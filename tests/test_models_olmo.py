@@ -21,7 +21,6 @@ from family_checks import (  # noqa: F401  (the test_ functions run here, on thi
     test_pool_reuse_equals_fresh,
     test_speculative_equals_plain,
 )
-from test_convert_llama3_gguf import llama_cpp  # noqa: F401  (a fixture)
 from test_shard import can_launch, check, sharded  # noqa: F401  (can_launch: a fixture)
 from test_parity import TOL, assert_matches_mlx_lm, assert_matches_transformers, hf_logits, tokens
 
@@ -98,7 +97,7 @@ def test_mlx_lm_quantized_checkpoints_match_mlx_lm(hf_checkpoint, mlx_lm_quantiz
 
 
 @pytest.mark.parametrize("name", ["olmo2", "olmo3"])
-def test_llama_cpp_gguf_matches_transformers(llama_cpp, tmp_path, name):  # noqa: F811
+def test_llama_cpp_gguf_matches_transformers(llama_cpp, tmp_path, name):
     """llama.cpp writes both as `olmo2`, OLMo 3 with its window, sliding pattern, sliding base and
     the full layers' YaRN."""
     model_type, overrides = VARIANTS[name]

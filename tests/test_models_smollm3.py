@@ -13,7 +13,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import ASSETS, SHARED
+from conftest import ASSETS, LLAMA_CPP, SHARED, asset_lock
 from family_checks import (  # noqa: F401  (the test_ functions run here, on this module's `variant`)
     assert_llama_cpp_gguf_matches_transformers,
     real_vocab_checkpoint,
@@ -23,7 +23,6 @@ from family_checks import (  # noqa: F401  (the test_ functions run here, on thi
     test_pool_reuse_equals_fresh,
     test_speculative_equals_plain,
 )
-from test_convert_llama3_gguf import LLAMA_CPP, llama_cpp  # noqa: F401  (a fixture)
 from test_parity import assert_matches_mlx_lm, assert_matches_transformers, tokens
 
 import mlxinfer
@@ -66,7 +65,7 @@ def test_mlx_lm_quantized_checkpoint_matches_mlx_lm(variant, mlx_lm_quantized):
     assert_matches_mlx_lm(mlx_lm_quantized(variant[1], bits=4, group_size=32), 4)
 
 
-def test_llama_cpp_gguf_matches_transformers(llama_cpp, tmp_path):  # noqa: F811
+def test_llama_cpp_gguf_matches_transformers(llama_cpp, tmp_path):
     """llama.cpp keeps no NoPE list in the file (it leaves RoPE out of every 4th layer): the
     converted config must say the same, and the logits be transformers'."""
     src = real_vocab_checkpoint(tmp_path / "hf", "smollm3", dict(num_hidden_layers=4, tie_word_embeddings=True))
@@ -81,19 +80,21 @@ ASK = [{"role": "user", "content": "What is two plus two?"}]
 
 
 @pytest.fixture(scope="module")
-def smollm3_template(llama_cpp) -> str:  # noqa: F811
+def smollm3_template(llama_cpp) -> str:
     """SmolLM3's chat template as llama.cpp ships it for its tests (Unsloth's edit of the
     original: the same switch, `enable_thinking`, and `/think` or `/no_think` in the system
     message), read from the llama-cpp-python sdist the `llama_cpp` fixture fetched."""
     name, version = LLAMA_CPP
     cached = ASSETS / f"smollm3-template-{version}.jinja"
-    if not cached.is_file():
-        sdist = ASSETS / f"{name.replace('-', '_')}-{version}.tar.gz"
-        if not sdist.is_file():
-            pytest.skip(f"{sdist.name} is not in the test assets")
-        with tarfile.open(sdist) as tar:
-            member = tar.extractfile(f"{sdist.name.removesuffix('.tar.gz')}/vendor/llama.cpp/{TEMPLATE}")
-            cached.write_bytes(member.read())
+    with asset_lock(cached.name):
+        if not cached.is_file():
+            sdist = ASSETS / f"{name.replace('-', '_')}-{version}.tar.gz"
+            if not sdist.is_file():
+                pytest.skip(f"{sdist.name} is not in the test assets")
+            with tarfile.open(sdist) as tar:
+                member = tar.extractfile(f"{sdist.name.removesuffix('.tar.gz')}/vendor/llama.cpp/{TEMPLATE}")
+                cached.with_suffix(".partial").write_bytes(member.read())
+            cached.with_suffix(".partial").rename(cached)
     return cached.read_text()
 
 

@@ -14,11 +14,14 @@ import shutil
 import signal
 import subprocess
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 import pytest
+from serving import free_ports
 import test_models_deepseek as deepseek_tests
 import test_models_hybrid as hybrid_tests
 from test_models_gemma import VARIANTS as GEMMA
@@ -46,7 +49,9 @@ def launcher(n: int, *args: str) -> list[str]:
     found = shutil.which("mlx.launch", path=str(Path(sys.executable).parent)) or shutil.which("mlx.launch")
     if found is None:
         pytest.skip("mlx.launch is not installed")
-    return [found, "-n", str(n), "--backend", "ring", "--python", sys.executable, *args]
+    # a port block of its own: two launches on one machine (two test runs) would meet on the default
+    return [found, "-n", str(n), "--backend", "ring", "--starting-port", str(free_ports(n)), "--python", sys.executable,
+            *args]
 
 
 def launch(n: int, *args: str, timeout: int = TIMEOUT, stdin: str | None = None,
@@ -79,14 +84,48 @@ def can_launch(tmp_path_factory):
         pytest.skip(f"mlx.launch cannot start processes here: {(done.stderr or done.stdout).strip()[-300:]}")
 
 
-def sharded(folder: Path, out: Path, n: int, dtype: str | None = "float32", *extra: str,
-            env: dict[str, str] | None = None) -> list[dict]:
-    out.mkdir(parents=True, exist_ok=True)
-    done = launch(n, str(HERE / "sharded_worker.py"), str(folder), str(out), dtype or "", *extra, env=env)
-    # mlx.launch's own status does not say when a rank failed: every rank's file must be there
-    assert done.returncode == 0 and all((out / f"rank{r}.json").is_file() for r in range(n)), \
-        done.stdout + done.stderr
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(n)]
+@dataclass(frozen=True)
+class Job:
+    """One run of tests/sharded_worker.py: `folder` loaded across `ranks` ranks, split by tensor or pipeline."""
+
+    folder: Path
+    ranks: int
+    dtype: str | None = "float32"
+    split: str = "tensor"
+    adapter: Path | None = None
+
+
+def launch_jobs(jobs: dict[str, Job], root: Path, env: dict[str, str] | None = None) -> dict[str, list[dict] | str]:
+    """{key: every rank's record of its job, or what went wrong}, the jobs run one launch per
+    rank count (tests/sharded_worker.py runs each as a launch of its own would)."""
+    results: dict[str, list[dict] | str] = {}
+    for n in sorted({job.ranks for job in jobs.values()}):
+        outs = {key: root / f"{n}-ranks-job{i}" for i, (key, job) in enumerate(jobs.items()) if job.ranks == n}
+        specs = [{"model": str(jobs[key].folder), "out": str(out), "dtype": jobs[key].dtype, "split": jobs[key].split,
+                  **({"adapter": str(jobs[key].adapter)} if jobs[key].adapter else {})} for key, out in outs.items()]
+        for out in outs.values():
+            out.mkdir(parents=True)
+        (root / f"{n}-ranks.json").write_text(json.dumps(specs))
+        # a hang guard only: a group left hanging is killed and every job in it fails
+        done = launch(n, str(HERE / "sharded_worker.py"), str(root / f"{n}-ranks.json"),
+                      timeout=TIMEOUT + 30 * len(specs), env=env)
+        for key, out in outs.items():
+            # mlx.launch's own status does not say when a rank failed: every rank's file must be there
+            files = [out / f"rank{r}.json" for r in range(n)]
+            if all(f.is_file() for f in files):
+                results[key] = [json.loads(f.read_text()) for f in files]
+            else:
+                errors = "".join(f.read_text() for f in sorted(out.glob("rank*.error")))
+                results[key] = f"{key} on {n} ranks: {errors or 'no error written'}\n{done.stdout}{done.stderr[-3000:]}"
+    return results
+
+
+def sharded(folder: Path, out: Path, n: int, dtype: str | None = "float32", split: str = "tensor",
+            adapter: Path | None = None, env: dict[str, str] | None = None) -> list[dict]:
+    """Every rank's record of `folder` (with a LoRA `adapter`) loaded across `n` ranks, in a launch of its own."""
+    got = launch_jobs({"job": Job(folder, n, dtype, split, adapter)}, out, env)["job"]
+    assert not isinstance(got, str), got
+    return got
 
 
 def alone(folder: Path, dtype: str | None = "float32") -> tuple[np.ndarray, list[int], int]:
@@ -171,27 +210,76 @@ def check(ranks: list[dict], folder: Path, dtype: str | None = "float32", exact_
 DENSE = ("llama", "qwen3", "gemma3_text")
 
 
+def quantized(mlx_lm_quantized, folder: Path) -> Path:
+    return mlx_lm_quantized(folder, bits=4, group_size=32)
+
+
+# Fewer KV heads than ranks (Gemma 3 1B has 1, Qwen2.5-0.5B 2): each rank keeps the KV head its
+# query heads read, copied whole, and only that head in its cache.
+REPLICATED = {
+    "llama-1-kv-head-2-ranks": ("llama", {"num_key_value_heads": 1}, 2),
+    "qwen2-2-kv-heads-4-ranks": ("qwen2", {"num_attention_heads": 8, "num_key_value_heads": 2}, 4),  # q/k/v bias
+    "gemma3_text-1-kv-head-2-ranks": ("gemma3_text", {**GEMMA["gemma3_text"][1], "num_key_value_heads": 1}, 2),
+}
+# each rank's half of an expert's 64 columns: one whole group of 32
+WIDER = {"qwen3_moe": {"moe_intermediate_size": 64}, "deepseek_v3": {"moe_intermediate_size": 64}}
+# test function: (hf_checkpoint, mlx_lm_quantized, its parameters) -> the tests/sharded_worker.py run it checks
+JOBS: dict[str, Callable[..., Job]] = {
+    "test_two_ranks_equal_one_process": lambda hf, q, family: Job(checkpoint(hf, family), 2),
+    "test_two_ranks_equal_one_process_4bit": lambda hf, q, family: Job(
+        quantized(q, checkpoint(hf, family, **WIDER.get(family, {}))), 2, None),
+    "test_two_ranks_split_the_recurrent_state": lambda hf, q, family, split: Job(
+        hf(hybrid_tests.VARIANTS[family][0], **hybrid_tests.VARIANTS[family][1]), 2, "float32", split),
+    "test_four_ranks_where_the_heads_divide": lambda hf, q: Job(
+        hf(PARITY["llama-gqa4"][0], **{**PARITY["llama-gqa4"][1], "num_key_value_heads": 4}), 4),
+    "test_fewer_kv_heads_than_ranks_are_replicated": lambda hf, q, case: Job(
+        hf(REPLICATED[case][0], **REPLICATED[case][1]), REPLICATED[case][2]),
+    "test_fewer_kv_heads_than_ranks_4bit": lambda hf, q: Job(quantized(q, hf("llama", num_key_value_heads=1)), 2, None),
+    "test_pipeline_ranks_equal_one_process": lambda hf, q, family, ranks: Job(
+        checkpoint(hf, family, num_hidden_layers=3), ranks, split="pipeline"),
+    "test_pipeline_4bit": lambda hf, q: Job(quantized(q, hf("llama", num_hidden_layers=3)), 2, None, "pipeline"),
+}
+
+
+@pytest.fixture(scope="module")
+def launched(request, can_launch, hf_checkpoint, mlx_lm_quantized, tmp_path_factory) -> dict[str, tuple]:
+    """{test name: (its checkpoint, every rank's record or what went wrong)} for this module's
+    selected tests in JOBS, run together: one launch per rank count instead of one per test."""
+    jobs = {}
+    for item in request.session.items:
+        build = JOBS.get(getattr(item, "originalname", ""))
+        if build is not None and item.module is request.module:
+            params = item.callspec.params if hasattr(item, "callspec") else {}
+            jobs[item.name] = build(hf_checkpoint, mlx_lm_quantized, **params)
+    results = launch_jobs(jobs, tmp_path_factory.mktemp("sharded"))
+    return {name: (job.folder, results[name]) for name, job in jobs.items()}
+
+
+@pytest.fixture
+def ran(launched, request) -> tuple[Path, list[dict]]:
+    """(checkpoint, every rank's record) of this test's job in JOBS."""
+    folder, ranks = launched[request.node.name]
+    assert not isinstance(ranks, str), ranks
+    return folder, ranks
+
+
 @pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_two_ranks_equal_one_process(can_launch, hf_checkpoint, tmp_path, family):
-    folder = checkpoint(hf_checkpoint, family)
-    check(sharded(folder, tmp_path, 2), folder, exact_bytes=family in DENSE)
+def test_two_ranks_equal_one_process(ran, family):
+    folder, ranks = ran
+    check(ranks, folder, exact_bytes=family in DENSE)
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3_text", "mixtral", "qwen3_moe", "deepseek_v3"])
-def test_two_ranks_equal_one_process_4bit(can_launch, hf_checkpoint, mlx_lm_quantized, tmp_path, family):
-    # each rank's half of an expert's 64 columns: one whole group of 32
-    wider = {"moe_intermediate_size": 64} if family in ("qwen3_moe", "deepseek_v3") else {}
-    folder = mlx_lm_quantized(checkpoint(hf_checkpoint, family, **wider), bits=4, group_size=32)
-    check(sharded(folder, tmp_path, 2, None), folder, None, exact_bytes=family in DENSE)
+def test_two_ranks_equal_one_process_4bit(ran, family):
+    folder, ranks = ran
+    check(ranks, folder, None, exact_bytes=family in DENSE)
 
 
 @pytest.mark.parametrize("family, split", [("qwen3_next", "tensor"), ("lfm2", "tensor"), ("qwen3_5_text", "pipeline")])
-def test_two_ranks_split_the_recurrent_state(can_launch, hf_checkpoint, tmp_path, family, split):
+def test_two_ranks_split_the_recurrent_state(ran, family, split):
     """Hybrid models: by tensor, each rank holds half the linear-attention heads (half of each
     Gated DeltaNet's state) or half the short-convolution channels; by pipeline, its layers."""
-    arch, overrides = hybrid_tests.VARIANTS[family]
-    folder = hf_checkpoint(arch, **overrides)
-    ranks = sharded(folder, tmp_path, 2, "float32", env={"MLXINFER_TEST_SHARD": split})
+    folder, ranks = ran
     config = json.loads((folder / "config.json").read_text())
     kinds = [t for t in config["layer_types"] if t != "full_attention"]
     if split == "pipeline":  # every rank keeps the embedding and head: no 1/N share of the bytes
@@ -212,37 +300,32 @@ def test_two_ranks_split_the_recurrent_state(can_launch, hf_checkpoint, tmp_path
     assert all(r["state_shapes"] == want for r in ranks), [r["state_shapes"] for r in ranks]
 
 
-def test_four_ranks_where_the_heads_divide(can_launch, hf_checkpoint, tmp_path):
-    arch, overrides = PARITY["llama-gqa4"]
-    folder = hf_checkpoint(arch, **{**overrides, "num_key_value_heads": 4})
-    check(sharded(folder, tmp_path, 4), folder, exact_bytes=True)
-
-
-# Fewer KV heads than ranks (Gemma 3 1B has 1, Qwen2.5-0.5B 2): each rank keeps the KV head its
-# query heads read, copied whole, and only that head in its cache.
-REPLICATED = {
-    "llama-1-kv-head-2-ranks": ("llama", {"num_key_value_heads": 1}, 2),
-    "qwen2-2-kv-heads-4-ranks": ("qwen2", {"num_attention_heads": 8, "num_key_value_heads": 2}, 4),  # q/k/v bias
-    "gemma3_text-1-kv-head-2-ranks": ("gemma3_text", {**GEMMA["gemma3_text"][1], "num_key_value_heads": 1}, 2),
-}
+def test_four_ranks_where_the_heads_divide(ran):
+    folder, ranks = ran
+    check(ranks, folder, exact_bytes=True)
 
 
 @pytest.mark.parametrize("case", sorted(REPLICATED))
-def test_fewer_kv_heads_than_ranks_are_replicated(can_launch, hf_checkpoint, tmp_path, case):
-    arch, overrides, ranks = REPLICATED[case]
-    folder = hf_checkpoint(arch, **overrides)
-    check(sharded(folder, tmp_path, ranks), folder, exact_bytes=True)
+def test_fewer_kv_heads_than_ranks_are_replicated(ran, case):
+    folder, ranks = ran
+    check(ranks, folder, exact_bytes=True)
 
 
-def test_fewer_kv_heads_than_ranks_4bit(can_launch, hf_checkpoint, mlx_lm_quantized, tmp_path):
-    folder = mlx_lm_quantized(hf_checkpoint("llama", num_key_value_heads=1), bits=4, group_size=32)
-    check(sharded(folder, tmp_path, 2, None), folder, None, exact_bytes=True)
+def test_fewer_kv_heads_than_ranks_4bit(ran):
+    folder, ranks = ran
+    check(ranks, folder, None, exact_bytes=True)
+
+
+def launch_worker(tmp_path: Path, job: dict) -> subprocess.CompletedProcess:
+    """tests/sharded_worker.py on 2 ranks with the one `job`, its output in `tmp_path`."""
+    (tmp_path / "jobs.json").write_text(json.dumps([{"out": str(tmp_path), "split": "tensor", **job}]))
+    return launch(2, str(HERE / "sharded_worker.py"), str(tmp_path / "jobs.json"))
 
 
 def test_quantization_groups_that_do_not_split_are_refused(can_launch, hf_checkpoint, mlx_lm_quantized, tmp_path):
     arch, overrides = FAMILIES["qwen3_moe"]  # experts 32 columns wide: one group of 32 cannot be halved
     folder = mlx_lm_quantized(hf_checkpoint(arch, **overrides), bits=4, group_size=32)
-    done = launch(2, str(HERE / "sharded_worker.py"), str(folder), str(tmp_path), "")
+    done = launch_worker(tmp_path, {"model": str(folder), "dtype": None})
     assert "along whole quantization groups of 32" in done.stdout + done.stderr
     assert not (tmp_path / "rank0.json").exists()
 
@@ -250,7 +333,7 @@ def test_quantization_groups_that_do_not_split_are_refused(can_launch, hf_checkp
 def test_ranks_with_different_model_files_refuse(can_launch, hf_checkpoint, tmp_path):
     a = hf_checkpoint("llama")
     b = hf_checkpoint("llama", seed=7, num_hidden_layers=1)
-    done = launch(2, str(HERE / "sharded_worker.py"), str(a), str(tmp_path), "float32", str(b))
+    done = launch_worker(tmp_path, {"model": str(a), "dtype": "float32", "model_for_rank_1": str(b)})
     assert "the ranks load different model files" in done.stdout + done.stderr
     assert not list(tmp_path.glob("rank*.json"))
 
@@ -491,10 +574,8 @@ def shared_bytes(folder: Path, dtype: str | None = "float32") -> int:
 
 @pytest.mark.parametrize("family, ranks", [("llama", 2), ("qwen3", 2), ("gemma3_text", 2), ("llama", 3),
                                            ("mixtral", 2), ("qwen3_moe", 2), ("deepseek_v3", 2), ("gpt_oss", 2)])
-def test_pipeline_ranks_equal_one_process(can_launch, hf_checkpoint, tmp_path, monkeypatch, family, ranks):
-    folder = checkpoint(hf_checkpoint, family, num_hidden_layers=3)
-    monkeypatch.setenv("MLXINFER_TEST_SHARD", "pipeline")
-    got = sharded(folder, tmp_path, ranks)
+def test_pipeline_ranks_equal_one_process(ran, family, ranks):
+    folder, got = ran
     logits, tokens, total = alone(folder)
     for r in got:
         np.testing.assert_allclose(np.array(r["logits"]), logits, atol=1e-4, rtol=0, err_msg=f"rank {r['rank']}")
@@ -503,10 +584,8 @@ def test_pipeline_ranks_equal_one_process(can_launch, hf_checkpoint, tmp_path, m
     assert sum(r["bytes"] - shared for r in got) == total - shared  # every layer on exactly one rank
 
 
-def test_pipeline_4bit(can_launch, hf_checkpoint, mlx_lm_quantized, tmp_path, monkeypatch):
-    folder = mlx_lm_quantized(hf_checkpoint("llama", num_hidden_layers=3), bits=4, group_size=32)
-    monkeypatch.setenv("MLXINFER_TEST_SHARD", "pipeline")
-    got = sharded(folder, tmp_path, 2, None)
+def test_pipeline_4bit(ran):
+    folder, got = ran
     logits, tokens, _ = alone(folder, None)
     for r in got:
         np.testing.assert_allclose(np.array(r["logits"]), logits, atol=1e-4, rtol=0)

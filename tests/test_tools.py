@@ -12,6 +12,7 @@ import pytest
 
 import mlxinfer
 from conftest import SHARED
+from mlxinfer.cache import PromptCache, make_cache
 from mlxinfer.constrain import Constraint
 from mlxinfer.errors import InvalidOptionError
 from mlxinfer.generate import request_tokens
@@ -238,12 +239,20 @@ def smollm2(smollm2_gguf, tmp_path_factory):
     return mlxinfer.load(folder)
 
 
+@pytest.fixture(scope="module")
+def smollm2_cache(smollm2) -> PromptCache:
+    """One prompt cache for the real model's runs of the same prompt: each prefills only what
+    differs from the last (the tool listing alone takes seconds to prefill on a CPU; a reused
+    cache gives what a fresh one does, tests/test_pool.py)."""
+    return PromptCache(make_cache(smollm2[0]))
+
+
 @pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "add"}}])
-def test_required_and_named_calls_validate_on_a_real_model(smollm2, choice):
+def test_required_and_named_calls_validate_on_a_real_model(smollm2, smollm2_cache, choice):
     model, tok = smollm2
     for seed in range(3):
-        chunks = list(mlxinfer.stream_generate(model, tok, ASK, tools=TOOLS, tool_choice=choice, max_tokens=80,
-                                               temperature=1.0, seed=seed))
+        chunks = list(mlxinfer.stream_generate(model, tok, ASK, smollm2_cache, tools=TOOLS, tool_choice=choice,
+                                               max_tokens=80, temperature=1.0, seed=seed))
         last = chunks[-1]
         assert last.finish_reason == "tool_calls" and len(last.tool_calls) == 1, "".join(c.text for c in chunks)
         call = last.tool_calls[0]
