@@ -152,6 +152,20 @@ MLXINFER_AVX2 inline __m256 unpack_avx2(const uint8_t* p) {
   }
 }
 
+// The 16 integers of inputs [k, k + 16) of a packed row as floats, in the order the sums take
+// them (sum_of): for 4 bits, 8 bytes' low nibbles (even inputs) then high nibbles (odd ones).
+template <int BITS>
+MLXINFER_AVX2 inline void unpack16_avx2(const uint8_t* w, int k, __m256& q0, __m256& q1) {
+  if constexpr (BITS == 4) {
+    const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + k / 2)));
+    q0 = _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(0xf)));
+    q1 = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));
+  } else {
+    q0 = unpack_avx2<BITS>(w + k * BITS / 8);
+    q1 = unpack_avx2<BITS>(w + (k + kLanes) * BITS / 8);
+  }
+}
+
 // Scale or bias `index` as a float, with the CPU's half conversion (F16C comes with AVX2).
 MLXINFER_AVX2 inline float scale_at_avx2(const void* data, ScaleType type, size_t index) {
   if (type == ScaleType::float16) {
@@ -183,14 +197,7 @@ MLXINFER_AVX2 void block_avx2(const QuantizedMatrix& m, const float* x, float* y
       const __m256 b = _mm256_set1_ps(scale_at_avx2(m.biases, m.scale_type, static_cast<size_t>(n) * groups + g));
       for (int k = g * m.group; k < (g + 1) * m.group; k += 2 * kLanes) {
         __m256 q0, q1;
-        if constexpr (BITS == 4) { // 16 inputs from 8 bytes: low nibbles (even inputs), high nibbles (odd)
-          const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + k / 2)));
-          q0 = _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(0xf)));
-          q1 = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));
-        } else {
-          q0 = unpack_avx2<BITS>(w + k * BITS / 8);
-          q1 = unpack_avx2<BITS>(w + (k + kLanes) * BITS / 8);
-        }
+        unpack16_avx2<BITS>(w, k, q0, q1);
         const __m256 w0 = _mm256_fmadd_ps(q0, s, b);
         const __m256 w1 = _mm256_fmadd_ps(q1, s, b);
         for (int r = 0; r < R; ++r) {
@@ -218,14 +225,7 @@ MLXINFER_AVX2 void dequantized_row(const QuantizedMatrix& m, int n, float* out) 
     const __m256 b = _mm256_set1_ps(scale_at_avx2(m.biases, m.scale_type, static_cast<size_t>(n) * groups + g));
     for (int k = g * m.group; k < (g + 1) * m.group; k += 2 * kLanes) {
       __m256 q0, q1;
-      if constexpr (BITS == 4) {
-        const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + k / 2)));
-        q0 = _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(0xf)));
-        q1 = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));
-      } else {
-        q0 = unpack_avx2<BITS>(w + k * BITS / 8);
-        q1 = unpack_avx2<BITS>(w + (k + kLanes) * BITS / 8);
-      }
+      unpack16_avx2<BITS>(w, k, q0, q1);
       _mm256_storeu_ps(out + k, _mm256_fmadd_ps(q0, s, b));
       _mm256_storeu_ps(out + k + kLanes, _mm256_fmadd_ps(q1, s, b));
     }
