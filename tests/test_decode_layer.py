@@ -124,20 +124,31 @@ def test_a_batch_of_rows_gets_each_rows_own_numbers(bits, hf_checkpoint, tmp_pat
     widest = assert_batch_equals_solo(model, tok, [(ids, GREEDY) for ids in prompts_for(model)])
     assert widest > 1 and max(calls) > 1
     prompts = [ids_of(seed)[: 5 + 7 * seed] for seed in range(3)]
+    assert_rows_alone_equal_together(model, prompts)
+
+
+def assert_rows_alone_equal_together(model, prompts: list[list[int]], adapters: list[str | None] | None = None):
+    """One step of each prompt's last token, all rows together and each alone (after the rest was
+    prefilled alone): the last layer's outputs are equal bit for bit (a float LM head is MLX's
+    matmul, which sums a batch in another order)."""
+    from mlxinfer.models.lora import selecting
+
+    names = adapters or [None] * len(prompts)
 
     def caches() -> list[PromptCache]:
         out = [PromptCache(make_cache(model)) for _ in prompts]
-        for c, ids in zip(out, prompts):
-            c.prefill(model, ids[:-1])
+        for c, ids, name in zip(out, prompts, names):
+            with selecting(model, [name]):
+                c.prefill(model, ids[:-1])
         return out
 
-    def hidden(rows: list[PromptCache], ids: list[int]) -> np.ndarray:
-        """The last layer's output (a float LM head is MLX's matmul, which sums a batch in another order)."""
+    def hidden(rows: list[PromptCache], ids: list[int], rows_names: list[str | None]) -> np.ndarray:
         layers = [LayerRows([c.caches[i] for c in rows]) for i in range(len(model.layers))]
-        return np.array(model.model.blocks(model.model.embed(mx.array(ids)[:, None]), layers))[:, 0]
+        with selecting(model, rows_names):
+            return np.array(model.model.blocks(model.model.embed(mx.array(ids)[:, None]), layers))[:, 0]
 
-    together = hidden(caches(), [ids[-1] for ids in prompts])
-    alone = [hidden([c], [ids[-1]])[0] for c, ids in zip(caches(), prompts)]
+    together = hidden(caches(), [ids[-1] for ids in prompts], names)
+    alone = [hidden([c], [ids[-1]], [name])[0] for c, ids, name in zip(caches(), prompts, names)]
     assert all(np.array_equal(together[b], alone[b]) for b in range(len(prompts)))
 
 
@@ -169,10 +180,16 @@ def test_layers_the_primitives_cannot_run_take_the_per_op_path(hf_checkpoint, ca
 def test_bad_arguments_raise_value_errors():
     x = mx.zeros((1, 1, 64))
     w = mx.zeros((3 * 64, 64))
+    good = mx.zeros((128, 64))  # 4 + 2 + 2 heads of 16
     with pytest.raises(ValueError, match="qkv"):
-        ext.decode_layer_in(x, mx.ones(64), [w], 0, 0, [], [], [0], 4, 2, 16, 1e-5, 1e-5, 1.0)  # 4 + 2 + 2 heads
+        ext.decode_layer_in(x, mx.ones(64), [w], 0, 0, [], [], [], [0], [], 4, 2, 16, 1e-5, 1e-5, 1.0)
     with pytest.raises(ValueError, match="one position per row"):
-        ext.decode_layer_in(x, mx.ones(64), [mx.zeros((128, 64))], 0, 0, [], [], [], 4, 2, 16, 1e-5, 1e-5, 1.0)
+        ext.decode_layer_in(x, mx.ones(64), [good], 0, 0, [], [], [], [], [], 4, 2, 16, 1e-5, 1e-5, 1.0)
+    lora = [mx.zeros((2, 8, 64)), mx.zeros((2, 128, 8))]  # the base's slot and one adapter's
+    with pytest.raises(ValueError, match="slot is outside"):
+        ext.decode_layer_in(x, mx.ones(64), [good], 0, 0, lora, [], [], [0], [2], 4, 2, 16, 1e-5, 1e-5, 1.0)
+    with pytest.raises(ValueError, match="LoRA stacks"):
+        ext.decode_layer_in(x, mx.ones(64), [good], 0, 0, lora[::-1], [], [], [0], [1], 4, 2, 16, 1e-5, 1e-5, 1.0)
 
 
 def test_an_extension_built_from_older_sources_is_not_used(monkeypatch):
@@ -243,3 +260,38 @@ def test_new_weights_or_a_replaced_layer_are_seen_by_the_next_step(hf_checkpoint
     changed = decode_logits(model, ids)
     assert len(calls) == (LENGTH - sum(CHUNKS) + len(CHUNKS)) * (len(model.layers) - 1)
     assert not np.allclose(changed, decode_logits(other, ids), atol=1e-3)
+
+
+@needs_extension
+@pytest.mark.parametrize("bits", [None, 4])
+def test_lora_rows_take_the_fused_step(bits, hf_checkpoint, tmp_path, monkeypatch, calls):
+    """Rows running LoRA adapters (issue 28) go through the primitives, each adding its own
+    adapter's update: PEFT's logits (float32 base), the per-op path's (2e-5), and rows of the base,
+    A and B in one step equal to each alone, bit for bit; float32 and 4-bit bases."""
+    from test_lora import ATTN_MLP, peft_adapter
+    from test_parity import tokens
+
+    from mlxinfer.models.lora import selecting
+
+    base = hf_checkpoint("llama", head_dim=32)
+    a, peft_logits = peft_adapter(base, tmp_path / "a", seed=1, r=4, lora_alpha=8, target_modules=ATTN_MLP)
+    b, _ = peft_adapter(base, tmp_path / "b", seed=2, r=8, lora_alpha=8, target_modules=["q_proj", "down_proj"])
+    folder = base
+    if bits is not None:
+        convert(base, tmp_path / "q", quantize=True, bits=bits, group_size=32)
+        folder = tmp_path / "q"
+    model, _ = mlxinfer.load(folder, dtype=None if bits else "float32")
+    mlxinfer.load_adapter(model, a, "a")
+    mlxinfer.load_adapter(model, b, "b")
+    ids = tokens()[0].tolist()
+    with selecting(model, ["a"]):
+        fused = decode_logits(model, ids)
+    assert len(calls) >= (len(ids) - sum(CHUNKS)) * len(model.layers), "an adapted step was not fused"
+    if bits is None:
+        np.testing.assert_allclose(fused, peft_logits[0], atol=TOL, rtol=0)
+    with selecting(model, ["a"]):
+        slow = per_op(model, ids, monkeypatch)
+    np.testing.assert_allclose(fused, slow, atol=REL * np.abs(slow).max(), rtol=0)
+    calls.clear()
+    assert_rows_alone_equal_together(model, [ids_of(seed)[: 6 + 5 * seed] for seed in range(3)], [None, "a", "b"])
+    assert 3 in calls

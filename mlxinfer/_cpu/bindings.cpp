@@ -40,9 +40,9 @@ NB_MODULE(_cpu_qmm, m) {
   m.def(
       "decode_layer_in",
       [](const mx::array& x, const mx::array& norm, const std::vector<mx::array>& qkv, int qkv_bits, int qkv_group,
-         const std::vector<mx::array>& qk_norms, const std::vector<mx::array>& inv_freq,
-         const std::vector<int>& positions, int heads, int kv_heads, int head_dim, float eps, float qk_eps,
-         float attention_factor) {
+         const std::vector<mx::array>& qkv_lora, const std::vector<mx::array>& qk_norms,
+         const std::vector<mx::array>& inv_freq, const std::vector<int>& positions, const std::vector<int>& slots,
+         int heads, int kv_heads, int head_dim, float eps, float qk_eps, float attention_factor) {
         mlxinfer::LayerInSpec spec;
         spec.heads = heads;
         spec.kv_heads = kv_heads;
@@ -52,18 +52,23 @@ NB_MODULE(_cpu_qmm, m) {
         spec.qkv = linear(qkv, qkv_bits, qkv_group);
         spec.attention_factor = attention_factor;
         spec.positions = positions;
-        return mlxinfer::decode_layer_in(x, norm, qkv, qk_norms, inv_freq, std::move(spec));
+        spec.slots = slots;
+        return mlxinfer::decode_layer_in(x, norm, qkv, qkv_lora, qk_norms, inv_freq, std::move(spec));
       },
-      "x"_a, "norm"_a, "qkv"_a, "qkv_bits"_a, "qkv_group"_a, "qk_norms"_a, "inv_freq"_a, "positions"_a, "heads"_a,
+      "x"_a, "norm"_a, "qkv"_a, "qkv_bits"_a, "qkv_group"_a, "qkv_lora"_a, "qk_norms"_a, "inv_freq"_a, "positions"_a,
+      "slots"_a, "heads"_a,
       "kv_heads"_a, "head_dim"_a, "eps"_a, "qk_eps"_a, "attention_factor"_a,
       "A step's first half of a pre-norm block: [q, keys_0, values_0, ...] (norm, QKV, q/k norm, RoPE). "
-      "A projection is [w] or [w, bias] (float32, bits 0), or [w, scales, biases(, bias)] (affine).");
+      "A projection is [w] or [w, bias] (float32, bits 0), or [w, scales, biases(, bias)] (affine); its LoRA "
+      "stacks [A [slots, rank, in], B [slots, out, rank]] or [], each row r adding B[s] A[s] x for s = slots[r].");
   m.def(
       "decode_layer_out",
       [](const mx::array& x, const mx::array& q, const std::vector<mx::array>& o, int o_bits, int o_group,
          const std::vector<mx::array>& norms, const std::vector<mx::array>& gate_up, int gate_up_bits, int gate_up_group,
-         const std::vector<mx::array>& down, int down_bits, int down_group, const std::vector<mx::array>& caches,
-         const std::vector<int>& lengths, int heads, int kv_heads, int head_dim, float scale, float eps, bool gelu) {
+         const std::vector<mx::array>& down, int down_bits, int down_group,
+         const std::vector<std::vector<mx::array>>& loras, const std::vector<mx::array>& caches,
+         const std::vector<int>& lengths, const std::vector<int>& slots, int heads, int kv_heads, int head_dim,
+         float scale, float eps, bool gelu) {
         mlxinfer::LayerOutSpec spec;
         spec.heads = heads;
         spec.kv_heads = kv_heads;
@@ -75,10 +80,11 @@ NB_MODULE(_cpu_qmm, m) {
         spec.down = linear(down, down_bits, down_group);
         spec.gelu = gelu;
         spec.lengths = lengths;
-        return mlxinfer::decode_layer_out(x, q, o, norms, gate_up, down, caches, std::move(spec));
+        spec.slots = slots;
+        return mlxinfer::decode_layer_out(x, q, o, norms, gate_up, down, loras, caches, std::move(spec));
       },
       "x"_a, "q"_a, "o"_a, "o_bits"_a, "o_group"_a, "norms"_a, "gate_up"_a, "gate_up_bits"_a, "gate_up_group"_a,
-      "down"_a, "down_bits"_a, "down_group"_a, "caches"_a, "lengths"_a, "heads"_a, "kv_heads"_a, "head_dim"_a,
+      "down"_a, "down_bits"_a, "down_group"_a, "loras"_a, "caches"_a, "lengths"_a, "slots"_a, "heads"_a, "kv_heads"_a, "head_dim"_a,
       "scale"_a, "eps"_a, "gelu"_a,
       "A step's second half: causal attention over each row's stored cache, O, residual, norm, gated MLP, "
       "residual -> the block's output. norms: [pre-MLP] or [post-attention, pre-MLP, post-MLP] (sandwich).");

@@ -27,6 +27,9 @@ struct Projection {
   QuantizedMatrix q{};
   const float* w = nullptr;
   const float* bias = nullptr;
+  const float* lora_a = nullptr; // [slots, rank, in]
+  const float* lora_b = nullptr; // [slots, out, rank]
+  int rank = 0;
 };
 
 // The projection whose arrays start at inputs[at]; strided arrays are copied into keep[index].
@@ -50,16 +53,31 @@ Projection projection(const std::vector<mx::array>& inputs, size_t at, const Lin
     p.in = w.shape(1);
     p.w = static_cast<const float*>(row_major(w, keep[at]));
   }
+  const size_t after = at + (spec.bits ? 3 : 1);
   if (spec.bias) {
-    const size_t b = at + (spec.bits ? 3 : 1);
-    p.bias = static_cast<const float*>(row_major(inputs[b], keep[b]));
+    p.bias = static_cast<const float*>(row_major(inputs[after], keep[after]));
+  }
+  if (spec.lora) {
+    const size_t a = after + (spec.bias ? 1 : 0);
+    p.lora_a = static_cast<const float*>(row_major(inputs[a], keep[a]));
+    p.lora_b = static_cast<const float*>(row_major(inputs[a + 1], keep[a + 1]));
+    p.rank = inputs[a].shape(1);
   }
   return p;
 }
 
-// y [rows, out] = x [rows, in] @ W.T (+ bias), outputs split across the pool; the bias is
-// added after the product, as `y + bias` is on the per-op path.
-void project(const Projection& p, const float* x, int rows, float* y) {
+// y [rows, out] = x [rows, in] @ W.T (+ bias) (+ B[s] (A[s] x) for row i's adapter slot
+// s = slots[i], where given and not 0), outputs split across the pool; the bias and then the
+// update are added after the product, as `y + bias` and `y + delta` are on the per-op path.
+void project(const Projection& p, const float* x, int rows, float* y, const std::vector<int>& slots = {}) {
+  const bool adapted = p.lora_a != nullptr && !slots.empty();
+  std::vector<float> low(adapted ? static_cast<size_t>(rows) * p.rank : 0);  // A[s] x per row
+  for (int i = 0; adapted && i < rows; ++i) {
+    const float* a = p.lora_a + static_cast<size_t>(slots[i]) * p.rank * p.in;
+    for (int j = 0; slots[i] != 0 && j < p.rank; ++j) {
+      low[static_cast<size_t>(i) * p.rank + j] = dot(a + static_cast<size_t>(j) * p.in, x + static_cast<size_t>(i) * p.in, p.in);
+    }
+  }
   const int chunk = output_chunk(p.out, p.in);
   pool().run((p.out + chunk - 1) / chunk, [&](int c) {
     const int n0 = c * chunk, n1 = std::min(p.out, n0 + chunk);
@@ -75,7 +93,26 @@ void project(const Projection& p, const float* x, int rows, float* y) {
         }
       }
     }
+    for (int i = 0; adapted && i < rows; ++i) {
+      if (slots[i] == 0) {
+        continue;
+      }
+      const float* b = p.lora_b + static_cast<size_t>(slots[i]) * p.out * p.rank;
+      for (int n = n0; n < n1; ++n) {
+        y[static_cast<size_t>(i) * p.out + n] +=
+            dot(b + static_cast<size_t>(n) * p.rank, low.data() + static_cast<size_t>(i) * p.rank, p.rank);
+      }
+    }
   });
+}
+
+// Each of `rows` rows' slot repeated for its `tokens` tokens (the products' rows).
+std::vector<int> token_slots(const std::vector<int>& slots, int tokens) {
+  std::vector<int> out;
+  for (int s : slots) {
+    out.insert(out.end(), tokens, s);
+  }
+  return out;
 }
 
 // mx.fast.rms_norm on the CPU: x * rsqrt(mean(x^2) + eps), then * w (the mean summed in double,
@@ -168,8 +205,37 @@ void check_linear(const std::vector<mx::array>& arrays, const LinearSpec& spec, 
           what.str() + ", got float w " + shape_text(w));
   }
   if (spec.bias) {
-    const mx::array& b = arrays.back();
+    const mx::array& b = arrays[spec.bits ? 3 : 1];
     check(b.dtype() == mx::float32 && b.ndim() == 1 && b.shape(0) == out, what.str() + ", got bias " + shape_text(b));
+  }
+  if (spec.lora) {
+    const mx::array &a = arrays[arrays.size() - 2], &b = arrays.back();
+    check(a.dtype() == mx::float32 && b.dtype() == mx::float32 && a.ndim() == 3 && b.ndim() == 3 &&
+              a.shape(2) == in && b.shape(1) == out && b.shape(2) == a.shape(1) && b.shape(0) == a.shape(0),
+          what.str() + ", got LoRA stacks A " + shape_text(a) + " and B " + shape_text(b));
+  }
+}
+
+// A projection's arrays followed by its LoRA stacks (`lora` empty or [A, B]), and its spec saying so.
+std::vector<mx::array> with_lora(const std::vector<mx::array>& arrays, const std::vector<mx::array>& lora,
+                                 LinearSpec& spec) {
+  check(lora.empty() || lora.size() == 2, "LoRA stacks must be empty or [A, B]");
+  spec.lora = !lora.empty();
+  std::vector<mx::array> out(arrays);
+  out.insert(out.end(), lora.begin(), lora.end());
+  return out;
+}
+
+// Slots, when any projection has adapters: one per row, each below the stacks' slot count.
+void check_slots(const std::vector<int>& slots, int rows, const std::vector<mx::array>& stacks) {
+  if (stacks.empty()) {
+    return;
+  }
+  check(static_cast<int>(slots.size()) == rows, "need an adapter slot for each row");
+  for (const auto& a : stacks) {
+    for (int s : slots) {
+      check(s >= 0 && s < a.shape(0), "an adapter slot is outside the LoRA stacks");
+    }
   }
 }
 
@@ -184,9 +250,11 @@ mx::Stream cpu() {
 
 } // namespace
 
-std::vector<mx::array> decode_layer_in(const mx::array& x, const mx::array& norm, const std::vector<mx::array>& qkv,
+std::vector<mx::array> decode_layer_in(const mx::array& x, const mx::array& norm,
+                                       const std::vector<mx::array>& qkv_base, const std::vector<mx::array>& qkv_lora,
                                        const std::vector<mx::array>& qk_norms,
                                        const std::vector<mx::array>& inv_freq, LayerInSpec spec) {
+  const std::vector<mx::array> qkv = with_lora(qkv_base, qkv_lora, spec.qkv);
   check(x.dtype() == mx::float32 && x.ndim() == 3, "x must be float32 [rows, tokens, hidden]");
   const int rows = x.shape(0), tokens = x.shape(1), hidden = x.shape(2), dims = spec.head_dim;
   check(spec.heads > 0 && spec.kv_heads > 0 && spec.heads % spec.kv_heads == 0 && dims > 0,
@@ -194,6 +262,7 @@ std::vector<mx::array> decode_layer_in(const mx::array& x, const mx::array& norm
   check(static_cast<int>(spec.positions.size()) == rows, "need one position per row");
   check_vector(norm, hidden, "the input norm");
   check_linear(qkv, spec.qkv, hidden, (spec.heads + 2 * spec.kv_heads) * dims, "qkv");
+  check_slots(spec.slots, rows, qkv_lora);
   check(qk_norms.empty() || qk_norms.size() == 2, "qk_norms must be empty or [q_norm, k_norm]");
   spec.qk_norm = !qk_norms.empty();
   for (const auto& n : qk_norms) {
@@ -244,7 +313,7 @@ void DecodeLayerIn::eval_cpu(const std::vector<mx::array>& inputs, std::vector<m
       rms_norm(xs + static_cast<size_t>(i) * hidden, norm, hidden, spec.eps, h.data() + static_cast<size_t>(i) * hidden);
     }
     std::vector<float> projected(static_cast<size_t>(all) * qkv.out);
-    project(qkv, h.data(), all, projected.data());
+    project(qkv, h.data(), all, projected.data(), token_slots(spec.slots, tokens));
 
     const int half = spec.rope_dims / 2;
     std::vector<float> cosines(half), sines(half), head(dims);
@@ -284,10 +353,14 @@ void DecodeLayerIn::eval_gpu(const std::vector<mx::array>&, std::vector<mx::arra
   throw std::runtime_error("MlxinferDecodeLayerIn runs on the CPU only");
 }
 
-mx::array decode_layer_out(const mx::array& x, const mx::array& q, const std::vector<mx::array>& o,
-                           const std::vector<mx::array>& norms, const std::vector<mx::array>& gate_up,
-                           const std::vector<mx::array>& down, const std::vector<mx::array>& caches,
-                           LayerOutSpec spec) {
+mx::array decode_layer_out(const mx::array& x, const mx::array& q, const std::vector<mx::array>& o_base,
+                           const std::vector<mx::array>& norms, const std::vector<mx::array>& gate_up_base,
+                           const std::vector<mx::array>& down_base, const std::vector<std::vector<mx::array>>& loras,
+                           const std::vector<mx::array>& caches, LayerOutSpec spec) {
+  check(loras.size() == 3, "loras must hold o's, gate_up's and down's stacks");
+  const std::vector<mx::array> o = with_lora(o_base, loras[0], spec.o);
+  const std::vector<mx::array> gate_up = with_lora(gate_up_base, loras[1], spec.gate_up);
+  const std::vector<mx::array> down = with_lora(down_base, loras[2], spec.down);
   check(x.dtype() == mx::float32 && x.ndim() == 3, "x must be float32 [rows, tokens, hidden]");
   const int rows = x.shape(0), tokens = x.shape(1), hidden = x.shape(2), dims = spec.head_dim;
   check(q.dtype() == mx::float32 && q.shape() == mx::Shape{rows, spec.heads, tokens, dims},
@@ -313,6 +386,11 @@ mx::array decode_layer_out(const mx::array& x, const mx::array& q, const std::ve
   const int intermediate = gate_up[0].shape(0) / 2;
   check_linear(gate_up, spec.gate_up, hidden, 2 * intermediate, "gate_up");
   check_linear(down, spec.down, intermediate, hidden, "down");
+  std::vector<mx::array> stacks;
+  for (const auto& l : loras) {
+    stacks.insert(stacks.end(), l.begin(), l.end());
+  }
+  check_slots(spec.slots, rows, stacks);
   std::vector<mx::array> inputs{x, q};
   inputs.insert(inputs.end(), o.begin(), o.end());
   inputs.insert(inputs.end(), norms.begin(), norms.end());
@@ -379,7 +457,8 @@ void DecodeLayerOut::eval_cpu(const std::vector<mx::array>& inputs, std::vector<
     // x + o(attention), then + down(act(gate) * up) of its norm; sandwich norms also norm each
     // sublayer's output before its residual add (Gemma).
     float* y = ys[0];
-    project(o, attended.data(), all, y);
+    const std::vector<int> slots = token_slots(spec.slots, tokens);
+    project(o, attended.data(), all, y, slots);
     for (int i = 0; spec.sandwich && i < all; ++i) {
       rms_norm(y + static_cast<size_t>(i) * hidden, norms[0], hidden, spec.eps, y + static_cast<size_t>(i) * hidden);
     }
@@ -392,7 +471,7 @@ void DecodeLayerOut::eval_cpu(const std::vector<mx::array>& inputs, std::vector<
     }
     const int inter = gate_up.out / 2;
     std::vector<float> gu(static_cast<size_t>(all) * gate_up.out), act(static_cast<size_t>(all) * inter);
-    project(gate_up, h.data(), all, gu.data());
+    project(gate_up, h.data(), all, gu.data(), slots);
     for (int r = 0; r < all; ++r) {
       const float* g = gu.data() + static_cast<size_t>(r) * gate_up.out;
       const float* u = g + inter;
@@ -402,7 +481,7 @@ void DecodeLayerOut::eval_cpu(const std::vector<mx::array>& inputs, std::vector<
       }
     }
     std::vector<float> d(static_cast<size_t>(all) * hidden);
-    project(down, act.data(), all, d.data());
+    project(down, act.data(), all, d.data(), slots);
     for (int i = 0; spec.sandwich && i < all; ++i) {
       rms_norm(d.data() + static_cast<size_t>(i) * hidden, norms[2], hidden, spec.eps,
                d.data() + static_cast<size_t>(i) * hidden);

@@ -21,14 +21,17 @@ namespace mlxinfer {
 namespace mx = mlx::core;
 
 // How one projection's arrays follow each other in a primitive's inputs: [w] for float32
-// weights (bits 0), or [w, scales, biases] in MLX's affine format; then its bias when it has one.
+// weights (bits 0), or [w, scales, biases] in MLX's affine format; then its bias when it has one;
+// then, with LoRA adapters, their stacked float32 A [slots, rank, in] and B [slots, out, rank]
+// (the scale folded into B, slot 0 the base's zeros): row r adds B[s] (A[s] x) for its slot s.
 struct LinearSpec {
   int bits = 0;
   int group = 0;
   bool bias = false;
+  bool lora = false;
 
   int count() const {
-    return (bits ? 3 : 1) + (bias ? 1 : 0);
+    return (bits ? 3 : 1) + (bias ? 1 : 0) + (lora ? 2 : 0);
   }
   bool operator==(const LinearSpec&) const = default;
 };
@@ -44,6 +47,7 @@ struct LayerInSpec {
   int rope_dims = 0; // 0: the layer has no rotary embedding
   float attention_factor = 1;
   std::vector<int> positions; // each row's first new position
+  std::vector<int> slots;     // each row's adapter slot (empty: no projection has adapters)
   bool operator==(const LayerInSpec&) const = default;
 };
 
@@ -57,6 +61,7 @@ struct LayerOutSpec {
   LinearSpec o, gate_up, down;
   bool gelu = false; // tanh-approximated GELU (GeGLU) instead of SiLU
   std::vector<int> lengths; // each row's live cache slots, the new ones (its last `tokens`) included
+  std::vector<int> slots;   // each row's adapter slot (empty: no projection has adapters)
   bool operator==(const LayerOutSpec&) const = default;
 };
 
@@ -65,7 +70,7 @@ struct LayerOutSpec {
 // table [rope_dims / 2] (float32, as mx.fast.rope derives it). -> [q [rows, heads, tokens, dims],
 // then for each row its keys and values [1, kv_heads, tokens, dims]].
 std::vector<mx::array> decode_layer_in(const mx::array& x, const mx::array& norm, const std::vector<mx::array>& qkv,
-                                       const std::vector<mx::array>& qk_norms,
+                                       const std::vector<mx::array>& qkv_lora, const std::vector<mx::array>& qk_norms,
                                        const std::vector<mx::array>& inv_freq, LayerInSpec spec);
 
 // x [rows, tokens, hidden] the block's input (the residual), q from decode_layer_in, `caches`
@@ -73,10 +78,11 @@ std::vector<mx::array> decode_layer_in(const mx::array& x, const mx::array& norm
 // the new entries stored; each new token attends causally (to its row's slots up to itself).
 // `norms`: [pre-MLP norm], or [post-attention, pre-MLP, post-MLP] for sandwich norms.
 // -> the block's output [rows, tokens, hidden].
+// `loras`: for o, gate_up and down, empty or that projection's [A, B] stacks (see LinearSpec).
 mx::array decode_layer_out(const mx::array& x, const mx::array& q, const std::vector<mx::array>& o,
                            const std::vector<mx::array>& norms, const std::vector<mx::array>& gate_up,
-                           const std::vector<mx::array>& down, const std::vector<mx::array>& caches,
-                           LayerOutSpec spec);
+                           const std::vector<mx::array>& down, const std::vector<std::vector<mx::array>>& loras,
+                           const std::vector<mx::array>& caches, LayerOutSpec spec);
 
 class DecodeLayerIn : public mx::Primitive {
  public:

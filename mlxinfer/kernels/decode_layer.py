@@ -35,6 +35,19 @@ class Projection:
 
 
 @dataclass(frozen=True)
+class Adapters:
+    """LoRA updates for one step: each row's slot, and for (qkv, o, gate_up, down) empty or the
+    layer's stacked float32 [A [slots, rank, in], B [slots, out, rank]] (scale folded into B;
+    slot 0, the base, all zeros): row r's product gains B[s] (A[s] x) for s = slots[r]."""
+
+    slots: list[int]
+    stacks: tuple[list[mx.array], ...] = ([], [], [], [])
+
+
+NO_ADAPTERS = Adapters([])
+
+
+@dataclass(frozen=True)
 class Heads:
     heads: int
     kv_heads: int
@@ -58,21 +71,22 @@ def rope_table(base: float | None, freqs: mx.array | None, dims: int) -> mx.arra
 
 
 def layer_in(x: mx.array, norm: mx.array, eps: float, qkv: Projection, heads: Heads, positions: list[int],
-             qk_norms: tuple[mx.array, mx.array, float] | None, rope: tuple[mx.array, float] | None
-             ) -> tuple[mx.array, list[tuple[mx.array, mx.array]]]:
+             qk_norms: tuple[mx.array, mx.array, float] | None, rope: tuple[mx.array, float] | None,
+             adapters: Adapters = NO_ADAPTERS) -> tuple[mx.array, list[tuple[mx.array, mx.array]]]:
     """q [rows, heads, tokens, dims] and each row's new (keys, values) [1, kv_heads, tokens, dims];
     `qk_norms` (q weight, k weight, eps) and `rope` (table, attention factor) where the layer has them."""
     q_norm, k_norm, qk_eps = qk_norms or (None, None, 0.0)
     table, factor = rope or (None, 1.0)
     out = extension().decode_layer_in(
-        x, norm, qkv.arrays, qkv.bits, qkv.group, [q_norm, k_norm] if qk_norms else [],
-        [table] if rope else [], positions, heads.heads, heads.kv_heads, heads.dims, eps, qk_eps, factor)
+        x, norm, qkv.arrays, qkv.bits, qkv.group, adapters.stacks[0], [q_norm, k_norm] if qk_norms else [],
+        [table] if rope else [], positions, adapters.slots, heads.heads, heads.kv_heads, heads.dims, eps, qk_eps,
+        factor)
     return out[0], [(out[1 + 2 * r], out[2 + 2 * r]) for r in range(x.shape[0])]
 
 
 def layer_out(x: mx.array, q: mx.array, o: Projection, norms: tuple[mx.array, ...], eps: float,
               gate_up: Projection, down: Projection, caches: list[tuple[mx.array, mx.array, int]], heads: Heads,
-              scale: float, gelu: bool) -> mx.array:
+              scale: float, gelu: bool, adapters: Adapters = NO_ADAPTERS) -> mx.array:
     """The block's output [rows, tokens, hidden] from its input `x` and q, row b attending
     causally over caches[b] = (keys, values, live slots) with its new entries stored; `norms`
     the pre-MLP norm's weight, or for sandwich norms (Gemma) the post-attention, pre-MLP and
@@ -80,5 +94,5 @@ def layer_out(x: mx.array, q: mx.array, o: Projection, norms: tuple[mx.array, ..
     buffers = [a for keys, values, _ in caches for a in (keys, values)]
     return extension().decode_layer_out(
         x, q, o.arrays, o.bits, o.group, list(norms), gate_up.arrays, gate_up.bits, gate_up.group, down.arrays,
-        down.bits, down.group, buffers, [n for _, _, n in caches], heads.heads, heads.kv_heads, heads.dims,
-        scale, eps, gelu)
+        down.bits, down.group, list(adapters.stacks[1:]), buffers, [n for _, _, n in caches], adapters.slots,
+        heads.heads, heads.kv_heads, heads.dims, scale, eps, gelu)

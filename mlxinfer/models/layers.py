@@ -361,8 +361,8 @@ class Block(nn.Module):
         """A step of a few tokens by the CPU primitives (`kernels.decode_layer`): two ops where
         the per-op path has ~60. None where they do not apply, and the per-op path runs: a
         recurrent mixer, a row with a mask other than the plain causal one (windows past their
-        length) or a quantized cache, a block `_fused_plan` cannot take, or rows running a LoRA
-        adapter in one of its projections."""
+        length) or a quantized cache, a block `_fused_plan` cannot take, or rows running a DoRA
+        adapter."""
         if not self.attends:  # a recurrent mixer's cache keeps a state, not keys
             return None
         rows = getattr(cache, "rows", None)
@@ -371,15 +371,16 @@ class Block(nn.Module):
         if len(caches) != x.shape[0] or not all(map(plain, masks)) or any(c.bits is not None for c in caches):
             return None
         plan = self._fused_plan()
-        if plan is None or any(t.uniform() is not None for t in plan.adapters):
+        adapters = None if plan is None else _step_adapters(plan.tables, x.shape[0])
+        if adapters is None:
             return None
         q, new = decode_layer.layer_in(x, plan.norms[0], plan.eps, plan.qkv, plan.heads, [c.offset for c in caches],
-                                       plan.qk, plan.rope)
+                                       plan.qk, plan.rope, adapters)
         for c, (k, v) in zip(caches, new):
             c.store(k, v)
         return decode_layer.layer_out(x, q, plan.o, plan.norms[1:], plan.eps, plan.gate_up, plan.down,
                                       [(c.keys[0], c.values[0], c.size) for c in caches], plan.heads, plan.scale,
-                                      plan.gelu)
+                                      plan.gelu, adapters)
 
     def _fused_plan(self) -> FusedPlan | None:
         """This block as the CPU primitives take it, or None where they cannot: MoE or another
@@ -427,7 +428,7 @@ class FusedPlan:
     heads: decode_layer.Heads
     scale: float
     gelu: bool
-    adapters: tuple  # the LoRA tables of wrapped projections: a step whose rows run one is not fused
+    tables: tuple  # the LoRA table of each of (qkv, o, gate_up, down) that an adapter wraps, else None
 
     @classmethod
     def of(cls, block: Block, attn: nn.Module, mlp: nn.Module) -> FusedPlan | None:
@@ -438,7 +439,7 @@ class FusedPlan:
         norms = [_norm_weight(block[n]) for n in block._norm_names]
         qk = [_norm_weight(attn[n]) for n in ("q_norm", "k_norm") if n in attn]
         layers = [attn["qkv_proj"], attn["o_proj"], mlp["gate_up_proj"], mlp["down_proj"]]
-        adapters = tuple(m.table for m in layers if isinstance(m, LoRALinear))
+        tables = tuple(m.table if isinstance(m, LoRALinear) else None for m in layers)
         projections = [_decode_projection(m.base if isinstance(m, LoRALinear) else m) for m in layers]
         table = attn.rope.table() if attn.rope is not None else None
         eps = {block[n].eps for n in block._norm_names}
@@ -449,7 +450,27 @@ class FusedPlan:
                    qk=(qk[0], qk[1], attn["q_norm"].eps) if qk else None,
                    rope=None if table is None else (table, attn.rope.attention_factor),
                    heads=decode_layer.Heads(attn.n_heads, attn.n_kv_heads, attn.head_dim), scale=attn.scale,
-                   gelu=mlp.act is nn.gelu_approx, adapters=adapters)
+                   gelu=mlp.act is nn.gelu_approx, tables=tables)
+
+
+def _step_adapters(tables: tuple, rows: int) -> decode_layer.Adapters | None:
+    """The LoRA updates this step's rows run (`models.lora`: the slots the forward pass selects),
+    as the primitives take them; None where they cannot (a DoRA gain, a non-float32 adapter)."""
+    wrapped = [t for t in tables if t is not None]
+    if not wrapped or all(t.uniform() is None for t in wrapped):
+        return decode_layer.NO_ADAPTERS
+    registry = wrapped[0].adapters
+    slots = list(registry.rows or (registry.slot(None),) * rows)
+    stacks = []
+    for t in tables:
+        if t is None or not t.updates:
+            stacks.append([])
+            continue
+        a, b, gains = t.stack()
+        if gains is not None or a.dtype != mx.float32 or b.dtype != mx.float32:
+            return None
+        stacks.append([a, b])
+    return decode_layer.Adapters(slots, tuple(stacks)) if len(slots) == rows else None
 
 
 def _norm_weight(norm: nn.Module) -> mx.array | None:
