@@ -18,7 +18,7 @@ prefill is outside it; aggregate decode tok/s = tokens in between / that time. R
   mlx-lm    the same 8 streams through mlx-lm's BatchGenerator, one adapter's 2 streams at a
             time on a model loaded with that adapter (load time not counted)
 The table shows medians of `--repeat` runs and mixed/base (target >= 0.8) and mixed/mlx-lm.
-Run it on an idle machine: the load average before is printed, and a busy machine's ratios mean little.
+Run it on an idle machine: it prints the load before and other processes' CPU during it, and warns when busy.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ import mlx.core as mx  # noqa: E402, I001
 import numpy as np  # noqa: E402
 from batch import mlx_lm_steps, ours, timed  # noqa: E402
 from compare_mlx_lm import build_llama_50m, write_word_tokenizer  # noqa: E402
-from mlxinfer.bench import random_prompt  # noqa: E402
+from mlxinfer.bench import Quiet, random_prompt  # noqa: E402
 
 ADAPTERS = 4
 STREAMS = 8
@@ -135,7 +135,7 @@ def main() -> None:
     args = parser.parse_args()
     from convert import convert
 
-    print(f"load average before: {os.getloadavg()[0]:.2f}")
+    quiet = Quiet()
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
@@ -148,8 +148,9 @@ def main() -> None:
                 convert(folder, path, quantize=True, bits=bits, dtype="float32", progress=False)
             results["float32" if not bits else f"{bits}-bit"] = bench(path, adapters, args.max_tokens, args.repeat,
                                                                        not args.no_mlx_lm)
+    load_line, busy = quiet.report()
     if args.json:
-        print(json.dumps(results, indent=2))
+        print(json.dumps({**results, "load_before": quiet.before, "busy": busy}, indent=2))
         return
     print(f"{STREAMS} streams, {ADAPTERS} adapters of rank {RANK}, {args.max_tokens} tokens each, "
           f"median of {args.repeat} (aggregate decode tok/s)")
@@ -160,6 +161,7 @@ def main() -> None:
         print(f"{name:>8} {r['base_tps']:>11.1f} {r['mixed_tps']:>12.1f} {r['mixed_over_base']:>10.2f}x "
               f"{theirs:>11} {ratio:>13}")
     print(f"target: mixed/base >= {TARGET}")
+    print(load_line)
 
 
 if __name__ == "__main__":

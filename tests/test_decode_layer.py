@@ -185,7 +185,7 @@ def test_bad_arguments_raise_value_errors():
         ext.decode_layer_in(x, mx.ones(64), [w], 0, 0, [], [], [], [0], [], 4, 2, 16, 1e-5, 1e-5, 1.0)
     with pytest.raises(ValueError, match="one position per row"):
         ext.decode_layer_in(x, mx.ones(64), [good], 0, 0, [], [], [], [], [], 4, 2, 16, 1e-5, 1e-5, 1.0)
-    lora = [mx.zeros((2, 8, 64)), mx.zeros((2, 128, 8))]  # the base's slot and one adapter's
+    lora = [mx.zeros((2, 8, 64)), mx.zeros((2, 8, 128))]  # A and B transposed: the base's slot and one adapter's
     with pytest.raises(ValueError, match="slot is outside"):
         ext.decode_layer_in(x, mx.ones(64), [good], 0, 0, lora, [], [], [0], [2], 4, 2, 16, 1e-5, 1e-5, 1.0)
     with pytest.raises(ValueError, match="LoRA stacks"):

@@ -126,6 +126,15 @@ MLXINFER_AVX2 void float_matmul_avx2(const float* w, int in, const float* x, int
 
 } // namespace
 
+void axpy(float p, const float* v, float* acc, int n) {
+#if defined(__x86_64__)
+  if (simd_avx2()) {
+    return axpy_avx2(p, v, acc, n);
+  }
+#endif
+  axpy_scalar(p, v, acc, n);
+}
+
 float dot(const float* a, const float* b, int n) {
 #if defined(__x86_64__)
   if (simd_avx2()) {

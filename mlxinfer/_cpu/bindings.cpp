@@ -60,7 +60,7 @@ NB_MODULE(_cpu_qmm, m) {
       "kv_heads"_a, "head_dim"_a, "eps"_a, "qk_eps"_a, "attention_factor"_a,
       "A step's first half of a pre-norm block: [q, keys_0, values_0, ...] (norm, QKV, q/k norm, RoPE). "
       "A projection is [w] or [w, bias] (float32, bits 0), or [w, scales, biases(, bias)] (affine); its LoRA "
-      "stacks [A [slots, rank, in], B [slots, out, rank]] or [], each row r adding B[s] A[s] x for s = slots[r].");
+      "stacks [A [slots, rank, in], B.T [slots, rank, out]] or [], each row r adding B[s] A[s] x for s = slots[r].");
   m.def(
       "decode_layer_out",
       [](const mx::array& x, const mx::array& q, const std::vector<mx::array>& o, int o_bits, int o_group,

@@ -55,6 +55,9 @@ void decode_attention_head(const float* q, const CachedHeads& keys, const Cached
 // them, else a plain loop).
 float dot(const float* a, const float* b, int n);
 
+// acc[i] += p * v[i] for i in [0, n) (one fused multiply-add each where the CPU has them).
+void axpy(float p, const float* v, float* acc, int n);
+
 // y[r, n] = x[r] . w[n] for a float32 w [out, in] and outputs n in [n0, n1), x [rows, in] and
 // y [rows, out] row major: each output one `dot`, so a row's result never depends on its batch.
 void float_matmul_range(const float* w, int in, const float* x, int rows, float* y, int out, int n0, int n1);

@@ -28,7 +28,7 @@ struct Projection {
   const float* w = nullptr;
   const float* bias = nullptr;
   const float* lora_a = nullptr; // [slots, rank, in]
-  const float* lora_b = nullptr; // [slots, out, rank]
+  const float* lora_b = nullptr; // [slots, rank, out]: B transposed
   int rank = 0;
 };
 
@@ -93,14 +93,21 @@ void project(const Projection& p, const float* x, int rows, float* y, const std:
         }
       }
     }
+    std::vector<float> delta(adapted ? n1 - n0 : 0);
     for (int i = 0; adapted && i < rows; ++i) {
       if (slots[i] == 0) {
         continue;
       }
-      const float* b = p.lora_b + static_cast<size_t>(slots[i]) * p.out * p.rank;
+      // delta = B[s] (A[s] x) over this chunk's outputs, then added, as `y + delta` is per op;
+      // B is stored transposed [rank, out], so each term runs along the outputs.
+      const float* bt = p.lora_b + static_cast<size_t>(slots[i]) * p.rank * p.out;
+      std::fill(delta.begin(), delta.end(), 0.0f);
+      for (int j = 0; j < p.rank; ++j) {
+        axpy(low[static_cast<size_t>(i) * p.rank + j], bt + static_cast<size_t>(j) * p.out + n0, delta.data(), n1 - n0);
+      }
+      float* yi = y + static_cast<size_t>(i) * p.out;
       for (int n = n0; n < n1; ++n) {
-        y[static_cast<size_t>(i) * p.out + n] +=
-            dot(b + static_cast<size_t>(n) * p.rank, low.data() + static_cast<size_t>(i) * p.rank, p.rank);
+        yi[n] += delta[n - n0];
       }
     }
   });
@@ -211,7 +218,7 @@ void check_linear(const std::vector<mx::array>& arrays, const LinearSpec& spec, 
   if (spec.lora) {
     const mx::array &a = arrays[arrays.size() - 2], &b = arrays.back();
     check(a.dtype() == mx::float32 && b.dtype() == mx::float32 && a.ndim() == 3 && b.ndim() == 3 &&
-              a.shape(2) == in && b.shape(1) == out && b.shape(2) == a.shape(1) && b.shape(0) == a.shape(0),
+              a.shape(2) == in && b.shape(2) == out && b.shape(1) == a.shape(1) && b.shape(0) == a.shape(0),
           what.str() + ", got LoRA stacks A " + shape_text(a) + " and B " + shape_text(b));
   }
 }

@@ -22,8 +22,8 @@ namespace mx = mlx::core;
 
 // How one projection's arrays follow each other in a primitive's inputs: [w] for float32
 // weights (bits 0), or [w, scales, biases] in MLX's affine format; then its bias when it has one;
-// then, with LoRA adapters, their stacked float32 A [slots, rank, in] and B [slots, out, rank]
-// (the scale folded into B, slot 0 the base's zeros): row r adds B[s] (A[s] x) for its slot s.
+// then, with LoRA adapters, their stacked float32 A [slots, rank, in] and B transposed [slots, rank,
+// out] (the scale folded into B, slot 0 the base's zeros): row r adds B[s] (A[s] x) for its slot s.
 struct LinearSpec {
   int bits = 0;
   int group = 0;

@@ -37,8 +37,8 @@ class Projection:
 @dataclass(frozen=True)
 class Adapters:
     """LoRA updates for one step: each row's slot, and for (qkv, o, gate_up, down) empty or the
-    layer's stacked float32 [A [slots, rank, in], B [slots, out, rank]] (scale folded into B;
-    slot 0, the base, all zeros): row r's product gains B[s] (A[s] x) for s = slots[r]."""
+    layer's stacked float32 [A [slots, rank, in], B transposed [slots, rank, out]] (scale folded
+    into B; slot 0, the base, all zeros): row r's product gains B[s] (A[s] x) for s = slots[r]."""
 
     slots: list[int]
     stacks: tuple[list[mx.array], ...] = ([], [], [], [])

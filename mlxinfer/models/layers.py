@@ -455,7 +455,8 @@ class FusedPlan:
 
 def _step_adapters(tables: tuple, rows: int) -> decode_layer.Adapters | None:
     """The LoRA updates this step's rows run (`models.lora`: the slots the forward pass selects),
-    as the primitives take them; None where they cannot (a DoRA gain, a non-float32 adapter)."""
+    as the primitives take them (`_Table.fused_stacks`); None where they cannot (a DoRA gain, a
+    non-float32 adapter)."""
     wrapped = [t for t in tables if t is not None]
     if not wrapped or all(t.uniform() is None for t in wrapped):
         return decode_layer.NO_ADAPTERS
@@ -466,10 +467,10 @@ def _step_adapters(tables: tuple, rows: int) -> decode_layer.Adapters | None:
         if t is None or not t.updates:
             stacks.append([])
             continue
-        a, b, gains = t.stack()
-        if gains is not None or a.dtype != mx.float32 or b.dtype != mx.float32:
+        fused = t.fused_stacks()
+        if fused is None:
             return None
-        stacks.append([a, b])
+        stacks.append(list(fused))
     return decode_layer.Adapters(slots, tuple(stacks)) if len(slots) == rows else None
 
 

@@ -132,6 +132,7 @@ class _Table:
         self.adapters = adapters
         self.updates: dict[int, Update] = {}
         self._stack: tuple[int, mx.array, mx.array, mx.array | None] | None = None
+        self._fused: tuple[int, tuple[mx.array, mx.array] | None] | None = None
 
     def uniform(self) -> Update | None | bool:
         """The one update every row uses (outside `selecting`: the default adapter's), None
@@ -150,6 +151,19 @@ class _Table:
         if self._stack is None or self._stack[0] != version:
             self._stack = (version, *self._build())
         return self._stack[1:]
+
+    def fused_stacks(self) -> tuple[mx.array, mx.array] | None:
+        """A's stack and B's transposed [slots, rank, out] (contiguous, kept per registry version)
+        as the CPU layer primitives take them; None where an update has a DoRA gain or the
+        stacks are not float32 (those rows take the per-op path)."""
+        version = self.adapters.version
+        if self._fused is None or self._fused[0] != version:
+            a, b, gains = self.stack()
+            ok = gains is None and a.dtype == b.dtype == mx.float32
+            self._fused = (version, (a, mx.contiguous(b.swapaxes(-1, -2))) if ok else None)
+            if ok:
+                mx.eval(self._fused[1])
+        return self._fused[1]
 
     def _build(self) -> tuple[mx.array, mx.array, mx.array | None]:
         some = next(iter(self.updates.values()))
