@@ -387,7 +387,7 @@ class Block(nn.Module):
         feed-forward, output gates, sinks, soft-capping, a length-dependent RoPE, norms other than
         (offset) RMSNorms, projections other than plain float32 or affine-quantized ones (sharded,
         adapted). Made once and kept while every module and parameter it read is the same object
-        (reloaded weights or a wrapped layer make a new one): a step then costs no checks."""
+        (reloaded weights or a wrapped layer make a new one): a step then costs identity checks only."""
         attn, mlp = self[self.mixer_name], self[self.ffn_name]
         parts = [attn, mlp, *(self[n] for n in self._norm_names),
                  *(attn[n] for n in ("q_norm", "k_norm", "qkv_proj", "o_proj") if n in attn),
