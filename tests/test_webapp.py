@@ -1,6 +1,7 @@
 """The web app at `mlxinfer serve`'s address, driven in a real browser: the distribution's
-Chromium under playwright, against the real server (tests/serving.py) with the tiny model, its
-engine steps slowed a little (tests/fault_server.py) so a reply can be stopped mid-way.
+Chromium under playwright, against the real server (tests/serving.py) with the tiny model,
+drafting by prompt lookup, its engine steps slowed a little (tests/fault_server.py) so a reply
+can be stopped mid-way.
 
 The oracle for what the page shows is the server's own API called directly with the same
 request (temperature 0: the same reply, the same logprobs), and for the attention weights
@@ -29,8 +30,8 @@ TIMEOUT_MS = 30_000  # a hang guard: every wait below ends on an event
 
 @pytest.fixture(scope="module")
 def server(tiny):
-    s = Server(["-m", str(tiny), "--dtype", "float32", "--api-key", KEY], env={"MLXINFER_TEST_STEP_DELAY": "0.02"},
-               script=[sys.executable, str(HERE / "fault_server.py")])
+    s = Server(["-m", str(tiny), "--dtype", "float32", "--api-key", KEY, "--prompt-lookup"],
+               env={"MLXINFER_TEST_STEP_DELAY": "0.02"}, script=[sys.executable, str(HERE / "fault_server.py")])
     yield s
     s.stop()
 
@@ -114,6 +115,12 @@ def test_the_page_loads_after_asking_for_the_key_once(tab, server):
     tab.page.reload()  # the key is kept for the tab: not asked again
     expect(tab.page.locator("body[data-ready=true]")).to_have_count(1)
     expect(tab.page.get_by_role("dialog", name="API key")).to_be_hidden()
+    box = tab.page.get_by_role("textbox", name="Message")
+    box.press("x")
+    box.press("Shift+Enter")  # a new line, not a send
+    box.press("y")
+    assert box.input_value() == "x\ny" and tab.bodies == []
+    box.fill("")
     assert tab.errors == []
 
 
@@ -129,6 +136,8 @@ def test_settings_shape_the_request_and_a_greedy_reply_equals_the_api(tab, serve
     stats = tab.replies().first.locator(".stats").inner_text()
     assert re.search(r"TTFT \d+ ms · prefill [\d.]+ tok/s · decode [\d.]+ tok/s", stats), stats
     assert f"{want['usage']['completion_tokens']} tokens · {want['usage']['prompt_tokens']} prompt" in stats
+    timings = tab.conversation()[-1]["look"]["timings"]  # the server drafts by prompt lookup: acceptance shown
+    assert timings["draft_n"] > 0 and f"drafts accepted {timings['draft_n_accepted']}/{timings['draft_n']}" in stats
 
 
 def test_look_inside_lists_each_token_with_the_api_logprobs(tab, server):
@@ -167,7 +176,7 @@ def test_regenerate_and_edit(tab, server):
 def test_stop_ends_the_reply_and_frees_the_slot(tab, server):
     tab.page.get_by_role("button", name="New chat").click()
     tab.settings(**{"Max tokens": "200"})
-    tab.send("tell me a long story")
+    tab.send('tell me a long story <img src="http://192.0.2.1/x.png"> [go](javascript:alert(1)) **now**')
     stop = tab.page.get_by_role("button", name="Stop")
     expect(stop).to_be_visible()
     expect(tab.replies().last.locator(".content")).not_to_be_empty()  # tokens are arriving
@@ -176,6 +185,26 @@ def test_stop_ends_the_reply_and_frees_the_slot(tab, server):
     health = server.wait_for(lambda h: h["active"] == 0 and h["queued"] == 0)
     assert (health["active"], health["queued"]) == (0, 0)
     assert "stopped" in tab.replies().last.locator(".stats").inner_text()
+    mine = tab.page.get_by_role("article", name="You").last
+    assert mine.locator("img, a, script").count() == 0 and mine.locator("strong").inner_text() == "now"
+    assert '<img src="http://192.0.2.1/x.png">' in mine.inner_text()
+
+
+def test_conversations_rename_delete_export(tab):
+    names = tab.page.get_by_role("complementary", name="Conversations").get_by_role("listitem")
+    expect(names).to_have_count(2)
+    names.first.get_by_role("button", name="Rename").click()
+    tab.page.get_by_role("textbox", name="Conversation name").fill("story time")
+    tab.page.get_by_role("textbox", name="Conversation name").press("Enter")
+    expect(names.first.get_by_role("button", name="story time", exact=True)).to_have_count(1)
+    with tab.page.expect_download() as download:
+        tab.page.get_by_role("button", name="Export").click()
+    exported = json.loads(Path(download.value.path()).read_text())
+    assert exported == tab.page.evaluate("JSON.parse(localStorage.getItem('mlxinfer.conversations'))")
+    assert [c["title"] for c in exported][0] == "story time"
+    tab.page.get_by_role("button", name="Delete story time").click()
+    expect(names).to_have_count(1)
+    assert len(tab.page.evaluate("JSON.parse(localStorage.getItem('mlxinfer.conversations'))")) == 1
 
 
 def test_no_console_error_and_no_request_leaves_the_server(tab, server):
@@ -253,3 +282,4 @@ def test_no_web_serves_no_page(tiny):
         assert json.load(urllib.request.urlopen(s.url + "/v1/models", timeout=10))["data"]
     finally:
         s.stop()
+
