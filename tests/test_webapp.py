@@ -154,6 +154,16 @@ def test_look_inside_lists_each_token_with_the_api_logprobs(tab, server):
     stages = tab.page.get_by_role("region", name="Pipeline").get_by_role("listitem")
     expect(stages).to_have_count(5)
     assert f"become {ids['count']} tokens" in stages.first.inner_text()
+    attention = tab.page.get_by_role("region", name="Attention")
+    attention.get_by_role("combobox", name="Layer").select_option("1")
+    attention.get_by_role("combobox", name="Head").select_option("2")
+    attention.get_by_role("button", name="Show attention").click()
+    cells = attention.get_by_role("list", name="Attention weights").get_by_role("listitem")
+    _, want, _ = post(server.url, {"messages": [{"role": "user", "content": "hello there"}],
+                                   "reply": tab.conversation()[-1]["content"], "layer": 1, "head": 2},
+                      path="/v1/attention")
+    expect(cells).to_have_count(len(want["tokens"]))
+    assert [float(x) for x in cells.evaluate_all("cells => cells.map(c => c.dataset.weight)")] == want["weights"]
 
 
 def test_regenerate_and_edit(tab, server):

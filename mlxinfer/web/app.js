@@ -4,15 +4,10 @@
 import { ApiError, getJSON, onKeyNeeded, ready, stream } from "./api.js";
 import { lookInside } from "./inspect.js";
 import { markdown } from "./markdown.js";
+import { el } from "./dom.js";
 import { exportConversations, loadConversations, loadSettings, newConversation, saveConversations, saveSettings } from "./store.js";
 
 const $ = (id) => document.getElementById(id);
-const el = (tag, props = {}, ...children) => {
-  const node = document.createElement(tag);
-  Object.assign(node, props);
-  node.append(...children);
-  return node;
-};
 
 const TOP_LOGPROBS = 5;
 let model = "default";

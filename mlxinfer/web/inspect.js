@@ -5,13 +5,7 @@
 // its last token over the context in one layer and head (/v1/attention).
 
 import { postJSON } from "./api.js";
-
-const el = (tag, props = {}, ...children) => {
-  const node = document.createElement(tag);
-  Object.assign(node, props);
-  node.append(...children);
-  return node;
-};
+import { el } from "./dom.js";
 
 const percent = (p) => `${(100 * p).toFixed(p >= 0.995 || p < 0.0005 ? 0 : 1)}%`;
 const visible = (text) => text.replace(/ /g, "\u2423").replace(/\n/g, "\u21b5").replace(/\t/g, "\u21e5") || "\u2205";
@@ -76,7 +70,7 @@ function pipelineRegion(look, prompt, onError, panel) {
   const sampler = Object.entries(look.request).filter(([k, v]) => v !== undefined && !["model", "stream", "stream_options"].includes(k))
     .map(([k, v]) => `${k} ${typeof v === "object" ? JSON.stringify(v) : v}`).join(", ");
   const stages = el("ol", { className: "stages" }, el("li", { textContent: "Running the prompt through the model…" }));
-  section.append(stages, el("p", { textContent: `Sampler: ${sampler || "the server's defaults"}` }), timeline(look));
+  section.append(stages, el("p", { className: "legend", textContent: `Sampler: ${sampler || "the server's defaults"}` }), timeline(look));
   postJSON("/v1/inspect", { messages: prompt }).then((r) => {
     stages.replaceChildren(...stageItems(r, look));
     panel.dispatchEvent(new CustomEvent("inspected", { detail: r }));

@@ -3,12 +3,7 @@
 // blocks (with a copy button), headings, lists, quotes, rules, paragraphs, and inline code,
 // bold, italic and links.
 
-const el = (tag, props = {}, ...children) => {
-  const node = document.createElement(tag);
-  Object.assign(node, props);
-  node.append(...children);
-  return node;
-};
+import { el } from "./dom.js";
 
 const INLINE = /(`+)([\s\S]*?[^`])\1(?!`)|\*\*([^*]+)\*\*|__([^_]+)__|\*([^*\s][^*]*)\*|_([^_\s][^_]*)_|\[([^\]]+)\]\(([^)\s]+)\)/;
 
