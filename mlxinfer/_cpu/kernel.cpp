@@ -10,6 +10,7 @@
 // of this project's Xeon, against 12.8 with 32 and 18.4 with AVX-512's 16-lane registers).
 #include "kernel.h"
 
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstring>
@@ -196,36 +197,41 @@ MLXINFER_AVX2 inline float scale_at_avx2(const void* data, ScaleType type, size_
   return scale_at(data, type, index);
 }
 
-// Row n's scales and biases as floats, converted once for the whole row: converting each
-// group's pair where it is used cost about a third of the 4-bit loop's time with half scales.
-MLXINFER_AVX2 void row_scales(const QuantizedMatrix& m, int n, float* s, float* b) {
-  const int groups = m.in / m.group;
-  const size_t first = static_cast<size_t>(n) * groups;
+// The scales and biases of rows [n, n + count) as floats, converted once for all of them:
+// converting each group's pair where it is used cost a third of the 4-bit loop's time with
+// half scales, and converting row by row still a twentieth (a short tail every row).
+MLXINFER_AVX2 void row_scales(const QuantizedMatrix& m, int n, int count, float* s, float* b) {
+  const size_t first = static_cast<size_t>(n) * (m.in / m.group);
+  const int total = count * (m.in / m.group);
   if (m.scale_type == ScaleType::float32) {
-    std::memcpy(s, static_cast<const float*>(m.scales) + first, groups * sizeof(float));
-    std::memcpy(b, static_cast<const float*>(m.biases) + first, groups * sizeof(float));
+    std::memcpy(s, static_cast<const float*>(m.scales) + first, total * sizeof(float));
+    std::memcpy(b, static_cast<const float*>(m.biases) + first, total * sizeof(float));
     return;
   }
   int g = 0;
   if (m.scale_type == ScaleType::float16) {
     const uint16_t* hs = static_cast<const uint16_t*>(m.scales) + first;
     const uint16_t* hb = static_cast<const uint16_t*>(m.biases) + first;
-    for (; g + kLanes <= groups; g += kLanes) {
+    for (; g + kLanes <= total; g += kLanes) {
       _mm256_storeu_ps(s + g, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(hs + g))));
       _mm256_storeu_ps(b + g, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(hb + g))));
     }
   }
-  for (; g < groups; ++g) {
+  for (; g < total; ++g) {
     s[g] = scale_at_avx2(m.scales, m.scale_type, first + g);
     b[g] = scale_at_avx2(m.biases, m.scale_type, first + g);
   }
 }
 
-// Room for one row's scales and biases (this thread's, reused).
+// Outputs whose scales are converted together (row_scales).
+constexpr int kScaleRows = 16;
+
+// Room for kScaleRows rows' scales and biases (this thread's, reused).
 inline float* scale_buffer(int groups) {
   thread_local std::vector<float> buffer;
-  if (buffer.size() < 2 * static_cast<size_t>(groups)) {
-    buffer.resize(2 * static_cast<size_t>(groups));
+  const size_t size = 2 * static_cast<size_t>(kScaleRows) * groups;
+  if (buffer.size() < size) {
+    buffer.resize(size);
   }
   return buffer.data();
 }
@@ -247,11 +253,15 @@ template <int BITS, int R, int CHUNKS>
 MLXINFER_AVX2 void block_avx2(const QuantizedMatrix& m, const float* x, float* y, int n0, int n1) {
   const size_t row_bytes = static_cast<size_t>(m.in) * BITS / 8;
   const int groups = m.in / m.group;
-  float* sf = scale_buffer(groups);
-  float* bf = sf + groups;
+  float* const scales = scale_buffer(groups);
+  float* const biases = scales + kScaleRows * groups;
   for (int n = n0; n < n1; ++n) {
     const uint8_t* w = m.packed + n * row_bytes;
-    row_scales(m, n, sf, bf);
+    if ((n - n0) % kScaleRows == 0) {
+      row_scales(m, n, std::min(kScaleRows, n1 - n), scales, biases);
+    }
+    const float* sf = scales + ((n - n0) % kScaleRows) * groups;
+    const float* bf = biases + ((n - n0) % kScaleRows) * groups;
     __m256 acc[R][4];
     for (int r = 0; r < R; ++r) {
       for (int v = 0; v < 4; ++v) {
@@ -304,11 +314,15 @@ template <int BITS, int R, int CHUNKS>
 MLXINFER_AVX512 void block_avx512(const QuantizedMatrix& m, const float* x, float* y, int n0, int n1) {
   const size_t row_bytes = static_cast<size_t>(m.in) * BITS / 8;
   const int groups = m.in / m.group;
-  float* sf = scale_buffer(groups);
-  float* bf = sf + groups;
+  float* const scales = scale_buffer(groups);
+  float* const biases = scales + kScaleRows * groups;
   for (int n = n0; n < n1; ++n) {
     const uint8_t* w = m.packed + n * row_bytes;
-    row_scales(m, n, sf, bf);
+    if ((n - n0) % kScaleRows == 0) {
+      row_scales(m, n, std::min(kScaleRows, n1 - n), scales, biases);
+    }
+    const float* sf = scales + ((n - n0) % kScaleRows) * groups;
+    const float* bf = biases + ((n - n0) % kScaleRows) * groups;
     __m512 acc[R][2];
     for (int r = 0; r < R; ++r) {
       acc[r][0] = acc[r][1] = _mm512_setzero_ps();
