@@ -183,13 +183,19 @@ def test_image_tokens_attend_to_their_whole_image(ours, hf):
 
 
 def test_greedy_continuation_matches_transformers_generate(ours, hf):
+    """Decoding after the images runs the text model over the cached K/V: the same tokens as
+    transformers' generate, and each step's logits those of transformers' pass over the whole sequence."""
     values = pixels(picture(3, (64, 48)), picture(4, (48, 64)))
     embedded = ours.embedded(TWO, as_pixels(values))
     cache, logits = prefill(ours, TWO, embedded, step=20)
     steps = 10
-    tokens = [int(np.argmax(logits[-1]))]
+    rows = [logits[-1]]
+    tokens = [int(np.argmax(rows[-1]))]
     for _ in range(steps - 1):
-        tokens.append(int(np.argmax(np.array(cache.run(ours, [tokens[-1]])[-1]))))
+        rows.append(np.array(cache.run(ours, [tokens[-1]])[-1]))
+        tokens.append(int(np.argmax(rows[-1])))
+    full = hf_logits(hf, TWO + tokens[:-1], values)
+    np.testing.assert_allclose(np.stack(rows), full[len(TWO) - 1 :], atol=TOL, rtol=0)
     types = torch.tensor([[int(t == IMAGE) for t in TWO]])
     with torch.no_grad():
         out = hf.generate(input_ids=torch.tensor([TWO]), pixel_values=torch.tensor(values), token_type_ids=types,
@@ -256,3 +262,16 @@ def test_config_without_a_square_token_grid_is_refused(checkpoint, tmp_path):
     config = json.loads((checkpoint / "config.json").read_text())
     with pytest.raises(ConfigError, match="mm_tokens_per_image"):
         build_model({**config, "mm_tokens_per_image": 12})
+
+
+def test_canonical_config_is_the_text_model(checkpoint):
+    """A tensor-sharded rank builds from `canonical_config`: the text model, the tower's tensors dropped
+    (sharding's rules would cut its projections as if they were the text model's)."""
+    from safetensors.numpy import load_file
+
+    from mlxinfer.models import build_model, canonical_config
+
+    model = build_model(canonical_config(json.loads((checkpoint / "config.json").read_text())))
+    assert "vision_tower" not in model and not hasattr(model, "image_token_id")
+    kept = model.sanitize({k: mx.array(v) for k, v in load_file(checkpoint / "model.safetensors").items()})
+    assert kept and not any(k.startswith(("vision_tower.", "multi_modal_projector.")) for k in kept)
