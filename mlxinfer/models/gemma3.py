@@ -147,7 +147,7 @@ class Model(CausalLM):
         if tokens.shape[-1] != embedded.embeds.shape[0]:
             raise InvalidOptionError(f"{tokens.shape[-1]} tokens came with {embedded.embeds.shape[0]} embeddings")
         self.require_head()
-        h = self.model.blocks(embedded.embeds[None], cache, embedded.bidirectional)
+        h = self.model.blocks(embedded.embeds[None], cache, spans=embedded.bidirectional)
         return self.logits(self.model.norm(h))
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
