@@ -275,3 +275,32 @@ def test_canonical_config_is_the_text_model(checkpoint):
     assert "vision_tower" not in model and not hasattr(model, "image_token_id")
     kept = model.sanitize({k: mx.array(v) for k, v in load_file(checkpoint / "model.safetensors").items()})
     assert kept and not any(k.startswith(("vision_tower.", "multi_modal_projector.")) for k in kept)
+
+
+@pytest.mark.parametrize("quantize_vision", [False, True])
+def test_convert_keeps_the_tower_float_unless_asked(checkpoint, ours, tmp_path, quantize_vision):
+    from conftest import train_tokenizer
+    from safetensors.numpy import load_file
+
+    from convert import convert
+
+    src = tmp_path / "src"
+    shutil.copytree(checkpoint, src)
+    train_tokenizer(src)
+    out = tmp_path / "q8"
+    convert(src, out, quantize=True, bits=8, group_size=32, quantize_vision=quantize_vision)
+    names = set().union(*(load_file(f).keys() for f in out.glob("*.safetensors")))
+    assert "model.layers.0.self_attn.q_proj.scales" in names
+    tower = {n for n in names if n.startswith(("vision_tower.", "multi_modal_projector."))}
+    assert ("vision_tower.encoder.layers.0.mlp.fc1.scales" in tower) == quantize_vision
+    assert quantize_vision or not any(n.endswith(".scales") for n in tower)
+    model = load_model(out)
+    px = as_pixels(pixels(picture(9, (56, 56))))
+    features, exact = np.array(model.encode_images(px)), np.array(ours.encode_images(px))
+    if not quantize_vision:
+        np.testing.assert_array_equal(features, exact)
+    ids = prompt([2, 30, 31], [32, 33, 34])
+    quantized, floats = (np.array(m(mx.array(ids)[None], embedded=m.embedded(ids, px))) for m in (model, ours))
+    for got, want in ((features, exact), (quantized, floats)):
+        drift = np.sqrt(np.mean((got - want) ** 2) / np.mean(want**2))
+        assert drift < 0.1, f"8 bits drifted {drift:.0%} from the float model"
