@@ -27,6 +27,7 @@ FAMILIES: dict[str, str] = {
     "phi3": "phi3",
     "qwen2": "qwen2",
     "qwen2_moe": "qwen2_moe",
+    "qwen2_5_vl": "qwen2_5_vl",
     "qwen3": "qwen3",
     "qwen3_moe": "qwen3_moe",
     "qwen3_5": "qwen3_5",
