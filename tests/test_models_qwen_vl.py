@@ -1,4 +1,4 @@
-"""Qwen2.5-VL against transformers on a random-weight checkpoint it builds (tiny vision tower
+"""Qwen2.5-VL (and Qwen3-VL, at the end) against transformers on a random-weight checkpoint it builds (tiny vision tower
 with windows and a full-attention block, tiny Qwen2 text model with M-RoPE): images
 preprocessed by transformers' own Qwen2-VL image processor, float32 logits within 1e-4, M-RoPE
 positions and delta equal to `get_rope_index`'s, greedy decoding through our caches (the CPU
@@ -63,13 +63,14 @@ def model(checkpoint):
     return mlxinfer.load(checkpoint, dtype="float32")[0]
 
 
-def pixels(width: int, height: int, seed: int) -> Pixels:
-    """A synthetic picture through transformers' Qwen2-VL image processor, as one Pixels."""
+def pixels(width: int, height: int, seed: int, patch: int = 14) -> Pixels:
+    """A synthetic picture through transformers' Qwen2-VL image processor (`patch`-pixel patches:
+    Qwen3-VL's processor is the same with 16), as one Pixels."""
     from PIL import Image
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     picture = Image.fromarray(np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8))
-    out = Qwen2VLImageProcessorPil()(images=[picture], return_tensors="np")
+    out = Qwen2VLImageProcessorPil(patch_size=patch)(images=[picture], return_tensors="np")
     values = out["pixel_values"].astype(np.float32)
     grid = tuple(int(n) for n in out["image_grid_thw"][0])
     return Pixels(values, grid, grid[0] * grid[1] * grid[2] // MERGE**2, hashlib.sha256(values.tobytes()).hexdigest())
@@ -225,3 +226,56 @@ def test_convert_quantizes_the_vision_tower_when_asked(checkpoint, tmp_path):
     names = set(mx.load(str(next((tmp_path / "all").glob("*.safetensors")))))
     assert "visual.blocks.0.attn.qkv.scales" in names
     assert "visual.patch_embed.proj.scales" not in names  # 1176 inputs: not whole groups of 32
+
+
+# Qwen3-VL: learned positions resampled to the grid, no windows, deepstack features into the
+# first two language-model layers, interleaved M-RoPE in a Qwen3 text model.
+TEXT3 = dict(TEXT, num_hidden_layers=3, head_dim=16,
+             rope_parameters={**TEXT["rope_parameters"], "mrope_interleaved": True})
+VISION3 = dict(depth=3, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=16, spatial_merge_size=MERGE,
+               temporal_patch_size=2, out_hidden_size=64, num_position_embeddings=16, deepstack_visual_indexes=[0, 1])
+
+
+@pytest.fixture(scope="module")
+def qwen3(tmp_path_factory):
+    """(transformers' model, ours) of a random-weight Qwen3-VL checkpoint."""
+    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+
+    torch.manual_seed(0)
+    config = Qwen3VLConfig(text_config=TEXT3, vision_config=VISION3, image_token_id=IMAGE, video_token_id=VIDEO,
+                           vision_start_token_id=START, vision_end_token_id=END)
+    config.text_config.initializer_range = config.vision_config.initializer_range = 0.08
+    hf = Qwen3VLForConditionalGeneration(config).float().eval()
+    perturb(hf, 0)
+    folder = tmp_path_factory.mktemp("qwen3_vl")
+    hf.save_pretrained(folder)
+    train_tokenizer(folder)
+    return hf, mlxinfer.load(folder, dtype="float32")[0]
+
+
+@pytest.fixture(scope="module")
+def images3() -> list[Pixels]:
+    return [pixels(128, 96, 3, patch=16), pixels(64, 96, 4, patch=16)]
+
+
+def test_qwen3_vl_logits_match_transformers(qwen3, images3):
+    hf, model = qwen3
+    ids = prompt(images3)
+    with torch.no_grad():
+        ref = hf(**hf_inputs(ids, images3)).logits[0].numpy()
+    ours = model(mx.array([ids]), embedded=model.embedded(ids, images3))[0]
+    np.testing.assert_allclose(np.array(ours), ref, atol=TOL, rtol=0)
+
+
+def test_qwen3_vl_greedy_decoding_matches_transformers_generate(qwen3, images3):
+    """Prefill in two chunks split inside the second image (deepstack features sliced with it),
+    then decode at offset + delta."""
+    hf, model = qwen3
+    ids = prompt(images3)
+    with torch.no_grad():
+        ref = hf.generate(**hf_inputs(ids, images3), max_new_tokens=6, do_sample=False)[0, len(ids) :].tolist()
+    caches, logits = prefill(model, ids, images3, [len(ids) - 6, 6])
+    got = [int(mx.argmax(logits[-1]))]
+    for _ in range(5):
+        got.append(int(mx.argmax(model(mx.array([got[-1:]]), cache=caches)[0, -1])))
+    assert got == ref

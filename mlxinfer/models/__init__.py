@@ -30,6 +30,7 @@ FAMILIES: dict[str, str] = {
     "qwen2_5_vl": "qwen2_5_vl",
     "qwen3": "qwen3",
     "qwen3_moe": "qwen3_moe",
+    "qwen3_vl": "qwen3_vl",
     "qwen3_5": "qwen3_5",
     "qwen3_5_moe": "qwen3_5_moe",
     "qwen3_5_moe_text": "qwen3_5_moe_text",

@@ -23,7 +23,8 @@ from ..errors import ConfigError
 from .config import ModelConfig
 from .layers import RoPE, inv_freq
 
-DEFAULT_SECTIONS = (16, 24, 24)  # transformers' default where a Qwen-VL config names none
+# transformers' defaults where a config names none: Qwen2/2.5-VL's, Qwen3-VL's (interleaved)
+DEFAULT_SECTIONS = {False: (16, 24, 24), True: (24, 20, 20)}
 
 
 def frequency_axes(sections: Sequence[int], pairs: int, interleaved: bool) -> np.ndarray:
@@ -47,7 +48,7 @@ class MRoPE(RoPE):
         super().__init__(cfg)
         if self.kind == "dynamic" or self.long_freqs is not None:
             raise ConfigError(f"rope type '{self.kind}' cannot be combined with M-RoPE; fix rope_scaling")
-        sections = self.params.get("mrope_section") or DEFAULT_SECTIONS
+        sections = self.params.get("mrope_section") or DEFAULT_SECTIONS[interleaved]
         self.axes = mx.array(frequency_axes(sections, self.dims // 2, interleaved))
         inv = inv_freq(self.base, self.dims) if self.freqs is None else 1.0 / np.array(self.freqs, dtype=np.float64)
         self.inv = mx.array(inv, dtype=mx.float32)

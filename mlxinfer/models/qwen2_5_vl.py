@@ -80,7 +80,7 @@ class Model(CausalLM):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg)
-        self.visual = self.vision_class(VisionConfig.parse(cfg.raw.get("vision_config") or {}))
+        self.visual = self.vision_class.of(cfg.raw.get("vision_config") or {})
         self.image_token_id: int = cfg.raw.get("image_token_id", IMAGE_TOKEN_ID)
 
     def __call__(self, tokens: mx.array, cache=None, embedded: Embedded | None = None) -> mx.array:
@@ -96,23 +96,42 @@ class Model(CausalLM):
 
     def encode_images(self, images: Sequence[Pixels]) -> mx.array:
         """The images' tokens [sum of their `tokens`, hidden], in order."""
+        return self.image_features(images)[0]
+
+    def image_features(self, images: Sequence[Pixels]) -> tuple[mx.array, list[mx.array]]:
+        """The images' tokens and the vision tower's features for the first layers (`features`)."""
         cfg = self.visual.cfg
         for im in images:
             check_pixels(im, cfg)
         patches = mx.array(np.concatenate([im.values for im in images]))
-        return self.visual(patches.astype(self.visual.patch_embed.proj.weight.dtype), [im.grid for im in images])
+        return self.visual.features(patches.astype(self.visual.patch_embed.proj.weight.dtype),
+                                    [im.grid for im in images])
 
     def embedded(self, tokens: Sequence[int], images: Sequence[Pixels]) -> Embedded:
         """The prompt `tokens` (each image's placeholder expanded to its `tokens`) with `images` in."""
+        x, where, delta, _ = self.prompt_inputs(tokens, images)
+        return Embedded(x, where, delta, ())
+
+    def prompt_inputs(self, tokens: Sequence[int], images: Sequence[Pixels]
+                      ) -> tuple[mx.array, mx.array, int, list[mx.array]]:
+        """Embeddings [T, hidden] with the image tokens in, M-RoPE positions [3, T], their delta, and
+        each of the tower's first-layer features [T, hidden] (zero outside the images)."""
         ids = np.asarray(tokens, dtype=np.int64)
         starts = image_starts(ids, self.image_token_id, images)
         where, delta = positions(len(ids), [(s, im.grid) for s, im in zip(starts, images)],
                                  self.visual.cfg.spatial_merge_size)
         x = self.model.embed(mx.array(ids))
+        deep: list[mx.array] = []
         if images:
-            slots = np.concatenate([np.arange(s, s + im.tokens) for s, im in zip(starts, images)])
-            x[mx.array(slots.astype(np.int32))] = self.encode_images(images).astype(x.dtype)
-        return Embedded(x, mx.array(where), delta, ())
+            slots = mx.array(np.concatenate([np.arange(s, s + im.tokens) for s, im in zip(starts, images)]
+                                            ).astype(np.int32))
+            found, stack = self.image_features(images)
+            x[slots] = found.astype(x.dtype)
+            for f in stack:
+                layer = mx.zeros_like(x)
+                layer[slots] = f.astype(x.dtype)
+                deep.append(layer)
+        return x, mx.array(where), delta, deep
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
         text = {text_name(k): v for k, v in weights.items() if not k.startswith(VISION)}

@@ -238,6 +238,16 @@ class VisionTransformer(nn.Module):
         angles = (where[:, :, None].astype(mx.float32) * self._inv).reshape(where.shape[0], 1, -1)
         return mx.cos(angles), mx.sin(angles)
 
+    @classmethod
+    def of(cls, d: dict[str, Any]) -> VisionTransformer:
+        """The tower config.json's `vision_config` describes."""
+        return cls(VisionConfig.parse(d))
+
+    def features(self, patches: mx.array, grids: Sequence[Grid]) -> tuple[mx.array, list[mx.array]]:
+        """The images' tokens, and the features a language model adds to its first layers' hidden
+        states at the image tokens (none here; Qwen3-VL's deepstack)."""
+        return self(patches, grids), []
+
     def __call__(self, patches: mx.array, grids: Sequence[Grid]) -> mx.array:
         cfg = self.cfg
         blocks, windows = window_layout(grids, cfg.spatial_merge_size, cfg.window_blocks)
@@ -252,13 +262,17 @@ class VisionTransformer(nn.Module):
         return self.merger(x)[mx.array(np.argsort(blocks).astype(np.int32))]
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
-        """The tower's tensors (named `visual.*`) with the Conv3d patch kernel as the linear map it is:
-        PyTorch's [out, C, T, p, p] flattened as the processor flattens a patch (mlx-vlm's
-        channels-last copy turned back first)."""
-        key = "visual.patch_embed.proj.weight"
-        w = weights.get(key)
-        if w is None or w.ndim != 5:
-            return weights
-        if w.shape[1] != self.cfg.in_channels and w.shape[-1] == self.cfg.in_channels:
-            w = w.transpose(0, 4, 1, 2, 3)
-        return {**weights, key: w.reshape(w.shape[0], -1)}
+        return flat_patch_kernel(weights, self.cfg.in_channels)
+
+
+def flat_patch_kernel(weights: dict[str, mx.array], channels: int) -> dict[str, mx.array]:
+    """A tower's tensors (named `visual.*`) with the Conv3d patch kernel as the linear map it is:
+    PyTorch's [out, C, T, p, p] flattened as the processor flattens a patch (mlx-vlm's
+    channels-last copy turned back first)."""
+    key = "visual.patch_embed.proj.weight"
+    w = weights.get(key)
+    if w is None or w.ndim != 5:
+        return weights
+    if w.shape[1] != channels and w.shape[-1] == channels:
+        w = w.transpose(0, 4, 1, 2, 3)
+    return {**weights, key: w.reshape(w.shape[0], -1)}
