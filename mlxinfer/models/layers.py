@@ -561,7 +561,9 @@ class Backbone(nn.Module):
             if layer.window not in masks:
                 mask = c.make_mask(x.shape[1], layer.window) if c is not None else attention_mask(x.shape[1], 0,
                                                                                                   layer.window)
-                masks[layer.window] = with_spans(mask, x.shape[1], c.offset if c is not None else 0, spans)
+                if spans:  # a prompt's chunk: one sequence, one cache
+                    mask = with_spans(mask, x.shape[1], c.offset if c is not None else 0, spans)
+                masks[layer.window] = mask
             x = layer(x, masks[layer.window], c) if positions is None else layer(x, masks[layer.window], c, positions)
         return x
 
