@@ -1,0 +1,54 @@
+"""The types between image preprocessing, a vision-language model and the engine: one
+preprocessed image (`Pixels`) and a prompt's inputs with its images in (`Embedded`).
+
+They live apart from any family so the preprocessing (`mlxinfer/images.py`), every
+vision-language family and the engine agree on one shape without importing each other."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Pixels:
+    """One preprocessed image.
+
+    `values` is exactly what the family's HF image processor gives as `pixel_values` for this
+    image alone (Qwen-VL: [t*h*w patches, C*temporal*patch*patch]; Gemma 3: [3, H, W]), float32.
+    `grid` is Qwen-VL's (t, h, w) in patches (None for fixed-size encoders); `tokens` the
+    placeholder tokens the image occupies in the expanded prompt; `digest` a sha256 hex over
+    the dtype, shape and bytes of `values`: the prompt cache's key for the image, so the same
+    text with another picture never reuses K/V."""
+
+    values: np.ndarray
+    grid: tuple[int, int, int] | None
+    tokens: int
+    digest: str
+
+
+@dataclass(frozen=True)
+class Embedded:
+    """A prompt's inputs with its images in, made by the model and handed back to it chunk by chunk.
+
+    `embeds` [T, hidden]: the token embeddings (scaled as the family does) with each image's
+    features at its placeholder positions. `positions` [3, T] int32 M-RoPE positions (Qwen-VL),
+    None where positions are the cache offsets. `position_delta`: what positions after this
+    prompt add to the cache offset (Qwen-VL: images take fewer positions than tokens; else 0).
+    `bidirectional`: [start, end) spans that attend both ways (Gemma 3's images)."""
+
+    embeds: mx.array
+    positions: mx.array | None
+    position_delta: int
+    bidirectional: tuple[tuple[int, int], ...]
+
+    def slice(self, start: int, end: int) -> Embedded:
+        """Tokens [start, end) for one prefill chunk: the spans shifted to the chunk and clipped
+        to it (those outside dropped); the delta is the whole prompt's, kept."""
+        spans = tuple(
+            (max(s, start) - start, min(e, end) - start) for s, e in self.bidirectional if s < end and e > start
+        )
+        positions = None if self.positions is None else self.positions[:, start:end]
+        return Embedded(self.embeds[start:end], positions, self.position_delta, spans)
