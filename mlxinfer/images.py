@@ -390,3 +390,74 @@ def _processor_key(folder: Path, key: str) -> Any:
     except (OSError, ValueError):
         return None
     return d.get(key) if isinstance(d, dict) else None
+
+
+# ---- images inside chat messages ----
+
+IMAGE_PART = "image"  # what a message keeps where an image was: {"type": "image"}, the image itself held apart
+
+
+def take_images(messages: Sequence[Mapping[str, Any]], limits: ImageLimits = LIMITS,
+                sources: frozenset[str] = LOCAL) -> tuple[list[Mapping[str, Any]], list[Image.Image]]:
+    """Chat messages with their image parts (`{"type": "image_url", "image_url": {"url"}}`,
+    `{"type": "image", "image": PIL image | path | bytes}`) loaded, in order, and each part left
+    as `{"type": "image"}`, what chat templates render as the model's image placeholder."""
+    out, images = [], []
+    for message in messages:
+        content = message.get("content") if isinstance(message, Mapping) else None
+        if not isinstance(content, list) or not any(_is_image(p) for p in content):
+            out.append(message)
+            continue
+        parts = []
+        for part in content:
+            if _is_image(part):
+                images.append(load_image(_image_source(part), limits, sources))
+                parts.append({"type": IMAGE_PART})
+            else:
+                parts.append(part)
+        out.append({**message, "content": parts})
+    return out, images
+
+
+def _is_image(part: Any) -> bool:
+    return isinstance(part, Mapping) and part.get("type") in ("image", "image_url")
+
+
+def _image_source(part: Mapping[str, Any]) -> Any:
+    if part["type"] == "image_url":
+        url = part.get("image_url")
+        url = url.get("url") if isinstance(url, Mapping) else url
+        if not isinstance(url, str):
+            raise ImageError('an image_url part needs {"image_url": {"url": "data:image/...;base64,..."}}')
+        return url
+    if "image" not in part:
+        raise ImageError('an image part needs {"image": <PIL image, path or bytes>}')
+    return part["image"]
+
+
+def data_url(image: Image.Image) -> str:
+    """A lossless PNG data: URL of an RGB image (`load_image` reads back the same pixels)."""
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def expand_placeholders(text: str, images: Sequence[Pixels], processor: ImageProcessor, image_token: str) -> str:
+    """The rendered prompt with each image's placeholder expanded to its tokens, as the HF
+    processor does: Qwen-VL's `<|image_pad|>` repeated `tokens` times; Gemma 3's
+    `<start_of_image>` becoming "\\n\\n<start_of_image>" + soft tokens + "<end_of_image>\\n\\n"."""
+    placeholder = QWEN_PLACEHOLDER if processor.kind == QWEN_VL else GEMMA_PLACEHOLDER
+    pieces = text.split(placeholder)
+    if len(pieces) - 1 != len(images):
+        raise ImageError(f"the prompt has {len(pieces) - 1} image placeholders ({placeholder}) for {len(images)} "
+                         "images; give one image per placeholder (chat templates write them for image parts)")
+    out = [pieces[0]]
+    for image, piece in zip(images, pieces[1:]):
+        tokens = image_token * image.tokens
+        out.append(tokens if processor.kind == QWEN_VL else f"\n\n{GEMMA_PLACEHOLDER}{tokens}{GEMMA_END}\n\n")
+        out.append(piece)
+    return "".join(out)
+
+
+QWEN_PLACEHOLDER = "<|image_pad|>"
+GEMMA_PLACEHOLDER, GEMMA_END = "<start_of_image>", "<end_of_image>"

@@ -547,6 +547,10 @@ class CausalLM(nn.Module):
 
     block: type[Block] = Block  # families with their own layers set this
     sentence_embedding: EmbeddingConfig = EmbeddingConfig()
+    # A vision-language family's image placeholder token (None: the model takes no images), and
+    # the checkpoint's image processor (`images.ImageProcessor`, set by the loader from its files).
+    image_token_id: int | None = None
+    image_processor: Any = None
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
