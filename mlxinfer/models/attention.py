@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import Callable
 
 import mlx.core as mx
+import numpy as np
 
 from ..kernels import cpu_attention, quantized_attention
 
@@ -33,6 +34,26 @@ def attention_mask(queries: int, offset: int, window: int | None) -> Mask:
     q = mx.arange(offset, offset + queries)[:, None]
     k = mx.arange(offset + queries)[None]
     return (k <= q) & (k > q - window)
+
+
+def with_spans(mask: Mask, queries: int, offset: int, spans: tuple[tuple[int, int], ...]) -> Mask:
+    """`mask` for `queries` new tokens after `offset` cached ones, where the tokens of each span
+    [start, end) (chunk positions) also see the later tokens of their span (Gemma 3's images
+    attend to themselves both ways; transformers' token_type_ids mask). Only keys ahead of a
+    query are added: keys behind it keep the causal rule and the layer's window, as
+    transformers keeps the window over the bidirectional part too. The new keys are the last
+    `queries` columns of every cache's mask (the cache appends them after what it keeps)."""
+    if not spans or queries == 1:
+        return mask
+    if mask is None or isinstance(mask, str):
+        mask = mx.arange(offset + queries)[None] <= mx.arange(offset, offset + queries)[:, None]
+    group = np.full(queries, -1)
+    for i, (start, end) in enumerate(spans):
+        group[start:end] = i
+    index = np.arange(queries)
+    ahead = (group[:, None] == group[None]) & (group[:, None] >= 0) & (index[None] > index[:, None])
+    keys = mask.shape[-1]
+    return mask | mx.array(np.concatenate([np.zeros((queries, keys - queries), bool), ahead], axis=1))
 
 
 def softcapped_attention(q: mx.array, k: mx.array, v: mx.array, scale: float, mask: Mask, cap: float) -> mx.array:

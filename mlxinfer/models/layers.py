@@ -18,7 +18,7 @@ import numpy as np
 from ..errors import ConfigError, NoLMHeadError
 from ..kernels import decode_layer
 from ..kernels.quantized_matmul import BITS, GROUP_SIZES, quantized_matmul
-from .attention import Mask, attention, attention_mask, offsets
+from .attention import Mask, attention, attention_mask, offsets, with_spans
 from .config import ModelConfig, RopeConfig
 from .lora import LoRALinear
 from .pooling import EmbeddingConfig
@@ -515,8 +515,10 @@ class Backbone(nn.Module):
             x = x * mx.array(self.embed_scale, dtype=x.dtype)  # rounded to the embedding dtype, as HF does
         return x
 
-    def blocks(self, x: mx.array, cache=None) -> mx.array:
-        """The hidden state through every layer here (with its cache), each window's mask made once."""
+    def blocks(self, x: mx.array, cache=None, spans: tuple[tuple[int, int], ...] = ()) -> mx.array:
+        """The hidden state through every layer here (with its cache), each window's mask made once;
+        the tokens of each of `spans` [start, end) attend to each other both ways (`with_spans`:
+        an array mask, so the fused CPU layer, which takes only the plain causal one, steps aside)."""
         caches = cache if cache is not None else [None] * len(self.layers)
         masks: dict[int | None, Any] = {}
         for layer, c in zip(self.layers, caches):
@@ -524,11 +526,9 @@ class Backbone(nn.Module):
                 x = layer(x, None, c)
                 continue
             if layer.window not in masks:
-                masks[layer.window] = (
-                    c.make_mask(x.shape[1], layer.window)
-                    if c is not None
-                    else attention_mask(x.shape[1], 0, layer.window)
-                )
+                mask = c.make_mask(x.shape[1], layer.window) if c is not None else attention_mask(x.shape[1], 0,
+                                                                                                  layer.window)
+                masks[layer.window] = with_spans(mask, x.shape[1], c.offset if c is not None else 0, spans)
             x = layer(x, masks[layer.window], c)
         return x
 
@@ -574,7 +574,10 @@ class CausalLM(nn.Module):
 
     def __call__(self, tokens: mx.array, cache=None) -> mx.array:
         self.require_head()
-        h = self.hidden_states(tokens, cache)
+        return self.logits(self.hidden_states(tokens, cache))
+
+    def logits(self, h: mx.array) -> mx.array:
+        """The LM head (and final soft-cap) over final hidden states."""
         logits = self.model.embed_tokens.as_linear(h) if self.config.tie_word_embeddings else self.lm_head(h)
         cap = self.config.final_softcap
         return logits if cap is None else mx.tanh(logits / cap) * cap
