@@ -33,7 +33,8 @@ from .cache import PromptCache, chunk_end, run_rows
 from .checks import integer
 from .constrain import Constraint, masked
 from .decode import Score, Stats, Token, chosen_logprobs, drawn, scored_prefill
-from .errors import InvalidOptionError
+from .errors import ImageError, InvalidOptionError
+from .images import LOCAL, NO_IMAGES, has_images
 from .generate import (Chunk, GenerationOptions, ImagePrompt, Prompt, TextStream, check_context, context_limit,
                        constraint_for, generation_stream, image_prompt, predicted_tokens, read_tool_calls,
                        reasoning_of, speculative_source, tool_plan, wired_limit)
@@ -161,12 +162,13 @@ class BatchGenerator:
     """
 
     def __init__(self, model, tokenizer: Tokenizer, max_batch: int = 8, prefill_step: int = 512,
-                 pool: PromptCachePool | None = None, **defaults: Any):
+                 pool: PromptCachePool | None = None, image_sources: frozenset[str] = LOCAL, **defaults: Any):
         integer("max_batch", max_batch, 1)
         if pool is not None and not isinstance(pool, PromptCachePool):
             raise InvalidOptionError(f"pool must be a PromptCachePool, got {type(pool).__name__}")
         self.model, self.tokenizer = model, tokenizer
         self.max_batch, self.prefill_step, self.pool = max_batch, prefill_step, pool
+        self.image_sources = image_sources  # where requests' images may come from (a server: data: URLs)
         self.defaults = {"prefill_step": prefill_step, **defaults}
         Request.of("", model.config.vocab_size, self.defaults)  # bad defaults fail here, not per request
         self.stats = BatchStats()
@@ -205,8 +207,12 @@ class BatchGenerator:
         return self.enqueue(self.prepare(self.request(prompt, **options)))
 
     def request(self, prompt: Prompt, **options: Any) -> Request:
-        """The typed request for `prompt` and keyword options, over this engine's defaults."""
-        return Request.of(prompt, self.model.config.vocab_size, self.defaults, **options)
+        """The typed request for `prompt` and keyword options, over this engine's defaults; images
+        in its messages are loaded from where `image_sources` allows (refused by a text-only model)."""
+        if self.model.image_token_id is None and has_images(prompt):
+            raise ImageError(NO_IMAGES)
+        return Request.of(prompt, self.model.config.vocab_size, self.defaults, image_sources=self.image_sources,
+                          **options)
 
     def prepare(self, request: Request) -> Prepared:
         """Everything about a request that does not need the engine: the prompt rendered and

@@ -27,7 +27,7 @@ from .tools import ToolCall, ToolPlan, check_tools
 from .tools import plan as plan_tools
 from .decode import Score, Stats, Token
 from .errors import ImageError, InvalidOptionError
-from .images import expand_placeholders
+from .images import NO_IMAGES, expand_placeholders
 from .models.vision import Pixels
 from .reasoning import ChannelSplitter, Reasoning, reasoning_for, tags_for
 from .sample import Sampler, SamplingConfig
@@ -506,8 +506,7 @@ def image_prompt(model, tokenizer: Tokenizer, request, tools: ToolPlan | None) -
     if not request.images:
         return request_tokens(tokenizer, request.prompt, vocab, tools, o.chat_template_kwargs), None
     if model.image_token_id is None:
-        raise ImageError("this model takes no images; send text only, or load a vision-language model "
-                         "(Qwen2.5-VL, Qwen3-VL, Gemma 3)")
+        raise ImageError(NO_IMAGES)
     if model.image_processor is None:
         raise ImageError("this checkpoint has no preprocessor_config.json, so its images cannot be prepared; "
                          "copy the file from the original model into its folder")

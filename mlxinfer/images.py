@@ -419,6 +419,18 @@ def take_images(messages: Sequence[Mapping[str, Any]], limits: ImageLimits = LIM
     return out, images
 
 
+NO_IMAGES = ("this model takes no images; send text only, or use a vision-language model "
+             "(Qwen2.5-VL, Qwen3-VL, Gemma 3)")
+
+
+def has_images(prompt: Any) -> bool:
+    """Whether a prompt is chat messages with an image part in them."""
+    if isinstance(prompt, (str, bytes)) or not isinstance(prompt, Sequence):
+        return False
+    return any(isinstance(m, Mapping) and isinstance(m.get("content"), list) and any(map(_is_image, m["content"]))
+               for m in prompt)
+
+
 def _is_image(part: Any) -> bool:
     return isinstance(part, Mapping) and part.get("type") in ("image", "image_url")
 
