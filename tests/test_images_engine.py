@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import base64
 import io
+import json
 from pathlib import Path
 
 import numpy as np
@@ -186,3 +187,84 @@ def test_bad_images_fail_in_one_line(ours):
     with pytest.raises(ImageError, match="2 image placeholders"):
         list(stream_generate(model, tokenizer, [{"role": "user", "content": [
             {"type": "image", "image": picture(7, (20, 20))}, {"type": "text", "text": "<start_of_image>"}]}]))
+
+
+def hf_text(hf, messages: list[dict]) -> str:
+    return hf[1].tokenizer.decode(hf_greedy(hf, messages))
+
+
+def test_chat_session_and_repl_with_images(ours, hf, tmp_path):
+    """A conversation with two images, one per turn, through the chat session; the REPL's /image
+    attaches a file to the next message."""
+    from mlxinfer.chat import ChatSession
+    from mlxinfer.repl import Repl, StreamReader
+
+    model, tokenizer = ours
+    a, b = picture(8, (50, 50)), picture(9, (70, 40))
+    session = ChatSession(model, tokenizer, temperature=0.0, max_tokens=STEPS, ignore_eos=True)
+    first = [c.token for c in session.send("Describe it.", images=[a])]
+    image = {"type": "image"}
+    turn1 = {"role": "user", "content": [{**image, "image": a}, {"type": "text", "text": "Describe it."}]}
+    assert first == hf_greedy(hf, [turn1])
+    second = [c.token for c in session.send("And this one?", images=[b])]
+    conversation = [turn1, {"role": "assistant", "content": session.messages[1]["content"]},
+                    {"role": "user", "content": [{**image, "image": b}, {"type": "text", "text": "And this one?"}]}]
+    assert second == hf_greedy(hf, conversation)
+    assert session.undo() and session.cache.offset == 0  # refilled with the images on the next turn
+    with pytest.raises(Exception, match="cannot be saved"):
+        session.save(tmp_path / "chat.json")
+
+    path = tmp_path / "b.png"
+    b.save(path)
+    out = io.StringIO()
+    repl_session = ChatSession(model, tokenizer, temperature=0.0, max_tokens=STEPS, ignore_eos=True)
+    Repl(repl_session, StreamReader(io.StringIO(f"/image {path}\nAnd this one?\n")), out).run()
+    assert "[image 1 attached" in out.getvalue()
+    assert repl_session.messages[0]["content"][0]["type"] == "image"
+    assert repl_session.reply == hf_text(hf, [conversation[2]])
+
+
+def test_cli_generate_with_image(checkpoint, hf, tmp_path):
+    from click.testing import CliRunner
+
+    from mlxinfer.cli import main
+
+    image = picture(10, (64, 40))
+    path = tmp_path / "photo.png"
+    image.save(path)
+    result = CliRunner().invoke(main, ["generate", "-m", str(checkpoint), "--dtype", "float32", "-p", "What is this?",
+                                       "--image", str(path), "--temp", "0", "--max-tokens", str(STEPS), "--json",
+                                       "--ignore-eos"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["text"] == hf_text(hf, ask(image, "What is this?"))
+    bad = tmp_path / "bad.png"
+    bad.write_bytes(b"no picture here")
+    result = CliRunner().invoke(main, ["generate", "-m", str(checkpoint), "-p", "What?", "--image", str(bad)])
+    assert result.exit_code == 1 and "not an image" in result.stderr and len(result.stderr.strip().splitlines()) <= 2
+
+
+def test_server_takes_image_url_parts(checkpoint, hf):
+    """The official openai client sends an image_url part as a data: URL; a bad image is a 400 in
+    OpenAI's shape; an http(s) URL is refused unless the server was started to fetch them."""
+    import openai
+    from serving import KEY, Server
+
+    server = Server(["-m", str(checkpoint), "--dtype", "float32", "--api-key", KEY])
+    try:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0, timeout=120)
+        image = picture(11, (56, 80))
+        content = [{"type": "image_url", "image_url": {"url": data_url(image)}},
+                   {"type": "text", "text": "What is in this picture?"}]
+        reply = client.chat.completions.create(model="m", messages=[{"role": "user", "content": content}],
+                                               max_tokens=STEPS, temperature=0)
+        want = hf_greedy(hf, ask(image))
+        assert reply.usage.completion_tokens <= STEPS
+        assert hf[1].tokenizer.decode(want).startswith(reply.choices[0].message.content)
+        for url, fact in (("data:image/png;base64," + base64.b64encode(b"text, not pixels").decode(), "not an image"),
+                          ("https://example.com/cat.png", "--allow-image-urls")):
+            content[0]["image_url"]["url"] = url
+            with pytest.raises(openai.BadRequestError) as e:
+                client.chat.completions.create(model="m", messages=[{"role": "user", "content": content}])
+            assert fact in e.value.body["message"] and e.value.body["type"] == "invalid_request_error"
+    finally:
+        server.stop()
