@@ -74,6 +74,7 @@ def convert(
     revision: str | None = None,
     progress: bool | None = None,
     adapter: str | os.PathLike | None = None,
+    quantize_vision: bool = False,
 ) -> Report:
     """Convert a Hugging Face folder or hub id, an MLX folder or a GGUF file into an MLX folder
     that mlxinfer and mlx-lm both load.
@@ -84,9 +85,10 @@ def convert(
     `q_mode` (mxfp4, mxfp8, nvfp4: each fixes bits and group size). `dequantize` writes floats.
     Nothing is written unless the whole conversion succeeds; `progress` (default: stderr is a
     TTY) shows a bar. `adapter`: a LoRA adapter folder (PEFT or mlx-lm, DoRA included) merged
-    into the weights before anything is quantized, so the output runs without it.
+    into the weights before anything is quantized, so the output runs without it. A vision-language
+    model's vision tower stays float unless `quantize_vision`.
     """
-    options = Options(quantize, bits, group_size, recipe, dtype, dequantize, shard_size, q_mode)
+    options = Options(quantize, bits, group_size, recipe, dtype, dequantize, shard_size, q_mode, quantize_vision)
     output = Path(output_dir).expanduser()
     started = time.perf_counter()
     mx.reset_peak_memory()

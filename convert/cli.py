@@ -46,8 +46,9 @@ def _choices(values) -> str:
 @click.option("--revision", help="Hub revision (branch, tag or commit) for a hub id.")
 @click.option("--adapter", type=click.Path(path_type=Path),
               help="LoRA adapter folder (PEFT or mlx-lm) to merge into the weights before quantizing.")
+@click.option("--quantize-vision", is_flag=True, help="Quantize a vision-language model's vision tower too.")
 def convert_command(source, output, quantize, bits, group_size, recipe, q_mode, dtype, dequantize, force,
-                    shard_size, eval_ppl, revision, adapter) -> None:
+                    shard_size, eval_ppl, revision, adapter, quantize_vision) -> None:
     """Convert SOURCE (Hugging Face/MLX folder, hub id or .gguf file) into an MLX folder."""
     report = convert(
         source,
@@ -64,5 +65,6 @@ def convert_command(source, output, quantize, bits, group_size, recipe, q_mode, 
         eval_ppl=eval_ppl,
         revision=revision,
         adapter=adapter,
+        quantize_vision=quantize_vision,
     )
     click.echo("\n".join(report.lines()))

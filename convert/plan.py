@@ -71,11 +71,12 @@ def plan(model: nn.Module, source: Source, options: Options) -> list[Job]:
     modules = dict(model.named_modules())
     layers = len(model.layers)
     dtype = options.float_dtype(source.dtype)
+    floats = () if options.quantize_vision else model.unquantized
     jobs = []
     for name, _ in tree_flatten(model.parameters()):
         tensor = source.tensors[name]
         path, _, leaf = name.rpartition(".")
-        quantizable = leaf == "weight" and hasattr(modules[path], "to_quantized")
+        quantizable = leaf == "weight" and hasattr(modules[path], "to_quantized") and not path.startswith(floats)
         want = _wanted(path, tensor, options, layers) if quantizable else None
         if want is not None and not want.fits(tensor.shape):
             reason = f"input dim {tensor.shape[-1]} is not divisible by group size {want.group_size}"

@@ -91,6 +91,7 @@ class Options:
     dequantize: bool = False
     shard_size: int = 5 << 30
     mode: str = "affine"
+    quantize_vision: bool = False  # a vision-language model's vision tower too (`CausalLM.unquantized`)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:

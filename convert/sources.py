@@ -75,15 +75,16 @@ def open_folder(folder: Path) -> Source:
             f"'{folder}' is quantized with {method}, which cannot be converted; use the unquantized original"
         )
     files = weight_files(folder)
-    stored, origin = read_weights(files)  # lazy: only shapes and dtypes are looked at here
+    raw, origin = read_weights(files)  # lazy: only shapes and dtypes are looked at here
     model = build_model(config)
-    stored = model.sanitize(stored)
+    stored = model.sanitize(raw)
     params = dict(tree_flatten(model.parameters()))
     modules = dict(model.named_modules())
     tensors: dict[str, SourceTensor] = {}
 
     def reader(name: str) -> Callable[[], mx.array]:
-        return partial(_lazy, folder / origin[name], name) if name in origin else partial(_built, files, model, name)
+        as_stored = name in origin and stored[name] is raw.get(name)  # not renamed, stacked or reshaped
+        return partial(_lazy, folder / origin[name], name) if as_stored else partial(_built, files, model, name)
 
     for name, array in stored.items():
         path, _, leaf = name.rpartition(".")
@@ -123,7 +124,7 @@ def _read_packed(parts: dict[str, Callable[[], mx.array]], spec: QuantSpec) -> P
 
 
 def _built(files: list[Path], model: nn.Module, name: str) -> mx.array:
-    """A tensor the model's `sanitize` builds from several stored ones (stacked experts),
+    """A tensor the model's `sanitize` builds from stored ones (stacked experts, a reshaped kernel),
     rebuilt from fresh lazy loads, so, like `_lazy`, nothing stays in memory."""
     return model.sanitize(read_weights(files)[0])[name]
 

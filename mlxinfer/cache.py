@@ -72,13 +72,15 @@ def _grown(buf: Parts | None, used: int, like: Parts, capacity: int) -> Parts:
 
 class KVCache:
     """Growing cache, preallocated in `step`-token blocks so decode never
-    concatenates per token; quantized to `bits` when given."""
+    concatenates per token; quantized to `bits` when given.
+
+    `position_delta` is what RoPE adds to `offset` for the tokens after a vision-language
+    prompt (Qwen-VL's M-RoPE: an image takes fewer positions than tokens); the prefill of such a
+    prompt sets it, trimming keeps it (the tokens before stay where they were) and emptying the
+    cache clears it."""
 
     step = 256
     max_capacity: int | None = None
-    # What positions after the prompt add to the offset (Qwen-VL's M-RoPE: images take fewer
-    # positions than tokens); set for the whole prompt when it is prefilled (`PromptCache.prefill`).
-    position_delta = 0
 
     def __init__(self, bits: int | None = None, group_size: int = 64):
         if bits is not None and bits not in KV_BITS:
@@ -88,6 +90,7 @@ class KVCache:
         self.values: Parts | None = None
         self.offset = 0
         self.size = 0
+        self.position_delta = 0
 
     def _store(self, keys: Parts, values: Parts) -> None:
         n = keys[0].shape[2]
@@ -127,6 +130,8 @@ class KVCache:
         n = min(self.size, n)
         self.size -= n
         self.offset -= n
+        if not self.offset:
+            self.position_delta = 0
         return n
 
     def can_trim_to(self, offset: int) -> bool:
@@ -166,7 +171,8 @@ class KVCache:
         return sum(p.nbytes // p.shape[2] for p in (*self.keys, *self.values))
 
     def meta(self) -> dict[str, Any]:
-        return {"kind": "KVCache", "offset": self.offset, "bits": self.bits, "group_size": self.group_size}
+        return {"kind": "KVCache", "offset": self.offset, "bits": self.bits, "group_size": self.group_size,
+                "position_delta": self.position_delta}
 
     def restore(self, keys: Parts, values: Parts, offset: int, positions: np.ndarray) -> None:
         """Refill from token-ordered state (the inverse of `state` and `positions`)."""
@@ -284,6 +290,8 @@ class RotatingKVCache(KVCache):
         has = self.keys is not None and len(kept)
         self._set(_take(self.keys, kept) if has else None, _take(self.values, kept) if has else None,
                   self._pos[kept], cut)
+        if not cut:
+            self.position_delta = 0
         return n
 
     def can_trim_to(self, offset: int) -> bool:
@@ -857,6 +865,9 @@ def _read_layer(path: Path, i: int, m: dict[str, Any], arrays: dict[str, mx.arra
             raise _unusable(path, f"layer {i} keeps {stored} entries for {offset} tokens")
         c = KVCache(bits, group)
     c.restore(keys, values, offset, positions)
+    c.position_delta = m.get("position_delta", 0)  # files from before vision-language prompts have none
+    if not is_integer(c.position_delta) or abs(c.position_delta) >= INDEX_MAX:
+        raise _unusable(path, f"layer {i} has position_delta {c.position_delta!r:.40}")
     return c
 
 

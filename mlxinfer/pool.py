@@ -177,7 +177,7 @@ def _layer_copy(c: KVCache | StateCache, length: int) -> KVCache | StateCache:
     positions = np.sort(c.positions())
     kept = int(np.searchsorted(positions, length))  # entries for the tokens before `length`
     new.restore(_head(keys, kept), _head(values, kept), length, positions[:kept])
-    new.position_delta = c.position_delta  # the prompt it continues is prefilled again, setting its own
+    new.position_delta = c.position_delta if length else 0
     return new
 
 
@@ -189,7 +189,8 @@ def _head(parts: Parts, n: int) -> Parts:
 
 def _layout(cache: PromptCache) -> Layout:
     """Each layer's kind, quantization and window: what must agree for one cache to stand in for another."""
-    return tuple(tuple(sorted((k, v) for k, v in c.meta().items() if k != "offset")) for c in cache.caches)
+    return tuple(tuple(sorted((k, v) for k, v in c.meta().items() if k not in ("offset", "position_delta")))
+                 for c in cache.caches)
 
 
 def cache_nbytes(cache: PromptCache) -> int:

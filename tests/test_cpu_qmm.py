@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import sys
+from contextlib import contextmanager
 
 import mlx.core as mx
 import numpy as np
@@ -92,17 +93,48 @@ def test_each_row_is_the_same_whatever_the_batch(bits):
             assert np.array_equal(together[r], alone[r][0]), (rows, r)
 
 
-@needs_extension
-def test_scalar_loop_is_bit_exact_with_the_vector_loop():
-    x, packed, scales, biases = random_case(5, 32, mx.bfloat16, rows=5, seed=7, out=300)
-    vector = np.array(ext.affine_quantized_matmul(x, packed, scales, biases, 32, 5))
-    ext.force_scalar(True)
+@contextmanager
+def simd(level: str):
+    """Run the extension's loops capped at `level` inside the block."""
+    ext.limit_simd(level)
     try:
-        assert ext.simd() == "scalar"
-        scalar = np.array(ext.affine_quantized_matmul(x, packed, scales, biases, 32, 5))
+        yield
     finally:
-        ext.force_scalar(False)
-    assert np.array_equal(vector, scalar)
+        ext.limit_simd("best")
+
+
+def loops() -> list[str]:
+    """The loops this CPU can run, narrowest first."""
+    found = []
+    for level in ("scalar", "avx2+fma", "avx512"):
+        with simd(level):
+            if ext.simd() == level:
+                found.append(level)
+    return found
+
+
+@needs_extension
+@pytest.mark.parametrize("bits", qmm.BITS)
+def test_every_loop_is_bit_exact_with_the_scalar_one(bits):
+    """The scalar loop models the vector ones operation for operation, so on any CPU a product
+    is the same bits; checked for few rows (the block loops) and many (dequantize once + tiles),
+    half and bfloat16 scales, and an odd output count (a tile with one output)."""
+    for rows, dtype in ((3, mx.bfloat16), (11, mx.float16)):
+        x, packed, scales, biases = random_case(bits, 32, dtype, rows=rows, seed=7, out=301)
+        results = {}
+        for level in loops():
+            with simd(level):
+                results[level] = np.array(ext.affine_quantized_matmul(x, packed, scales, biases, 32, bits))
+        assert results.keys() >= {"scalar", ext.simd()}
+        for level, y in results.items():
+            assert np.array_equal(y, results["scalar"]), (level, rows)
+
+
+def test_limit_simd_refuses_an_unknown_loop():
+    if ext is None:
+        pytest.skip("the CPU extension is not built")
+    with pytest.raises(ValueError, match="limit_simd takes"):
+        ext.limit_simd("neon")
 
 
 @needs_extension
@@ -300,13 +332,10 @@ def test_decode_attention_matches_numpy(dims):
 @needs_extension
 def test_decode_attention_rows_are_the_same_alone_and_batched_scalar_too():
     q, caches = attention_case(2, slots=(40, 5000, 9), live=(33, 4096, 9))  # the long row runs on all threads
-    for scalar in (False, True):
-        ext.force_scalar(scalar)
-        try:
+    for level in ("best", "scalar"):
+        with simd(level):
             batch = run_decode_attention(q, caches)
             alone = [run_decode_attention(q[b : b + 1], caches[b : b + 1])[0] for b in range(len(caches))]
-        finally:
-            ext.force_scalar(False)
         assert all(np.array_equal(batch[b], alone[b]) for b in range(len(caches)))
         np.testing.assert_allclose(batch, decode_attention_numpy(q, caches, 0.125), atol=2e-6)
 

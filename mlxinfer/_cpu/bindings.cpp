@@ -90,8 +90,15 @@ NB_MODULE(_cpu_qmm, m) {
       "residual -> the block's output. norms: [pre-MLP] or [post-attention, pre-MLP, post-MLP] (sandwich).");
   m.def("threads", &mlxinfer::threads, "Threads a matmul is split across (the calling one included).");
   m.def("set_threads", &mlxinfer::set_threads, "n"_a);
-  m.def("simd", &mlxinfer::simd_name, "The loop in use on this CPU: 'avx2+fma' or 'scalar'.");
-  m.def("force_scalar", &mlxinfer::force_scalar, "on"_a, "Run the scalar loop even where AVX2 is available.");
+  m.def("simd", &mlxinfer::simd_name, "The widest loop in use on this CPU: 'avx512', 'avx2+fma' or 'scalar'.");
+  m.def(
+      "limit_simd",
+      [](const std::string& name) {
+        if (!mlxinfer::limit_simd(name.c_str())) {
+          throw nb::value_error("limit_simd takes 'best', 'avx512', 'avx2+fma' or 'scalar'");
+        }
+      },
+      "name"_a, "Cap the loops the CPU may run (tests compare them bit for bit).");
   // The MLX headers it was compiled against: the primitive's ABI is only valid with the same release.
   m.attr("mlx_version") = std::to_string(MLX_VERSION_MAJOR) + "." + std::to_string(MLX_VERSION_MINOR) + "." +
       std::to_string(MLX_VERSION_PATCH);

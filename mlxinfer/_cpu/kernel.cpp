@@ -1,13 +1,20 @@
-// The quantized matmul loops: an AVX2/FMA one chosen at run time on x86-64, and a
-// scalar one everywhere. Both compute the same float32 operations in the same order:
-// per group, w = q * s + b (one fused multiply-add), then 16 running sums per row
-// (two vectors of 8 lanes; which input feeds which sum: sum_of) of x * w, added up at
-// the end in a fixed tree. So the scalar loop is a bit-exact model of the vector one.
+// The quantized matmul loops: AVX-512 (4- and 8-bit) and AVX2/FMA ones chosen at run time
+// on x86-64, and a scalar one everywhere. All compute the same float32 operations in the
+// same order: per group, w = q * s + b (one fused multiply-add), then 32 running sums per
+// row (4 vectors of 8 lanes or 2 of 16; which input feeds which sum: sum_of) of x * w,
+// added up at the end in a fixed tree. So the scalar loop is a bit-exact model of the
+// vector ones, and a machine's results do not depend on which of them it has.
+//
+// Why 32 sums: with 16 (two AVX2 vectors) and 32-input groups, each group's loop ran two
+// steps and the CPU spent more on the loop than on the arithmetic (7.4 GMAC/s on one core
+// of this project's Xeon, against 12.8 with 32 and 18.4 with AVX-512's 16-lane registers).
 #include "kernel.h"
 
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstring>
+#include <string>
 #include <vector>
 
 #if defined(__x86_64__)
@@ -19,10 +26,13 @@ namespace mlxinfer {
 namespace {
 
 constexpr int kLanes = 8;
+constexpr int kSums = 32;        // running sums per output (and inputs per step): 4 x 8 or 2 x 16 lanes
 constexpr int kMaxBlockRows = 4; // rows sharing one unpacking of the weights
 constexpr int kManyRows = 5;     // from here each output row is dequantized once for all rows
 
-std::atomic<bool> scalar_forced{false};
+// The vector loops, widest first; `limit_simd` caps which may run (tests compare them).
+enum class Simd : int { scalar = 0, avx2 = 1, avx512 = 2 };
+std::atomic<int> simd_cap{static_cast<int>(Simd::avx512)};
 
 float half_to_float(uint16_t h) {
   uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16;
@@ -77,24 +87,29 @@ inline void unpack_scalar(const uint8_t* p, uint32_t q[kLanes]) {
   }
 }
 
-// (a0 + a1) summed over its 8 lanes as the vector loop does: halves, then pairs.
-inline float tree_sum(const float a0[kLanes], const float a1[kLanes]) {
-  float v[kLanes], h[4];
+// The 32 running sums of one output summed in one fixed tree, the one the vector loops'
+// registers make natural: sum j with sum j + 16 (the two 16-lane halves), then j with j + 8,
+// j with j + 4, and the last four as (0 + 2) + (1 + 3).
+inline float tree_sum(const float a[kSums]) {
+  float v[16], h[kLanes], q[4];
+  for (int j = 0; j < 16; ++j) {
+    v[j] = a[j] + a[j + 16];
+  }
   for (int j = 0; j < kLanes; ++j) {
-    v[j] = a0[j] + a1[j];
+    h[j] = v[j] + v[j + kLanes];
   }
   for (int j = 0; j < 4; ++j) {
-    h[j] = v[j] + v[j + 4];
+    q[j] = h[j] + h[j + 4];
   }
-  return (h[0] + h[2]) + (h[1] + h[3]);
+  return (q[0] + q[2]) + (q[1] + q[3]);
 }
 
-// Which of the 16 running sums (vector, lane) input i of a 16-input chunk feeds. 4-bit
-// weights are read a byte at a time, two per byte, so even inputs go to the first
-// vector and odd ones to the second; other widths fill the vectors in input order.
+// Which of the 32 running sums input i of a 32-input chunk feeds. 4-bit weights come two
+// per byte, so a chunk's 16 bytes give their low nibbles (even inputs) to sums 0-15 and
+// their high nibbles (odd inputs) to sums 16-31; other widths feed the sums in input order.
 template <int BITS>
 constexpr int sum_of(int i) {
-  return BITS == 4 ? (i % 2) * kLanes + i / 2 : i;
+  return BITS == 4 ? (i % 2) * 16 + i / 2 : i;
 }
 
 template <int BITS>
@@ -105,21 +120,22 @@ void rows_scalar(const QuantizedMatrix& m, const float* x, int rows, float* y, i
     const uint8_t* w = m.packed + n * row_bytes;
     for (int r = 0; r < rows; ++r) {
       const float* xr = x + static_cast<size_t>(r) * m.in;
-      float acc[2 * kLanes] = {};
+      float acc[kSums] = {};
       for (int g = 0; g < groups; ++g) {
         float s = scale_at(m.scales, m.scale_type, static_cast<size_t>(n) * groups + g);
         float b = scale_at(m.biases, m.scale_type, static_cast<size_t>(n) * groups + g);
-        for (int k = g * m.group; k < (g + 1) * m.group; k += 2 * kLanes) {
-          uint32_t q[2 * kLanes];
-          unpack_scalar<BITS>(w + k * BITS / 8, q);
-          unpack_scalar<BITS>(w + (k + kLanes) * BITS / 8, q + kLanes);
-          for (int i = 0; i < 2 * kLanes; ++i) {
+        for (int k = g * m.group; k < (g + 1) * m.group; k += kSums) {
+          uint32_t q[kSums];
+          for (int v = 0; v < kSums / kLanes; ++v) {
+            unpack_scalar<BITS>(w + (k + v * kLanes) * BITS / 8, q + v * kLanes);
+          }
+          for (int i = 0; i < kSums; ++i) {
             float& a = acc[sum_of<BITS>(i)];
             a = std::fma(xr[k + i], std::fma(static_cast<float>(q[i]), s, b), a);
           }
         }
       }
-      y[static_cast<size_t>(r) * m.out + n] = tree_sum(acc, acc + kLanes);
+      y[static_cast<size_t>(r) * m.out + n] = tree_sum(acc);
     }
   }
 }
@@ -127,6 +143,7 @@ void rows_scalar(const QuantizedMatrix& m, const float* x, int rows, float* y, i
 #if defined(__x86_64__)
 
 #define MLXINFER_AVX2 __attribute__((target("avx2,fma,f16c")))
+#define MLXINFER_AVX512 __attribute__((target("avx512f,avx2,fma,f16c")))
 
 // 8 integers as floats: 8-bit values are whole bytes; narrower ones come from two
 // 32-bit windows (values 0-3 and 4-7) shifted per lane.
@@ -152,17 +169,23 @@ MLXINFER_AVX2 inline __m256 unpack_avx2(const uint8_t* p) {
   }
 }
 
-// The 16 integers of inputs [k, k + 16) of a packed row as floats, in the order the sums take
-// them (sum_of): for 4 bits, 8 bytes' low nibbles (even inputs) then high nibbles (odd ones).
+// The 32 integers of inputs [k, k + 32) of a packed row as floats, q[v] feeding sums
+// [8v, 8v + 8) (sum_of): for 4 bits, the low nibbles of bytes 0-7 and 8-15, then their high ones.
 template <int BITS>
-MLXINFER_AVX2 inline void unpack16_avx2(const uint8_t* w, int k, __m256& q0, __m256& q1) {
+MLXINFER_AVX2 inline void unpack32_avx2(const uint8_t* w, int k, __m256 q[4]) {
   if constexpr (BITS == 4) {
-    const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + k / 2)));
-    q0 = _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(0xf)));
-    q1 = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));
+    const uint8_t* p = w + k / 2;
+    const __m256i v0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+    const __m256i v1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8)));
+    const __m256i low = _mm256_set1_epi32(0xf);
+    q[0] = _mm256_cvtepi32_ps(_mm256_and_si256(v0, low));
+    q[1] = _mm256_cvtepi32_ps(_mm256_and_si256(v1, low));
+    q[2] = _mm256_cvtepi32_ps(_mm256_srli_epi32(v0, 4));
+    q[3] = _mm256_cvtepi32_ps(_mm256_srli_epi32(v1, 4));
   } else {
-    q0 = unpack_avx2<BITS>(w + k * BITS / 8);
-    q1 = unpack_avx2<BITS>(w + (k + kLanes) * BITS / 8);
+    for (int v = 0; v < 4; ++v) {
+      q[v] = unpack_avx2<BITS>(w + (k + v * kLanes) * BITS / 8);
+    }
   }
 }
 
@@ -174,47 +197,160 @@ MLXINFER_AVX2 inline float scale_at_avx2(const void* data, ScaleType type, size_
   return scale_at(data, type, index);
 }
 
-MLXINFER_AVX2 inline float tree_sum_avx2(__m256 a0, __m256 a1) {
-  __m256 v = _mm256_add_ps(a0, a1);
+// The scales and biases of rows [n, n + count) as floats, converted once for all of them:
+// converting each group's pair where it is used cost a third of the 4-bit loop's time with
+// half scales, and converting row by row still a twentieth (a short tail every row).
+MLXINFER_AVX2 void row_scales(const QuantizedMatrix& m, int n, int count, float* s, float* b) {
+  const size_t first = static_cast<size_t>(n) * (m.in / m.group);
+  const int total = count * (m.in / m.group);
+  if (m.scale_type == ScaleType::float32) {
+    std::memcpy(s, static_cast<const float*>(m.scales) + first, total * sizeof(float));
+    std::memcpy(b, static_cast<const float*>(m.biases) + first, total * sizeof(float));
+    return;
+  }
+  int g = 0;
+  if (m.scale_type == ScaleType::float16) {
+    const uint16_t* hs = static_cast<const uint16_t*>(m.scales) + first;
+    const uint16_t* hb = static_cast<const uint16_t*>(m.biases) + first;
+    for (; g + kLanes <= total; g += kLanes) {
+      _mm256_storeu_ps(s + g, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(hs + g))));
+      _mm256_storeu_ps(b + g, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(hb + g))));
+    }
+  }
+  for (; g < total; ++g) {
+    s[g] = scale_at_avx2(m.scales, m.scale_type, first + g);
+    b[g] = scale_at_avx2(m.biases, m.scale_type, first + g);
+  }
+}
+
+// Outputs whose scales are converted together (row_scales).
+constexpr int kScaleRows = 16;
+
+// Room for kScaleRows rows' scales and biases (this thread's, reused).
+inline float* scale_buffer(int groups) {
+  thread_local std::vector<float> buffer;
+  const size_t size = 2 * static_cast<size_t>(kScaleRows) * groups;
+  if (buffer.size() < size) {
+    buffer.resize(size);
+  }
+  return buffer.data();
+}
+
+// tree_sum over sums held as (lo, hi) = (sums 0-7 + 16-23, sums 8-15 + 24-31), lane-wise.
+MLXINFER_AVX2 inline float tree_sum_avx2(__m256 lo, __m256 hi) {
+  __m256 v = _mm256_add_ps(lo, hi);
   __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   __m128 pairs = _mm_add_ps(h, _mm_movehl_ps(h, h)); // h0 + h2, h1 + h3
   return _mm_cvtss_f32(_mm_add_ss(pairs, _mm_shuffle_ps(pairs, pairs, 1)));
 }
 
-// R rows (1..4) against outputs [n0, n1): each 8 weights are unpacked once for all R.
-template <int BITS, int R>
+MLXINFER_AVX2 inline float tree_sum_avx2(const __m256 a[4]) {
+  return tree_sum_avx2(_mm256_add_ps(a[0], a[2]), _mm256_add_ps(a[1], a[3]));
+}
+
+// R rows (1..4) against outputs [n0, n1): each 32 weights are unpacked once for all R.
+template <int BITS, int R, int CHUNKS>
 MLXINFER_AVX2 void block_avx2(const QuantizedMatrix& m, const float* x, float* y, int n0, int n1) {
   const size_t row_bytes = static_cast<size_t>(m.in) * BITS / 8;
   const int groups = m.in / m.group;
+  float* const scales = scale_buffer(groups);
+  float* const biases = scales + kScaleRows * groups;
   for (int n = n0; n < n1; ++n) {
     const uint8_t* w = m.packed + n * row_bytes;
-    __m256 acc[R][2];
+    if ((n - n0) % kScaleRows == 0) {
+      row_scales(m, n, std::min(kScaleRows, n1 - n), scales, biases);
+    }
+    const float* sf = scales + ((n - n0) % kScaleRows) * groups;
+    const float* bf = biases + ((n - n0) % kScaleRows) * groups;
+    __m256 acc[R][4];
     for (int r = 0; r < R; ++r) {
-      acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+      for (int v = 0; v < 4; ++v) {
+        acc[r][v] = _mm256_setzero_ps();
+      }
     }
     for (int g = 0; g < groups; ++g) {
-      const __m256 s = _mm256_set1_ps(scale_at_avx2(m.scales, m.scale_type, static_cast<size_t>(n) * groups + g));
-      const __m256 b = _mm256_set1_ps(scale_at_avx2(m.biases, m.scale_type, static_cast<size_t>(n) * groups + g));
-      for (int k = g * m.group; k < (g + 1) * m.group; k += 2 * kLanes) {
-        __m256 q0, q1;
-        unpack16_avx2<BITS>(w, k, q0, q1);
-        const __m256 w0 = _mm256_fmadd_ps(q0, s, b);
-        const __m256 w1 = _mm256_fmadd_ps(q1, s, b);
-        for (int r = 0; r < R; ++r) {
-          const float* xr = x + static_cast<size_t>(r) * m.in + k;
-          acc[r][0] = _mm256_fmadd_ps(_mm256_loadu_ps(xr), w0, acc[r][0]);
-          acc[r][1] = _mm256_fmadd_ps(_mm256_loadu_ps(xr + kLanes), w1, acc[r][1]);
+      const __m256 s = _mm256_set1_ps(sf[g]);
+      const __m256 b = _mm256_set1_ps(bf[g]);
+      for (int c = 0; c < CHUNKS; ++c) {
+        const int k = (g * CHUNKS + c) * kSums;
+        __m256 q[4];
+        unpack32_avx2<BITS>(w, k, q);
+        for (int v = 0; v < 4; ++v) {
+          const __m256 wv = _mm256_fmadd_ps(q[v], s, b);
+          for (int r = 0; r < R; ++r) {
+            const float* xr = x + static_cast<size_t>(r) * m.in + k + v * kLanes;
+            acc[r][v] = _mm256_fmadd_ps(_mm256_loadu_ps(xr), wv, acc[r][v]);
+          }
         }
       }
     }
     for (int r = 0; r < R; ++r) {
-      y[static_cast<size_t>(r) * m.out + n] = tree_sum_avx2(acc[r][0], acc[r][1]);
+      y[static_cast<size_t>(r) * m.out + n] = tree_sum_avx2(acc[r]);
     }
   }
 }
 
-// Row n of the matrix as the floats block_avx2 multiplies by: per 16-input chunk its w0 then
-// its w1 (for 4 bits, even inputs then odd ones), each fma(q, s, b) as there.
+// The AVX-512 loop for 4- and 8-bit weights: the same 32 sums as two 16-lane registers
+// (sums 0-15, 16-31), each updated by the same operations in the same order, so its
+// results equal block_avx2's bit for bit at about 1.5x its speed.
+template <int BITS>
+MLXINFER_AVX512 inline void unpack32_avx512(const uint8_t* w, int k, __m512& q0, __m512& q1) {
+  if constexpr (BITS == 4) {
+    const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + k / 2)));
+    q0 = _mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(0xf)));
+    q1 = _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
+  } else {
+    q0 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + k))));
+    q1 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + k + 16))));
+  }
+}
+
+MLXINFER_AVX512 inline float tree_sum_avx512(__m512 a0, __m512 a1) {
+  const __m512 v = _mm512_add_ps(a0, a1);
+  return tree_sum_avx2(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+}
+
+template <int BITS, int R, int CHUNKS>
+MLXINFER_AVX512 void block_avx512(const QuantizedMatrix& m, const float* x, float* y, int n0, int n1) {
+  const size_t row_bytes = static_cast<size_t>(m.in) * BITS / 8;
+  const int groups = m.in / m.group;
+  float* const scales = scale_buffer(groups);
+  float* const biases = scales + kScaleRows * groups;
+  for (int n = n0; n < n1; ++n) {
+    const uint8_t* w = m.packed + n * row_bytes;
+    if ((n - n0) % kScaleRows == 0) {
+      row_scales(m, n, std::min(kScaleRows, n1 - n), scales, biases);
+    }
+    const float* sf = scales + ((n - n0) % kScaleRows) * groups;
+    const float* bf = biases + ((n - n0) % kScaleRows) * groups;
+    __m512 acc[R][2];
+    for (int r = 0; r < R; ++r) {
+      acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    }
+    for (int g = 0; g < groups; ++g) {
+      const __m512 s = _mm512_set1_ps(sf[g]);
+      const __m512 b = _mm512_set1_ps(bf[g]);
+      for (int c = 0; c < CHUNKS; ++c) {
+        const int k = (g * CHUNKS + c) * kSums;
+        __m512 q0, q1;
+        unpack32_avx512<BITS>(w, k, q0, q1);
+        const __m512 w0 = _mm512_fmadd_ps(q0, s, b);
+        const __m512 w1 = _mm512_fmadd_ps(q1, s, b);
+        for (int r = 0; r < R; ++r) {
+          const float* xr = x + static_cast<size_t>(r) * m.in + k;
+          acc[r][0] = _mm512_fmadd_ps(_mm512_loadu_ps(xr), w0, acc[r][0]);
+          acc[r][1] = _mm512_fmadd_ps(_mm512_loadu_ps(xr + 16), w1, acc[r][1]);
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      y[static_cast<size_t>(r) * m.out + n] = tree_sum_avx512(acc[r][0], acc[r][1]);
+    }
+  }
+}
+
+// Row n of the matrix as the floats the block loops multiply by: per 32-input chunk, the
+// weight of sum 0 to sum 31 (for 4 bits, even inputs then odd ones), each fma(q, s, b).
 template <int BITS>
 MLXINFER_AVX2 void dequantized_row(const QuantizedMatrix& m, int n, float* out) {
   const size_t row_bytes = static_cast<size_t>(m.in) * BITS / 8;
@@ -223,51 +359,99 @@ MLXINFER_AVX2 void dequantized_row(const QuantizedMatrix& m, int n, float* out) 
   for (int g = 0; g < groups; ++g) {
     const __m256 s = _mm256_set1_ps(scale_at_avx2(m.scales, m.scale_type, static_cast<size_t>(n) * groups + g));
     const __m256 b = _mm256_set1_ps(scale_at_avx2(m.biases, m.scale_type, static_cast<size_t>(n) * groups + g));
-    for (int k = g * m.group; k < (g + 1) * m.group; k += 2 * kLanes) {
-      __m256 q0, q1;
-      unpack16_avx2<BITS>(w, k, q0, q1);
-      _mm256_storeu_ps(out + k, _mm256_fmadd_ps(q0, s, b));
-      _mm256_storeu_ps(out + k + kLanes, _mm256_fmadd_ps(q1, s, b));
+    for (int k = g * m.group; k < (g + 1) * m.group; k += kSums) {
+      __m256 q[4];
+      unpack32_avx2<BITS>(w, k, q);
+      for (int v = 0; v < 4; ++v) {
+        _mm256_storeu_ps(out + k + v * kLanes, _mm256_fmadd_ps(q[v], s, b));
+      }
     }
   }
 }
 
-// R rows (1 or 2) against the dequantized rows of NO outputs (1 or 2), register-blocked: each
-// (row, output) accumulates exactly as block_avx2 does, so the result is the same bit for bit.
+// R rows against the dequantized rows of NO outputs, register-blocked: each (row, output)
+// accumulates its 32 sums exactly as the block loops do, so the result is the same bit for bit.
 template <int R, int NO>
 MLXINFER_AVX2 inline void tile_avx2(const float* x, int in, const float* const* w, float* y, int out) {
-  __m256 acc[R][NO][2];
+  __m256 acc[R][NO][4];
   for (int r = 0; r < R; ++r) {
     for (int o = 0; o < NO; ++o) {
-      acc[r][o][0] = acc[r][o][1] = _mm256_setzero_ps();
+      for (int v = 0; v < 4; ++v) {
+        acc[r][o][v] = _mm256_setzero_ps();
+      }
     }
   }
-  for (int k = 0; k < in; k += 2 * kLanes) {
-    __m256 w0[NO], w1[NO];
-    for (int o = 0; o < NO; ++o) {
-      w0[o] = _mm256_loadu_ps(w[o] + k);
-      w1[o] = _mm256_loadu_ps(w[o] + k + kLanes);
-    }
-    for (int r = 0; r < R; ++r) {
-      const __m256 x0 = _mm256_loadu_ps(x + static_cast<size_t>(r) * in + k);
-      const __m256 x1 = _mm256_loadu_ps(x + static_cast<size_t>(r) * in + k + kLanes);
+  for (int k = 0; k < in; k += kSums) {
+    for (int v = 0; v < 4; ++v) {
+      __m256 wv[NO];
       for (int o = 0; o < NO; ++o) {
-        acc[r][o][0] = _mm256_fmadd_ps(x0, w0[o], acc[r][o][0]);
-        acc[r][o][1] = _mm256_fmadd_ps(x1, w1[o], acc[r][o][1]);
+        wv[o] = _mm256_loadu_ps(w[o] + k + v * kLanes);
+      }
+      for (int r = 0; r < R; ++r) {
+        const __m256 xv = _mm256_loadu_ps(x + static_cast<size_t>(r) * in + k + v * kLanes);
+        for (int o = 0; o < NO; ++o) {
+          acc[r][o][v] = _mm256_fmadd_ps(xv, wv[o], acc[r][o][v]);
+        }
       }
     }
   }
   for (int r = 0; r < R; ++r) {
     for (int o = 0; o < NO; ++o) {
-      y[static_cast<size_t>(r) * out + o] = tree_sum_avx2(acc[r][o][0], acc[r][o][1]);
+      y[static_cast<size_t>(r) * out + o] = tree_sum_avx2(acc[r][o]);
     }
   }
 }
 
+template <int R, int NO>
+MLXINFER_AVX512 inline void tile_avx512(const float* x, int in, const float* const* w, float* y, int out) {
+  __m512 acc[R][NO][2];
+  for (int r = 0; r < R; ++r) {
+    for (int o = 0; o < NO; ++o) {
+      acc[r][o][0] = acc[r][o][1] = _mm512_setzero_ps();
+    }
+  }
+  for (int k = 0; k < in; k += kSums) {
+    __m512 w0[NO], w1[NO];
+    for (int o = 0; o < NO; ++o) {
+      w0[o] = _mm512_loadu_ps(w[o] + k);
+      w1[o] = _mm512_loadu_ps(w[o] + k + 16);
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m512 x0 = _mm512_loadu_ps(x + static_cast<size_t>(r) * in + k);
+      const __m512 x1 = _mm512_loadu_ps(x + static_cast<size_t>(r) * in + k + 16);
+      for (int o = 0; o < NO; ++o) {
+        acc[r][o][0] = _mm512_fmadd_ps(x0, w0[o], acc[r][o][0]);
+        acc[r][o][1] = _mm512_fmadd_ps(x1, w1[o], acc[r][o][1]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int o = 0; o < NO; ++o) {
+      y[static_cast<size_t>(r) * out + o] = tree_sum_avx512(acc[r][o][0], acc[r][o][1]);
+    }
+  }
+}
+
+// Rows [r0, rows) against two dequantized outputs (`outputs` of them live), R rows at a time.
+template <int R, bool WIDE>
+int tiles(const float* x, int in, int r0, int rows, const float* const* w, int outputs, float* y,
+                          int out) {
+  for (; r0 + R <= rows; r0 += R) {
+    const float* xr = x + static_cast<size_t>(r0) * in;
+    float* yr = y + static_cast<size_t>(r0) * out;
+    if constexpr (WIDE) {
+      outputs == 2 ? tile_avx512<R, 2>(xr, in, w, yr, out) : tile_avx512<R, 1>(xr, in, w, yr, out);
+    } else {
+      outputs == 2 ? tile_avx2<R, 2>(xr, in, w, yr, out) : tile_avx2<R, 1>(xr, in, w, yr, out);
+    }
+  }
+  return r0;
+}
+
 // Many rows: each pair of outputs is dequantized once (into L1) for all rows, then multiplied
-// two rows by two outputs at a time, where block_avx2 unpacks again for every 4 rows.
-template <int BITS>
-MLXINFER_AVX2 void many_rows_avx2(const QuantizedMatrix& m, const float* x, int rows, float* y, int n0, int n1) {
+// in register tiles of rows by two outputs, where the block loops unpack again for every 4 rows.
+template <int BITS, bool WIDE>
+void many_rows(const QuantizedMatrix& m, const float* x, int rows, float* y, int n0, int n1) {
   thread_local std::vector<float> buffer;
   buffer.resize(2 * static_cast<size_t>(m.in));
   float* w[2] = {buffer.data(), buffer.data() + m.in};
@@ -276,73 +460,98 @@ MLXINFER_AVX2 void many_rows_avx2(const QuantizedMatrix& m, const float* x, int 
     for (int o = 0; o < outputs; ++o) {
       dequantized_row<BITS>(m, n + o, w[o]);
     }
-    for (int r = 0; r < rows; r += 2) {
-      const float* xr = x + static_cast<size_t>(r) * m.in;
-      float* yr = y + static_cast<size_t>(r) * m.out + n;
-      if (r + 1 < rows) {
-        outputs == 2 ? tile_avx2<2, 2>(xr, m.in, w, yr, m.out) : tile_avx2<2, 1>(xr, m.in, w, yr, m.out);
-      } else {
-        outputs == 2 ? tile_avx2<1, 2>(xr, m.in, w, yr, m.out) : tile_avx2<1, 1>(xr, m.in, w, yr, m.out);
-      }
-    }
+    float* yn = y + n;
+    int r = tiles<WIDE ? 4 : 1, WIDE>(x, m.in, 0, rows, w, outputs, yn, m.out);
+    tiles<1, WIDE>(x, m.in, r, rows, w, outputs, yn, m.out);
   }
 }
 
-// x with each 16-input chunk reordered as the 4-bit loop reads it (see sum_of).
+// x with each 32-input chunk reordered as the 4-bit loops read it (see sum_of).
 const float* deinterleaved(const float* x, int rows, int in) {
   thread_local std::vector<float> buffer;
   buffer.resize(static_cast<size_t>(rows) * in);
-  for (size_t k = 0; k < buffer.size(); k += 2 * kLanes) {
-    for (int i = 0; i < 2 * kLanes; ++i) {
+  for (size_t k = 0; k < buffer.size(); k += kSums) {
+    for (int i = 0; i < kSums; ++i) {
       buffer[k + sum_of<4>(i)] = x[k + i];
     }
   }
   return buffer.data();
 }
 
-template <int BITS>
-MLXINFER_AVX2 void rows_avx2(const QuantizedMatrix& m, const float* x, int rows, float* y, int n0, int n1) {
-  if constexpr (BITS == 4) {
-    x = deinterleaved(x, rows, m.in);
+// Rows in blocks of up to kMaxBlockRows, the group's chunk count a constant of the loop.
+template <int BITS, int R, bool WIDE>
+void block(const QuantizedMatrix& m, const float* x, float* y, int n0, int n1) {
+  const int chunks = m.group / kSums;
+  if constexpr (WIDE) {
+    chunks == 1   ? block_avx512<BITS, R, 1>(m, x, y, n0, n1)
+    : chunks == 2 ? block_avx512<BITS, R, 2>(m, x, y, n0, n1)
+                  : block_avx512<BITS, R, 4>(m, x, y, n0, n1);
+  } else {
+    chunks == 1   ? block_avx2<BITS, R, 1>(m, x, y, n0, n1)
+    : chunks == 2 ? block_avx2<BITS, R, 2>(m, x, y, n0, n1)
+                  : block_avx2<BITS, R, 4>(m, x, y, n0, n1);
   }
-  if (rows >= kManyRows) {
-    return many_rows_avx2<BITS>(m, x, rows, y, n0, n1);
-  }
+}
+
+template <int BITS, bool WIDE>
+void blocks(const QuantizedMatrix& m, const float* x, int rows, float* y, int n0, int n1) {
   for (int r0 = 0; r0 < rows; r0 += kMaxBlockRows) {
     const float* xb = x + static_cast<size_t>(r0) * m.in;
     float* yb = y + static_cast<size_t>(r0) * m.out;
     switch (rows - r0 < kMaxBlockRows ? rows - r0 : kMaxBlockRows) {
-      case 1: block_avx2<BITS, 1>(m, xb, yb, n0, n1); break;
-      case 2: block_avx2<BITS, 2>(m, xb, yb, n0, n1); break;
-      case 3: block_avx2<BITS, 3>(m, xb, yb, n0, n1); break;
-      default: block_avx2<BITS, 4>(m, xb, yb, n0, n1); break;
+      case 1: block<BITS, 1, WIDE>(m, xb, yb, n0, n1); break;
+      case 2: block<BITS, 2, WIDE>(m, xb, yb, n0, n1); break;
+      case 3: block<BITS, 3, WIDE>(m, xb, yb, n0, n1); break;
+      default: block<BITS, 4, WIDE>(m, xb, yb, n0, n1); break;
     }
   }
 }
 
-bool cpu_has_avx2() {
-  static const bool has =
+template <int BITS, bool WIDE>
+void rows_vector(const QuantizedMatrix& m, const float* x, int rows, float* y, int n0, int n1) {
+  if constexpr (BITS == 4) {
+    x = deinterleaved(x, rows, m.in);
+  }
+  if (rows >= kManyRows) {
+    return many_rows<BITS, WIDE>(m, x, rows, y, n0, n1);
+  }
+  blocks<BITS, WIDE>(m, x, rows, y, n0, n1);
+}
+
+bool cpu_has(Simd level) {
+  static const bool avx2 =
       __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
-  return has;
+  static const bool avx512 = avx2 && __builtin_cpu_supports("avx512f");
+  return level == Simd::scalar || (level == Simd::avx2 && avx2) || (level == Simd::avx512 && avx512);
 }
 
 #else
 
-bool cpu_has_avx2() {
-  return false;
+bool cpu_has(Simd level) {
+  return level == Simd::scalar;
 }
 
 #endif
 
-bool use_avx2() {
-  return cpu_has_avx2() && !scalar_forced.load(std::memory_order_relaxed);
+Simd active() {
+  const Simd cap = static_cast<Simd>(simd_cap.load(std::memory_order_relaxed));
+  for (Simd level : {Simd::avx512, Simd::avx2}) {
+    if (level <= cap && cpu_has(level)) {
+      return level;
+    }
+  }
+  return Simd::scalar;
 }
 
 template <int BITS>
 void rows_for(const QuantizedMatrix& m, const float* x, int rows, float* y, int n0, int n1) {
 #if defined(__x86_64__)
-  if (use_avx2()) {
-    return rows_avx2<BITS>(m, x, rows, y, n0, n1);
+  const Simd level = active();
+  if (level == Simd::avx512 && (BITS == 4 || BITS == 8)) {
+    return rows_vector<BITS, true>(m, x, rows, y, n0, n1);
+  }
+  if (level != Simd::scalar) {
+    return rows_vector<BITS, false>(m, x, rows, y, n0, n1);
   }
 #endif
   rows_scalar<BITS>(m, x, rows, y, n0, n1);
@@ -362,15 +571,31 @@ void quantized_matmul_range(const QuantizedMatrix& m, const float* x, int rows, 
 }
 
 const char* simd_name() {
-  return use_avx2() ? "avx2+fma" : "scalar";
+  switch (active()) {
+    case Simd::avx512: return "avx512";
+    case Simd::avx2: return "avx2+fma";
+    default: return "scalar";
+  }
 }
 
 bool simd_avx2() {
-  return use_avx2();
+  return active() != Simd::scalar;
 }
 
-void force_scalar(bool on) {
-  scalar_forced.store(on, std::memory_order_relaxed);
+bool limit_simd(const char* name) {
+  const std::string level = name;
+  Simd cap;
+  if (level == "scalar") {
+    cap = Simd::scalar;
+  } else if (level == "avx2+fma") {
+    cap = Simd::avx2;
+  } else if (level == "avx512" || level == "best") {
+    cap = Simd::avx512;
+  } else {
+    return false;
+  }
+  simd_cap.store(static_cast<int>(cap), std::memory_order_relaxed);
+  return true;
 }
 
 } // namespace mlxinfer

@@ -30,10 +30,11 @@ struct QuantizedMatrix {
 // `rows` nor on [n0, n1), so a row's result is the same whatever shares its batch.
 void quantized_matmul_range(const QuantizedMatrix& m, const float* x, int rows, float* y, int n0, int n1);
 
-// "avx2+fma" or "scalar": the loop quantized_matmul_range runs on this CPU.
+// "avx512", "avx2+fma" or "scalar": the widest loop quantized_matmul_range runs on this
+// CPU (AVX-512 for 4- and 8-bit weights; other widths take the AVX2 loop there).
 const char* simd_name();
 
-// Whether the AVX2 loops run (the CPU has them and the scalar loop is not forced).
+// Whether the AVX2 loops run (the CPU has them and `limit_simd` allows them).
 bool simd_avx2();
 
 // One sequence's cached keys or values for one decode step: float32, entry (head h,
@@ -62,7 +63,8 @@ void axpy(float p, const float* v, float* acc, int n);
 // y [rows, out] row major: each output one `dot`, so a row's result never depends on its batch.
 void float_matmul_range(const float* w, int in, const float* x, int rows, float* y, int out, int n0, int n1);
 
-// Force the scalar loop (true) or let the CPU decide (false); for tests and doctor.
-void force_scalar(bool on);
+// Cap the loops at "scalar", "avx2+fma" or "avx512" ("best": no cap; the CPU still decides
+// what it has); false for another name. For tests, which compare the loops bit for bit.
+bool limit_simd(const char* name);
 
 } // namespace mlxinfer

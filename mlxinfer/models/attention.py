@@ -105,12 +105,18 @@ def attend(q: mx.array, k: mx.array, v: mx.array, cache, scale: float, mask: Mas
     return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask, sinks=sinks)
 
 
+def position(cache) -> int:
+    """The RoPE position of a cache's next token: its offset plus the `position_delta` a
+    vision-language prompt left (Qwen-VL's images take fewer positions than tokens; else 0)."""
+    return cache.offset + cache.position_delta
+
+
 def offsets(cache) -> int | list[int]:
-    """Where the new tokens start: one offset, or one per row for a batch (RoPE takes either)."""
+    """Where the new tokens' RoPE positions start: one offset, or one per row for a batch (RoPE takes either)."""
     if cache is None:
         return 0
     rows = getattr(cache, "rows", None)
-    return cache.offset if rows is None else [c.offset for c in rows]
+    return position(cache) if rows is None else [position(c) for c in rows]
 
 
 def attention(q: mx.array, k: mx.array, v: mx.array, cache, mask, scale: float,

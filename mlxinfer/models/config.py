@@ -297,6 +297,29 @@ CONFIG_FIELDS: dict[str, Field] = {
     # gpt-oss
     "swiglu_alpha": NUMBER_SET,
     "swiglu_limit": POSITIVE_SET,
+    # vision-language models: the image placeholder and the vision tower's own config
+    "image_token_id": Field(int, 0, INT_MAX),
+    "vision_config": Field(dict),
+}
+
+# A vision tower's config.json `vision_config` (Qwen-VL; Hugging Face and older hub names).
+VISION_FIELDS: dict[str, Field] = {
+    "depth": Field(int, 1, 1024, nullable=False),
+    "hidden_size": WIDTH,
+    "intermediate_size": COUNT,
+    "num_heads": COUNT,
+    "in_channels": SIZE_SET,
+    "in_chans": SIZE_SET,
+    "patch_size": Field(int, 1, 1024, nullable=False),
+    "temporal_patch_size": Field(int, 1, 64, nullable=False),
+    "spatial_merge_size": Field(int, 1, 64, nullable=False),
+    "window_size": SIZE_SET,
+    "out_hidden_size": WIDTH,
+    "fullatt_block_indexes": Field(list, 0, item=int),
+    "deepstack_visual_indexes": Field(list, 0, item=int),
+    "num_position_embeddings": SIZE_SET,
+    "hidden_act": Field(str, nullable=False),
+    "rope_parameters": Field(dict),
 }
 
 ROPE_FIELDS: dict[str, Field] = {
@@ -316,6 +339,8 @@ ROPE_FIELDS: dict[str, Field] = {
     "long_factor": Field(list, 0, strict=True, item=float),
     "partial_rotary_factor": Field(float, 0, 1, strict=True, nullable=False),
     "truncate": FLAG,
+    "mrope_section": Field(list, 0, item=int),  # M-RoPE's frequencies per position axis (Qwen-VL)
+    "mrope_interleaved": FLAG,
 }
 
 QUANT_FIELDS: dict[str, Field] = {
@@ -371,6 +396,11 @@ def check_config(d: Any, source: str = "config.json") -> dict[str, Any]:
         _check_quantization(d["quantization"], f"{source} quantization")
     if d.get("text_config"):
         check_config({"model_type": "text", **d["text_config"]}, f"{source} text_config")
+    if d.get("vision_config"):
+        _check_fields(d["vision_config"], VISION_FIELDS, f"{source} vision_config")
+        rope = d["vision_config"].get("rope_parameters")
+        if rope:
+            _check_fields(rope, ROPE_FIELDS, f"{source} vision_config rope_parameters")
     return d
 
 

@@ -18,7 +18,7 @@ import numpy as np
 from ..errors import ConfigError, NoLMHeadError
 from ..kernels import decode_layer
 from ..kernels.quantized_matmul import BITS, GROUP_SIZES, quantized_matmul
-from .attention import Mask, attention, attention_mask, offsets, with_spans
+from .attention import Mask, attention, attention_mask, offsets, position, with_spans
 from .config import ModelConfig, RopeConfig
 from .lora import LoRALinear
 from .pooling import EmbeddingConfig
@@ -262,7 +262,9 @@ class Attention(nn.Module):
         q, k, v = mx.split(self.qkv_proj(x), [q_end, q_end + self.n_kv_heads * self.head_dim], axis=-1)
         return q, k, v
 
-    def __call__(self, x: mx.array, mask: Mask, cache=None) -> mx.array:
+    def __call__(self, x: mx.array, mask: Mask, cache=None, positions: mx.array | None = None) -> mx.array:
+        """`positions`: each token's own RoPE positions where they are not the cache's (a
+        vision-language prompt's M-RoPE axes, taken by its `rope`)."""
         B, T, _ = x.shape
         q, k, v = self._qkv(x)
         gate = None
@@ -273,7 +275,7 @@ class Attention(nn.Module):
         k = self._heads(k, self.n_kv_heads, getattr(self, "k_norm", None))
         v = self._heads(v, self.n_kv_heads)
         if self.rope is not None:
-            offset = offsets(cache)
+            offset = offsets(cache) if positions is None else positions
             q, k = self.rope(q, offset), self.rope(k, offset)
         o = attention(q, k, v, cache, mask, self.scale, self.softcap, self.get("sinks"))
         o = o.transpose(0, 2, 1, 3).reshape(B, T, -1)
@@ -346,10 +348,13 @@ class Block(nn.Module):
         """The feed-forward module of `layer`."""
         return SwiGLU(cfg)
 
-    def __call__(self, x: mx.array, mask, cache=None) -> mx.array:
-        if cache is not None and decode_layer.available(x) and (y := self._decode_step(x, mask, cache)) is not None:
+    def __call__(self, x: mx.array, mask, cache=None, positions: mx.array | None = None) -> mx.array:
+        """`positions`: the tokens' own RoPE positions (`Attention`); such a chunk takes the per-op path."""
+        if (positions is None and cache is not None and decode_layer.available(x)
+                and (y := self._decode_step(x, mask, cache)) is not None):
             return y
-        h = self[self.mixer_name](self.input_layernorm(x), mask, cache)
+        mixer, h_in = self[self.mixer_name], self.input_layernorm(x)
+        h = mixer(h_in, mask, cache) if positions is None else mixer(h_in, mask, cache, positions)
         ffn = self[self.ffn_name]
         if not self.sandwich:
             x = x + h
@@ -374,7 +379,7 @@ class Block(nn.Module):
         adapters = None if plan is None else _step_adapters(plan.tables, x.shape[0])
         if adapters is None:
             return None
-        q, new = decode_layer.layer_in(x, plan.norms[0], plan.eps, plan.qkv, plan.heads, [c.offset for c in caches],
+        q, new = decode_layer.layer_in(x, plan.norms[0], plan.eps, plan.qkv, plan.heads, [position(c) for c in caches],
                                        plan.qk, plan.rope, adapters)
         for c, (k, v) in zip(caches, new):
             c.store(k, v)
@@ -515,10 +520,12 @@ class Backbone(nn.Module):
             x = x * mx.array(self.embed_scale, dtype=x.dtype)  # rounded to the embedding dtype, as HF does
         return x
 
-    def blocks(self, x: mx.array, cache=None, spans: tuple[tuple[int, int], ...] = ()) -> mx.array:
+    def blocks(self, x: mx.array, cache=None, spans: tuple[tuple[int, int], ...] = (),
+               positions: mx.array | None = None) -> mx.array:
         """The hidden state through every layer here (with its cache), each window's mask made once;
         the tokens of each of `spans` [start, end) attend to each other both ways (`with_spans`:
-        an array mask, so the fused CPU layer, which takes only the plain causal one, steps aside)."""
+        an array mask, so the fused CPU layer, which takes only the plain causal one, steps aside);
+        `positions`: the tokens' own RoPE positions (a vision-language prompt's), else the caches'."""
         caches = cache if cache is not None else [None] * len(self.layers)
         masks: dict[int | None, Any] = {}
         for layer, c in zip(self.layers, caches):
@@ -529,7 +536,7 @@ class Backbone(nn.Module):
                 mask = c.make_mask(x.shape[1], layer.window) if c is not None else attention_mask(x.shape[1], 0,
                                                                                                   layer.window)
                 masks[layer.window] = with_spans(mask, x.shape[1], c.offset if c is not None else 0, spans)
-            x = layer(x, masks[layer.window], c)
+            x = layer(x, masks[layer.window], c) if positions is None else layer(x, masks[layer.window], c, positions)
         return x
 
 
@@ -551,6 +558,9 @@ class CausalLM(nn.Module):
     # the checkpoint's image processor (`images.ImageProcessor`, set by the loader from its files).
     image_token_id: int | None = None
     image_processor: Any = None
+    # Modules (path prefixes) `convert` keeps in float when it quantizes, unless asked: a vision
+    # tower is small beside the language model and its features lose more than they save.
+    unquantized: tuple[str, ...] = ()
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -577,7 +587,7 @@ class CausalLM(nn.Module):
         return self.logits(self.hidden_states(tokens, cache))
 
     def logits(self, h: mx.array) -> mx.array:
-        """The LM head (and final soft-cap) over final hidden states."""
+        """The LM head (soft-capped where the config says) over final hidden states."""
         logits = self.model.embed_tokens.as_linear(h) if self.config.tie_word_embeddings else self.lm_head(h)
         cap = self.config.final_softcap
         return logits if cap is None else mx.tanh(logits / cap) * cap
