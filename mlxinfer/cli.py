@@ -500,19 +500,23 @@ def _count(n: int) -> str:
 @click.option("--system", help="System prompt.")
 @click.option("--raw", is_flag=True, help="Use the prompt as it is, without the chat template.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@IMAGE_OPTION
 @PIPELINE_OPTION
-def inspect_command(prompt, model, dtype, steps, top, temp, top_p, system, raw, as_json, pipeline) -> None:
-    """Show the pipeline for PROMPT stage by stage: tokens, embedding, layers, KV cache,
-    prefill and decode time, and each step's next-token distribution."""
-    from .generate import prompt_tokens
+def inspect_command(prompt, model, dtype, steps, top, temp, top_p, system, raw, as_json, images, pipeline) -> None:
+    """Show the pipeline for PROMPT stage by stage: the images' patches, tokens and positions (with
+    --image), tokens, embedding, layers, KV cache, prefill and decode time, and each step's
+    next-token distribution."""
+    from .batch import BatchGenerator
     from .inspection import inspect_pipeline, render
     from .store import open_model
     from .terminal import typed_text
 
     prompt, system = typed_text(prompt), typed_text(system) if system is not None else None
     m, tokenizer, where = open_model(model, dtype, pipeline=pipeline)
-    ids = prompt_tokens(tokenizer, chat_prompt(tokenizer, prompt, system, raw), m.config.vocab_size)
-    report = inspect_pipeline(m, tokenizer, ids, steps=steps, top=top, temperature=temp, top_p=top_p)
+    engine = BatchGenerator(m, tokenizer, max_batch=1)
+    prepared = engine.prepare(engine.request(chat_prompt(tokenizer, prompt, system, raw, images)))
+    report = inspect_pipeline(m, tokenizer, prepared.ids, steps=steps, top=top, temperature=temp, top_p=top_p,
+                              images=prepared.images)
     if as_json:
         click.echo(json.dumps({"model": str(where), "prompt": prompt, **report}))
     else:

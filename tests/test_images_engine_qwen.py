@@ -140,3 +140,38 @@ def test_pool_reuses_only_the_same_pixels(ours, hf):
     reused = pool.stats.reused_tokens
     assert [t for t, _ in run(a)] == want_a
     assert pool.stats.reused_tokens - reused == len(ids) - 1
+
+
+def test_inspect_shows_the_image_stage(checkpoint, hf, tmp_path):
+    """Patches, tokens and M-RoPE positions of the image, as transformers' processor and get_rope_index
+    give them; the first step's choice is transformers' greedy token."""
+    import json
+
+    from click.testing import CliRunner
+
+    from mlxinfer.cli import main
+
+    image = picture(4, (60, 150))
+    path = tmp_path / "wide.png"
+    image.save(path)
+    result = CliRunner().invoke(main, ["inspect", "What is this?", "-m", str(checkpoint), "--dtype", "float32",
+                                       "--image", str(path), "--steps", "2", "--json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    model, tokenizer, processor = hf
+    grid = processor(images=[image], return_tensors="np")["image_grid_thw"][0].tolist()
+    ids, want = hf_greedy(hf, [user(image, "What is this?")])
+    seen = report["images"]["images"][0]
+    assert seen["grid_thw"] == grid and seen["tokens"] == grid[1] * grid[2] // 4
+    start = ids.index(model.config.image_token_id)
+    assert seen["span"] == [start, start + seen["tokens"]]
+    mask = torch.tensor([[int(t == model.config.image_token_id) for t in ids]])
+    positions, delta = model.model.get_rope_index(torch.tensor([ids]), mm_token_type_ids=mask,
+                                                  image_grid_thw=torch.tensor([grid]))
+    span = positions[:, 0, start:start + seen["tokens"]]
+    assert seen["positions"] == {axis: [int(span[i].min()), int(span[i].max())] for i, axis in enumerate("thw")}
+    assert report["images"]["position_delta"] == int(delta[0, 0])
+    assert report["steps"][0]["chosen"]["id"] == want[0]
+    text = CliRunner().invoke(main, ["inspect", "What is this?", "-m", str(checkpoint), "--image", str(path),
+                                     "--steps", "1"])
+    assert "0. images" in text.stdout and f"{seen['tokens']} tokens at" in text.stdout
