@@ -183,13 +183,19 @@ def test_image_tokens_attend_to_their_whole_image(ours, hf):
 
 
 def test_greedy_continuation_matches_transformers_generate(ours, hf):
+    """Decoding after the images runs the text model over the cached K/V: the same tokens as
+    transformers' generate, and each step's logits those of transformers' pass over the whole sequence."""
     values = pixels(picture(3, (64, 48)), picture(4, (48, 64)))
     embedded = ours.embedded(TWO, as_pixels(values))
     cache, logits = prefill(ours, TWO, embedded, step=20)
     steps = 10
-    tokens = [int(np.argmax(logits[-1]))]
+    rows = [logits[-1]]
+    tokens = [int(np.argmax(rows[-1]))]
     for _ in range(steps - 1):
-        tokens.append(int(np.argmax(np.array(cache.run(ours, [tokens[-1]])[-1]))))
+        rows.append(np.array(cache.run(ours, [tokens[-1]])[-1]))
+        tokens.append(int(np.argmax(rows[-1])))
+    full = hf_logits(hf, TWO + tokens[:-1], values)
+    np.testing.assert_allclose(np.stack(rows), full[len(TWO) - 1 :], atol=TOL, rtol=0)
     types = torch.tensor([[int(t == IMAGE) for t in TWO]])
     with torch.no_grad():
         out = hf.generate(input_ids=torch.tensor([TWO]), pixel_values=torch.tensor(values), token_type_ids=types,
@@ -256,3 +262,45 @@ def test_config_without_a_square_token_grid_is_refused(checkpoint, tmp_path):
     config = json.loads((checkpoint / "config.json").read_text())
     with pytest.raises(ConfigError, match="mm_tokens_per_image"):
         build_model({**config, "mm_tokens_per_image": 12})
+
+
+def test_canonical_config_is_the_text_model(checkpoint):
+    """A tensor-sharded rank builds from `canonical_config`: the text model, the tower's tensors dropped
+    (sharding's rules would cut its projections as if they were the text model's)."""
+    from safetensors.numpy import load_file
+
+    from mlxinfer.models import build_model, canonical_config
+
+    model = build_model(canonical_config(json.loads((checkpoint / "config.json").read_text())))
+    assert "vision_tower" not in model and not hasattr(model, "image_token_id")
+    kept = model.sanitize({k: mx.array(v) for k, v in load_file(checkpoint / "model.safetensors").items()})
+    assert kept and not any(k.startswith(("vision_tower.", "multi_modal_projector.")) for k in kept)
+
+
+@pytest.mark.parametrize("quantize_vision", [False, True])
+def test_convert_keeps_the_tower_float_unless_asked(checkpoint, ours, tmp_path, quantize_vision):
+    from conftest import train_tokenizer
+    from safetensors.numpy import load_file
+
+    from convert import convert
+
+    src = tmp_path / "src"
+    shutil.copytree(checkpoint, src)
+    train_tokenizer(src)
+    out = tmp_path / "q8"
+    convert(src, out, quantize=True, bits=8, group_size=32, quantize_vision=quantize_vision)
+    names = set().union(*(load_file(f).keys() for f in out.glob("*.safetensors")))
+    assert "model.layers.0.self_attn.q_proj.scales" in names
+    tower = {n for n in names if n.startswith(("vision_tower.", "multi_modal_projector."))}
+    assert ("vision_tower.encoder.layers.0.mlp.fc1.scales" in tower) == quantize_vision
+    assert quantize_vision or not any(n.endswith(".scales") for n in tower)
+    model = load_model(out)
+    px = as_pixels(pixels(picture(9, (56, 56))))
+    features, exact = np.array(model.encode_images(px)), np.array(ours.encode_images(px))
+    if not quantize_vision:
+        np.testing.assert_array_equal(features, exact)
+    ids = prompt([2, 30, 31], [32, 33, 34])
+    quantized, floats = (np.array(m(mx.array(ids)[None], embedded=m.embedded(ids, px))) for m in (model, ours))
+    for got, want in ((features, exact), (quantized, floats)):
+        drift = np.sqrt(np.mean((got - want) ** 2) / np.mean(want**2))
+        assert drift < 0.1, f"8 bits drifted {drift:.0%} from the float model"

@@ -88,6 +88,8 @@ class Model(CausalLM):
     repeat; `embedded` makes a prompt's inputs with the images in, and `__call__` takes them chunk by
     chunk (`Embedded.slice`) for the prefill; decoding and text go through the text model as before."""
 
+    unquantized = VISION  # `convert` keeps the tower and projector in float unless asked
+
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg)
         self.vision = isinstance(cfg, Gemma3Config)
@@ -105,6 +107,8 @@ class Model(CausalLM):
             if p.tokens != self.config.mm_tokens_per_image:
                 raise InvalidOptionError(f"a Gemma 3 image takes {self.config.mm_tokens_per_image} tokens, "
                                          f"this one was prepared for {p.tokens}")
+        if not images:
+            return mx.zeros((0, self.config.hidden_size))
         dtype = self.vision_tower.embeddings.patch_embedding.weight.dtype
         pixels = mx.array(np.stack([np.asarray(p.values, dtype=np.float32) for p in images])).astype(dtype)
         features = self.multi_modal_projector(self.vision_tower(pixels))
@@ -143,7 +147,7 @@ class Model(CausalLM):
         if tokens.shape[-1] != embedded.embeds.shape[0]:
             raise InvalidOptionError(f"{tokens.shape[-1]} tokens came with {embedded.embeds.shape[0]} embeddings")
         self.require_head()
-        h = self.model.blocks(embedded.embeds[None], cache, embedded.bidirectional)
+        h = self.model.blocks(embedded.embeds[None], cache, spans=embedded.bidirectional)
         return self.logits(self.model.norm(h))
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:

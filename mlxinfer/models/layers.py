@@ -520,12 +520,12 @@ class Backbone(nn.Module):
             x = x * mx.array(self.embed_scale, dtype=x.dtype)  # rounded to the embedding dtype, as HF does
         return x
 
-    def blocks(self, x: mx.array, cache=None, spans: tuple[tuple[int, int], ...] = (),
-               positions: mx.array | None = None) -> mx.array:
+    def blocks(self, x: mx.array, cache=None, positions: mx.array | None = None,
+               spans: tuple[tuple[int, int], ...] = ()) -> mx.array:
         """The hidden state through every layer here (with its cache), each window's mask made once;
+        `positions`: the tokens' own RoPE positions (a vision-language prompt's), else the caches';
         the tokens of each of `spans` [start, end) attend to each other both ways (`with_spans`:
-        an array mask, so the fused CPU layer, which takes only the plain causal one, steps aside);
-        `positions`: the tokens' own RoPE positions (a vision-language prompt's), else the caches'."""
+        an array mask, so the fused CPU layer, which takes only the plain causal one, steps aside)."""
         caches = cache if cache is not None else [None] * len(self.layers)
         masks: dict[int | None, Any] = {}
         for layer, c in zip(self.layers, caches):
@@ -535,7 +535,9 @@ class Backbone(nn.Module):
             if layer.window not in masks:
                 mask = c.make_mask(x.shape[1], layer.window) if c is not None else attention_mask(x.shape[1], 0,
                                                                                                   layer.window)
-                masks[layer.window] = with_spans(mask, x.shape[1], c.offset if c is not None else 0, spans)
+                if spans:  # a prompt's chunk: one sequence, one cache
+                    mask = with_spans(mask, x.shape[1], c.offset if c is not None else 0, spans)
+                masks[layer.window] = mask
             x = layer(x, masks[layer.window], c) if positions is None else layer(x, masks[layer.window], c, positions)
         return x
 
@@ -554,13 +556,13 @@ class CausalLM(nn.Module):
 
     block: type[Block] = Block  # families with their own layers set this
     sentence_embedding: EmbeddingConfig = EmbeddingConfig()
+    # Modules (path prefixes) `convert` keeps in float when it quantizes, unless asked: a vision
+    # tower is small beside the language model and its features lose more than they save.
+    unquantized: tuple[str, ...] = ()
     # A vision-language family's image placeholder token (None: the model takes no images), and
     # the checkpoint's image processor (`images.ImageProcessor`, set by the loader from its files).
     image_token_id: int | None = None
     image_processor: Any = None
-    # Modules (path prefixes) `convert` keeps in float when it quantizes, unless asked: a vision
-    # tower is small beside the language model and its features lose more than they save.
-    unquantized: tuple[str, ...] = ()
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
