@@ -169,3 +169,29 @@ def test_processor_configs_refused_or_absent(tmp_path):
     with pytest.raises(ImageError, match="do_pan_and_scan"):
         gemma(picture(32, 32))
     assert LOCAL == {"data", "file"}
+
+
+def test_http_urls_only_where_allowed_and_bounded(tmp_path):
+    """An http URL (a server on 127.0.0.1) is fetched only when HTTP is among the sources, and a body
+    over the byte bound is cut off."""
+    import functools
+    import http.server
+    import threading
+
+    from mlxinfer.images import DATA, HTTP
+
+    raw = encoded(picture(33, 22, seed=9))
+    (tmp_path / "a.png").write_bytes(raw)
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(tmp_path))
+    handler.log_message = lambda *a: None
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}/a.png"
+        one_line_error(url, "not fetched here", sources=frozenset({DATA}))
+        got = load_image(url, sources=frozenset({DATA, HTTP}))
+        assert np.array_equal(np.asarray(got), np.asarray(picture(33, 22, seed=9)))
+        one_line_error(url, "over 100 bytes", sources=frozenset({HTTP}), limits=ImageLimits(max_bytes=100))
+        one_line_error(url + ".missing", "cannot download", sources=frozenset({HTTP}))
+    finally:
+        server.shutdown()

@@ -175,3 +175,22 @@ def test_inspect_shows_the_image_stage(checkpoint, hf, tmp_path):
     text = CliRunner().invoke(main, ["inspect", "What is this?", "-m", str(checkpoint), "--image", str(path),
                                      "--steps", "1"])
     assert "0. images" in text.stdout and f"{seen['tokens']} tokens at" in text.stdout
+
+
+def test_batched_image_requests_equal_alone(ours, hf):
+    """Two requests with other pictures (other position deltas) decoded in one batch, beside a text one."""
+    model, tokenizer = ours
+    engine = BatchGenerator(model, tokenizer, max_batch=3)
+    asks = [[user(picture(5, (56, 56)), "Describe it.")], [user("Hello there.")],
+            [user(picture(6, (120, 40)), "Describe it.")]]
+    uids = [engine.submit(m, max_tokens=STEPS, temperature=0.0, ignore_eos=True) for m in asks]
+    got: dict[int, list[int]] = {uid: [] for uid in uids}
+    for uid, chunk in engine.stream():
+        if chunk.token is not None:
+            got[uid].append(chunk.token)
+    assert engine.stats.max_batch_seen == 3
+    for i in (0, 2):
+        assert got[uids[i]] == hf_greedy(hf, asks[i])[1]
+    alone = [c.token for c in stream_generate(model, tokenizer, asks[1], max_tokens=STEPS, temperature=0.0,
+                                              ignore_eos=True) if c.token is not None]
+    assert got[uids[1]] == alone
