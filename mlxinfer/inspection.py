@@ -15,8 +15,10 @@ import mlx.nn as nn
 import numpy as np
 
 from .cache import PromptCache, StateCache
+from .errors import InvalidOptionError
 from .generate import ImagePrompt
 from .models.config import SLIDING
+from .models.layers import Attention
 from .models.moe import SwitchGLU
 from .sample import SamplingConfig, filtered_probs
 from .shard import layout
@@ -129,6 +131,44 @@ def next_token_view(tokenizer: Tokenizer, logits: mx.array, top: int, temperatur
                 "p_top_p": nucleus[t].item()}
 
     return {"chosen": entry(chosen), "top": [entry(t) for t in best], "top_p_keeps": int((nucleus > 0).sum().item())}
+
+
+class _Reached(Exception):
+    """Carries a layer's attention input out of a forward pass that need go no further."""
+
+    def __init__(self, x: mx.array):
+        super().__init__()
+        self.x = x
+
+
+def attention_weights(model, prompt: list[int], layer: int, head: int) -> list[float]:
+    """How the last token of `prompt` attends over all of it in `layer`'s `head`: the
+    softmax weights, one per token. The forward pass runs (no cache) up to that layer's
+    attention, whose input is taken there; the weights the fused kernel never forms are then
+    spelled out by the layer itself (`Attention.last_weights`)."""
+    layers = model.layers
+    if not 0 <= layer < len(layers):
+        raise InvalidOptionError(f"layer {layer} does not exist; this model has layers 0 to {len(layers) - 1}")
+    block = layers[layer]
+    mixer = block[block.mixer_name] if block.attends else None
+    if not isinstance(mixer, Attention):
+        raise InvalidOptionError(f"layer {layer} mixes tokens by {type(mixer).__name__}, not by attention weights "
+                                 "over the context; choose a grouped-query attention layer")
+    if not 0 <= head < mixer.n_heads:
+        raise InvalidOptionError(f"head {head} does not exist; layer {layer} has heads 0 to {mixer.n_heads - 1}")
+
+    def reached(x: mx.array, mask, cache=None) -> mx.array:
+        raise _Reached(x)
+
+    block[block.mixer_name] = reached
+    try:
+        model(mx.array([prompt]))
+        raise AssertionError("the forward pass did not reach the chosen layer")
+    except _Reached as r:
+        x = r.x
+    finally:
+        block[block.mixer_name] = mixer
+    return mixer.last_weights(x, block.window)[head].tolist()
 
 
 def embedding_view(model, tokens: int) -> dict[str, Any]:

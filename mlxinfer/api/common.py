@@ -39,6 +39,8 @@ class ServerConfig:
     hosts: frozenset[str] | None = allowed_hosts("127.0.0.1", ())  # what a request's Host may name; None: any
     responses_store: int = 256  # Responses API objects kept for retrieval and previous_response_id
     max_adapters: int = 8  # LoRA adapters loaded at once (POST /v1/adapters)
+    web: bool = True  # the chat page at / (`serve --no-web`: none)
+    attention: bool = True  # POST /v1/attention: off on a non-loopback host without an API key
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from ..models.lora import adapters_of
 from ..tools import call_opener
 from .common import Context, RequestError, adapter_of, body_of, merged, respond_each, sse
 from .engine_thread import chunks_of
-from .openai_schema import ChatCompletion, Completion, Logprobs, TextCompletion, choice, parse, usage
+from .openai_schema import ChatCompletion, Completion, Logprobs, TextCompletion, choice, parse, timings, usage
 
 
 def router(ctx: Context) -> APIRouter:
@@ -110,12 +110,14 @@ class Reply:
         return choice(self.chat, text, last.finish_reason, lp, delta=delta, first=first, calls=last.tool_calls,
                       legacy=self.legacy, index=index, reasoning="".join(c.reasoning for c in chunks))
 
-    def _usage(self, lasts: dict[int, Chunk]) -> dict[str, Any]:
-        """Usage from each choice's last chunk (by choice index), its prompt counted once."""
+    def _accounting(self, lasts: dict[int, Chunk]) -> dict[str, Any]:
+        """Usage from each choice's last chunk (by choice index), its prompt counted once; a
+        single sequence's timings beside it (llama.cpp's `timings`: what a chat page shows)."""
         per_prompt: dict[int, list[Stats]] = {}
         for index in sorted(lasts):
             per_prompt.setdefault(index // self.n, []).append(lasts[index].stats)
-        return usage(list(per_prompt.values()), self.predicted)
+        one = {"timings": timings(lasts[0].stats)} if list(lasts) == [0] else {}
+        return {"usage": usage(list(per_prompt.values()), self.predicted), **one}
 
     def whole(self, streams: list[list[Chunk]]) -> dict[str, Any]:
         """The response from every chunk of each prompt's stream (its choices' chunks interleaved)."""
@@ -124,7 +126,7 @@ class Reply:
             for c in chunks:
                 choices.setdefault(i * self.n + c.index, []).append(c)
         return self._object([self._choice(k, choices[k], delta=False) for k in sorted(choices)], chunk=False,
-                            usage=self._usage({k: cs[-1] for k, cs in choices.items()}))
+                            **self._accounting({k: cs[-1] for k, cs in choices.items()}))
 
     def _could_call(self, text: str) -> bool:
         start = text.lstrip()
@@ -156,7 +158,7 @@ class Reply:
                                        chunk=True))
                 started.add(i)
             if include_usage and last:
-                yield sse(self._object([], chunk=True, usage=self._usage(last)))
+                yield sse(self._object([], chunk=True, **self._accounting(last)))
         except RequestError as e:
             yield sse(e.body())
         finally:

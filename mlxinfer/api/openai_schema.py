@@ -428,6 +428,18 @@ def usage(per_prompt: list[list[Stats]], predicted: bool = False) -> dict[str, A
                                           "rejected_prediction_tokens": rejected}}
 
 
+def timings(stats: Stats) -> dict[str, Any]:
+    """One sequence's timings in llama.cpp's server shape (`timings`, which its web UI and
+    others read): prompt tokens taken from the prompt cache and computed, time to the first
+    token, decoding speed after it, and speculative drafts accepted."""
+    decoded = max(stats.generated_tokens - 1, 0)  # the first token came out of the prefill
+    decode_ms = decoded / stats.decode_tps * 1000 if stats.decode_tps else 0.0
+    return {"cache_n": stats.prompt_tokens - stats.prefill_tokens, "prompt_n": stats.prefill_tokens,
+            "prompt_ms": stats.ttft * 1000, "prompt_per_second": stats.prefill_tps,
+            "predicted_n": stats.generated_tokens, "predicted_ms": decode_ms,
+            "predicted_per_second": stats.decode_tps, "draft_n": stats.drafted, "draft_n_accepted": stats.accepted}
+
+
 class Logprobs:
     """One choice's logprobs in the shape of its endpoint: chat's `content` list, or the
     legacy completions' parallel lists (an echoed prompt's tokens first: the first has no

@@ -67,30 +67,31 @@ class Detokenize(Strict):
     tokens: list[int]
 
 
+def chat_ids(ctx: Context, messages: list[Message], tools: list[dict[str, Any]] | None = None) -> list[int]:
+    """The ids a chat completion of these messages (and tools) prefills."""
+    chat = ChatCompletion(messages=messages, tools=tools)
+    options = {"tools": tools, "tool_choice": "none"} if tools else {}  # rendered, no grammar needed
+    request = ctx.engine.engine.request(chat.engine_prompt(), **options)
+    return request_tokens(ctx.tokenizer, request.prompt, ctx.model.config.vocab_size,
+                          tool_plan(request.options, ctx.tokenizer))
+
+
 def router(ctx: Context) -> APIRouter:
     """The routes, at the server's root (where llama.cpp and vLLM serve them)."""
     api = APIRouter()
     tokenizer, context = ctx.tokenizer, ctx.model.config.max_position_embeddings
-
-    def chat_ids(body: Tokenize) -> list[int]:
-        """The ids a chat completion of these messages (and tools) prefills."""
-        if not body.add_generation_prompt or body.add_special_tokens:
-            raise RequestError("chat messages are counted as a chat completion renders them: with the generation "
-                               "prompt and the template's own special tokens; leave add_generation_prompt and "
-                               "add_special_tokens out", "add_generation_prompt" if not body.add_generation_prompt
-                               else "add_special_tokens")
-        chat = ChatCompletion(messages=body.messages, tools=body.tools)
-        options = {"tools": body.tools, "tool_choice": "none"} if body.tools else {}  # rendered, no grammar needed
-        request = ctx.engine.engine.request(chat.engine_prompt(), **options)
-        return request_tokens(tokenizer, request.prompt, ctx.model.config.vocab_size,
-                              tool_plan(request.options, tokenizer))
 
     def tokenize(body: Tokenize) -> dict[str, Any]:
         if not body.parse_special:
             raise RequestError("parse_special: false (special tokens' text read as plain text) is not supported; "
                                "leave it out", "parse_special")
         if body.messages is not None:
-            ids = chat_ids(body)
+            if not body.add_generation_prompt or body.add_special_tokens:
+                raise RequestError("chat messages are counted as a chat completion renders them: with the "
+                                   "generation prompt and the template's own special tokens; leave "
+                                   "add_generation_prompt and add_special_tokens out",
+                                   "add_generation_prompt" if not body.add_generation_prompt else "add_special_tokens")
+            ids = chat_ids(ctx, body.messages, body.tools)
         else:
             ids = tokenizer.encode(body.content if body.content is not None else body.prompt, body.add_bos())
         tokens: list[Any] = [{"id": i, "piece": tokenizer.decode([i])} for i in ids] if body.with_pieces else ids

@@ -1,0 +1,82 @@
+"""`POST /v1/inspect` and `POST /v1/attention`: one chat's pipeline made visible, for the web
+app's "Look inside" (and any client).
+
+- `/v1/inspect` {"messages"}: what `mlxinfer inspect` reports for the prompt those messages
+  render to (tokens, embedding, layers, KV cache bytes, prefill timing, the next token's
+  distribution), computed by `inspection.inspect_pipeline` itself.
+- `/v1/attention` {"messages", "reply", "layer", "head"}: the attention weights of the last
+  token of prompt + reply over all of it, in one layer and head (`inspection.attention_weights`).
+
+Both rerun the model over the context, on the engine thread between decode steps, so the
+context is bounded (MAX_TOKENS). Attention weights expose more of the model than its text
+does and cost a forward pass each: the server offers them on a loopback address, or behind
+--api-key elsewhere (`ServerConfig.attention`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from fastapi import APIRouter, Request
+from pydantic import Field
+
+from ..guard import LOOPBACK_NAMES
+from ..inspection import attention_weights, inspect_pipeline
+from .common import Context, RequestError, json_body
+from .openai_schema import Message, Strict, validated
+from .tokens import chat_ids
+
+MAX_TOKENS = 2048  # context a look inside reruns at most
+
+
+class Inspect(Strict):
+    messages: list[Message] = Field(min_length=1)
+
+
+class Attention(Strict):
+    messages: list[Message] = Field(min_length=1)
+    reply: str = ""  # the assistant's reply so far: its last token is the one whose attention is shown
+    layer: int = Field(0, ge=0)
+    head: int = Field(0, ge=0)
+
+
+def attention_offered(host: str, api_key: str | None) -> bool:
+    """Whether a server listening on `host` offers /v1/attention: on a loopback address, or
+    behind an API key."""
+    return host in LOOPBACK_NAMES or api_key is not None
+
+
+def router(ctx: Context) -> APIRouter:
+    """The routes, under the server's /v1 prefix."""
+    api = APIRouter()
+
+    def bounded(ids: list[int]) -> list[int]:
+        if len(ids) > MAX_TOKENS:
+            raise RequestError(f"the context is {len(ids)} tokens; a look inside reruns at most {MAX_TOKENS}",
+                               "messages")
+        if not ids:
+            raise RequestError("the messages render to no tokens", "messages")
+        return ids
+
+    @api.post("/inspect")
+    async def inspect(request: Request):
+        body = validated(await json_body(request, ctx.config.max_body), Inspect)
+        ids = bounded(await asyncio.to_thread(chat_ids, ctx, body.messages))
+        return await ctx.engine.call(lambda: inspect_pipeline(ctx.model, ctx.tokenizer, ids, steps=1))
+
+    @api.post("/attention")
+    async def attention(request: Request):
+        if not ctx.config.attention:
+            raise RequestError("attention weights are offered on a loopback address, or with --api-key; restart "
+                               "the server with --api-key KEY to use them here", status=403, kind="permission_error")
+        body = validated(await json_body(request, ctx.config.max_body), Attention)
+
+        def context() -> list[int]:
+            return chat_ids(ctx, body.messages) + ctx.tokenizer.encode(body.reply, False)
+
+        ids = bounded(await asyncio.to_thread(context))
+        weights = await ctx.engine.call(lambda: attention_weights(ctx.model, ids, body.layer, body.head))
+        return {"layer": body.layer, "head": body.head, "weights": weights,
+                "tokens": [{"id": i, "text": ctx.tokenizer.decode([i])} for i in ids]}
+
+    return api

@@ -1,0 +1,54 @@
+"""The web app at `/`: a chat page, and "Look inside" each reply (its tokens, the pipeline,
+attention), served from the package's `web/` folder as it is written: plain HTML, CSS and
+ES modules, no build step and nothing fetched from elsewhere. The page talks to this server's
+own APIs (/v1/chat/completions streamed, /tokenize, /v1/inspect, /v1/attention), so it needs
+no route of its own beyond its files.
+
+Its Content-Security-Policy lets it load and connect to this origin only: a reply's text
+cannot make the browser fetch from anywhere else, even if it slipped past the page's escaping.
+"""
+
+from __future__ import annotations
+
+from importlib.resources import files
+
+from fastapi import APIRouter
+from fastapi.responses import Response
+
+from .common import RequestError
+
+TYPES = {".html": "text/html; charset=utf-8", ".css": "text/css; charset=utf-8",
+         ".js": "text/javascript; charset=utf-8", ".svg": "image/svg+xml"}
+POLICY = ("default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self'; connect-src 'self'; "
+          "base-uri 'none'; form-action 'none'; frame-ancestors 'none'")
+
+
+def assets() -> dict[str, tuple[bytes, str]]:
+    """Every file of the web app by name, with its content type (read once: a few kilobytes)."""
+    folder = files("mlxinfer") / "web"
+    return {f.name: (f.read_bytes(), TYPES[f.name[f.name.rindex("."):]]) for f in folder.iterdir()
+            if "." in f.name and f.name[f.name.rindex("."):] in TYPES}
+
+
+def router() -> APIRouter:
+    """GET / (the page) and GET /web/NAME (its scripts and styles), open to all: the page asks
+    for the API key itself when the server wants one."""
+    api = APIRouter()
+    found = assets()
+
+    def served(name: str) -> Response:
+        if name not in found:
+            raise RequestError(f"the web app has no file '{name[:100]}'", status=404, kind="not_found_error")
+        body, kind = found[name]
+        return Response(body, media_type=kind, headers={"Content-Security-Policy": POLICY, "Cache-Control": "no-cache",
+                                                        "X-Content-Type-Options": "nosniff"})
+
+    @api.get("/")
+    async def page():
+        return served("index.html")
+
+    @api.get("/web/{name}")
+    async def asset(name: str):
+        return served(name)
+
+    return api

@@ -1,0 +1,295 @@
+"""The web app at `mlxinfer serve`'s address, driven in a real browser: the distribution's
+Chromium under playwright, against the real server (tests/serving.py) with the tiny model,
+drafting by prompt lookup, its engine steps slowed a little (tests/fault_server.py) so a reply
+can be stopped mid-way.
+
+The oracle for what the page shows is the server's own API called directly with the same
+request (temperature 0: the same reply, the same logprobs), and for the attention weights
+transformers' eager attention on the same tokens. The browser may reach 127.0.0.1 only; every
+request it makes is logged and checked."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import sys
+import urllib.request
+from pathlib import Path
+
+import pytest
+from serving import KEY, Server, post
+
+sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed (the test extra)")
+CHROMIUM = shutil.which("chromium")
+pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="no chromium on PATH (CI installs it: apt-get install chromium)")
+expect = sync_api.expect
+HERE = Path(__file__).parent
+TIMEOUT_MS = 30_000  # a hang guard: every wait below ends on an event
+
+
+@pytest.fixture(scope="module")
+def server(tiny):
+    s = Server(["-m", str(tiny), "--dtype", "float32", "--api-key", KEY, "--prompt-lookup"],
+               env={"MLXINFER_TEST_STEP_DELAY": "0.02"}, script=[sys.executable, str(HERE / "fault_server.py")])
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def browser():
+    with sync_api.sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+        yield b
+        b.close()
+
+
+class Page:
+    """One tab on the web app, with what it logged: console errors and every request it made."""
+
+    def __init__(self, browser, url: str):
+        self.context = browser.new_context()
+        self.context.set_default_timeout(TIMEOUT_MS)
+        self.page = self.context.new_page()
+        self.errors: list[str] = []
+        self.requests: list[str] = []
+        self.bodies: list[dict] = []  # chat completion request bodies, in order
+        self.page.on("console", lambda m: m.type == "error" and self.errors.append(m.text))
+        self.page.on("pageerror", lambda e: self.errors.append(str(e)))
+        self.page.on("request", self._sent)
+        self.page.goto(url)
+
+    def _sent(self, request) -> None:
+        self.requests.append(request.url)
+        if request.url.endswith("/v1/chat/completions"):
+            self.bodies.append(request.post_data_json)
+
+    def replies(self):
+        return self.page.get_by_role("article", name="Assistant")
+
+    def send(self, text: str) -> None:
+        box = self.page.get_by_role("textbox", name="Message")
+        box.fill(text)
+        box.press("Enter")
+
+    def wait_done(self) -> None:
+        """Until no reply streams (the Stop button is gone) and the page has saved it."""
+        expect(self.page.get_by_role("button", name="Stop")).to_have_count(0)
+        expect(self.page.get_by_role("button", name="Send")).to_be_enabled()
+
+    def conversation(self) -> list[dict]:
+        """The current conversation's messages as the page stored them."""
+        return self.page.evaluate("JSON.parse(localStorage.getItem('mlxinfer.conversations'))[0].messages")
+
+    def settings(self, **values: str) -> None:
+        toggle = self.page.get_by_role("button", name="Settings")
+        if toggle.get_attribute("aria-expanded") != "true":
+            toggle.click()
+        for label, value in values.items():
+            self.page.get_by_label(label, exact=True).fill(value)
+
+
+@pytest.fixture(scope="module")
+def tab(browser, server):
+    """The page after the API key flow: the server answers 401, the page asks once."""
+    t = Page(browser, server.url + "/")
+    dialog = t.page.get_by_role("dialog", name="API key")
+    expect(dialog).to_be_visible()
+    dialog.get_by_label("API key").fill(KEY)
+    dialog.get_by_role("button", name="Use key").click()
+    expect(t.page.locator("body[data-ready=true]")).to_have_count(1)
+    yield t
+    t.context.close()
+
+
+def api_chat(server, text: str, **options) -> dict:
+    status, body, _ = post(server.url, {"messages": [{"role": "user", "content": text}], "temperature": 0,
+                                        **options})
+    assert status == 200, body
+    return body
+
+
+def test_the_page_loads_after_asking_for_the_key_once(tab, server):
+    expect(tab.page.get_by_role("heading", level=1)).to_have_text(server.health()["model"])
+    assert tab.page.evaluate("sessionStorage.getItem('mlxinfer.key')") == KEY
+    tab.page.reload()  # the key is kept for the tab: not asked again
+    expect(tab.page.locator("body[data-ready=true]")).to_have_count(1)
+    expect(tab.page.get_by_role("dialog", name="API key")).to_be_hidden()
+    box = tab.page.get_by_role("textbox", name="Message")
+    box.press("x")
+    box.press("Shift+Enter")  # a new line, not a send
+    box.press("y")
+    assert box.input_value() == "x\ny" and tab.bodies == []
+    box.fill("")
+    assert tab.errors == []
+
+
+def test_settings_shape_the_request_and_a_greedy_reply_equals_the_api(tab, server):
+    tab.settings(**{"Temperature": "0", "Max tokens": "12", "Seed": "7"})
+    tab.send("hello there")
+    expect(tab.replies()).to_have_count(1)
+    tab.wait_done()
+    sent = tab.bodies[-1]
+    assert (sent["temperature"], sent["max_tokens"], sent["seed"], sent["stream"]) == (0, 12, 7, True)
+    want = api_chat(server, "hello there", max_tokens=12, seed=7)
+    assert tab.conversation()[-1]["content"] == want["choices"][0]["message"]["content"]
+    stats = tab.replies().first.locator(".stats").inner_text()
+    assert re.search(r"TTFT \d+ ms · prefill [\d.]+ tok/s · decode [\d.]+ tok/s", stats), stats
+    assert f"{want['usage']['completion_tokens']} tokens · {want['usage']['prompt_tokens']} prompt" in stats
+    timings = tab.conversation()[-1]["look"]["timings"]  # the server drafts by prompt lookup: acceptance shown
+    assert timings["draft_n"] > 0 and f"drafts accepted {timings['draft_n_accepted']}/{timings['draft_n']}" in stats
+
+
+def test_look_inside_lists_each_token_with_the_api_logprobs(tab, server):
+    tab.replies().last.get_by_role("button", name="Look inside").click()
+    tokens = tab.page.get_by_role("region", name="Tokens")
+    want = api_chat(server, "hello there", max_tokens=12, seed=7, logprobs=True,
+                    top_logprobs=5)["choices"][0]["logprobs"]["content"]
+    items = tokens.get_by_role("list", name="Reply tokens").get_by_role("listitem")
+    expect(items).to_have_count(len(want))
+    shown = [float(x) for x in items.evaluate_all("items => items.map(i => i.dataset.logprob)")]
+    assert shown == [t["logprob"] for t in want]
+    status, ids, _ = post(server.url, {"messages": [{"role": "user", "content": "hello there"}]}, path="/tokenize")
+    expect(tokens.get_by_role("list", name="Prompt tokens").get_by_role("listitem")).to_have_count(ids["count"])
+    stages = tab.page.get_by_role("region", name="Pipeline").get_by_role("listitem")
+    expect(stages).to_have_count(5)
+    assert f"become {ids['count']} tokens" in stages.first.inner_text()
+    attention = tab.page.get_by_role("region", name="Attention")
+    attention.get_by_role("combobox", name="Layer").select_option("1")
+    attention.get_by_role("combobox", name="Head").select_option("2")
+    attention.get_by_role("button", name="Show attention").click()
+    cells = attention.get_by_role("list", name="Attention weights").get_by_role("listitem")
+    _, want, _ = post(server.url, {"messages": [{"role": "user", "content": "hello there"}],
+                                   "reply": tab.conversation()[-1]["content"], "layer": 1, "head": 2},
+                      path="/v1/attention")
+    expect(cells).to_have_count(len(want["tokens"]))
+    assert [float(x) for x in cells.evaluate_all("cells => cells.map(c => c.dataset.weight)")] == want["weights"]
+
+
+def test_regenerate_and_edit(tab, server):
+    before = len(tab.bodies)
+    tab.replies().last.get_by_role("button", name="Regenerate").click()
+    tab.wait_done()
+    assert len(tab.bodies) == before + 1 and len(tab.conversation()) == 2
+    want = api_chat(server, "hello there", max_tokens=12, seed=7)["choices"][0]["message"]["content"]
+    assert tab.conversation()[-1]["content"] == want
+    tab.page.get_by_role("article", name="You").get_by_role("button", name="Edit").click()
+    tab.page.get_by_role("textbox", name="Edit message").fill("the quick brown fox")
+    tab.page.get_by_role("button", name="Save and send").click()
+    tab.wait_done()
+    messages = tab.conversation()
+    assert [m["role"] for m in messages] == ["user", "assistant"] and messages[0]["content"] == "the quick brown fox"
+    assert messages[1]["content"] == api_chat(server, "the quick brown fox", max_tokens=12,
+                                              seed=7)["choices"][0]["message"]["content"]
+
+
+def test_stop_ends_the_reply_and_frees_the_slot(tab, server):
+    tab.page.get_by_role("button", name="New chat").click()
+    tab.settings(**{"Max tokens": "200"})
+    tab.send('tell me a long story <img src="http://192.0.2.1/x.png"> [go](javascript:alert(1)) **now**')
+    stop = tab.page.get_by_role("button", name="Stop")
+    expect(stop).to_be_visible()
+    expect(tab.replies().last.locator(".content")).not_to_be_empty()  # tokens are arriving
+    tab.page.keyboard.press("Escape")
+    tab.wait_done()
+    health = server.wait_for(lambda h: h["active"] == 0 and h["queued"] == 0)
+    assert (health["active"], health["queued"]) == (0, 0)
+    assert "stopped" in tab.replies().last.locator(".stats").inner_text()
+    mine = tab.page.get_by_role("article", name="You").last
+    assert mine.locator("img, a, script").count() == 0 and mine.locator("strong").inner_text() == "now"
+    assert '<img src="http://192.0.2.1/x.png">' in mine.inner_text()
+
+
+def test_conversations_rename_delete_export(tab):
+    names = tab.page.get_by_role("complementary", name="Conversations").get_by_role("listitem")
+    expect(names).to_have_count(2)
+    names.first.get_by_role("button", name="Rename").click()
+    tab.page.get_by_role("textbox", name="Conversation name").fill("story time")
+    tab.page.get_by_role("textbox", name="Conversation name").press("Enter")
+    expect(names.first.get_by_role("button", name="story time", exact=True)).to_have_count(1)
+    with tab.page.expect_download() as download:
+        tab.page.get_by_role("button", name="Export").click()
+    exported = json.loads(Path(download.value.path()).read_text())
+    assert exported == tab.page.evaluate("JSON.parse(localStorage.getItem('mlxinfer.conversations'))")
+    assert [c["title"] for c in exported][0] == "story time"
+    tab.page.get_by_role("button", name="Delete story time").click()
+    expect(names).to_have_count(1)
+    assert len(tab.page.evaluate("JSON.parse(localStorage.getItem('mlxinfer.conversations'))")) == 1
+
+
+def test_no_console_error_and_no_request_leaves_the_server(tab, server):
+    assert tab.errors == []
+    assert tab.requests and all(u.startswith(server.url + "/") for u in tab.requests), tab.requests
+
+
+# --- the endpoints behind "Look inside" ---
+
+def test_attention_weights_equal_transformers(server, tiny):
+    torch = pytest.importorskip("torch")
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(tiny, attn_implementation="eager", dtype=torch.float32)
+    messages = [{"role": "user", "content": "the capital of France"}]
+    for layer, head in ((0, 1), (1, 3)):
+        status, body, _ = post(server.url, {"messages": messages, "reply": "Paris is", "layer": layer, "head": head},
+                               path="/v1/attention")
+        assert status == 200, body
+        ids = [t["id"] for t in body["tokens"]]
+        with torch.no_grad():
+            want = hf(torch.tensor([ids]), output_attentions=True).attentions[layer][0, head, -1].tolist()
+        assert body["weights"] == pytest.approx(want, abs=1e-5)
+
+
+def test_attention_is_bounded_and_needs_the_key(server):
+    status, body, _ = post(server.url, {"messages": [{"role": "user", "content": "hi " * 3000}]}, path="/v1/attention")
+    assert status == 400 and "at most 2048" in body["error"]["message"]
+    status, _, _ = post(server.url, {"messages": [{"role": "user", "content": "hi"}]}, key=None, path="/v1/attention")
+    assert status == 401
+
+
+def test_attention_is_off_on_a_network_address_without_a_key(loaded):
+    from fastapi.testclient import TestClient
+
+    from mlxinfer.api.engine_thread import EngineThread
+    from mlxinfer.api.inspect import attention_offered
+    from mlxinfer.batch import BatchGenerator
+    from mlxinfer.server import ServerConfig, create_app
+
+    assert [attention_offered(h, k) for h, k in (("127.0.0.1", None), ("0.0.0.0", None), ("0.0.0.0", "k"))] == \
+        [True, False, True]
+    engine = EngineThread(BatchGenerator(*loaded))
+    try:
+        app = create_app(engine, *loaded, ServerConfig("tiny", max_tokens=64, attention=False))
+        with TestClient(app, base_url="http://127.0.0.1") as c:
+            r = c.post("/v1/attention", json={"messages": [{"role": "user", "content": "hi"}]})
+            assert r.status_code == 403 and "--api-key" in r.json()["error"]["message"]
+    finally:
+        engine.stop()
+
+
+def test_streamed_usage_carries_timings(server):
+    request = urllib.request.Request(server.url + "/v1/chat/completions", data=json.dumps({
+        "messages": [{"role": "user", "content": "hello there"}], "max_tokens": 6, "temperature": 0, "stream": True,
+        "stream_options": {"include_usage": True}}).encode(),
+        headers={"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"})
+    with urllib.request.urlopen(request, timeout=60) as r:
+        events = [json.loads(line[6:]) for line in r.read().decode().splitlines()
+                  if line.startswith("data: {")]
+    usage, timings = events[-1]["usage"], events[-1]["timings"]
+    assert timings["predicted_n"] == usage["completion_tokens"]
+    assert timings["cache_n"] == usage["prompt_tokens_details"]["cached_tokens"]
+    assert timings["cache_n"] + timings["prompt_n"] == usage["prompt_tokens"]
+    assert timings["prompt_ms"] > 0 and timings["prompt_per_second"] > 0
+    assert "timings" not in events[0]
+
+
+def test_no_web_serves_no_page(tiny):
+    s = Server(["-m", str(tiny), "--dtype", "float32", "--no-web"])
+    try:
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(s.url + "/", timeout=10)
+        assert e.value.code == 404
+        assert json.load(urllib.request.urlopen(s.url + "/v1/models", timeout=10))["data"]
+    finally:
+        s.stop()
+
