@@ -583,26 +583,17 @@ def bench(model_argument, model, dtype, prompt_tokens, gen_tokens, repeat, max_k
               help="A LoRA adapter to serve as the model BASE:NAME (repeatable; DIR alone: named after its folder).")
 @click.option("--max-adapters", type=click.IntRange(0), default=8, show_default=True,
               help="Most adapters loaded at once (--adapter and POST /v1/adapters together).")
-<<<<<<< HEAD
+@click.option("--no-web", "no_web", is_flag=True, help="Serve no chat page at / (the APIs only).")
 @click.option("--allow-image-urls", is_flag=True,
               help="Fetch http(s) image URLs in requests (a vision-language model; each bounded in bytes and "
                    "seconds). Without it images come inline, as data: URLs.")
 @PIPELINE_OPTION
 def serve(model, dtype, host, port, max_concurrency, max_queue, max_kv_size, kv_bits, prompt_cache_bytes,
           draft_model, prompt_lookup, api_key, cors, allowed_host, max_connections, responses_store, adapters,
-          max_adapters, allow_image_urls, pipeline) -> None:
-    """Serve the model over OpenAI's HTTP API (chat and text completions, streaming).
-    Concurrent requests are decoded together; Ctrl-C stops after the requests in flight."""
-=======
-@click.option("--no-web", "no_web", is_flag=True, help="Serve no chat page at / (the APIs only).")
-@PIPELINE_OPTION
-def serve(model, dtype, host, port, max_concurrency, max_queue, max_kv_size, kv_bits, prompt_cache_bytes,
-          draft_model, prompt_lookup, api_key, cors, allowed_host, max_connections, responses_store, adapters,
-          max_adapters, no_web, pipeline) -> None:
+          max_adapters, no_web, allow_image_urls, pipeline) -> None:
     """Serve the model over OpenAI's HTTP API (chat and text completions, streaming), with a
     chat page at / (unless --no-web). Concurrent requests are decoded together; Ctrl-C stops
     after the requests in flight."""
->>>>>>> main
     from .batch import BatchGenerator
     from .pool import PromptCachePool, cache_nbytes
     from .guard import LOOPBACK_NAMES, allowed_hosts
@@ -647,12 +638,8 @@ def serve(model, dtype, host, port, max_concurrency, max_queue, max_kv_size, kv_
     max_body = 4 << 20 if m.image_token_id is None else (4 << 20) + LIMITS.max_bytes * 4 // 3
     config = ServerConfig(name, max_tokens=m.config.max_position_embeddings, api_key=api_key, cors=cors,
                           hosts=allowed_hosts(host, allowed_host), responses_store=responses_store,
-<<<<<<< HEAD
-                          max_adapters=max_adapters, max_body=max_body)
-=======
-                          max_adapters=max_adapters, web=not no_web,
+                          max_adapters=max_adapters, max_body=max_body, web=not no_web,
                           attention=attention_offered(host, api_key))
->>>>>>> main
     split = shard_summary(m)
     page = "" if no_web else f"; chat at http://{host}:{port}/"
     click.echo(f"serving {name} at http://{host}:{port}/v1{page} (Ctrl-C stops)" + (f" [{split}]" if split else ""),
