@@ -276,6 +276,15 @@ LOOKUP_DRAFT, MODEL_DRAFT = 8, 4
 PREDICTION_DRAFT = 16
 
 
+def drafting_context(tokens: Sequence[int], image_token_id: int | None) -> list[int]:
+    """The context as a drafter reads it. After a prompt with images the cache lists each image's
+    tokens as the image's key (negative: never a token id), which no drafter can embed or propose;
+    a drafter sees the image placeholder id there instead, the prompt's text as it was rendered."""
+    if image_token_id is None:
+        return list(tokens)
+    return [t if t >= 0 else image_token_id for t in tokens]
+
+
 class SpeculativeDecoder:
     """Up to `count` tokens by drafting and verifying, switching to plain pipelined
     decoding whenever that measures faster (`ModeChooser`). Like every token source it
@@ -306,7 +315,7 @@ class SpeculativeDecoder:
         """One round: draft, verify in a single forward pass, roll back, emit; with
         nothing to draft, a short burst of plain decoding instead."""
         k = min(self.length.next(), remaining - 1)
-        context = [*self.cache.tokens, self.last]
+        context = [*drafting_context(self.cache.tokens, self.model.image_token_id), self.last]
         drafts, q = self.drafter.propose(context, k) if k > 0 else ([], None)
         if self.constraint is not None:  # a draft the grammar forbids would be rejected: cut it before verifying
             legal = self.constraint.valid_prefix(drafts)

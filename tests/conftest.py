@@ -143,6 +143,35 @@ def perturb(model, seed: int) -> None:
                 p.copy_(noise)
 
 
+def bigram_draft(folder: Path, vocab_size: int, follows: dict[int, int], tokenizer) -> Path:
+    """A one-layer Qwen2 text checkpoint that drafts `follows[t]` after token t (else token 0): its
+    attention and MLP write nothing, each token of `follows` embeds as its own basis vector and the
+    head scores the token that follows it. A draft model whose proposals a test chooses (a speculative
+    test needs drafts the target accepts and others it rejects), built and saved by transformers."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    hidden = 64
+    if len(follows) > hidden:
+        raise ValueError(f"a bigram draft holds at most {hidden} tokens")
+    config = Qwen2Config(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                         tie_word_embeddings=False)
+    model = Qwen2ForCausalLM(config).float()
+    with torch.no_grad():
+        layer = model.model.layers[0]
+        layer.self_attn.o_proj.weight.zero_()
+        layer.mlp.down_proj.weight.zero_()
+        model.model.embed_tokens.weight.zero_()
+        model.lm_head.weight.zero_()
+        for slot, (token, following) in enumerate(follows.items()):
+            model.model.embed_tokens.weight[token, slot] = 1.0
+            model.lm_head.weight[following, slot] = 10.0
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
 def build_hf_checkpoint(folder: Path, model_type: str, overrides: dict[str, Any], seed: int = 0) -> Path:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM

@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import bigram_draft
 from test_models_gemma_vision import TEXT, VISION, perturb
 
 from mlxinfer.batch import BatchGenerator
@@ -268,3 +269,28 @@ def test_server_takes_image_url_parts(checkpoint, hf):
             assert fact in e.value.body["message"] and e.value.body["type"] == "invalid_request_error"
     finally:
         server.stop()
+
+
+@pytest.mark.parametrize("drafter", ["model", "lookup"])
+def test_speculation_after_an_image_equals_plain_and_transformers(ours, hf, drafter, tmp_path):
+    """Greedy speculative decoding after an image that attends both ways: the draft model (a text
+    model reading the image's placeholders as plain tokens) proposes transformers' own continuation
+    but one token, so drafts are accepted and rejected, and the caches are rolled back after the image."""
+    model, tokenizer = ours
+    messages = ask(picture(12, (60, 60)), "Describe it, then say it again.")
+    steps = 16  # past the chooser's first speculative probe and its plain one
+    want = hf_greedy(hf, messages, steps)
+    plain = our_greedy(model, tokenizer, messages, steps)
+    if drafter == "model":
+        last = hf_inputs(hf[1], messages)["input_ids"][0, -1].item()
+        follows = dict(zip([last, *want], want))
+        follows[want[1]] = 0  # a wrong third draft
+        spec = dict(draft_model=load(bigram_draft(tmp_path, 262_208, follows, hf[1].tokenizer), dtype="float32")[0])
+    else:
+        spec = dict(prompt_lookup=True)
+    chunks = [c for c in stream_generate(model, tokenizer, messages, max_tokens=steps, temperature=0.0,
+                                         ignore_eos=True, **spec) if c.token is not None]
+    assert plain == want
+    assert [c.token for c in chunks] == want
+    stats = chunks[-1].stats
+    assert 0 < stats.accepted < stats.drafted if drafter == "model" else stats.drafted > 0

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import perturb
+from conftest import bigram_draft, perturb
 from test_models_qwen_vl import TEXT, VISION
 
 from mlxinfer.batch import BatchGenerator, stream_generate
@@ -84,7 +84,7 @@ def ours(checkpoint):
     return load(checkpoint, dtype="float32")
 
 
-def hf_greedy(hf, messages: list[dict]) -> tuple[list[int], list[int]]:
+def hf_greedy(hf, messages: list[dict], steps: int = STEPS) -> tuple[list[int], list[int]]:
     """(prompt ids, greedy tokens) as Qwen2.5-VL's processor and transformers' generate make them."""
     model, tokenizer, processor = hf
     images = [p["image"] for m in messages if isinstance(m["content"], list) for p in m["content"]
@@ -97,7 +97,7 @@ def hf_greedy(hf, messages: list[dict]) -> tuple[list[int], list[int]]:
     ids = tokenizer(text, return_tensors="pt", add_special_tokens=False)["input_ids"]
     with torch.no_grad():
         gen = model.generate(input_ids=ids, pixel_values=out["pixel_values"], image_grid_thw=out["image_grid_thw"],
-                             mm_token_type_ids=(ids == model.config.image_token_id).int(), max_new_tokens=STEPS, min_new_tokens=STEPS, do_sample=False, eos_token_id=None,
+                             mm_token_type_ids=(ids == model.config.image_token_id).int(), max_new_tokens=steps, min_new_tokens=steps, do_sample=False, eos_token_id=None,
                              pad_token_id=0)
     return ids[0].tolist(), gen[0, ids.shape[1]:].tolist()
 
@@ -194,3 +194,28 @@ def test_batched_image_requests_equal_alone(ours, hf):
     alone = [c.token for c in stream_generate(model, tokenizer, asks[1], max_tokens=STEPS, temperature=0.0,
                                               ignore_eos=True) if c.token is not None]
     assert got[uids[1]] == alone
+
+
+@pytest.mark.parametrize("drafter", ["model", "lookup"])
+def test_speculation_after_images_equals_plain_and_transformers(ours, hf, drafter, tmp_path):
+    """Greedy speculative decoding after a prompt with an image: drafts are verified, accepted and
+    rolled back through caches whose positions run on at the image's M-RoPE delta. The draft model
+    proposes transformers' own continuation but one token, so it is both accepted and rejected."""
+    model, tokenizer = ours
+    messages = [user(picture(7, (84, 140)), "Describe it, then say it again.")]
+    steps = 16  # past the chooser's first speculative probe and its plain one
+    ids, want = hf_greedy(hf, messages, steps)
+    plain = [c.token for c in stream_generate(model, tokenizer, messages, max_tokens=steps, temperature=0.0,
+                                              ignore_eos=True) if c.token is not None]
+    if drafter == "model":
+        follows = dict(zip([ids[-1], *want], want))
+        follows[want[1]] = 0  # a wrong third draft
+        spec = dict(draft_model=load(bigram_draft(tmp_path, 151_936, follows, hf[1]), dtype="float32")[0])
+    else:
+        spec = dict(prompt_lookup=True)
+    chunks = [c for c in stream_generate(model, tokenizer, messages, max_tokens=steps, temperature=0.0,
+                                         ignore_eos=True, **spec) if c.token is not None]
+    assert plain == want
+    assert [c.token for c in chunks] == want
+    stats = chunks[-1].stats
+    assert 0 < stats.accepted < stats.drafted if drafter == "model" else stats.drafted > 0
