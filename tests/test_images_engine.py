@@ -294,3 +294,60 @@ def test_speculation_after_an_image_equals_plain_and_transformers(ours, hf, draf
     assert [c.token for c in chunks] == want
     stats = chunks[-1].stats
     assert 0 < stats.accepted < stats.drafted if drafter == "model" else stats.drafted > 0
+
+
+def test_server_loads_images_off_the_event_loop(checkpoint):
+    """An image URL whose server holds its answer (until an event is released) keeps one request
+    waiting, not the server: /health and a text request are answered meanwhile (within bounds well
+    under the download's 10 s), then the image request finishes once its picture is sent."""
+    import threading
+    import urllib.request
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from serving import KEY, Server, post
+
+    buf = io.BytesIO()
+    picture(13, (40, 40)).save(buf, format="PNG")
+    asked, release = threading.Event(), threading.Event()
+
+    class Slow(BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - http.server's name
+            asked.set()
+            release.wait(60)
+            self.send_response(200)
+            self.send_header("Content-Type", "image/png")
+            self.send_header("Content-Length", str(len(buf.getvalue())))
+            self.end_headers()
+            self.wfile.write(buf.getvalue())
+
+        def log_message(self, *args):
+            pass
+
+    images = ThreadingHTTPServer(("127.0.0.1", 0), Slow)
+    threading.Thread(target=images.serve_forever, daemon=True).start()
+    server = Server(["-m", str(checkpoint), "--dtype", "float32", "--api-key", KEY, "--allow-image-urls"])
+    try:
+        text = {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 2}
+        assert post(server.url, text)[0] == 200  # warm: the text request below is quick
+        url = f"http://127.0.0.1:{images.server_address[1]}/slow.png"
+        content = [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "What is it?"}]
+        result: list = []
+        waiting = threading.Thread(target=lambda: result.append(post(server.url, {
+            "messages": [{"role": "user", "content": content}], "max_tokens": 2})))
+        waiting.start()
+        assert asked.wait(60)
+        assert json.load(urllib.request.urlopen(f"{server.url}/health", timeout=4))["status"] == "ok"
+        request = urllib.request.Request(f"{server.url}/v1/chat/completions", data=json.dumps(text).encode(),
+                                         headers={"Content-Type": "application/json",
+                                                  "Authorization": f"Bearer {KEY}"})
+        with urllib.request.urlopen(request, timeout=5) as r:
+            assert r.status == 200 and json.load(r)["choices"][0]["message"]["content"] is not None
+        assert waiting.is_alive()
+        release.set()
+        waiting.join(60)
+        assert result and result[0][0] == 200, result
+    finally:
+        release.set()
+        server.stop()
+        images.shutdown()
+        images.server_close()

@@ -21,6 +21,7 @@ from pydantic import BaseModel, ValidationError
 
 from ..generate import Chunk
 from ..guard import allowed_hosts
+from ..images import has_images
 
 BODY_SECONDS = 30  # from the headers to the body's last byte
 T = TypeVar("T")
@@ -52,6 +53,15 @@ class Context:
     model: Any
     tokenizer: Any
     config: ServerConfig
+
+
+async def typed_request(engine: Any, prompt: Any, **options: Any) -> Any:
+    """The engine's typed `Request` for `prompt`. Making one loads its images (decoding them,
+    and under `serve --allow-image-urls` downloading them, for up to 10 s), so a prompt with
+    images is made on a worker thread: the event loop keeps answering every other request."""
+    if not has_images(prompt):
+        return engine.engine.request(prompt, **options)
+    return await asyncio.to_thread(engine.engine.request, prompt, **options)
 
 
 def adapter_of(model: str | None, base: str) -> dict[str, str]:

@@ -15,7 +15,7 @@ from fastapi.responses import Response
 from ..generate import Chunk, Stats
 from ..models.lora import adapters_of
 from ..tools import call_opener
-from .common import Context, RequestError, adapter_of, body_of, merged, respond_each, sse
+from .common import Context, RequestError, adapter_of, body_of, merged, respond_each, sse, typed_request
 from .engine_thread import chunks_of
 from .openai_schema import ChatCompletion, Completion, Logprobs, TextCompletion, choice, parse, timings, usage
 
@@ -55,7 +55,7 @@ def router(ctx: Context) -> APIRouter:
             options["chat_template_kwargs"] = template
         places = engine.engine.max_batch + engine.max_queued
         n = body.n or 1
-        typed = [engine.engine.request(p, **options) for p in body.engine_prompts(max(places // n, 1))]
+        typed = [await typed_request(engine, p, **options) for p in body.engine_prompts(max(places // n, 1))]
         o = typed[0].options
         calls = chat and o.tools and o.tool_choice != "none"
         rows = body.logprob_rows()

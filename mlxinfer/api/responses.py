@@ -27,7 +27,7 @@ from ..generate import Chunk
 from ..request import Request as TypedRequest
 from ..reasoning import effort_kwargs
 from ..tools import ToolCall, call_opener
-from .common import Context, RequestError, adapter_of, body_of, respond, sse
+from .common import Context, RequestError, adapter_of, body_of, respond, sse, typed_request
 from .engine_thread import chunks_of
 from .openai_schema import parse
 from .responses_schema import ITEM, CountInputTokens, CreateResponse, ItemReference, listed, messages
@@ -107,18 +107,18 @@ def router(ctx: Context) -> APIRouter:
             raise RequestError("input is empty: give a string or a list of items", "input")
         return [*earlier, *items]
 
-    def typed(body: CreateResponse, context: list) -> TypedRequest:
+    async def typed(body: CreateResponse, context: list) -> TypedRequest:
         """The one typed request `body` makes, answering `context`."""
         options = {**body.options(config.max_tokens), **adapter_of(body.model, config.model_name)}
         if body.reasoning is not None and (template := effort_kwargs(tokenizer, body.reasoning.effort)):
             options["chat_template_kwargs"] = template
-        return engine.engine.request(messages(context, body.instructions), **options)
+        return await typed_request(engine, messages(context, body.instructions), **options)
 
     @api.post("/responses")
     async def create(request: Request) -> Response:
         body = parse(await body_of(request, config.max_body), CreateResponse)
         context = context_of(body)
-        typed_request = typed(body, context)
+        typed_request = await typed(body, context)
         o = typed_request.options
         reply = Reply(body, config.model_name, tokenizer,
                       call_opener(tokenizer) if o.tools and o.tool_choice != "none" else None)
@@ -140,7 +140,7 @@ def router(ctx: Context) -> APIRouter:
     async def input_tokens(request: Request):
         """How many tokens the input is as `create` would render it (tools included)."""
         body = parse(await body_of(request, config.max_body), CountInputTokens)
-        count = await asyncio.to_thread(engine.engine.count, typed(body, context_of(body)))
+        count = await asyncio.to_thread(engine.engine.count, await typed(body, context_of(body)))
         return {"object": "response.input_tokens", "input_tokens": count}
 
     @api.get("/responses/{rid}")
