@@ -447,7 +447,8 @@ class BatchGenerator:
         s.todo = s.prompt[s.start :]
         s.stats.prefill_tokens = len(s.todo)
         if self.model.image_token_id is not None:  # positions after the prompt follow its images (M-RoPE)
-            s.embedded = self.model.embedded(s.prompt, s.images.pixels) if s.images is not None else None
+            # images wholly in the reused prefix are not encoded again: their K/V are in the cache
+            s.embedded = self.model.embedded(s.prompt, s.images.pixels, s.start) if s.images is not None else None
             s.cache.set_position_delta(s.embedded.position_delta if s.embedded is not None else 0)
         o = s.options
         if o.draft_model is not None or o.prompt_lookup or s.predicted is not None:

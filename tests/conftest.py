@@ -172,6 +172,19 @@ def bigram_draft(folder: Path, vocab_size: int, follows: dict[int, int], tokeniz
     return folder
 
 
+def encoded_images(monkeypatch, model, method: str) -> list[str]:
+    """The digests of the images `model.<method>` (its vision encoder) is given from now on, in order."""
+    seen: list[str] = []
+    encode = getattr(model, method)
+
+    def counting(images):
+        seen.extend(im.digest for im in images)
+        return encode(images)
+
+    monkeypatch.setattr(model, method, counting)
+    return seen
+
+
 def build_hf_checkpoint(folder: Path, model_type: str, overrides: dict[str, Any], seed: int = 0) -> Path:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM

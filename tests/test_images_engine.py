@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import bigram_draft
+from conftest import bigram_draft, encoded_images
 from test_models_gemma_vision import TEXT, VISION, perturb
 
 from mlxinfer.batch import BatchGenerator
@@ -141,13 +141,15 @@ def test_two_images_in_a_conversation(ours, hf):
     assert our_greedy(model, tokenizer, messages, prefill_step=10) == hf_greedy(hf, messages)
 
 
-def test_pool_never_reuses_another_images_tokens(ours, hf):
+def test_pool_never_reuses_another_images_tokens(ours, hf, monkeypatch):
     """Same text, another picture: only the tokens before the picture are reused, and the answer is
     transformers' for that picture (its log-probabilities differ from the first picture's, which a
-    wrongly reused cache would repeat); the same picture again reuses the whole prompt."""
+    wrongly reused cache would repeat); the same picture again reuses the whole prompt, and its
+    picture is not encoded again."""
     model, tokenizer = ours
     pool = PromptCachePool(1 << 30)
     engine = BatchGenerator(model, tokenizer, max_batch=1, pool=pool)
+    encoded = encoded_images(monkeypatch, model, "encode_images")
     a, b = picture(4, (56, 56)), Image.new("RGB", (56, 56), (255, 255, 255))
 
     def run(image) -> tuple[list[tuple[int, float]], list[int]]:
@@ -167,6 +169,7 @@ def test_pool_never_reuses_another_images_tokens(ours, hf):
     assert [t for t, _ in third] == [t for t, _ in first]
     np.testing.assert_allclose([lp for _, lp in third], [lp for _, lp in first], atol=1e-4)
     assert pool.stats.hits == 2 and pool.stats.reused_tokens - reused == len(ids) - 1
+    assert len(encoded) == 2 and encoded[0] != encoded[1]  # a and b, not a again
 
 
 def test_text_model_refuses_images(loaded):

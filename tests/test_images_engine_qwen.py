@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import bigram_draft, perturb
+from conftest import bigram_draft, encoded_images, perturb
 from test_models_qwen_vl import TEXT, VISION
 
 from mlxinfer.batch import BatchGenerator, stream_generate
@@ -121,25 +121,37 @@ def test_conversation_with_two_images_equals_transformers(ours, hf):
     assert got == want
 
 
-def test_pool_reuses_only_the_same_pixels(ours, hf):
+def test_pool_reuses_only_the_same_pixels(ours, hf, monkeypatch):
+    """Same text, another picture: only the text before it is reused. The same picture again reuses
+    the whole prompt and is not encoded again; a conversation going on after it encodes only its
+    new picture. Every answer is transformers' (and the reused one's log-probabilities the first's)."""
     model, tokenizer = ours
     pool = PromptCachePool(1 << 30)
     engine = BatchGenerator(model, tokenizer, max_batch=1, pool=pool)
+    encoded = encoded_images(monkeypatch, model, "image_features")
 
-    def run(image) -> list[tuple[int, float]]:
-        engine.submit([user(image, "Describe it.")], max_tokens=STEPS, temperature=0.0, ignore_eos=True)
+    def run(messages) -> list[tuple[int, float]]:
+        engine.submit(messages, max_tokens=STEPS, temperature=0.0, ignore_eos=True)
         return [(c.token, c.logprob) for _, c in engine.stream() if c.token is not None]
 
     a, b = picture(2, (56, 84)), picture(3, (56, 84))
     ids, want_a = hf_greedy(hf, [user(a, "Describe it.")])
-    first = run(a)
+    first = run([user(a, "Describe it.")])
     assert [t for t, _ in first] == want_a
-    second = run(b)
+    second = run([user(b, "Describe it.")])
     assert [t for t, _ in second] == hf_greedy(hf, [user(b, "Describe it.")])[1] and second != first
     assert pool.stats.hits == 1 and pool.stats.reused_tokens <= ids.index(model.image_token_id)
+    assert len(encoded) == 2 and encoded[0] != encoded[1]
     reused = pool.stats.reused_tokens
-    assert [t for t, _ in run(a)] == want_a
+    third = run([user(a, "Describe it.")])
+    assert [t for t, _ in third] == want_a
+    np.testing.assert_allclose([lp for _, lp in third], [lp for _, lp in first], atol=1e-4)
     assert pool.stats.reused_tokens - reused == len(ids) - 1
+    assert len(encoded) == 2  # the whole prompt was reused: its image was not encoded again
+    conversation = [user(a, "Describe it."), {"role": "assistant", "content": "A picture."},
+                    user("And this one?", picture(8, (84, 56)))]
+    assert [t for t, _ in run(conversation)] == hf_greedy(hf, conversation)[1]
+    assert len(encoded) == 3 and encoded[2] not in encoded[:2]  # only the new picture
 
 
 def test_inspect_shows_the_image_stage(checkpoint, hf, tmp_path):

@@ -114,29 +114,33 @@ class Model(CausalLM):
         features = self.multi_modal_projector(self.vision_tower(pixels))
         return features.reshape(-1, features.shape[-1])
 
-    def embedded(self, tokens: Sequence[int], images: Sequence[Pixels]) -> Embedded:
+    def embedded(self, tokens: Sequence[int], images: Sequence[Pixels], start: int = 0) -> Embedded:
         """The prompt's embeddings (scaled by sqrt(hidden), as the text model scales tokens) with the
         images' features, unscaled as transformers writes them, over the image tokens; each image's
-        run of tokens is a bidirectional span."""
+        run of tokens is a bidirectional span. An image wholly before `start` is not encoded (a reused
+        prompt cache holds its K/V): its tokens keep the placeholder's embedding, which no run from
+        `start` reads."""
         ids = np.asarray(tokens, dtype=np.int64).reshape(-1)
         where = np.flatnonzero(ids == self.image_token_id) if self.vision else np.zeros(0, np.int64)
         if len(where) != sum(p.tokens for p in images):
             raise InvalidOptionError(f"the prompt has {len(where)} image tokens for {len(images)} image(s) of "
                                      f"{self.config.mm_tokens_per_image} tokens each; expand each image's "
                                      "placeholder as the processor does")
-        spans, start = [], 0
+        spans, taken = [], 0
         for p in images:
-            run = where[start : start + p.tokens]
+            run = where[taken : taken + p.tokens]
             if run[-1] - run[0] != p.tokens - 1:
                 raise InvalidOptionError("an image's tokens are not consecutive in the prompt; expand each image's "
                                          "placeholder as the processor does")
             spans.append((int(run[0]), int(run[-1]) + 1))
-            start += p.tokens
+            taken += p.tokens
         if self.vision and self.image_token_id >= self.config.vocab_size:
             ids[where] = 0  # no row of the embedding (transformers looks up 0); overwritten below
         x = self.model.embed(mx.array(ids)[None])[0]
-        if images:
-            x[mx.array(where)] = self.encode_images(images).astype(x.dtype)
+        fresh = [i for i, (_, end) in enumerate(spans) if end > start]
+        if fresh:
+            slots = np.concatenate([np.arange(*spans[i]) for i in fresh])
+            x[mx.array(slots)] = self.encode_images([images[i] for i in fresh]).astype(x.dtype)
         return Embedded(x, None, 0, tuple(spans))
 
     def __call__(self, tokens: mx.array, cache=None, embedded: Embedded | None = None) -> mx.array:

@@ -107,25 +107,29 @@ class Model(CausalLM):
         return self.visual.features(patches.astype(self.visual.patch_embed.proj.weight.dtype),
                                     [im.grid for im in images])
 
-    def embedded(self, tokens: Sequence[int], images: Sequence[Pixels]) -> Embedded:
-        """The prompt `tokens` (each image's placeholder expanded to its `tokens`) with `images` in."""
-        x, where, delta, _ = self.prompt_inputs(tokens, images)
+    def embedded(self, tokens: Sequence[int], images: Sequence[Pixels], start: int = 0) -> Embedded:
+        """The prompt `tokens` (each image's placeholder expanded to its `tokens`) with `images` in;
+        only the images not wholly before `start` are encoded (`prompt_inputs`)."""
+        x, where, delta, _ = self.prompt_inputs(tokens, images, start)
         return Embedded(x, where, delta, ())
 
-    def prompt_inputs(self, tokens: Sequence[int], images: Sequence[Pixels]
+    def prompt_inputs(self, tokens: Sequence[int], images: Sequence[Pixels], start: int = 0
                       ) -> tuple[mx.array, mx.array, int, list[mx.array]]:
         """Embeddings [T, hidden] with the image tokens in, M-RoPE positions [3, T], their delta, and
-        each of the tower's first-layer features [T, hidden] (zero outside the images)."""
+        each of the tower's first-layer features [T, hidden] (zero outside the images). An image whose
+        tokens all lie before `start` is not encoded (a reused prompt cache holds its K/V, and the
+        positions depend only on its grid): its tokens keep the placeholder's embedding, which no
+        run from `start` reads."""
         ids = np.asarray(tokens, dtype=np.int64)
         starts = image_starts(ids, self.image_token_id, images)
         where, delta = positions(len(ids), [(s, im.grid) for s, im in zip(starts, images)],
                                  self.visual.cfg.spatial_merge_size)
         x = self.model.embed(mx.array(ids))
         deep: list[mx.array] = []
-        if images:
-            slots = mx.array(np.concatenate([np.arange(s, s + im.tokens) for s, im in zip(starts, images)]
-                                            ).astype(np.int32))
-            found, stack = self.image_features(images)
+        fresh = [(s, im) for s, im in zip(starts, images) if s + im.tokens > start]
+        if fresh:
+            slots = mx.array(np.concatenate([np.arange(s, s + im.tokens) for s, im in fresh]).astype(np.int32))
+            found, stack = self.image_features([im for _, im in fresh])
             x[slots] = found.astype(x.dtype)
             for f in stack:
                 layer = mx.zeros_like(x)

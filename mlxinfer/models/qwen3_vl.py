@@ -69,6 +69,6 @@ class Model(qwen2_5_vl.Model):
                 x = x + deep[i][None]
         return self.logits(self.model.norm(x))
 
-    def embedded(self, tokens: Sequence[int], images: Sequence[Pixels]) -> Embedded:
-        x, where, delta, deep = self.prompt_inputs(tokens, images)
+    def embedded(self, tokens: Sequence[int], images: Sequence[Pixels], start: int = 0) -> Embedded:
+        x, where, delta, deep = self.prompt_inputs(tokens, images, start)
         return DeepstackEmbedded(x, where, delta, (), tuple(deep))
