@@ -279,3 +279,58 @@ def test_qwen3_vl_greedy_decoding_matches_transformers_generate(qwen3, images3):
     for _ in range(5):
         got.append(int(mx.argmax(model(mx.array([got[-1:]]), cache=caches)[0, -1])))
     assert got == ref
+
+
+# Qwen2-VL: Qwen2.5-VL's text model and M-RoPE sections, an older tower (no windows, LayerNorms,
+# QuickGELU MLP of `mlp_ratio`, a LayerNorm in the merger; `embed_dim` its width, `hidden_size` the LM's).
+VISION2 = dict(depth=2, embed_dim=32, hidden_size=64, mlp_ratio=2, num_heads=2, patch_size=14,
+               spatial_merge_size=MERGE, temporal_patch_size=2)
+
+
+@pytest.fixture(scope="module")
+def qwen2(tmp_path_factory):
+    """(transformers' model, ours) of a random-weight Qwen2-VL checkpoint."""
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+
+    torch.manual_seed(0)
+    config = Qwen2VLConfig(text_config=TEXT, vision_config=VISION2, image_token_id=IMAGE, video_token_id=VIDEO,
+                           vision_start_token_id=START, vision_end_token_id=END)
+    config.text_config.initializer_range = config.vision_config.initializer_range = 0.08
+    hf = Qwen2VLForConditionalGeneration(config).float().eval()
+    perturb(hf, 0)
+    folder = tmp_path_factory.mktemp("qwen2_vl")
+    hf.save_pretrained(folder)
+    train_tokenizer(folder)
+    return hf, mlxinfer.load(folder, dtype="float32")[0]
+
+
+@pytest.fixture(scope="module")
+def images2() -> list[Pixels]:
+    """The first wider than Qwen2.5-VL's 112-pixel windows: Qwen2-VL attends over it whole."""
+    return [pixels(252, 112, 5), pixels(84, 56, 2)]
+
+
+def test_qwen2_vl_image_features_and_logits_match_transformers(qwen2, images2):
+    hf, model = qwen2
+    with torch.no_grad():
+        features = hf.model.get_image_features(torch.tensor(np.concatenate([im.values for im in images2])),
+                                               torch.tensor([im.grid for im in images2])).pooler_output
+    np.testing.assert_allclose(np.array(model.encode_images(images2)), torch.cat(features).numpy(), atol=1e-5, rtol=0)
+    ids = prompt(images2)
+    with torch.no_grad():
+        ref = hf(**hf_inputs(ids, images2)).logits[0].numpy()
+    ours = model(mx.array([ids]), embedded=model.embedded(ids, images2))[0]
+    np.testing.assert_allclose(np.array(ours), ref, atol=TOL, rtol=0)
+
+
+def test_qwen2_vl_greedy_decoding_matches_transformers_generate(qwen2, images2):
+    """Prefill in two chunks split inside the second image, then decode at offset + delta."""
+    hf, model = qwen2
+    ids = prompt(images2)
+    with torch.no_grad():
+        ref = hf.generate(**hf_inputs(ids, images2), max_new_tokens=6, do_sample=False)[0, len(ids) :].tolist()
+    caches, logits = prefill(model, ids, images2, [len(ids) - 6, 6])
+    got = [int(mx.argmax(logits[-1]))]
+    for _ in range(5):
+        got.append(int(mx.argmax(model(mx.array([got[-1:]]), cache=caches)[0, -1])))
+    assert got == ref

@@ -28,6 +28,7 @@ FAMILIES: dict[str, str] = {
     "qwen2": "qwen2",
     "qwen2_moe": "qwen2_moe",
     "qwen2_5_vl": "qwen2_5_vl",
+    "qwen2_vl": "qwen2_vl",
     "qwen3": "qwen3",
     "qwen3_moe": "qwen3_moe",
     "qwen3_vl": "qwen3_vl",

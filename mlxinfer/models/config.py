@@ -318,6 +318,9 @@ VISION_FIELDS: dict[str, Field] = {
     "fullatt_block_indexes": Field(list, 0, item=int),
     "deepstack_visual_indexes": Field(list, 0, item=int),
     "num_position_embeddings": SIZE_SET,
+    "embed_dim": WIDTH,  # Qwen2-VL: the tower's width (its hidden_size is the language model's)
+    "mlp_ratio": POSITIVE,
+    "spatial_patch_size": Field(int, 1, 1024, nullable=False),
     "hidden_act": Field(str, nullable=False),
     "rope_parameters": Field(dict),
 }

@@ -222,12 +222,15 @@ class PatchMerger(nn.Module):
 class VisionTransformer(nn.Module):
     """Patches of one or more images [patches, patch values] -> their tokens [tokens, out_hidden_size]."""
 
+    block_class: type[nn.Module] = VisionBlock
+    merger_class: type[nn.Module] = PatchMerger
+
     def __init__(self, cfg: VisionConfig):
         super().__init__()
         self.cfg = cfg
         self.patch_embed = PatchEmbed(cfg)
-        self.blocks = [VisionBlock(cfg) for _ in range(cfg.depth)]
-        self.merger = PatchMerger(cfg)
+        self.blocks = [self.block_class(cfg) for _ in range(cfg.depth)]
+        self.merger = self.merger_class(cfg)
         # underscored: a constant, not a parameter the checkpoint holds
         self._inv = mx.array(inv_freq(cfg.theta, cfg.head_dim // 2), dtype=mx.float32)
 
