@@ -455,11 +455,14 @@ class BatchGenerator:
                 while s.prefilled < len(s.todo) - 1 and budget > 0:
                     start = s.prefilled
                     chunk = s.todo[start : min(start + step, len(s.todo) - 1)]
+                    began = time.perf_counter()
                     if s.scores is None:
                         s.cache.prefill(self.model, chunk, len(chunk))
                     else:
                         following = s.todo[start + 1 : start + 1 + len(chunk)]
                         s.scores += scored_prefill(self.model, s.cache, chunk, following, s.options.prompt_logprobs)
+                    # both evaluate the chunk before returning, so this is its own time
+                    s.stats.prefill_chunks.append((len(chunk), began - s.submitted, time.perf_counter() - began))
                     s.prefilled += len(chunk)
                     budget -= len(chunk)
                     self.stats.prefilled_tokens += len(chunk)

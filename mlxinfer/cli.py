@@ -568,10 +568,12 @@ def bench(model_argument, model, dtype, prompt_tokens, gen_tokens, repeat, max_k
 @click.option("--max-adapters", type=click.IntRange(0), default=8, show_default=True,
               help="Most adapters loaded at once (--adapter and POST /v1/adapters together).")
 @click.option("--no-web", "no_web", is_flag=True, help="Serve no chat page at / (the APIs only).")
+@click.option("--prefill-step", type=click.IntRange(1), default=512, show_default=True,
+              help="Prompt tokens per prefill chunk (one chunk's activations are held at once).")
 @PIPELINE_OPTION
 def serve(model, dtype, host, port, max_concurrency, max_queue, max_kv_size, kv_bits, prompt_cache_bytes,
           draft_model, prompt_lookup, api_key, cors, allowed_host, max_connections, responses_store, adapters,
-          max_adapters, no_web, pipeline) -> None:
+          max_adapters, no_web, prefill_step, pipeline) -> None:
     """Serve the model over OpenAI's HTTP API (chat and text completions, streaming), with a
     chat page at / (unless --no-web). Concurrent requests are decoded together; Ctrl-C stops
     after the requests in flight."""
@@ -602,7 +604,8 @@ def serve(model, dtype, host, port, max_concurrency, max_queue, max_kv_size, kv_
     sharded = getattr(m, "shard", None) is not None
     # ranks hold different K/V bytes in a pipeline: the pool counts all ranks' bytes, so all keep the same entries
     measure = summed(cache_nbytes, m.shard.group) if sharded else cache_nbytes
-    options: dict[str, Any] = {"max_kv_size": max_kv_size, "kv_bits": int(kv_bits) if kv_bits else None,
+    options: dict[str, Any] = {"prefill_step": prefill_step, "max_kv_size": max_kv_size,
+                               "kv_bits": int(kv_bits) if kv_bits else None,
                                "draft_model": open_model(draft_model, dtype)[0] if draft_model else None,
                                "prompt_lookup": prompt_lookup or None,
                                "pool": PromptCachePool(prompt_cache_bytes, measure) if prompt_cache_bytes else None}
