@@ -29,15 +29,17 @@ from typing import Any, Iterator, Sequence
 
 import mlx.core as mx
 
-from .cache import PromptCache, run_rows
+from .cache import PromptCache, chunk_end, run_rows
 from .checks import integer
 from .constrain import Constraint, masked
 from .decode import Score, Stats, Token, chosen_logprobs, drawn, scored_prefill
-from .errors import InvalidOptionError
-from .generate import (Chunk, GenerationOptions, Prompt, TextStream, check_context, context_limit,
-                       constraint_for, generation_stream, predicted_tokens, read_tool_calls, reasoning_of,
-                       request_tokens, speculative_source, tool_plan, wired_limit)
+from .errors import ImageError, InvalidOptionError
+from .images import LOCAL, NO_IMAGES, has_images
+from .generate import (Chunk, GenerationOptions, ImagePrompt, Prompt, TextStream, check_context, context_limit,
+                       constraint_for, generation_stream, image_prompt, predicted_tokens, read_tool_calls,
+                       reasoning_of, speculative_source, tool_plan, wired_limit)
 from .models.lora import identity
+from .models.vision import Embedded
 from .pool import PromptCachePool, prefix_copy
 from .reasoning import Reasoning
 from .request import Request
@@ -66,6 +68,7 @@ class Prepared:
     constraints: tuple[Constraint | None, ...]
     reasoning: Reasoning | None = None  # how its reply splits into thinking and answer
     predicted: tuple[int, ...] | None = None  # the prediction's tokens, when it has one
+    images: ImagePrompt | None = None  # its images, preprocessed, and its cache keys
 
 
 @dataclass(eq=False)
@@ -109,10 +112,18 @@ class _Sequence:
     index: int = 0  # which of its request's choices it is
     shared: _SharedPrompt | None = None  # with n > 1: the prompt it shares with the other choices, until it starts
     predicted: tuple[int, ...] | None = None  # the prediction it drafts from while alone
+    images: ImagePrompt | None = None  # its prompt's images and cache keys, when it has images
+    embedded: Embedded | None = None  # its whole prompt's inputs with the images in (made when it starts)
+    start: int = 0  # where `todo` starts in the prompt
 
     @property
     def cache_options(self) -> dict[str, Any]:
         return _cache_options(self.options)
+
+    @property
+    def keys(self) -> list[int]:
+        """What its cache lists for the prompt: the ids, each image's tokens as the image's key."""
+        return list(self.images.keys) if self.images is not None else self.prompt
 
 
 def _cache_options(o: GenerationOptions) -> dict[str, Any]:
@@ -151,12 +162,13 @@ class BatchGenerator:
     """
 
     def __init__(self, model, tokenizer: Tokenizer, max_batch: int = 8, prefill_step: int = 512,
-                 pool: PromptCachePool | None = None, **defaults: Any):
+                 pool: PromptCachePool | None = None, image_sources: frozenset[str] = LOCAL, **defaults: Any):
         integer("max_batch", max_batch, 1)
         if pool is not None and not isinstance(pool, PromptCachePool):
             raise InvalidOptionError(f"pool must be a PromptCachePool, got {type(pool).__name__}")
         self.model, self.tokenizer = model, tokenizer
         self.max_batch, self.prefill_step, self.pool = max_batch, prefill_step, pool
+        self.image_sources = image_sources  # where requests' images may come from (a server: data: URLs)
         self.defaults = {"prefill_step": prefill_step, **defaults}
         Request.of("", model.config.vocab_size, self.defaults)  # bad defaults fail here, not per request
         self.stats = BatchStats()
@@ -195,8 +207,12 @@ class BatchGenerator:
         return self.enqueue(self.prepare(self.request(prompt, **options)))
 
     def request(self, prompt: Prompt, **options: Any) -> Request:
-        """The typed request for `prompt` and keyword options, over this engine's defaults."""
-        return Request.of(prompt, self.model.config.vocab_size, self.defaults, **options)
+        """The typed request for `prompt` and keyword options, over this engine's defaults; images
+        in its messages are loaded from where `image_sources` allows (refused by a text-only model)."""
+        if self.model.image_token_id is None and has_images(prompt):
+            raise ImageError(NO_IMAGES)
+        return Request.of(prompt, self.model.config.vocab_size, self.defaults, image_sources=self.image_sources,
+                          **options)
 
     def prepare(self, request: Request) -> Prepared:
         """Everything about a request that does not need the engine: the prompt rendered and
@@ -205,12 +221,12 @@ class BatchGenerator:
         the sequences being decoded."""
         o, vocab = request.options, self.model.config.vocab_size
         tools = tool_plan(o, self.tokenizer)
-        ids = request_tokens(self.tokenizer, request.prompt, vocab, tools, o.chat_template_kwargs)
+        ids, images = image_prompt(self.model, self.tokenizer, request, tools)
         check_context(self.model, PromptCache.for_model(self.model, **_cache_options(o)), len(ids))
         identity(self.model, o.adapter)  # an adapter this model does not have is refused here, before any work
         constraints = tuple(constraint_for(o, self.tokenizer, vocab, tools) for _ in range(o.n))
         return Prepared(request, ids, request.sampling, o, tools, constraints, reasoning_of(o, self.tokenizer, ids),
-                        predicted_tokens(self.tokenizer, o, vocab))
+                        predicted_tokens(self.tokenizer, o, vocab), images)
 
     def count(self, request: Request) -> int:
         """How many tokens the request's prompt is as `prepare` renders it, tools included
@@ -218,8 +234,7 @@ class BatchGenerator:
         checked against the context, so a client can measure a prompt before sending it."""
         o = request.options
         shown = plan_tools(self.tokenizer, o.tools, "none") if o.tools is not None else None
-        return len(request_tokens(self.tokenizer, request.prompt, self.model.config.vocab_size, shown,
-                                  o.chat_template_kwargs))
+        return len(image_prompt(self.model, self.tokenizer, request, shown)[0])
 
     def enqueue(self, prepared: Prepared, cache: PromptCache | None = None) -> int:
         """Queue a prepared request (`prepare`) of one choice; returns its uid. With `cache`
@@ -244,7 +259,7 @@ class BatchGenerator:
         self._waiting.append(_Sequence(uid, p.ids, p.options, Sampler(p.sampling.for_choice(index), p.ids),
                                        Stats(prompt_tokens=len(p.ids)), time.perf_counter(), tools=p.tools,
                                        constraint=p.constraints[index], own_cache=cache, reasoning=p.reasoning,
-                                       index=index, shared=shared, predicted=p.predicted))
+                                       index=index, shared=shared, predicted=p.predicted, images=p.images))
         self._known.add(uid)
         return uid
 
@@ -421,15 +436,19 @@ class BatchGenerator:
             if scored:
                 s.cache.reset()
         elif self.pool is not None and not scored:
-            s.cache = self.pool.fetch(self.model, s.prompt, s.options.adapter, **opts)
+            s.cache = self.pool.fetch(self.model, s.keys, s.options.adapter, **opts)
         else:
             s.cache = PromptCache.for_model(self.model, s.options.adapter, **opts)
         if s.shared is not None:  # no copy of the prompt yet: this choice runs it for those that wait
             shared.runner = s
         limit = context_limit(self.model, s.cache, len(s.prompt), s.options.max_tokens)
         s.text = self._text(s, s.cache, limit)
-        s.todo = s.cache.prepare(s.prompt)
+        s.start = len(s.prompt) - len(s.cache.prepare(s.keys))
+        s.todo = s.prompt[s.start :]
         s.stats.prefill_tokens = len(s.todo)
+        if self.model.image_token_id is not None:  # positions after the prompt follow its images (M-RoPE)
+            s.embedded = self.model.embedded(s.prompt, s.images.pixels) if s.images is not None else None
+            s.cache.set_position_delta(s.embedded.position_delta if s.embedded is not None else 0)
         o = s.options
         if o.draft_model is not None or o.prompt_lookup or s.predicted is not None:
             # its own draft cache, never one shared by sequences
@@ -454,14 +473,18 @@ class BatchGenerator:
             try:
                 while s.prefilled < len(s.todo) - 1 and budget > 0:
                     start = s.prefilled
-                    chunk = s.todo[start : min(start + step, len(s.todo) - 1)]
+                    chunk = s.todo[start : self._chunk_end(s, start, step)]
                     began = time.perf_counter()
-                    if s.scores is None:
+                    if s.embedded is not None:
+                        at = s.start + start  # in the whole prompt
+                        s.cache.prefill(self.model, chunk, len(chunk), s.embedded.slice(at, at + len(chunk)),
+                                        s.images.keys[at : at + len(chunk)])
+                    elif s.scores is None:
                         s.cache.prefill(self.model, chunk, len(chunk))
                     else:
                         following = s.todo[start + 1 : start + 1 + len(chunk)]
                         s.scores += scored_prefill(self.model, s.cache, chunk, following, s.options.prompt_logprobs)
-                    # both evaluate the chunk before returning, so this is its own time
+                    # each evaluates the chunk before returning, so this is its own time
                     s.stats.prefill_chunks.append((len(chunk), began - s.submitted, time.perf_counter() - began))
                     s.prefilled += len(chunk)
                     budget -= len(chunk)
@@ -483,6 +506,15 @@ class BatchGenerator:
                     continue
             s.next_input = mx.array(s.todo[-1:])
             self._decoding.append(s)
+
+    @staticmethod
+    def _chunk_end(s: _Sequence, start: int, step: int) -> int:
+        """Where the prefill chunk of `todo` from `start` ends: `step` tokens on, before the last
+        prompt token (the first decode step runs it), never inside an image that attends both ways."""
+        end = min(start + step, len(s.todo) - 1)
+        if s.embedded is None:
+            return end
+        return min(chunk_end(s.start + start, s.start + end, s.embedded.bidirectional) - s.start, len(s.todo) - 1)
 
     def _continuing(self, current: _Decode) -> list[_Sequence]:
         """Who the next decode step runs: this step's members that may still produce a

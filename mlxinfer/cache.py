@@ -33,6 +33,7 @@ from .files import replacing
 from .loading import safetensors_header
 from .models.attention import attention_mask
 from .models.lora import selecting
+from .models.vision import Embedded
 
 Parts = tuple[mx.array, ...]
 KV_BITS = (4, 8)
@@ -543,33 +544,53 @@ class PromptCache:
             self._pending.clear()
         return self._tokens
 
-    def run(self, model, tokens: Sequence[int] | mx.array) -> mx.array:
+    def run(self, model, tokens: Sequence[int] | mx.array, embedded: Embedded | None = None,
+            keys: Sequence[int] | None = None) -> mx.array:
         """Run `tokens` through `model` and these caches; their logits [T, V], lazily.
         `tokens` may be a 1-D array not computed yet (pipelined decoding: the next step
-        is queued before this one's token is read); its ids join `tokens` when read."""
+        is queued before this one's token is read); its ids join `tokens` when read.
+        `embedded`: the model's inputs for these tokens with their images in; `keys`: what
+        the cache lists for them instead of their ids (an image's tokens stand as its key)."""
         ids = tokens if isinstance(tokens, mx.array) else mx.array([int(t) for t in tokens])
+        extra = {} if embedded is None else {"embedded": embedded}
         try:
             with selecting(model, [self.adapter]):
-                logits = model(ids[None], cache=self.caches)
+                logits = model(ids[None], cache=self.caches, **extra)
         except BaseException:
             self._settle()
             raise
         if isinstance(tokens, mx.array):
             self._pending.append(tokens)
         else:
-            self._tokens.extend(int(t) for t in tokens)
+            self._tokens.extend(int(t) for t in (tokens if keys is None else keys))
         return logits[0]
 
-    def prefill(self, model, tokens: Sequence[int], step: int = 512) -> None:
+    def prefill(self, model, tokens: Sequence[int], step: int = 512, embedded: Embedded | None = None,
+                keys: Sequence[int] | None = None) -> None:
         """Run prompt tokens in chunks of at most `step` (bounded memory), evaluating
         only the caches: the LM head's logits for these positions are never computed.
         Recurrent layers keep their state where the prefill starts and after each chunk
-        (`StateCache.checkpoint`): the lengths a later prompt most likely shares."""
+        (`StateCache.checkpoint`): the lengths a later prompt most likely shares.
+        With `embedded` (these tokens' inputs, images in) a chunk never ends inside a span that
+        attends both ways (it runs longer or stops before it), and every layer takes the prompt's
+        position delta; `keys` are what the cache lists for the tokens (`run`)."""
         self.checkpoint()
-        for i in range(0, len(tokens), step):
-            self.run(model, tokens[i : i + step])
+        if embedded is not None:
+            self.set_position_delta(embedded.position_delta)
+        i = 0
+        while i < len(tokens):
+            j = i + step if embedded is None else chunk_end(i, i + step, embedded.bidirectional)
+            j = min(j, len(tokens))
+            part = None if embedded is None else embedded.slice(i, j)
+            self.run(model, tokens[i:j], part, None if keys is None else keys[i:j])
             mx.eval([c.arrays() for c in self.caches])
             self.checkpoint()
+            i = j
+
+    def set_position_delta(self, delta: int) -> None:
+        """What positions after this prompt add to the cache offset, on every layer (M-RoPE)."""
+        for c in self.caches:
+            c.position_delta = delta
 
     def checkpoint(self) -> None:
         """Snapshot every recurrent layer's state at the current length."""
@@ -607,7 +628,7 @@ class PromptCache:
         if len(self.caches) != len(model.layers):
             return f"it has {len(self.caches)} layers, the model {len(model.layers)}"
         vocab = model.config.vocab_size
-        if any(not 0 <= t < vocab for t in self.tokens):
+        if any(t >= vocab or (t < 0 and model.image_token_id is None) for t in self.tokens):
             return f"it holds token ids outside the vocabulary of {vocab}"
         if not any(c.arrays() for c in self.caches):
             return None
@@ -688,6 +709,15 @@ class PromptCache:
             c.trim(c.offset)
         self._tokens.clear()
         self._pending.clear()
+
+
+def chunk_end(start: int, end: int, spans: Sequence[tuple[int, int]]) -> int:
+    """Where a prefill chunk from `start` meant to end at `end` ends so that no [s, e) span that
+    attends both ways is split: before a span it would cut into, or after one it starts in."""
+    for s, e in spans:
+        if s < end < e:
+            return s if s > start else e
+    return end
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

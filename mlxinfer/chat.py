@@ -18,7 +18,7 @@ import dataclasses
 import hashlib
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,11 +29,12 @@ from mlx.utils import tree_flatten
 
 from .cache import PromptCache, load_prompt_cache, save_prompt_cache
 from .checks import is_integer
-from .errors import InvalidOptionError, MlxinferError, SessionFileError, TokenizerError
+from .errors import ImageError, InvalidOptionError, MlxinferError, SessionFileError, TokenizerError
 from .files import replacing, write_problem
 from .batch import BatchGenerator, stream_request
 from .request import Request
 from .generate import Chunk, Stats
+from .images import NO_IMAGES, load_image
 from .reasoning import reasoning_for
 from .tokenizer import Tokenizer
 from .tools import plan as plan_tools
@@ -120,16 +121,26 @@ class ChatSession:
             raise InvalidOptionError(f"{name} is fixed when the session starts; start a new session to change it")
         self.settings = _settings({**self.options, name: value}, self.model, self.draft_model)
 
-    def send(self, text: str) -> Iterator[Chunk]:
-        """Stream the reply to `text`. Consume the iterator; the reply is kept when it ends or
-        stops early. A turn that fails or stops before its first token (the context is full,
-        Ctrl-C during the prefill) leaves no trace."""
+    def send(self, text: str, images: Sequence[Any] = ()) -> Iterator[Chunk]:
+        """Stream the reply to `text`, with `images` (PIL images, paths, bytes or data: URLs; loaded
+        now, so a bad one fails here) shown before it. Consume the iterator; the reply is kept when
+        it ends or stops early. A turn that fails or stops before its first token (the context is
+        full, Ctrl-C during the prefill) leaves no trace."""
         self._close_stream()
-        self._streaming = self._turn(text)
+        if images and self.model.image_token_id is None:
+            raise ImageError(NO_IMAGES)
+        loaded = [load_image(i) for i in images]
+        self._streaming = self._turn(text, loaded)
         return self._streaming
 
-    def _turn(self, text: str) -> Iterator[Chunk]:
-        user = {"role": "user", "content": text}
+    @property
+    def has_images(self) -> bool:
+        """Whether a message of the conversation holds an image."""
+        return any(isinstance(m["content"], list) for m in self._turns)
+
+    def _turn(self, text: str, images: list[Any]) -> Iterator[Chunk]:
+        content = [*({"type": "image", "image": i} for i in images), {"type": "text", "text": text}]
+        user = {"role": "user", "content": content if images else text}
         self._turns.append(user)
         pieces: list[str] = []
         thoughts: list[str] = []
@@ -138,9 +149,12 @@ class ChatSession:
         rendered = ""
         started = False
         try:
-            rendered = self._render(add_generation_prompt=True)
-            prompt = self._tokens_for(rendered)
-            request = dataclasses.replace(self.settings, prompt=tuple(prompt))
+            if self.has_images:  # the engine renders them, expanding each image's placeholder
+                request = self._engine().request(self.messages, **self.options)
+            else:
+                rendered = self._render(add_generation_prompt=True)
+                prompt = self._tokens_for(rendered)
+                request = dataclasses.replace(self.settings, prompt=tuple(prompt))
             if self.draft_model is not None:
                 request = dataclasses.replace(request, options=dataclasses.replace(
                     request.options, draft_model=self.draft_model, draft_cache=self.draft_cache))
@@ -168,6 +182,9 @@ class ChatSession:
         message = {"role": "assistant", "content": reply}
         self._turns.append({**message, "reasoning_content": thinking} if thinking else message)
         t = self._transcript
+        if self.has_images:  # its ids hold the images' expanded tokens, which a render does not
+            self._transcript = Transcript(ends=[None] * (len(t.ends) + 1))
+            return
         ends = t.ends if prompt[: len(t.tokens)] == t.tokens else [None] * len(t.ends)
         said = self.tokenizer.decode(ids)
         split = reasoning_for(self.tokenizer, rendered) if self.settings.options.split_reasoning else None
@@ -187,7 +204,10 @@ class ChatSession:
         del self._turns[-2:]
         self.stats = None
         self._transcript = self._transcript.undo()
-        self._sync_cache(self._tokens_for(self._render(add_generation_prompt=False)))
+        if self.has_images:  # the next turn prefills the conversation again, images and all
+            self.cache.reset()
+        else:
+            self._sync_cache(self._tokens_for(self._render(add_generation_prompt=False)))
         return True
 
     def reset(self) -> None:
@@ -203,6 +223,8 @@ class ChatSession:
         (`<name>.kv.safetensors`), so `load` resumes without prefilling again."""
         self._close_stream()
         _whole_model(self.model, "saving")
+        if self.has_images:
+            raise SessionFileError("a chat with images cannot be saved yet; /reset and chat without them to save")
         path = Path(path).expanduser()
         kv_path = path.with_suffix(".kv.safetensors")
         data = {

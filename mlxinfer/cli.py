@@ -280,11 +280,16 @@ class Run:
         return {**self.options, "chat_template_kwargs": thinking_switch(tokenizer, self.think)}
 
 
+IMAGE_OPTION = click.option("--image", "images", multiple=True, type=click.Path(exists=True, dir_okay=False),
+                            help="Show this image with the (first) message (repeatable; a vision-language model).")
+
+
 @main.command()
 @with_options(GENERATION_OPTIONS)
+@IMAGE_OPTION
 @PIPELINE_OPTION
 @click.pass_obj
-def chat(verbose: bool, pipeline: bool, **params) -> None:
+def chat(verbose: bool, pipeline: bool, images: tuple[str, ...], **params) -> None:
     """Chat with a model in the terminal (multi-turn, streaming, /help for commands)."""
     from .cachedir import home
     from .chat import ChatSession
@@ -302,7 +307,7 @@ def chat(verbose: bool, pipeline: bool, **params) -> None:
                               **run.options_for(tokenizer))
         split = shard_summary(model)
         click.echo(f"mlxinfer chat: {model_name(where)}" + (f" [{split}]" if split else ""), err=True)
-        run_repl(session, home() / "chat_history", color=use_color(sys.stdout), verbose=verbose)
+        run_repl(session, home() / "chat_history", color=use_color(sys.stdout), verbose=verbose, images=images)
 
 
 def model_name(where: Path | str) -> str:
@@ -310,13 +315,18 @@ def model_name(where: Path | str) -> str:
     return where.name if isinstance(where, Path) else where
 
 
-def chat_prompt(tokenizer, text: str, system: str | None, raw: bool) -> str | list[dict]:
-    """Chat messages for the template, or the text as it is with --raw (or no template)."""
+def chat_prompt(tokenizer, text: str, system: str | None, raw: bool, images: tuple[str, ...] = ()) -> str | list[dict]:
+    """Chat messages for the template (the images shown before the text), or the text as it is
+    with --raw (or no template)."""
     if raw or tokenizer.chat_template is None:
         if system:
             raise InvalidOptionError("--system needs the model's chat template; drop --raw or --system")
+        if images:
+            raise InvalidOptionError("--image needs the model's chat template, which places the image; drop --raw")
         return text
-    return ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
+    content = [*({"type": "image", "image": Path(i)} for i in images), {"type": "text", "text": text}]
+    return ([{"role": "system", "content": system}] if system else []) + [
+        {"role": "user", "content": content if images else text}]
 
 
 @main.command()
@@ -327,8 +337,10 @@ def chat_prompt(tokenizer, text: str, system: str | None, raw: bool) -> str | li
 @click.option("--logprobs", type=int, metavar="N",
               help="With --json: each generated token with its log-probability and the N likeliest alternatives.")
 @click.option("--no-stream", is_flag=True, help="Print the text once it is complete.")
+@IMAGE_OPTION
 @PIPELINE_OPTION
-def generate(prompt: str, raw: bool, as_json: bool, no_stream: bool, pipeline: bool, **params) -> None:
+def generate(prompt: str, raw: bool, as_json: bool, no_stream: bool, pipeline: bool, images: tuple[str, ...],
+             **params) -> None:
     """Complete one prompt: text on stdout (streamed), stats on stderr."""
     from .batch import stream_generate
     from .terminal import stats_line, typed_text, use_color
@@ -347,7 +359,7 @@ def generate(prompt: str, raw: bool, as_json: bool, no_stream: bool, pipeline: b
         return
     with leading(replica):
         options = run.options_for(tokenizer)
-        prompt_or_messages = chat_prompt(tokenizer, text, run.system, raw)
+        prompt_or_messages = chat_prompt(tokenizer, text, run.system, raw, images)
         if run.think is not None and raw:
             raise InvalidOptionError("--think and --no-think switch the chat template, which --raw skips; drop one")
         options = {**options, "draft_model": draft} if draft else options
@@ -488,19 +500,23 @@ def _count(n: int) -> str:
 @click.option("--system", help="System prompt.")
 @click.option("--raw", is_flag=True, help="Use the prompt as it is, without the chat template.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@IMAGE_OPTION
 @PIPELINE_OPTION
-def inspect_command(prompt, model, dtype, steps, top, temp, top_p, system, raw, as_json, pipeline) -> None:
-    """Show the pipeline for PROMPT stage by stage: tokens, embedding, layers, KV cache,
-    prefill and decode time, and each step's next-token distribution."""
-    from .generate import prompt_tokens
+def inspect_command(prompt, model, dtype, steps, top, temp, top_p, system, raw, as_json, images, pipeline) -> None:
+    """Show the pipeline for PROMPT stage by stage: the images' patches, tokens and positions (with
+    --image), tokens, embedding, layers, KV cache, prefill and decode time, and each step's
+    next-token distribution."""
+    from .batch import BatchGenerator
     from .inspection import inspect_pipeline, render
     from .store import open_model
     from .terminal import typed_text
 
     prompt, system = typed_text(prompt), typed_text(system) if system is not None else None
     m, tokenizer, where = open_model(model, dtype, pipeline=pipeline)
-    ids = prompt_tokens(tokenizer, chat_prompt(tokenizer, prompt, system, raw), m.config.vocab_size)
-    report = inspect_pipeline(m, tokenizer, ids, steps=steps, top=top, temperature=temp, top_p=top_p)
+    engine = BatchGenerator(m, tokenizer, max_batch=1)
+    prepared = engine.prepare(engine.request(chat_prompt(tokenizer, prompt, system, raw, images)))
+    report = inspect_pipeline(m, tokenizer, prepared.ids, steps=steps, top=top, temperature=temp, top_p=top_p,
+                              images=prepared.images)
     if as_json:
         click.echo(json.dumps({"model": str(where), "prompt": prompt, **report}))
     else:
@@ -568,12 +584,15 @@ def bench(model_argument, model, dtype, prompt_tokens, gen_tokens, repeat, max_k
 @click.option("--max-adapters", type=click.IntRange(0), default=8, show_default=True,
               help="Most adapters loaded at once (--adapter and POST /v1/adapters together).")
 @click.option("--no-web", "no_web", is_flag=True, help="Serve no chat page at / (the APIs only).")
+@click.option("--allow-image-urls", is_flag=True,
+              help="Fetch http(s) image URLs in requests (a vision-language model; each bounded in bytes and "
+                   "seconds). Without it images come inline, as data: URLs.")
 @click.option("--prefill-step", type=click.IntRange(1), default=512, show_default=True,
               help="Prompt tokens per prefill chunk (one chunk's activations are held at once).")
 @PIPELINE_OPTION
 def serve(model, dtype, host, port, max_concurrency, max_queue, max_kv_size, kv_bits, prompt_cache_bytes,
           draft_model, prompt_lookup, api_key, cors, allowed_host, max_connections, responses_store, adapters,
-          max_adapters, no_web, prefill_step, pipeline) -> None:
+          max_adapters, no_web, allow_image_urls, prefill_step, pipeline) -> None:
     """Serve the model over OpenAI's HTTP API (chat and text completions, streaming), with a
     chat page at / (unless --no-web). Concurrent requests are decoded together; Ctrl-C stops
     after the requests in flight."""
@@ -585,6 +604,7 @@ def serve(model, dtype, host, port, max_concurrency, max_queue, max_kv_size, kv_
     from .shard import launched, summed, world
     from .shard import summary as shard_summary
     from .adapters import load_adapter
+    from .images import DATA, HTTP, LIMITS
     from .store import open_model
 
     if draft_model and prompt_lookup:
@@ -608,7 +628,8 @@ def serve(model, dtype, host, port, max_concurrency, max_queue, max_kv_size, kv_
                                "kv_bits": int(kv_bits) if kv_bits else None,
                                "draft_model": open_model(draft_model, dtype)[0] if draft_model else None,
                                "prompt_lookup": prompt_lookup or None,
-                               "pool": PromptCachePool(prompt_cache_bytes, measure) if prompt_cache_bytes else None}
+                               "pool": PromptCachePool(prompt_cache_bytes, measure) if prompt_cache_bytes else None,
+                               "image_sources": frozenset({DATA, HTTP} if allow_image_urls else {DATA})}
     options = {k: v for k, v in options.items() if v is not None}
     replica = replica_for(m, tokenizer, max_batch=max_concurrency, **options)
     if followed(replica):
@@ -616,9 +637,11 @@ def serve(model, dtype, host, port, max_concurrency, max_queue, max_kv_size, kv_
     engine = EngineThread(replica or BatchGenerator(m, tokenizer, max_batch=max_concurrency, **options),
                           max_queued=max_queue)
     name = model_name(where)
+    # a vision-language model's requests carry images inline: room for one of the largest, base64-encoded
+    max_body = 4 << 20 if m.image_token_id is None else (4 << 20) + LIMITS.max_bytes * 4 // 3
     config = ServerConfig(name, max_tokens=m.config.max_position_embeddings, api_key=api_key, cors=cors,
                           hosts=allowed_hosts(host, allowed_host), responses_store=responses_store,
-                          max_adapters=max_adapters, web=not no_web,
+                          max_adapters=max_adapters, max_body=max_body, web=not no_web,
                           attention=attention_offered(host, api_key))
     split = shard_summary(m)
     page = "" if no_web else f"; chat at http://{host}:{port}/"

@@ -51,3 +51,8 @@ class SessionFileError(MlxinferError):
 
 class SamplingError(MlxinferError):
     """A step with nothing to draw from: every logit -inf or NaN (it ends that sequence)."""
+
+
+class ImageError(InvalidOptionError):
+    """An image that cannot be used: not an image, too large, a decompression bomb, or given to a
+    model that takes none (a request's own fault: a 400 from the server)."""

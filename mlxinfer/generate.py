@@ -26,7 +26,9 @@ from .constrain import Constraint, json_answer, response_format
 from .tools import ToolCall, ToolPlan, check_tools
 from .tools import plan as plan_tools
 from .decode import Score, Stats, Token
-from .errors import InvalidOptionError
+from .errors import ImageError, InvalidOptionError
+from .images import NO_IMAGES, expand_placeholders
+from .models.vision import Pixels
 from .reasoning import ChannelSplitter, Reasoning, reasoning_for, tags_for
 from .sample import Sampler, SamplingConfig
 from .speculative import LOOKUP_DRAFT, MODEL_DRAFT, PREDICTION_DRAFT, PredictedOutput, SpeculativeDecoder, make_drafter
@@ -485,6 +487,76 @@ def request_tokens(tokenizer: Tokenizer, prompt: Prompt, vocab_size: int, tools:
     ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
                                         **(template_kwargs or {}), **extra)
     return prompt_tokens(tokenizer, ids, vocab_size)
+
+
+@dataclass(frozen=True)
+class ImagePrompt:
+    """A prompt's images as the engine runs them: each preprocessed (`Pixels`, in prompt order),
+    and the prompt's cache keys: its ids with every image's placeholder tokens replaced by that
+    image's key (`image_key`), so a prompt cache is reused across the same pixels only."""
+
+    pixels: tuple[Pixels, ...]
+    keys: tuple[int, ...]
+
+
+def image_prompt(model, tokenizer: Tokenizer, request, tools: ToolPlan | None) -> tuple[list[int], ImagePrompt | None]:
+    """The ids of a request and, when it has images, their `ImagePrompt`: the messages rendered
+    as text, each image's placeholder expanded to its tokens as the HF processor does, then encoded."""
+    o, vocab = request.options, model.config.vocab_size
+    if not request.images:
+        return request_tokens(tokenizer, request.prompt, vocab, tools, o.chat_template_kwargs), None
+    if model.image_token_id is None:
+        raise ImageError(NO_IMAGES)
+    if model.image_processor is None:
+        raise ImageError("this checkpoint has no preprocessor_config.json, so its images cannot be prepared; "
+                         "copy the file from the original model into its folder")
+    if o.prompt_logprobs is not None:
+        raise InvalidOptionError("prompt_logprobs cannot score a prompt with images; drop one or the other")
+    pixels = tuple(model.image_processor(image) for image in request.images)
+    text = render(tokenizer, request.prompt, tools, o.chat_template_kwargs)
+    text = expand_placeholders(text, pixels, model.image_processor, tokenizer.decode([model.image_token_id]))
+    ids = prompt_tokens(tokenizer, tokenizer.encode(text, add_special_tokens=False), vocab)
+    return ids, ImagePrompt(pixels, image_keys(ids, model.image_token_id, pixels))
+
+
+def render(tokenizer: Tokenizer, messages: Sequence[dict], tools: ToolPlan | None,
+           template_kwargs: dict[str, Any] | None) -> str:
+    """Chat messages as the template writes them (with the tools, as `request_tokens` shows them)."""
+    extra: dict[str, Any] = {}
+    messages = list(messages)
+    if tools is not None:
+        messages, native = tools.messages(tokenizer, messages)
+        extra = {"tools": tools.tools} if native else {}
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, **(template_kwargs or {}), **extra)
+
+
+def image_key(image: Pixels) -> int:
+    """The cache key an image's tokens stand as: negative (never a token id), from its digest."""
+    return -1 - int(image.digest[:15], 16)
+
+
+def image_keys(ids: Sequence[int], image_token_id: int, pixels: Sequence[Pixels]) -> tuple[int, ...]:
+    """`ids` with each image's `tokens` placeholder ids, in order, replaced by its `image_key`;
+    the prompt must hold exactly as many placeholder ids as the images take."""
+    keys, images, left = list(ids), iter(pixels), 0
+    key = 0
+    for i, t in enumerate(ids):
+        if t != image_token_id:
+            if left:
+                break
+            continue
+        if not left:
+            image = next(images, None)
+            if image is None:
+                break
+            key, left = image_key(image), image.tokens
+        keys[i] = key
+        left -= 1
+    found = sum(1 for t in ids if t == image_token_id)
+    if left or next(images, None) is not None or found != sum(p.tokens for p in pixels):
+        raise ImageError(f"the prompt holds {found} image tokens where its {len(pixels)} images take "
+                         f"{sum(p.tokens for p in pixels)}; do not write the image token in the text")
+    return tuple(keys)
 
 
 # Prompt tokens read for where a reply starts (inside an opened thinking or not): the end of a

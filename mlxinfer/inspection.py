@@ -1,6 +1,6 @@
 """`mlxinfer inspect`: the pipeline made visible, stage by stage, for one prompt.
 
-tokens → embedding → transformer layers → KV cache → prefill and decode → next-token
+(images → patches → tokens and positions) → tokens → embedding → transformer layers → KV cache → prefill and decode → next-token
 distribution, and how temperature and top-p reshape it. `inspect_pipeline` returns
 plain data (what `--json` prints); `render` turns it into text for a terminal.
 """
@@ -12,9 +12,11 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 
 from .cache import PromptCache, StateCache
 from .errors import InvalidOptionError
+from .generate import ImagePrompt
 from .models.config import SLIDING
 from .models.layers import Attention
 from .models.moe import SwitchGLU
@@ -26,14 +28,20 @@ from .tokenizer import Tokenizer
 
 def inspect_pipeline(
     model, tokenizer: Tokenizer, prompt: list[int], steps: int = 5, top: int = 5,
-    temperature: float = 0.7, top_p: float = 0.9,
+    temperature: float = 0.7, top_p: float = 0.9, images: ImagePrompt | None = None,
 ) -> dict[str, Any]:
-    """Run `prompt` through the model, recording each stage; decode `steps` tokens greedily,
-    showing the `top` most likely next tokens and their probability after `temperature`
-    and after `top_p` on top of it."""
+    """Run `prompt` (with `images`, its pictures as the engine prepared them) through the model,
+    recording each stage; decode `steps` tokens greedily, showing the `top` most likely next
+    tokens and their probability after `temperature` and after `top_p` on top of it."""
     cache = PromptCache.for_model(model)
     start = time.perf_counter()
-    logits = cache.run(model, prompt)[-1]
+    if images is None:
+        logits, seen = cache.run(model, prompt)[-1], None
+    else:
+        embedded = model.embedded(prompt, images.pixels)
+        cache.set_position_delta(embedded.position_delta)
+        logits = cache.run(model, prompt, embedded, images.keys)[-1]
+        seen = image_view(model, prompt, images, embedded)
     mx.eval(logits)
     prefill_s = time.perf_counter() - start
     prompt_bytes = cache.nbytes
@@ -54,6 +62,7 @@ def inspect_pipeline(
     decode_tokens = len(decoded) - 1  # the first token came out of the prefill
     return {
         "sharding": layout(model),
+        **({"images": seen} if seen is not None else {}),
         "tokens": [{"id": t, "text": tokenizer.decode([t])} for t in prompt],
         "embedding": embedding_view(model, len(prompt)),
         "layers": layers_view(model),
@@ -71,6 +80,41 @@ def inspect_pipeline(
         "steps": decoded,
         "generated": tokenizer.decode([step["chosen"]["id"] for step in decoded]),
     }
+
+
+def image_view(model, prompt: list[int], images: ImagePrompt, embedded) -> dict[str, Any]:
+    """The image stage: each image's pixel tensor, patch grid, tokens, where they sit in the prompt
+    and the positions they take (Qwen-VL's M-RoPE: (t, h, w) ranges; else one position per token)."""
+    out, at = [], 0
+    where = [i for i, t in enumerate(prompt) if t == model.image_token_id]
+    for px in images.pixels:
+        start, end = where[at], where[at + px.tokens - 1] + 1
+        at += px.tokens
+        entry: dict[str, Any] = {"pixel_values": list(px.values.shape), "tokens": px.tokens, "span": [start, end],
+                                 "digest": px.digest[:16]}
+        if px.grid is not None:
+            entry.update(grid_thw=list(px.grid), patches=int(np.prod(px.grid)))
+        if embedded.positions is not None:
+            pos = np.array(embedded.positions[:, start:end])
+            entry["positions"] = {axis: [int(pos[i].min()), int(pos[i].max())] for i, axis in enumerate("thw")}
+        out.append(entry)
+    processor = model.image_processor
+    return {"processor": processor.kind, "settings": {"size": list(processor.size), "patch": processor.patch_size,
+                                                      "merge": processor.merge_size} if processor.kind == "qwen2_vl"
+            else {"size": list(processor.size)}, "images": out, "position_delta": embedded.position_delta,
+            "bidirectional": [list(s) for s in embedded.bidirectional]}
+
+
+def _images_text(v: dict[str, Any]) -> str:
+    lines = [f"0. images    {v['processor']} processor {v['settings']}; positions after the prompt shift by "
+             f"{v['position_delta']}" + (f"; image tokens attend both ways within {v['bidirectional']}"
+                                         if v["bidirectional"] else "")]
+    for i, im in enumerate(v["images"]):
+        grid = f", grid t*h*w {im['grid_thw']} = {im['patches']} patches" if "grid_thw" in im else ""
+        pos = f", positions t/h/w {im['positions']}" if "positions" in im else ""
+        lines.append(f"   image {i + 1}: pixel_values {im['pixel_values']}{grid} -> {im['tokens']} tokens at "
+                     f"[{im['span'][0]}, {im['span'][1]}){pos}  (sha256 {im['digest']}...)")
+    return "\n".join(lines)
 
 
 def next_token_view(tokenizer: Tokenizer, logits: mx.array, top: int, temperature: float, top_p: float) -> dict:
@@ -186,6 +230,7 @@ def layers_view(model) -> dict[str, Any]:
 def render(report: dict[str, Any], title: str, width: int = 100) -> str:
     """The report as text that reads well in a terminal."""
     split = [_sharding_text(report["sharding"])] if report.get("sharding") else []
+    split += [_images_text(report["images"])] if report.get("images") else []
     sections = [title, *split, _tokens_text(report["tokens"], width), _embedding_text(report["embedding"]),
                 _layers_text(report["layers"], report["embedding"]["shape"]),
                 _cache_text(report["kv_cache"], report["layers"]), _timing_text(report["timing"]),

@@ -23,6 +23,7 @@ from .models.pooling import EmbeddingConfig
 from .shard import (Shard, Stage, check_same_model, layer_ranges, layer_sizes, materialize, shard_config,
                     shard_weights, shrink_vocab, stage_weights, world, wrap_reductions)
 from .models.config import check_config
+from .images import read_image_processor
 from .tokenizer import Tokenizer, load_tokenizer_from_dir
 
 TOKENIZER_FILES = [
@@ -36,7 +37,9 @@ TOKENIZER_FILES = [
 ]
 # a sentence-transformers pipeline, its input modalities and its pooling (`<index>_Pooling/config.json`)
 EMBEDDING_FILES = ["modules.json", "sentence_bert_config.json", "*_Pooling/config.json"]
-MODEL_FILES = ["*.safetensors", "model.safetensors.index.json", *TOKENIZER_FILES, *EMBEDDING_FILES]
+# a vision-language checkpoint's image preprocessing (`images.read_image_processor`)
+IMAGE_FILES = ["preprocessor_config.json", "processor_config.json"]
+MODEL_FILES = ["*.safetensors", "model.safetensors.index.json", *TOKENIZER_FILES, *EMBEDDING_FILES, *IMAGE_FILES]
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
@@ -484,6 +487,8 @@ def load_model(path: Path, dtype: str | mx.Dtype | None = None, shard: str | Non
     mx.eval(model.parameters())
     fuse_projections(model)
     model.sentence_embedding = read_embedding_config(path)
+    if model.image_token_id is not None:
+        model.image_processor = read_image_processor(path, config)
     if place is not None and shard == "tensor":
         wrap_reductions(model, place)
     if place is not None:

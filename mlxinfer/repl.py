@@ -14,15 +14,16 @@ import json
 import os
 import sys
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Protocol, TextIO
+from typing import Any, Protocol, TextIO
 
 from .chat import ChatSession
 from .constrain import typed_format
 from .tools import describe_call
 from .reasoning import SWITCH, tags_for, thinking_switch
-from .errors import InvalidOptionError, MlxinferError
+from .errors import ImageError, InvalidOptionError, MlxinferError
+from .images import NO_IMAGES, load_image
 from .terminal import CYAN, DIM, paint, size, stats_line, typed_text
 
 PROMPT = ">>> "
@@ -34,6 +35,7 @@ HELP = [
     ("/set NAME VALUE", "change temp, top_p, top_k, min_p or max_tokens (no NAME: show them)"),
     ("/format KIND [X]", "hold replies to: json [SCHEMA|FILE], regex PATTERN, lark GRAMMAR|FILE, off"),
     ("/think on|off", "let a thinking model think before it answers, or not (no argument: show which)"),
+    ("/image FILE", "show an image with the next message (repeatable; a vision-language model)"),
     ("/stats", "numbers for the last reply and the cache"),
     ("/undo", "drop the last exchange and roll the cache back"),
     ("/save FILE", "save the conversation and its KV cache"),
@@ -135,12 +137,15 @@ class Repl:
     """Reads messages and slash commands, streams replies, prints stats after each."""
 
     def __init__(self, session: ChatSession, reader: LineReader, out: TextIO, color: bool = False,
-                 verbose: bool = False):
+                 verbose: bool = False, images: Sequence[str] = ()):
         self.session, self.reader, self.out = session, reader, out
         self.color, self.verbose = color, verbose
+        self.images: list[Any] = []  # loaded by /image (or --image), shown with the next message
+        for path in images:
+            self.image(path)
         self.commands: dict[str, Callable[[str], bool | None]] = {
             "help": self.help, "reset": self.reset, "system": self.system, "set": self.set, "stats": self.stats,
-            "format": self.format, "think": self.think,
+            "format": self.format, "think": self.think, "image": self.image,
             "undo": self.undo, "save": self.save, "load": self.load, "exit": self.exit, "quit": self.exit,
         }
 
@@ -187,7 +192,8 @@ class Repl:
 
     def reply(self, text: str) -> None:
         before = len(self.session.messages)
-        chunks = self.session.send(text)
+        chunks = self.session.send(text, self.images)
+        self.images = []
         interrupted = False
         calls = []
         thinking = False  # inside the thinking shown so far
@@ -222,6 +228,15 @@ class Repl:
         for name, what in HELP:
             self.say(f"  {name:<16} {what}")
         self.say(f'  Alt-Enter starts a new line; text between {BLOCK} marks is one message.')
+
+    def image(self, arg: str) -> None:
+        """Load an image now (a bad one fails here, in one line) for the next message."""
+        if not arg:
+            raise InvalidOptionError("/image needs a file, e.g. /image photo.png")
+        if self.session.model.image_token_id is None:
+            raise ImageError(NO_IMAGES)
+        self.images.append(load_image(Path(arg).expanduser()))
+        self.note(f"[image {len(self.images)} attached to the next message: {Path(arg).name}]")
 
     def reset(self, _: str) -> None:
         self.session.reset()
@@ -342,14 +357,14 @@ def describe(e: Exception) -> str:
     return f"unexpected {type(e).__name__}: {first} (a bug in mlxinfer; --verbose shows where)"
 
 
-def run_repl(session: ChatSession, history_file: Path, color: bool, verbose: bool) -> None:
+def run_repl(session: ChatSession, history_file: Path, color: bool, verbose: bool, images: Sequence[str] = ()) -> None:
     """A terminal gets prompt_toolkit; anything else is read line by line."""
     stdin, out = sys.stdin, sys.stdout
     if isinstance(stdin, io.TextIOWrapper):  # bytes that are not UTF-8 reach typed_text, which replaces them
         stdin.reconfigure(errors="surrogateescape")
     interactive = stdin.isatty() and out.isatty()
     reader: LineReader = TerminalReader(history_file) if interactive else StreamReader(stdin)
-    repl = Repl(session, reader, out, color, verbose)
+    repl = Repl(session, reader, out, color, verbose, images)
     if interactive:
         repl.note("/help for commands, Alt-Enter for a new line, Ctrl-C stops a reply, Ctrl-D quits")
     with contextlib.suppress(BrokenPipeError):

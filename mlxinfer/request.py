@@ -5,6 +5,10 @@ input into one `Request`: the prompt (text, token ids or chat messages), the sam
 config and the generation options, each checked when it is made. The engine takes it as
 it is; nothing below re-validates a loose dict. `to_json`/`from_json` carry it across
 ranks of a sharded model (and anywhere else a request is stored) as plain data.
+
+Images in chat messages are loaded here, once (`images.take_images`: bounded, decoded to
+RGB); the messages keep `{"type": "image"}` where each was, for the chat template, and the
+request holds the images in order. In JSON they travel as lossless PNG data URLs.
 """
 
 from __future__ import annotations
@@ -14,8 +18,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from PIL import Image
+
 from .errors import InvalidOptionError
 from .generate import GenerationOptions, Prompt, split_options
+from .images import LOCAL, data_url, has_images, load_image, take_images
 from .sample import SamplingConfig
 
 # Options that hold runtime objects (a loaded draft model, its cache): they configure this
@@ -30,14 +37,18 @@ class Request:
     prompt: str | tuple[int, ...] | tuple[Mapping[str, Any], ...]
     sampling: SamplingConfig
     options: GenerationOptions
+    images: tuple[Image.Image, ...] = ()  # the messages' images in order, loaded (RGB)
 
     @classmethod
     def of(cls, prompt: Prompt, vocab_size: int | None = None, defaults: Mapping[str, Any] | None = None,
-           **options: Any) -> Request:
+           image_sources: frozenset[str] = LOCAL, **options: Any) -> Request:
         """The one place keyword options (`stream_generate`'s) become typed configs; `defaults`
-        (an engine's) are overridden by `options`; token ids are checked against `vocab_size`."""
+        (an engine's) are overridden by `options`; token ids are checked against `vocab_size`;
+        images in chat messages are loaded, from where `image_sources` allows (`images.LOCAL`:
+        files and data: URLs; a server: data: URLs, http(s) only when started to fetch them)."""
         sampling, generation = split_options({**(defaults or {}), **options}, vocab_size)
-        return cls(_frozen(prompt), sampling, generation)
+        prompt, images = _with_images(prompt, image_sources)
+        return cls(_frozen(prompt), sampling, generation, images)
 
     def keywords(self) -> dict[str, Any]:
         """Its configs as keyword options again (`of` reads them back to equal configs), less the
@@ -57,7 +68,7 @@ class Request:
         options["stop"] = list(self.options.stop)
         prompt = self.prompt if isinstance(self.prompt, str) else [dict(m) if isinstance(m, Mapping) else m
                                                                    for m in self.prompt]
-        return {"prompt": prompt, "sampling": sampling, "options": options}
+        return {"prompt": prompt, "sampling": sampling, "options": options, "images": [data_url(i) for i in self.images]}
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> Request:
@@ -67,7 +78,16 @@ class Request:
                                   for k, v in sampling["logit_bias"].items()}
         options = dict(data["options"])
         options["stop"] = tuple(options["stop"])
-        return cls(_frozen(data["prompt"]), SamplingConfig(**sampling), GenerationOptions(**options))
+        images = tuple(load_image(url, sources=frozenset({"data"})) for url in data.get("images", ()))
+        return cls(_frozen(data["prompt"]), SamplingConfig(**sampling), GenerationOptions(**options), images)
+
+
+def _with_images(prompt: Prompt, sources: frozenset[str]) -> tuple[Prompt, tuple[Image.Image, ...]]:
+    """Chat messages with their images taken out and loaded (`images.take_images`); other prompts as they are."""
+    if not has_images(prompt):
+        return prompt, ()
+    messages, images = take_images(prompt, sources=sources)
+    return messages, tuple(images)
 
 
 def _frozen(prompt: Prompt) -> str | tuple:

@@ -272,7 +272,7 @@ def test_canonical_config_is_the_text_model(checkpoint):
     from mlxinfer.models import build_model, canonical_config
 
     model = build_model(canonical_config(json.loads((checkpoint / "config.json").read_text())))
-    assert "vision_tower" not in model and not hasattr(model, "image_token_id")
+    assert "vision_tower" not in model and model.image_token_id is None
     kept = model.sanitize({k: mx.array(v) for k, v in load_file(checkpoint / "model.safetensors").items()})
     assert kept and not any(k.startswith(("vision_tower.", "multi_modal_projector.")) for k in kept)
 

@@ -374,8 +374,9 @@ def test_logprobs_when_included(client):
 
 @pytest.mark.parametrize("body, param, fact", [
     ({"input": "x", "n": 2}, "n", "unknown parameter"),
-    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "data:image/png;base64,AA=="}]}]},
-     "input", "text only"),
+    ({"input": [{"role": "user", "content": [{"type": "input_file", "file_data": "AA=="}]}]},
+     "input", "text and images"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "file_id": "file_1"}]}]}, "input", "file store"),
     ({"input": "x", "tools": [{"type": "web_search"}]}, "tools", "function tools only"),
     ({"input": "x", "tool_choice": {"type": "file_search"}}, "tool_choice", "function tools only"),
     ({"input": [{"type": "computer_call_output", "call_id": "c", "output": {}}]}, "input", "computer_call_output"),

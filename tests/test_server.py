@@ -526,9 +526,12 @@ def test_a_model_is_retrieved_by_its_id(client):
     assert "does not exist" in str(e.value)
 
 
-def test_an_image_part_is_refused_as_text_only(server):
+def test_an_image_part_is_refused_by_a_text_model(server):
     parts = [{"type": "text", "text": "what is this?"},
              {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}]
     status, body, _ = post(server.url, {"messages": [{"role": "user", "content": parts}]})
-    assert status == 400 and "text only" in body["error"]["message"] and "image_url" in body["error"]["message"]
+    assert status == 400 and "this model takes no images" in body["error"]["message"]
+    parts[1] = {"type": "input_audio", "input_audio": {"data": "AA==", "format": "wav"}}
+    status, body, _ = post(server.url, {"messages": [{"role": "user", "content": parts}]})
+    assert status == 400 and "input_audio" in body["error"]["message"]
     assert body["error"]["param"] == "messages.0.content"

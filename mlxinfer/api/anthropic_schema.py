@@ -24,7 +24,7 @@ from pydantic_core import PydanticCustomError
 from ..generate import MAX_STOPS
 from .common import RequestError, model_body
 
-# Block types Anthropic defines that a text-only model cannot read.
+# Block types Anthropic defines that no model here reads (images, in a message, go to a vision-language model).
 MEDIA_BLOCKS = ("image", "document")
 # Blocks of Anthropic's server-side features (its own tools, search results), which need its servers.
 SERVER_BLOCKS = ("search_result", "server_tool_use", "web_search_tool_result", "web_fetch_tool_result",
@@ -70,22 +70,47 @@ class ToolUseBlock(Strict):
     toolset_name: str | None = None
 
 
-def _refuse_blocks(blocks: Any) -> Any:
-    """An image, document or server-side block refused by name, not as a shape mismatch."""
+def _refuse_blocks(blocks: Any, images: bool = False) -> Any:
+    """A document or server-side block (and an image, where `images` are not taken) refused by
+    name, not as a shape mismatch."""
     for i, block in enumerate(blocks if isinstance(blocks, list) else []):
         kind = block.get("type") if isinstance(block, dict) else None
-        if kind in MEDIA_BLOCKS:
-            raise PydanticCustomError("text_only", f"this model takes text only: remove the {kind} block (at {i}) "
-                                      "or send its text as a text block", {})
+        if kind in MEDIA_BLOCKS and not (images and kind == "image"):
+            raise PydanticCustomError("text_only", f"this server takes text{' and images' if images else ''} here: "
+                                      f"remove the {kind} block (at {i}) or send its text as a text block", {})
         if kind in SERVER_BLOCKS:
             raise PydanticCustomError("server_only", f"{kind} blocks (at {i}) belong to Anthropic's server tools, "
                                       "which this server does not have; send text blocks", {})
     return blocks
 
 
-def _as_blocks(content: Any) -> Any:
+def _as_blocks(content: Any, images: bool = False) -> Any:
     """A string is shorthand for one text block."""
-    return [{"type": "text", "text": content}] if isinstance(content, str) else _refuse_blocks(content)
+    return [{"type": "text", "text": content}] if isinstance(content, str) else _refuse_blocks(content, images)
+
+
+class Base64Source(Strict):
+    type: Literal["base64"]
+    media_type: Literal["image/jpeg", "image/png", "image/gif", "image/webp"]
+    data: str
+
+
+class URLSource(Strict):
+    type: Literal["url"]
+    url: str  # fetched only where the server allows it (`serve --allow-image-urls`)
+
+
+class ImageBlock(Strict):
+    """An image in a user turn, for a vision-language model (a text-only one refuses it)."""
+
+    type: Literal["image"]
+    source: Annotated[Union[Base64Source, URLSource], Field(discriminator="type")]
+    cache_control: CacheControl | None = None
+
+    def part(self) -> dict[str, Any]:
+        src = self.source
+        url = f"data:{src.media_type};base64,{src.data}" if isinstance(src, Base64Source) else src.url
+        return {"type": "image_url", "image_url": {"url": url}}
 
 
 def _joined(blocks: list[TextBlock]) -> str:
@@ -124,10 +149,10 @@ class RedactedThinkingBlock(Strict):
     data: str
 
 
-Block = Annotated[Union[TextBlock, ToolUseBlock, ToolResultBlock, ThinkingBlock, RedactedThinkingBlock],
+Block = Annotated[Union[TextBlock, ToolUseBlock, ToolResultBlock, ThinkingBlock, RedactedThinkingBlock, ImageBlock],
                   Field(discriminator="type")]
 # Which blocks each role's turns may hold.
-ROLE_BLOCKS = {"user": ("text", "tool_result"), "assistant": ("text", "tool_use", "thinking", "redacted_thinking"),
+ROLE_BLOCKS = {"user": ("text", "tool_result", "image"), "assistant": ("text", "tool_use", "thinking", "redacted_thinking"),
                "system": ("text",)}
 
 
@@ -138,7 +163,7 @@ class Message(Strict):
     @field_validator("content", mode="before")
     @classmethod
     def blocks(cls, content: Any) -> Any:
-        return _as_blocks(content)
+        return _as_blocks(content, images=True)
 
     @model_validator(mode="after")
     def blocks_fit_the_role(self) -> Message:
@@ -163,16 +188,31 @@ class Message(Strict):
             return [out]
         turns, text = [], []
         for block in self.content:
-            if block.type == "text":
+            if block.type in ("text", "image"):
                 text.append(block)
                 continue
             if text:
-                turns.append({"role": "user", "content": _joined(text)})
+                turns.append({"role": "user", "content": _user_content(text)})
                 text = []
             turns.append({"role": "tool", "tool_call_id": block.tool_use_id, "content": block.text()})
         if text or not turns:
-            turns.append({"role": "user", "content": _joined(text)})
+            turns.append({"role": "user", "content": _user_content(text)})
         return turns
+
+
+def _user_content(blocks: list[TextBlock | ImageBlock]) -> str | list[dict[str, Any]]:
+    """A user turn's text as one string, or with images its parts in order (each image where it was)."""
+    if not any(b.type == "image" for b in blocks):
+        return _joined(blocks)
+    return [b.part() if b.type == "image" else {"type": "text", "text": b.text} for b in blocks]
+
+
+def _merged(a: str | list[dict[str, Any]], b: str | list[dict[str, Any]]) -> str | list[dict[str, Any]]:
+    """Two consecutive turns' contents as one (Anthropic combines them)."""
+    if isinstance(a, str) and isinstance(b, str):
+        return BLOCK_SEPARATOR.join(t for t in (a, b) if t)
+    parts = [[{"type": "text", "text": c}] if isinstance(c, str) else c for c in (a, b)]
+    return [p for part in parts for p in part if p.get("type") != "text" or p["text"]]
 
 
 class Tool(Strict):
@@ -313,7 +353,7 @@ class Conversation(Strict):
             for turn in message.chat():
                 last = turns[-1] if turns else None
                 if last and last["role"] == turn["role"] and turn["role"] in ("user", "assistant"):
-                    last["content"] = BLOCK_SEPARATOR.join(t for t in (last["content"], turn["content"]) if t)
+                    last["content"] = _merged(last["content"], turn["content"])
                     for key in ("tool_calls", "reasoning_content"):
                         if key in turn:
                             last[key] = last.get(key, [] if key == "tool_calls" else "") + turn[key]

@@ -86,8 +86,23 @@ class FunctionName(Strict):
     name: str
 
 
-# Content parts OpenAI defines that a text-only model cannot read.
-MEDIA_PARTS = ("image_url", "input_audio", "file")
+# Content parts OpenAI defines that no model here can read (images go to a vision-language model).
+MEDIA_PARTS = ("input_audio", "file")
+
+
+class ImageURL(Strict):
+    url: str  # a data: URL (an http(s) one only where the server allows it: `images.image_bytes`)
+    detail: Literal["auto", "low", "high"] | None = None  # the processor's own resolution applies either way
+
+
+class ImagePart(Strict):
+    """An image for a vision-language model (a text-only one refuses it when the request is prepared)."""
+
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+    def for_template(self) -> dict[str, Any]:
+        return {"type": "image_url", "image_url": {"url": self.image_url.url}}
 
 
 class Message(Strict):
@@ -96,7 +111,7 @@ class Message(Strict):
     legacy `function` role and assistant `function_call` (read as a tool reply and call)."""
 
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
-    content: str | list[TextPart | RefusalPart] | None = None
+    content: str | list[TextPart | RefusalPart | ImagePart] | None = None
     tool_calls: list[MessageToolCall] | None = None  # an assistant's earlier calls
     tool_call_id: str | None = None  # a tool message: the call it answers
     name: str | None = None  # a participant's name, or a tool / function message's function
@@ -126,21 +141,26 @@ class Message(Strict):
     @field_validator("content", mode="before")
     @classmethod
     def text_only(cls, content: Any) -> Any:
-        """An image, audio or file part is refused by name, not as a shape mismatch."""
+        """An audio or file part is refused by name, not as a shape mismatch."""
         if isinstance(content, list):
             for i, part in enumerate(content):
                 kind = part.get("type") if isinstance(part, dict) else None
                 if kind in MEDIA_PARTS:
-                    raise PydanticCustomError("text_only", f"this model takes text only: remove the {kind} part "
-                                              f"(content.{i}) or send its text", {})
+                    raise PydanticCustomError("text_only", f"this server takes text and images only: remove the "
+                                              f"{kind} part (content.{i}) or send its text", {})
         return content
 
     def for_template(self) -> dict[str, Any]:
         """The message as chat templates take it ("developer" is OpenAI's new name for "system")."""
-        text = self.content if isinstance(self.content, str) else \
-            "".join(p.text if isinstance(p, TextPart) else p.refusal for p in self.content or [])
+        text: str | list[dict[str, Any]] = self.content if isinstance(self.content, str) else \
+            "".join(p.text if isinstance(p, TextPart) else p.refusal for p in self.content or []
+                    if not isinstance(p, ImagePart))
         if self.content is None and self.refusal is not None:
             text = self.refusal
+        if isinstance(self.content, list) and any(isinstance(p, ImagePart) for p in self.content):
+            # parts in order, images where they were: the template writes each one's placeholder
+            text = [p.for_template() if isinstance(p, ImagePart) else
+                    {"type": "text", "text": p.text if isinstance(p, TextPart) else p.refusal} for p in self.content]
         out: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": text}
         if self.tool_calls:
             out["tool_calls"] = [c.model_dump() for c in self.tool_calls]

@@ -20,8 +20,8 @@ from .common import RequestError
 from .openai_schema import Strict
 
 Status = Literal["in_progress", "completed", "incomplete"]
-# Part and item types OpenAI defines that a text-only model with function tools cannot take.
-MEDIA_PARTS = ("input_image", "input_file", "input_audio")
+# Part and item types OpenAI defines that no model here can take (images go to a vision-language model).
+MEDIA_PARTS = ("input_file", "input_audio")
 # What `include` may name (OpenAI's list); only the logprobs have an effect here.
 INCLUDABLE = Literal["file_search_call.results", "web_search_call.results", "web_search_call.action.sources",
                      "message.input_image.image_url", "computer_call_output.output.image_url",
@@ -49,13 +49,31 @@ class Refusal(Strict):
     refusal: str
 
 
-Part = Annotated[Union[InputText, OutputText, Refusal], Field(discriminator="type")]
+class InputImage(Strict):
+    """An image in a message, for a vision-language model: a data: URL (an http(s) one only where
+    the server allows it); a `file_id` needs OpenAI's file store, which this server does not have."""
+
+    type: Literal["input_image"]
+    image_url: str | None = None
+    file_id: str | None = None
+    detail: Literal["auto", "low", "high", "original"] | None = None  # the processor's own resolution applies
+
+
+Part = Annotated[Union[InputText, OutputText, Refusal, InputImage], Field(discriminator="type")]
 
 
 def _joined(content: str | list) -> str:
     if isinstance(content, str):
         return content
     return "".join(p.refusal if isinstance(p, Refusal) else p.text for p in content)
+
+
+def _content(content: str | list) -> str | list[dict[str, Any]]:
+    """A message's content as a template takes it: one string, or with images the parts in order."""
+    if isinstance(content, str) or not any(isinstance(p, InputImage) for p in content):
+        return _joined(content)
+    return [{"type": "image_url", "image_url": {"url": p.image_url}} if isinstance(p, InputImage) else
+            {"type": "text", "text": _joined([p])} for p in content]
 
 
 class MessageItem(Strict):
@@ -294,12 +312,17 @@ class CreateResponse(Strict):
             if kind is not None and kind not in ITEMS:
                 raise PydanticCustomError("item_type", f"input.{i} is a '{str(kind)[:40]}' item; this server takes "
                                           f"{', '.join(ITEMS)} items", {})
+            output = isinstance(item, dict) and "content" not in item  # a tool's output: text only
             parts = item.get("content", item.get("output")) if isinstance(item, dict) else None
             for j, part in enumerate(parts if isinstance(parts, list) else []):
                 media = part.get("type") if isinstance(part, dict) else None
-                if media in MEDIA_PARTS:
-                    raise PydanticCustomError("text_only", f"this model takes text only: remove the {media} part "
-                                              f"(input.{i}, part {j}) or send its text", {})
+                if media in MEDIA_PARTS or (output and media == "input_image"):
+                    raise PydanticCustomError("text_only", f"this server takes text{'' if output else ' and images'} "
+                                              f"here: remove the {media} part (input.{i}, part {j}) or send its "
+                                              "text", {})
+                if media == "input_image" and (part.get("file_id") is not None or not part.get("image_url")):
+                    raise PydanticCustomError("file_id", f"input.{i}, part {j}: an input_image needs image_url (a "
+                                              "data: URL); this server has no file store for file_id", {})
         return items
 
     def logprob_rows(self) -> int:
@@ -351,7 +374,7 @@ def messages(items: list, instructions: str | None) -> list[dict[str, Any]]:
     names: dict[str, str] = {}
     for item in items:
         if isinstance(item, MessageItem):
-            out.append({"role": "system" if item.role == "developer" else item.role, "content": _joined(item.content)})
+            out.append({"role": "system" if item.role == "developer" else item.role, "content": _content(item.content)})
         elif isinstance(item, FunctionCallItem):
             names[item.call_id] = item.name
             call = {"id": item.call_id, "type": "function",

@@ -585,6 +585,10 @@ class CausalLM(nn.Module):
     # Modules (path prefixes) `convert` keeps in float when it quantizes, unless asked: a vision
     # tower is small beside the language model and its features lose more than they save.
     unquantized: tuple[str, ...] = ()
+    # A vision-language family's image placeholder token (None: the model takes no images), and
+    # the checkpoint's image processor (`images.ImageProcessor`, set by the loader from its files).
+    image_token_id: int | None = None
+    image_processor: Any = None
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()

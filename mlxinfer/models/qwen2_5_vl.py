@@ -91,7 +91,7 @@ class Model(CausalLM):
         self.require_head()
         for c in cache or ():
             c.position_delta = embedded.position_delta
-        h = self.model.blocks(embedded.embeds[None], cache, embedded.positions)
+        h = self.model.blocks(embedded.embeds[None], cache, positions=embedded.positions)
         return self.logits(self.model.norm(h))
 
     def encode_images(self, images: Sequence[Pixels]) -> mx.array:

@@ -1,0 +1,270 @@
+"""Images through the whole request path, end to end: chat messages with image parts → the typed
+request → the image stage → the template's placeholders expanded as the HF processor expands them
+→ the engine's chunked prefill (never splitting an image that attends both ways) → tokens.
+
+The model is a random-weight Gemma 3 with a vision tower built by transformers, saved with
+transformers' own Gemma3Processor (its image processor config, `image_seq_length`) and the real
+Gemma 3 tokenizer from ../shared. The oracle is transformers: the same processor makes input ids
+and pixels from the same messages, and `generate` gives the greedy tokens ours must equal."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from test_models_gemma_vision import TEXT, VISION, perturb
+
+from mlxinfer.batch import BatchGenerator
+from mlxinfer.errors import ImageError
+from mlxinfer.batch import stream_generate
+from mlxinfer.loading import load
+from mlxinfer.pool import PromptCachePool
+
+from PIL import Image  # noqa: E402
+
+TOKENIZERS = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "tokenizers"
+GEMMA_TOKENIZER = TOKENIZERS / "gemma3"
+IMAGE_TOKENS = 16
+STEPS = 8
+pytestmark = pytest.mark.skipif(not GEMMA_TOKENIZER.is_dir(), reason="needs ../shared/fixtures/tokenizers/gemma3")
+
+
+def picture(seed: int, size: tuple[int, int]) -> Image.Image:
+    rng = np.random.default_rng(seed)
+    h, w = size
+    y, x = np.mgrid[0:h, 0:w]
+    base = np.stack([x * 255 / w, y * 255 / h, (x + y) * 127 / (h + w)], axis=-1)
+    return Image.fromarray(np.clip(base + rng.normal(0, 40, (h, w, 3)), 0, 255).astype(np.uint8))
+
+
+def data_url(image: Image.Image) -> str:
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    from transformers import (AutoTokenizer, Gemma3Config, Gemma3ForConditionalGeneration, Gemma3ImageProcessorPil,
+                              Gemma3Processor)
+
+    tokenizer = AutoTokenizer.from_pretrained(GEMMA_TOKENIZER)
+    torch.manual_seed(0)
+    # a window longer than the prompts, so the pool can cut a cache back anywhere (a rotated one cannot)
+    config = Gemma3Config(text_config={**TEXT, "vocab_size": 262_208, "sliding_window": 128}, vision_config=VISION,
+                          mm_tokens_per_image=IMAGE_TOKENS, boi_token_index=tokenizer.convert_tokens_to_ids(
+                              "<start_of_image>"), eoi_token_index=tokenizer.convert_tokens_to_ids("<end_of_image>"),
+                          image_token_index=tokenizer.convert_tokens_to_ids("<image_soft_token>"))
+    model = Gemma3ForConditionalGeneration(config).float().eval()
+    perturb(model)
+    folder = tmp_path_factory.mktemp("gemma3-vision-engine")
+    model.save_pretrained(folder)
+    images = Gemma3ImageProcessorPil(size={"height": VISION["image_size"], "width": VISION["image_size"]})
+    Gemma3Processor(image_processor=images, tokenizer=tokenizer, image_seq_length=IMAGE_TOKENS,
+                    chat_template=tokenizer.chat_template).save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def hf(checkpoint):
+    from transformers import AutoProcessor, Gemma3ForConditionalGeneration
+
+    model = Gemma3ForConditionalGeneration.from_pretrained(checkpoint, dtype=torch.float32,
+                                                           attn_implementation="eager").eval()
+    return model, AutoProcessor.from_pretrained(checkpoint)
+
+
+@pytest.fixture(scope="module")
+def ours(checkpoint):
+    return load(checkpoint, dtype="float32")
+
+
+def hf_inputs(processor, messages: list[dict]) -> dict:
+    return processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True,
+                                         return_tensors="pt")
+
+
+def hf_greedy(hf, messages: list[dict], steps: int = STEPS) -> list[int]:
+    model, processor = hf
+    inputs = hf_inputs(processor, messages)
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=steps, min_new_tokens=steps, do_sample=False,
+                             eos_token_id=None, pad_token_id=0)
+    return out[0, inputs["input_ids"].shape[1]:].tolist()
+
+
+def our_greedy(model, tokenizer, messages: list[dict], steps: int = STEPS, **options) -> list[int]:
+    chunks = stream_generate(model, tokenizer, messages, max_tokens=steps, temperature=0.0, ignore_eos=True, **options)
+    return [c.token for c in chunks if c.token is not None]
+
+
+def ask(image: Image.Image | str, text: str = "What is in this picture?") -> list[dict]:
+    part = {"type": "image", "image": image} if isinstance(image, Image.Image) else \
+        {"type": "image_url", "image_url": {"url": image}}
+    return [{"role": "user", "content": [part, {"type": "text", "text": text}]}]
+
+
+def test_prompt_ids_equal_the_processors(ours, hf):
+    """Placeholders expanded as Gemma3Processor expands them: the same ids, token for token."""
+    model, tokenizer = ours
+    engine = BatchGenerator(model, tokenizer, max_batch=1)
+    messages = ask(picture(0, (40, 70)))
+    prepared = engine.prepare(engine.request(messages))
+    assert prepared.ids == hf_inputs(hf[1], messages)["input_ids"][0].tolist()
+    assert prepared.ids.count(model.image_token_id) == IMAGE_TOKENS
+
+
+@pytest.mark.parametrize("prefill_step", [512, 6])
+def test_greedy_tokens_equal_transformers(ours, hf, prefill_step):
+    """Prefill chunks of 6 would cut the 16-token image: they stretch over it instead."""
+    model, tokenizer = ours
+    image = picture(1, (90, 60))
+    want = hf_greedy(hf, ask(image))
+    assert our_greedy(model, tokenizer, ask(image), prefill_step=prefill_step) == want
+    assert our_greedy(model, tokenizer, ask(data_url(image))) == want  # the same picture as a data: URL
+
+
+def test_two_images_in_a_conversation(ours, hf):
+    model, tokenizer = ours
+    a, b = picture(2, (56, 56)), picture(3, (30, 80))
+    messages = [
+        {"role": "user", "content": [{"type": "image", "image": a}, {"type": "text", "text": "Describe it."}]},
+        {"role": "assistant", "content": [{"type": "text", "text": "A gradient with noise."}]},
+        {"role": "user", "content": [{"type": "text", "text": "And this one?"}, {"type": "image", "image": b}]},
+    ]
+    assert our_greedy(model, tokenizer, messages, prefill_step=10) == hf_greedy(hf, messages)
+
+
+def test_pool_never_reuses_another_images_tokens(ours, hf):
+    """Same text, another picture: only the tokens before the picture are reused, and the answer is
+    transformers' for that picture (its log-probabilities differ from the first picture's, which a
+    wrongly reused cache would repeat); the same picture again reuses the whole prompt."""
+    model, tokenizer = ours
+    pool = PromptCachePool(1 << 30)
+    engine = BatchGenerator(model, tokenizer, max_batch=1, pool=pool)
+    a, b = picture(4, (56, 56)), Image.new("RGB", (56, 56), (255, 255, 255))
+
+    def run(image) -> tuple[list[tuple[int, float]], list[int]]:
+        prepared = engine.prepare(engine.request(ask(image), max_tokens=STEPS, temperature=0.0, ignore_eos=True))
+        engine.enqueue(prepared)
+        return [(c.token, c.logprob) for _, c in engine.stream() if c.token is not None], prepared.ids
+
+    first, ids = run(a)
+    assert [t for t, _ in first] == hf_greedy(hf, ask(a)) and pool.stats.hits == 0
+    before_image = ids.index(model.image_token_id)
+    second, _ = run(b)
+    assert [t for t, _ in second] == hf_greedy(hf, ask(b))
+    assert second != first
+    assert pool.stats.hits == 1 and 0 < pool.stats.reused_tokens <= before_image
+    reused = pool.stats.reused_tokens
+    third, _ = run(a)
+    assert [t for t, _ in third] == [t for t, _ in first]
+    np.testing.assert_allclose([lp for _, lp in third], [lp for _, lp in first], atol=1e-4)
+    assert pool.stats.hits == 2 and pool.stats.reused_tokens - reused == len(ids) - 1
+
+
+def test_text_model_refuses_images(loaded):
+    model, tokenizer = loaded
+    with pytest.raises(ImageError, match="this model takes no images") as e:
+        list(stream_generate(model, tokenizer, ask(picture(6, (20, 20)))))
+    assert "\n" not in str(e.value)
+
+
+def test_bad_images_fail_in_one_line(ours):
+    model, tokenizer = ours
+    for bad, match in ((b"not a picture", "not an image"), ("data:image/png;base64,!!", "not valid base64"),
+                       ("https://example.com/a.png", "not fetched here")):
+        part = {"type": "image", "image": bad} if isinstance(bad, bytes) else {"type": "image_url",
+                                                                               "image_url": {"url": bad}}
+        with pytest.raises(ImageError, match=match) as e:
+            list(stream_generate(model, tokenizer, [{"role": "user", "content": [part]}]))
+        assert "\n" not in str(e.value)
+    with pytest.raises(ImageError, match="2 image placeholders"):
+        list(stream_generate(model, tokenizer, [{"role": "user", "content": [
+            {"type": "image", "image": picture(7, (20, 20))}, {"type": "text", "text": "<start_of_image>"}]}]))
+
+
+def hf_text(hf, messages: list[dict]) -> str:
+    return hf[1].tokenizer.decode(hf_greedy(hf, messages))
+
+
+def test_chat_session_and_repl_with_images(ours, hf, tmp_path):
+    """A conversation with two images, one per turn, through the chat session; the REPL's /image
+    attaches a file to the next message."""
+    from mlxinfer.chat import ChatSession
+    from mlxinfer.repl import Repl, StreamReader
+
+    model, tokenizer = ours
+    a, b = picture(8, (50, 50)), picture(9, (70, 40))
+    session = ChatSession(model, tokenizer, temperature=0.0, max_tokens=STEPS, ignore_eos=True)
+    first = [c.token for c in session.send("Describe it.", images=[a])]
+    image = {"type": "image"}
+    turn1 = {"role": "user", "content": [{**image, "image": a}, {"type": "text", "text": "Describe it."}]}
+    assert first == hf_greedy(hf, [turn1])
+    second = [c.token for c in session.send("And this one?", images=[b])]
+    conversation = [turn1, {"role": "assistant", "content": session.messages[1]["content"]},
+                    {"role": "user", "content": [{**image, "image": b}, {"type": "text", "text": "And this one?"}]}]
+    assert second == hf_greedy(hf, conversation)
+    assert session.undo() and session.cache.offset == 0  # refilled with the images on the next turn
+    with pytest.raises(Exception, match="cannot be saved"):
+        session.save(tmp_path / "chat.json")
+
+    path = tmp_path / "b.png"
+    b.save(path)
+    out = io.StringIO()
+    repl_session = ChatSession(model, tokenizer, temperature=0.0, max_tokens=STEPS, ignore_eos=True)
+    Repl(repl_session, StreamReader(io.StringIO(f"/image {path}\nAnd this one?\n")), out).run()
+    assert "[image 1 attached" in out.getvalue()
+    assert repl_session.messages[0]["content"][0]["type"] == "image"
+    assert repl_session.reply == hf_text(hf, [conversation[2]])
+
+
+def test_cli_generate_with_image(checkpoint, hf, tmp_path):
+    from click.testing import CliRunner
+
+    from mlxinfer.cli import main
+
+    image = picture(10, (64, 40))
+    path = tmp_path / "photo.png"
+    image.save(path)
+    result = CliRunner().invoke(main, ["generate", "-m", str(checkpoint), "--dtype", "float32", "-p", "What is this?",
+                                       "--image", str(path), "--temp", "0", "--max-tokens", str(STEPS), "--json",
+                                       "--ignore-eos"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["text"] == hf_text(hf, ask(image, "What is this?"))
+    bad = tmp_path / "bad.png"
+    bad.write_bytes(b"no picture here")
+    result = CliRunner().invoke(main, ["generate", "-m", str(checkpoint), "-p", "What?", "--image", str(bad)])
+    assert result.exit_code == 1 and "not an image" in result.stderr and len(result.stderr.strip().splitlines()) <= 2
+
+
+def test_server_takes_image_url_parts(checkpoint, hf):
+    """The official openai client sends an image_url part as a data: URL; a bad image is a 400 in
+    OpenAI's shape; an http(s) URL is refused unless the server was started to fetch them."""
+    import openai
+    from serving import KEY, Server
+
+    server = Server(["-m", str(checkpoint), "--dtype", "float32", "--api-key", KEY])
+    try:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0, timeout=120)
+        image = picture(11, (56, 80))
+        content = [{"type": "image_url", "image_url": {"url": data_url(image)}},
+                   {"type": "text", "text": "What is in this picture?"}]
+        reply = client.chat.completions.create(model="m", messages=[{"role": "user", "content": content}],
+                                               max_tokens=STEPS, temperature=0)
+        want = hf_greedy(hf, ask(image))
+        assert reply.usage.completion_tokens <= STEPS
+        assert hf[1].tokenizer.decode(want).startswith(reply.choices[0].message.content)
+        for url, fact in (("data:image/png;base64," + base64.b64encode(b"text, not pixels").decode(), "not an image"),
+                          ("https://example.com/cat.png", "--allow-image-urls")):
+            content[0]["image_url"]["url"] = url
+            with pytest.raises(openai.BadRequestError) as e:
+                client.chat.completions.create(model="m", messages=[{"role": "user", "content": content}])
+            assert fact in e.value.body["message"] and e.value.body["type"] == "invalid_request_error"
+    finally:
+        server.stop()

@@ -1,0 +1,196 @@
+"""Images through the whole request path on a random-weight Qwen2.5-VL built by transformers, with
+the real Qwen3 tokenizer from ../shared (it has the Qwen vision tokens) and an image processor config
+saved by transformers' Qwen2-VL image processor with non-default min/max pixels.
+
+transformers' Qwen2.5-VL processor cannot be built here (its video half needs torchvision), so the
+oracle's inputs are made as that processor makes them: its image processor's pixels and grids, the
+chat template rendered by transformers' tokenizer, each `<|image_pad|>` repeated grid.prod() /
+merge² times, then encoded. Our greedy tokens must equal transformers' `generate` from those."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import perturb
+from test_models_qwen_vl import TEXT, VISION
+
+from mlxinfer.batch import BatchGenerator, stream_generate
+from mlxinfer.loading import load
+from mlxinfer.pool import PromptCachePool
+
+from PIL import Image  # noqa: E402
+
+QWEN_TOKENIZER = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "tokenizers" / "qwen3"
+pytestmark = pytest.mark.skipif(not QWEN_TOKENIZER.is_dir(), reason="needs ../shared/fixtures/tokenizers/qwen3")
+STEPS = 6
+MIN_PIXELS, MAX_PIXELS = 4 * 28 * 28, 20 * 28 * 28
+# Qwen2-VL's chat template (Qwen2.5-VL ships the same), without its video branch.
+TEMPLATE = (
+    "{% for message in messages %}{% if loop.first and message['role'] != 'system' %}<|im_start|>system\n"
+    "You are a helpful assistant.<|im_end|>\n{% endif %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}<|im_end|>\n{% else %}"
+    "{% for content in message['content'] %}{% if content['type'] == 'image' or 'image' in content or "
+    "'image_url' in content %}<|vision_start|><|image_pad|><|vision_end|>{% elif 'text' in content %}"
+    "{{ content['text'] }}{% endif %}{% endfor %}<|im_end|>\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def picture(seed: int, size: tuple[int, int]) -> Image.Image:
+    rng = np.random.default_rng(seed)
+    h, w = size
+    y, x = np.mgrid[0:h, 0:w]
+    base = np.stack([x * 255 / w, y * 255 / h, (x + y) * 127 / (h + w)], axis=-1)
+    return Image.fromarray(np.clip(base + rng.normal(0, 40, (h, w, 3)), 0, 255).astype(np.uint8))
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    from transformers import AutoTokenizer, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, \
+        Qwen2VLImageProcessorPil
+
+    tokenizer = AutoTokenizer.from_pretrained(QWEN_TOKENIZER)
+    ids = {name: tokenizer.convert_tokens_to_ids(f"<|{name}|>")
+           for name in ("image_pad", "video_pad", "vision_start", "vision_end")}
+    torch.manual_seed(0)
+    config = Qwen2_5_VLConfig(text_config={**TEXT, "vocab_size": 151_936}, vision_config=VISION,
+                              image_token_id=ids["image_pad"], video_token_id=ids["video_pad"],
+                              vision_start_token_id=ids["vision_start"], vision_end_token_id=ids["vision_end"],
+                              initializer_range=0.08)
+    config.text_config.initializer_range = config.vision_config.initializer_range = 0.08
+    model = Qwen2_5_VLForConditionalGeneration(config).float().eval()
+    perturb(model, 0)
+    folder = tmp_path_factory.mktemp("qwen2_5_vl_engine")
+    model.save_pretrained(folder)
+    Qwen2VLImageProcessorPil(min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS).save_pretrained(folder)
+    tokenizer.chat_template = TEMPLATE
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def hf(checkpoint):
+    from transformers import AutoTokenizer, Qwen2_5_VLForConditionalGeneration, Qwen2VLImageProcessorPil
+
+    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(checkpoint, dtype=torch.float32,
+                                                               attn_implementation="eager").eval()
+    return model, AutoTokenizer.from_pretrained(checkpoint), Qwen2VLImageProcessorPil.from_pretrained(checkpoint)
+
+
+@pytest.fixture(scope="module")
+def ours(checkpoint):
+    return load(checkpoint, dtype="float32")
+
+
+def hf_greedy(hf, messages: list[dict]) -> tuple[list[int], list[int]]:
+    """(prompt ids, greedy tokens) as Qwen2.5-VL's processor and transformers' generate make them."""
+    model, tokenizer, processor = hf
+    images = [p["image"] for m in messages if isinstance(m["content"], list) for p in m["content"]
+              if p["type"] == "image"]
+    out = processor(images=images, return_tensors="pt")
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    pieces = text.split("<|image_pad|>")
+    counts = [int(g.prod()) // processor.merge_size**2 for g in out["image_grid_thw"]]
+    text = pieces[0] + "".join("<|image_pad|>" * n + piece for n, piece in zip(counts, pieces[1:]))
+    ids = tokenizer(text, return_tensors="pt", add_special_tokens=False)["input_ids"]
+    with torch.no_grad():
+        gen = model.generate(input_ids=ids, pixel_values=out["pixel_values"], image_grid_thw=out["image_grid_thw"],
+                             mm_token_type_ids=(ids == model.config.image_token_id).int(), max_new_tokens=STEPS, min_new_tokens=STEPS, do_sample=False, eos_token_id=None,
+                             pad_token_id=0)
+    return ids[0].tolist(), gen[0, ids.shape[1]:].tolist()
+
+
+def user(*parts) -> dict:
+    return {"role": "user", "content": [{"type": "image", "image": p} if isinstance(p, Image.Image) else
+                                        {"type": "text", "text": p} for p in parts]}
+
+
+def test_conversation_with_two_images_equals_transformers(ours, hf):
+    """Two images of other sizes (resized within the config's min/max pixels), chunks of 16 tokens
+    cutting through them: the ids are the processor's and the greedy tokens transformers'."""
+    model, tokenizer = ours
+    messages = [user(picture(0, (60, 90)), "What is this?"), {"role": "assistant", "content": "A picture."},
+                user("And this one?", picture(1, (200, 40)))]
+    ids, want = hf_greedy(hf, messages)
+    engine = BatchGenerator(model, tokenizer, max_batch=1)
+    assert engine.prepare(engine.request(messages)).ids == ids
+    got = [c.token for c in stream_generate(model, tokenizer, messages, max_tokens=STEPS, temperature=0.0,
+                                            ignore_eos=True, prefill_step=16) if c.token is not None]
+    assert got == want
+
+
+def test_pool_reuses_only_the_same_pixels(ours, hf):
+    model, tokenizer = ours
+    pool = PromptCachePool(1 << 30)
+    engine = BatchGenerator(model, tokenizer, max_batch=1, pool=pool)
+
+    def run(image) -> list[tuple[int, float]]:
+        engine.submit([user(image, "Describe it.")], max_tokens=STEPS, temperature=0.0, ignore_eos=True)
+        return [(c.token, c.logprob) for _, c in engine.stream() if c.token is not None]
+
+    a, b = picture(2, (56, 84)), picture(3, (56, 84))
+    ids, want_a = hf_greedy(hf, [user(a, "Describe it.")])
+    first = run(a)
+    assert [t for t, _ in first] == want_a
+    second = run(b)
+    assert [t for t, _ in second] == hf_greedy(hf, [user(b, "Describe it.")])[1] and second != first
+    assert pool.stats.hits == 1 and pool.stats.reused_tokens <= ids.index(model.image_token_id)
+    reused = pool.stats.reused_tokens
+    assert [t for t, _ in run(a)] == want_a
+    assert pool.stats.reused_tokens - reused == len(ids) - 1
+
+
+def test_inspect_shows_the_image_stage(checkpoint, hf, tmp_path):
+    """Patches, tokens and M-RoPE positions of the image, as transformers' processor and get_rope_index
+    give them; the first step's choice is transformers' greedy token."""
+    import json
+
+    from click.testing import CliRunner
+
+    from mlxinfer.cli import main
+
+    image = picture(4, (60, 150))
+    path = tmp_path / "wide.png"
+    image.save(path)
+    result = CliRunner().invoke(main, ["inspect", "What is this?", "-m", str(checkpoint), "--dtype", "float32",
+                                       "--image", str(path), "--steps", "2", "--json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    model, tokenizer, processor = hf
+    grid = processor(images=[image], return_tensors="np")["image_grid_thw"][0].tolist()
+    ids, want = hf_greedy(hf, [user(image, "What is this?")])
+    seen = report["images"]["images"][0]
+    assert seen["grid_thw"] == grid and seen["tokens"] == grid[1] * grid[2] // 4
+    start = ids.index(model.config.image_token_id)
+    assert seen["span"] == [start, start + seen["tokens"]]
+    mask = torch.tensor([[int(t == model.config.image_token_id) for t in ids]])
+    positions, delta = model.model.get_rope_index(torch.tensor([ids]), mm_token_type_ids=mask,
+                                                  image_grid_thw=torch.tensor([grid]))
+    span = positions[:, 0, start:start + seen["tokens"]]
+    assert seen["positions"] == {axis: [int(span[i].min()), int(span[i].max())] for i, axis in enumerate("thw")}
+    assert report["images"]["position_delta"] == int(delta[0, 0])
+    assert report["steps"][0]["chosen"]["id"] == want[0]
+    text = CliRunner().invoke(main, ["inspect", "What is this?", "-m", str(checkpoint), "--image", str(path),
+                                     "--steps", "1"])
+    assert "0. images" in text.stdout and f"{seen['tokens']} tokens at" in text.stdout
+
+
+def test_batched_image_requests_equal_alone(ours, hf):
+    """Two requests with other pictures (other position deltas) decoded in one batch, beside a text one."""
+    model, tokenizer = ours
+    engine = BatchGenerator(model, tokenizer, max_batch=3)
+    asks = [[user(picture(5, (56, 56)), "Describe it.")], [user("Hello there.")],
+            [user(picture(6, (120, 40)), "Describe it.")]]
+    uids = [engine.submit(m, max_tokens=STEPS, temperature=0.0, ignore_eos=True) for m in asks]
+    got: dict[int, list[int]] = {uid: [] for uid in uids}
+    for uid, chunk in engine.stream():
+        if chunk.token is not None:
+            got[uid].append(chunk.token)
+    assert engine.stats.max_batch_seen == 3
+    for i in (0, 2):
+        assert got[uids[i]] == hf_greedy(hf, asks[i])[1]
+    alone = [c.token for c in stream_generate(model, tokenizer, asks[1], max_tokens=STEPS, temperature=0.0,
+                                              ignore_eos=True) if c.token is not None]
+    assert got[uids[1]] == alone
