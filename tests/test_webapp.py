@@ -148,7 +148,10 @@ def test_the_page_loads_after_asking_for_the_key_once(tab, server):
 
 
 def test_settings_shape_the_request_and_a_greedy_reply_equals_the_api(tab, server):
+    form = tab.page.get_by_role("form", name="Settings")
+    expect(form).to_be_hidden()  # folded until asked for
     tab.settings(**{"Temperature": "0", "Max tokens": "12", "Seed": "7"})
+    expect(form).to_be_visible()
     tab.send("hello there")
     expect(tab.replies()).to_have_count(1)
     tab.wait_done()
