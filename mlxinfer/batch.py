@@ -475,6 +475,7 @@ class BatchGenerator:
                 while s.prefilled < len(s.todo) - 1 and budget > 0:
                     start = s.prefilled
                     chunk = s.todo[start : self._chunk_end(s, start, step)]
+                    began = time.perf_counter()
                     if s.embedded is not None:
                         at = s.start + start  # in the whole prompt
                         s.cache.prefill(self.model, chunk, len(chunk), s.embedded.slice(at, at + len(chunk)),
@@ -484,6 +485,8 @@ class BatchGenerator:
                     else:
                         following = s.todo[start + 1 : start + 1 + len(chunk)]
                         s.scores += scored_prefill(self.model, s.cache, chunk, following, s.options.prompt_logprobs)
+                    # each evaluates the chunk before returning, so this is its own time
+                    s.stats.prefill_chunks.append((len(chunk), began - s.submitted, time.perf_counter() - began))
                     s.prefilled += len(chunk)
                     budget -= len(chunk)
                     self.stats.prefilled_tokens += len(chunk)

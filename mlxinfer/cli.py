@@ -587,10 +587,12 @@ def bench(model_argument, model, dtype, prompt_tokens, gen_tokens, repeat, max_k
 @click.option("--allow-image-urls", is_flag=True,
               help="Fetch http(s) image URLs in requests (a vision-language model; each bounded in bytes and "
                    "seconds). Without it images come inline, as data: URLs.")
+@click.option("--prefill-step", type=click.IntRange(1), default=512, show_default=True,
+              help="Prompt tokens per prefill chunk (one chunk's activations are held at once).")
 @PIPELINE_OPTION
 def serve(model, dtype, host, port, max_concurrency, max_queue, max_kv_size, kv_bits, prompt_cache_bytes,
           draft_model, prompt_lookup, api_key, cors, allowed_host, max_connections, responses_store, adapters,
-          max_adapters, no_web, allow_image_urls, pipeline) -> None:
+          max_adapters, no_web, allow_image_urls, prefill_step, pipeline) -> None:
     """Serve the model over OpenAI's HTTP API (chat and text completions, streaming), with a
     chat page at / (unless --no-web). Concurrent requests are decoded together; Ctrl-C stops
     after the requests in flight."""
@@ -622,7 +624,8 @@ def serve(model, dtype, host, port, max_concurrency, max_queue, max_kv_size, kv_
     sharded = getattr(m, "shard", None) is not None
     # ranks hold different K/V bytes in a pipeline: the pool counts all ranks' bytes, so all keep the same entries
     measure = summed(cache_nbytes, m.shard.group) if sharded else cache_nbytes
-    options: dict[str, Any] = {"max_kv_size": max_kv_size, "kv_bits": int(kv_bits) if kv_bits else None,
+    options: dict[str, Any] = {"prefill_step": prefill_step, "max_kv_size": max_kv_size,
+                               "kv_bits": int(kv_bits) if kv_bits else None,
                                "draft_model": open_model(draft_model, dtype)[0] if draft_model else None,
                                "prompt_lookup": prompt_lookup or None,
                                "pool": PromptCachePool(prompt_cache_bytes, measure) if prompt_cache_bytes else None,

@@ -13,7 +13,7 @@ given that token: the next forward pass runs it and yields what follows.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterator, Sequence
 
 import mlx.core as mx
@@ -43,6 +43,9 @@ class Stats:
     rounds: int = 0
     plain_tps: float = 0.0
     note: str = ""
+    # each prefill chunk as it ran: (tokens, seconds from submission to its start, seconds it took); the
+    # prompt's last token is not in one: it runs with the first decode step, which makes the first token
+    prefill_chunks: list[tuple[int, float, float]] = field(default_factory=list)
 
     @property
     def acceptance_rate(self) -> float:

@@ -12,6 +12,9 @@ Environment:
 - MLXINFER_TEST_GATE: a file path; MLXINFER_TEST_GATE_PREPARE / MLXINFER_TEST_GATE_PREFILL: token
   ids. Preparing (or prefilling) a prompt that holds them waits until the file exists (at most
   120 s), so a test can hold a request in that stage for as long as it needs.
+  MLXINFER_TEST_GATE_DECODE: token ids; once a sequence whose prompt holds them has sent a
+  token, the engine's next step waits for the file (a reply held mid-stream: a speculative
+  burst can finish a short reply within one step, too fast to catch otherwise).
 - MLXINFER_TEST_HEADER_SECONDS: the header deadline (the server's HEADER_SECONDS), so a test
   that waits for it to free connections waits that long, not the 10 s a real client gets.
 """
@@ -42,6 +45,7 @@ PREFILL_FAULT, EMIT_FAULT = ids("MLXINFER_TEST_PREFILL_FAULT"), ids("MLXINFER_TE
 PREPARE_FAULT = ids("MLXINFER_TEST_PREPARE_FAULT")
 GATE, GATE_PREPARE, GATE_PREFILL = os.environ.get("MLXINFER_TEST_GATE"), ids("MLXINFER_TEST_GATE_PREPARE"), \
     ids("MLXINFER_TEST_GATE_PREFILL")
+GATE_DECODE = ids("MLXINFER_TEST_GATE_DECODE")
 step, prefill, emit, prepare = BatchGenerator.step, PromptCache.prefill, TextStream.emit, BatchGenerator.prepare
 
 
@@ -53,6 +57,8 @@ def wait_for_gate() -> None:
 
 def slow_step(self):
     time.sleep(DELAY)
+    if any(s.text.generated and holds(s.prompt, GATE_DECODE) for s in self._decoding):
+        wait_for_gate()
     return step(self)
 
 

@@ -1,12 +1,14 @@
 """The web app at `mlxinfer serve`'s address, driven in a real browser: the distribution's
 Chromium under playwright, against the real server (tests/serving.py) with the tiny model,
-drafting by prompt lookup, its engine steps slowed a little (tests/fault_server.py) so a reply
-can be stopped mid-way.
+drafting by prompt lookup, prefilling in chunks of PREFILL_STEP tokens, its engine steps slowed
+a little (tests/fault_server.py) so a reply can be stopped mid-way; and against SmolLM2 (real
+weights, real chat template).
 
 The oracle for what the page shows is the server's own API called directly with the same
-request (temperature 0: the same reply, the same logprobs), and for the attention weights
-transformers' eager attention on the same tokens. The browser may reach 127.0.0.1 only; every
-request it makes is logged and checked."""
+request (temperature 0: the same reply, the same logprobs, token ids and drafts), for token
+ids transformers' tokenizer, and for the attention weights transformers' eager attention on
+the same tokens. The browser may reach 127.0.0.1 only; every request it makes is logged and
+checked."""
 
 from __future__ import annotations
 
@@ -26,12 +28,33 @@ pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="no chromium on PATH (C
 expect = sync_api.expect
 HERE = Path(__file__).parent
 TIMEOUT_MS = 30_000  # a hang guard: every wait below ends on an event
+PREFILL_STEP = 8  # the tiny server's prefill chunk: "hello there" (17 tokens) prefills in two
+
+
+def chunked(n: int, step: int = PREFILL_STEP) -> list[int]:
+    """The chunk sizes a prefill of n prompt tokens runs in: all but the last token, `step` at a time
+    (the last runs with the first decode step)."""
+    return [min(step, n - 1 - i) for i in range(0, n - 1, step)]
+
+
+STORY = 'tell me a long story <img src="http://192.0.2.1/x.png"> [go](javascript:alert(1)) **now**'
 
 
 @pytest.fixture(scope="module")
-def server(tiny):
-    s = Server(["-m", str(tiny), "--dtype", "float32", "--api-key", KEY, "--prompt-lookup"],
-               env={"MLXINFER_TEST_STEP_DELAY": "0.02"}, script=[sys.executable, str(HERE / "fault_server.py")])
+def gate(tmp_path_factory) -> Path:
+    """The file that lets the STORY reply go on after its first tokens (tests/fault_server.py)."""
+    return tmp_path_factory.mktemp("gate") / "open"
+
+
+@pytest.fixture(scope="module")
+def server(tiny, loaded, gate):
+    story = loaded[1].apply_chat_template([{"role": "user", "content": STORY}], add_generation_prompt=True,
+                                          tokenize=True)
+    s = Server(["-m", str(tiny), "--dtype", "float32", "--api-key", KEY, "--prompt-lookup",
+                "--prefill-step", str(PREFILL_STEP)],
+               env={"MLXINFER_TEST_STEP_DELAY": "0.02", "MLXINFER_TEST_GATE": str(gate),
+                    "MLXINFER_TEST_GATE_DECODE": ",".join(map(str, story))},
+               script=[sys.executable, str(HERE / "fault_server.py")])
     yield s
     s.stop()
 
@@ -125,7 +148,10 @@ def test_the_page_loads_after_asking_for_the_key_once(tab, server):
 
 
 def test_settings_shape_the_request_and_a_greedy_reply_equals_the_api(tab, server):
+    form = tab.page.get_by_role("form", name="Settings")
+    expect(form).to_be_hidden()  # folded until asked for
     tab.settings(**{"Temperature": "0", "Max tokens": "12", "Seed": "7"})
+    expect(form).to_be_visible()
     tab.send("hello there")
     expect(tab.replies()).to_have_count(1)
     tab.wait_done()
@@ -140,20 +166,46 @@ def test_settings_shape_the_request_and_a_greedy_reply_equals_the_api(tab, serve
     assert timings["draft_n"] > 0 and f"drafts accepted {timings['draft_n_accepted']}/{timings['draft_n']}" in stats
 
 
-def test_look_inside_lists_each_token_with_the_api_logprobs(tab, server):
+def shown(items, key: str) -> list[str]:
+    """`data-KEY` of each item, in order."""
+    return items.evaluate_all(f"items => items.map(i => i.dataset.{key})")
+
+
+def token_ids(logprobs: list[dict]) -> list[int]:
+    """The ids of the tokens in chat logprobs sent with return_tokens_as_token_ids."""
+    assert all(t["token"].startswith("token_id:") for t in logprobs), logprobs
+    return [int(t["token"].removeprefix("token_id:")) for t in logprobs]
+
+
+def test_look_inside_lists_each_token_with_the_api_logprobs_ids_and_drafts(tab, server):
     tab.replies().last.get_by_role("button", name="Look inside").click()
     tokens = tab.page.get_by_role("region", name="Tokens")
-    want = api_chat(server, "hello there", max_tokens=12, seed=7, logprobs=True,
-                    top_logprobs=5)["choices"][0]["logprobs"]["content"]
+    body = api_chat(server, "hello there", max_tokens=12, seed=7, logprobs=True, top_logprobs=5,
+                    return_tokens_as_token_ids=True, return_token_details=True)
+    want = body["choices"][0]["logprobs"]["content"]
     items = tokens.get_by_role("list", name="Reply tokens").get_by_role("listitem")
     expect(items).to_have_count(len(want))
-    shown = [float(x) for x in items.evaluate_all("items => items.map(i => i.dataset.logprob)")]
-    assert shown == [t["logprob"] for t in want]
+    assert [float(x) for x in shown(items, "logprob")] == [t["logprob"] for t in want]
+    assert [int(x) for x in shown(items, "id")] == token_ids(want)
+    drafted = [d["drafted"] for d in body["choices"][0]["token_details"]]
+    assert shown(items, "drafted") == [str(d).lower() for d in drafted]
+    assert sum(drafted) == body["timings"]["draft_n_accepted"] > 0  # prompt lookup drafted, and it is marked
+    assert f"id {token_ids(want)[0]}" in items.first.get_attribute("title")
+    expect(items.and_(tab.page.locator(".drafted"))).to_have_count(sum(drafted))
     status, ids, _ = post(server.url, {"messages": [{"role": "user", "content": "hello there"}]}, path="/tokenize")
     expect(tokens.get_by_role("list", name="Prompt tokens").get_by_role("listitem")).to_have_count(ids["count"])
-    stages = tab.page.get_by_role("region", name="Pipeline").get_by_role("listitem")
+    stages = tab.page.get_by_role("region", name="Pipeline").get_by_role("list", name="Stages").get_by_role("listitem")
     expect(stages).to_have_count(5)
     assert f"become {ids['count']} tokens" in stages.first.inner_text()
+    # the timeline: the page's request was the first, so the whole prompt prefilled, chunk by chunk
+    timeline = tab.page.get_by_role("region", name="Pipeline").get_by_role("list", name="Timeline")
+    chunks = timeline.locator(".prefill")
+    expect(chunks).to_have_count(len(chunked(ids["count"])))
+    assert [int(n) for n in shown(chunks, "n")] == chunked(ids["count"]) == [8, 8]
+    assert all(float(ms) > 0 for ms in shown(chunks, "ms"))
+    steps = timeline.locator(".step")
+    expect(steps).to_have_count(len(want) - 1)  # the first token comes with the prefill
+    assert shown(steps, "drafted") == [str(d).lower() for d in drafted[1:]]
     attention = tab.page.get_by_role("region", name="Attention")
     attention.get_by_role("combobox", name="Layer").select_option("1")
     attention.get_by_role("combobox", name="Head").select_option("2")
@@ -183,15 +235,17 @@ def test_regenerate_and_edit(tab, server):
                                               seed=7)["choices"][0]["message"]["content"]
 
 
-def test_stop_ends_the_reply_and_frees_the_slot(tab, server):
+def test_stop_ends_the_reply_and_frees_the_slot(tab, server, gate):
     tab.page.get_by_role("button", name="New chat").click()
     tab.settings(**{"Max tokens": "200"})
-    tab.send('tell me a long story <img src="http://192.0.2.1/x.png"> [go](javascript:alert(1)) **now**')
+    tab.send(STORY)  # the server holds this reply after its first tokens until the gate opens
     stop = tab.page.get_by_role("button", name="Stop")
     expect(stop).to_be_visible()
     expect(tab.replies().last.locator(".content")).not_to_be_empty()  # tokens are arriving
+    assert server.health()["active"] == 1
     tab.page.keyboard.press("Escape")
     tab.wait_done()
+    gate.touch()  # the engine goes on: its next step sees the request cancelled
     health = server.wait_for(lambda h: h["active"] == 0 and h["queued"] == 0)
     assert (health["active"], health["queued"]) == (0, 0)
     assert "stopped" in tab.replies().last.locator(".stats").inner_text()
@@ -269,7 +323,8 @@ def test_attention_is_off_on_a_network_address_without_a_key(loaded):
 
 def test_streamed_usage_carries_timings(server):
     request = urllib.request.Request(server.url + "/v1/chat/completions", data=json.dumps({
-        "messages": [{"role": "user", "content": "hello there"}], "max_tokens": 6, "temperature": 0, "stream": True,
+        "messages": [{"role": "user", "content": "what the timings say"}], "max_tokens": 6, "temperature": 0,
+        "stream": True,
         "stream_options": {"include_usage": True}}).encode(),
         headers={"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"})
     with urllib.request.urlopen(request, timeout=60) as r:
@@ -281,6 +336,51 @@ def test_streamed_usage_carries_timings(server):
     assert timings["cache_n"] + timings["prompt_n"] == usage["prompt_tokens"]
     assert timings["prompt_ms"] > 0 and timings["prompt_per_second"] > 0
     assert "timings" not in events[0]
+    chunks = timings["prompt_chunks"]
+    assert [c["n"] for c in chunks] == chunked(timings["prompt_n"]) and len(chunks) > 1
+    assert all(c["ms"] > 0 for c in chunks)
+    ends = [c["start_ms"] + c["ms"] for c in chunks]
+    assert all(ends[i] <= chunks[i + 1]["start_ms"] for i in range(len(chunks) - 1))
+    assert 0 <= chunks[0]["start_ms"] and ends[-1] <= timings["prompt_ms"]  # all before the first token
+
+
+def test_token_ids_and_drafts_reach_the_openai_client(server, tiny):
+    """vLLM's return_tokens_as_token_ids and our return_token_details through the official client,
+    streamed and whole: the ids are the tokens transformers' tokenizer decodes to the plain logprobs'
+    text; without the fields the wire shape is OpenAI's."""
+    openai = pytest.importorskip("openai")
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(tiny)
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0, timeout=60)
+    ask = dict(model="tiny", messages=[{"role": "user", "content": "a b c a b c a b"}], max_tokens=10,
+               temperature=0, logprobs=True, top_logprobs=2)
+    plain = client.chat.completions.create(**ask)
+    assert "token_details" not in plain.choices[0].model_extra
+    texts = [t.token for t in plain.choices[0].logprobs.content]
+    whole = client.chat.completions.create(**ask, extra_body={"return_tokens_as_token_ids": True,
+                                                                  "return_token_details": True})
+    content = whole.choices[0].logprobs.content
+    ids = token_ids([t.model_dump() for t in content])
+    assert [hf.decode([i]) for i in ids] == texts
+    assert all(a.token.startswith("token_id:") for t in content for a in t.top_logprobs)
+    details = whole.choices[0].model_extra["token_details"]
+    assert [d["id"] for d in details] == ids and whole.choices[0].message.content == plain.choices[0].message.content
+    stream = client.chat.completions.create(**ask, stream=True, stream_options={"include_usage": True},
+                                            extra_body={"return_token_details": True})
+    streamed, last = [], None
+    for chunk in stream:
+        if chunk.choices:
+            assert len(chunk.choices[0].model_extra["token_details"]) == len(chunk.choices[0].logprobs.content
+                                                                             if chunk.choices[0].logprobs else [])
+            streamed += chunk.choices[0].model_extra["token_details"]
+        last = chunk
+    assert [d["id"] for d in streamed] == ids
+    assert sum(d["drafted"] for d in streamed) == last.model_extra["timings"]["draft_n_accepted"] > 0
+    legacy = client.completions.create(model="tiny", prompt="a b c a b c", max_tokens=4, temperature=0, logprobs=2,
+                                       extra_body={"return_tokens_as_token_ids": True})
+    assert all(t.startswith("token_id:") for t in legacy.choices[0].logprobs.tokens)
+    assert all(k.startswith("token_id:") for top in legacy.choices[0].logprobs.top_logprobs for k in top)
 
 
 def test_no_web_serves_no_page(tiny):
@@ -293,3 +393,43 @@ def test_no_web_serves_no_page(tiny):
     finally:
         s.stop()
 
+
+
+# --- SmolLM2: real weights, a real chat template (and its default system prompt) ---
+
+@pytest.fixture(scope="module")
+def smollm2_server(smollm2_gguf, tmp_path_factory):
+    from convert import convert
+
+    folder = tmp_path_factory.mktemp("smollm2") / "model"
+    convert(smollm2_gguf, folder)  # into the test's own folder: nothing lands in the user's model store
+    s = Server(["-m", str(folder)])
+    yield s
+    s.stop()
+
+
+def test_smollm2_greedy_reply_and_its_tokens_equal_the_api(browser, smollm2_server):
+    question = "What is the capital of France?"
+    t = Page(browser, smollm2_server.url + "/")
+    try:
+        expect(t.page.locator("body[data-ready=true]")).to_have_count(1)  # no key: none asked for
+        expect(t.page.get_by_role("heading", level=1)).to_have_text(smollm2_server.health()["model"])
+        t.settings(**{"Temperature": "0", "Max tokens": "10"})
+        t.send(question)
+        expect(t.replies()).to_have_count(1)
+        t.wait_done()
+        body = api_chat(smollm2_server, question, max_tokens=10, logprobs=True, top_logprobs=5,
+                        return_tokens_as_token_ids=True)
+        assert t.conversation()[-1]["content"] == body["choices"][0]["message"]["content"]
+        assert "Paris" in body["choices"][0]["message"]["content"]  # the real model, really answering
+        want = body["choices"][0]["logprobs"]["content"]
+        t.replies().last.get_by_role("button", name="Look inside").click()
+        items = t.page.get_by_role("region", name="Tokens").get_by_role("list", name="Reply tokens") \
+            .get_by_role("listitem")
+        expect(items).to_have_count(len(want))
+        assert [float(x) for x in shown(items, "logprob")] == [w["logprob"] for w in want]
+        assert [int(x) for x in shown(items, "id")] == token_ids(want)
+        assert t.errors == []
+        assert all(u.startswith(smollm2_server.url + "/") for u in t.requests), t.requests
+    finally:
+        t.context.close()

@@ -60,9 +60,11 @@ def router(ctx: Context) -> APIRouter:
         calls = chat and o.tools and o.tool_choice != "none"
         rows = body.logprob_rows()
         served_as = body.model if adapter else config.model_name
+        as_ids = bool(body.return_tokens_as_token_ids)
         reply = Reply(f"{'chatcmpl' if chat else 'cmpl'}-{next(ids)}", chat, served_as,
-                      [Logprobs(tokenizer, chat, rows) for _ in range(len(typed) * n)] if rows else None,
-                      call_opener(tokenizer) if calls else None, chat and body.legacy, n, o.prediction is not None)
+                      [Logprobs(tokenizer, chat, rows, as_ids) for _ in range(len(typed) * n)] if rows else None,
+                      call_opener(tokenizer) if calls else None, chat and body.legacy, n, o.prediction is not None,
+                      bool(body.return_token_details))
         # each prompt its own request of n sequences (its choices), all decoded together
         streams = [chunks_of(engine, t) for t in typed]
         return await respond_each(request, streams, bool(body.stream), reply.whole,
@@ -92,6 +94,7 @@ class Reply:
     legacy: bool = False  # called with the legacy `functions`: a call goes out as `function_call`
     n: int = 1
     predicted: bool = False  # the request sent a prediction: usage reports its accepted and rejected tokens
+    details: bool = False  # return_token_details: each choice carries its tokens' ids and drafted flags
 
     def _object(self, choices: list[dict[str, Any]], chunk: bool, **extra: Any) -> dict[str, Any]:
         kind = "chat.completion" if self.chat else "text_completion"
@@ -107,8 +110,11 @@ class Reply:
         last = chunks[-1]
         text = last.content if last.tool_calls and not streamed else "".join(c.text for c in chunks)
         lp = self.logprobs[index].of(chunks) if self.logprobs else None
+        details = [{"id": c.token, "drafted": c.drafted} for c in chunks if c.token is not None] \
+            if self.details else None
         return choice(self.chat, text, last.finish_reason, lp, delta=delta, first=first, calls=last.tool_calls,
-                      legacy=self.legacy, index=index, reasoning="".join(c.reasoning for c in chunks))
+                      legacy=self.legacy, index=index, reasoning="".join(c.reasoning for c in chunks),
+                      details=details)
 
     def _accounting(self, lasts: dict[int, Chunk]) -> dict[str, Any]:
         """Usage from each choice's last chunk (by choice index), its prompt counted once; a

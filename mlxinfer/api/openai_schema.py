@@ -194,6 +194,12 @@ class Completion(Strict):
     stream: bool | None = False  # null: not streamed
     stream_options: StreamOptions | None = None
     user: str | None = None
+    # vLLM's extension: logprobs name each token "token_id:N" (a token that is not valid UTF-8 alone stays
+    # identifiable); the text of the reply is unchanged
+    return_tokens_as_token_ids: bool | None = None
+    # ours (off by default, so OpenAI's shape is unchanged): each choice carries `token_details`, one
+    # {"id", "drafted"} per token it adds; drafted: the drafter proposed it and the model accepted it
+    return_token_details: bool | None = None
 
     def limit(self) -> int | None:
         return self.max_tokens
@@ -431,13 +437,17 @@ def usage(per_prompt: list[list[Stats]], predicted: bool = False) -> dict[str, A
 def timings(stats: Stats) -> dict[str, Any]:
     """One sequence's timings in llama.cpp's server shape (`timings`, which its web UI and
     others read): prompt tokens taken from the prompt cache and computed, time to the first
-    token, decoding speed after it, and speculative drafts accepted."""
+    token, decoding speed after it, and speculative drafts accepted; and ours, `prompt_chunks`:
+    each prefill chunk's tokens, start (from the request's arrival at the engine) and time, so
+    a client can draw the prefill as it ran."""
     decoded = max(stats.generated_tokens - 1, 0)  # the first token came out of the prefill
     decode_ms = decoded / stats.decode_tps * 1000 if stats.decode_tps else 0.0
+    chunks = [{"n": n, "start_ms": start * 1000, "ms": seconds * 1000} for n, start, seconds in stats.prefill_chunks]
     return {"cache_n": stats.prompt_tokens - stats.prefill_tokens, "prompt_n": stats.prefill_tokens,
             "prompt_ms": stats.ttft * 1000, "prompt_per_second": stats.prefill_tps,
             "predicted_n": stats.generated_tokens, "predicted_ms": decode_ms,
-            "predicted_per_second": stats.decode_tps, "draft_n": stats.drafted, "draft_n_accepted": stats.accepted}
+            "predicted_per_second": stats.decode_tps, "draft_n": stats.drafted, "draft_n_accepted": stats.accepted,
+            "prompt_chunks": chunks}
 
 
 class Logprobs:
@@ -445,13 +455,13 @@ class Logprobs:
     legacy completions' parallel lists (an echoed prompt's tokens first: the first has no
     logprob, as it follows nothing; `text_offset` counts characters of the choice's text)."""
 
-    def __init__(self, tokenizer, chat: bool, top: int):
-        self.tokenizer, self.chat, self.top = tokenizer, chat, top
+    def __init__(self, tokenizer, chat: bool, top: int, as_ids: bool = False):
+        self.tokenizer, self.chat, self.top, self.as_ids = tokenizer, chat, top, as_ids
         self.offset = 0
 
     def of(self, chunks: list[Chunk]) -> dict[str, Any]:
         tokens = [c for c in chunks if c.token is not None and c.top_logprobs is not None]
-        text = self.tokenizer.decode
+        text = (lambda ids: f"token_id:{ids[0]}") if self.as_ids else self.tokenizer.decode
         if self.chat:
             return {"content": [{"token": text([c.token]), "logprob": c.logprob, "bytes": None,
                                  "top_logprobs": [{"token": text([t]), "logprob": lp, "bytes": None}
@@ -475,11 +485,12 @@ class Logprobs:
 
 def choice(chat: bool, text: str | None, reason: str | None, logprobs: dict[str, Any] | None, delta: bool,
            first: bool = False, calls: list | None = None, legacy: bool = False, index: int = 0,
-           reasoning: str = "") -> dict[str, Any]:
+           reasoning: str = "", details: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """Choice `index` of a response (`delta`: of a streamed chunk); `calls`: the tool calls it
     made, written as the legacy `function_call` (one call at most) when `legacy`; `reasoning`:
     a thinking model's thoughts, under both names peers use (vLLM and llama.cpp's
-    `reasoning_content`, the newer `reasoning`)."""
+    `reasoning_content`, the newer `reasoning`); `details`: its tokens' `token_details`
+    (`return_token_details`), or None to leave the key out."""
     out: dict[str, Any] = {"index": index}
     thinking = {"reasoning_content": reasoning, "reasoning": reasoning} if reasoning else {}
     if not chat:
@@ -499,4 +510,6 @@ def choice(chat: bool, text: str | None, reason: str | None, logprobs: dict[str,
             out["message"]["tool_calls"] = [c.openai() for c in calls]
     out["logprobs"] = logprobs
     out["finish_reason"] = finish(reason)
+    if details is not None:
+        out["token_details"] = details
     return out

@@ -199,10 +199,11 @@ async function reply() {
   const system = settings.system ? [{ role: "system", content: settings.system }] : [];
   let body;
   try {
+    // return_token_details (the server's extension): each token's id and whether it was drafted
     body = { model, messages: [...system, ...history], stream: true, stream_options: { include_usage: true },
-      logprobs: true, top_logprobs: TOP_LOGPROBS, ...sampling() };
+      logprobs: true, top_logprobs: TOP_LOGPROBS, return_token_details: true, ...sampling() };
   } catch (e) { onError(e); return; }
-  const message = { role: "assistant", content: "", reasoning: "", look: { request: { ...body, messages: undefined }, system: settings.system, tokens: [], times: [] } };
+  const message = { role: "assistant", content: "", reasoning: "", look: { request: { ...body, messages: undefined, return_token_details: undefined }, system: settings.system, tokens: [], times: [] } };
   current.messages.push(message);
   save();
   renderMessages();
@@ -222,8 +223,9 @@ async function reply() {
       if (choice) {
         message.content += choice.delta?.content ?? "";
         message.reasoning += choice.delta?.reasoning_content ?? "";
-        for (const token of choice.logprobs?.content ?? []) {
-          message.look.tokens.push(token);
+        const details = choice.token_details ?? [];
+        for (const [i, token] of (choice.logprobs?.content ?? []).entries()) {
+          message.look.tokens.push({ ...token, id: details[i]?.id, drafted: details[i]?.drafted });
           message.look.times.push(performance.now() - start);
         }
         if (choice.finish_reason) message.look.finish = choice.finish_reason;

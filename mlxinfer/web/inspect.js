@@ -1,8 +1,9 @@
 // "Look inside" a reply: its tokens (the prompt's, marked where they came from the prompt
-// cache, and the reply's with their probability and top alternatives from `logprobs`), the
-// pipeline that made it (the stages `mlxinfer inspect` reports, via /v1/inspect, the sampler
-// settings sent, and a timeline of prefill and decode steps), and on demand the attention of
-// its last token over the context in one layer and head (/v1/attention).
+// cache, and the reply's with their probability and top alternatives from `logprobs`, their
+// ids and drafted marks from `token_details`), the pipeline that made it (the stages
+// `mlxinfer inspect` reports, via /v1/inspect, the sampler settings sent, and a timeline of
+// the prefill chunk by chunk, from `timings.prompt_chunks`, and the decode steps), and on
+// demand the attention of its last token over the context in one layer and head (/v1/attention).
 
 import { postJSON } from "./api.js";
 import { el } from "./dom.js";
@@ -39,20 +40,24 @@ function tokensRegion(look, prompt, onError) {
   const replies = list("Reply tokens");
   replies.append(...look.tokens.map((t) => {
     const p = Math.exp(t.logprob);
-    const item = el("li", { className: "chip", tabIndex: 0 }, el("span", { className: "text", textContent: visible(t.token) }),
-      el("span", { className: "p", textContent: percent(p) }));
+    const item = el("li", { className: t.drafted ? "chip drafted" : "chip", tabIndex: 0 },
+      el("span", { className: "text", textContent: visible(t.token) }), el("span", { className: "p", textContent: percent(p) }));
     item.dataset.logprob = String(t.logprob);
+    if (t.id !== undefined) item.dataset.id = String(t.id);
+    item.dataset.drafted = String(Boolean(t.drafted));
     item.style.setProperty("--p", String(p));
     const alternatives = (t.top_logprobs ?? []).map((a) => `${JSON.stringify(a.token)} ${percent(Math.exp(a.logprob))}`).join(", ");
-    item.title = `${JSON.stringify(t.token)}: p ${percent(p)} (logprob ${t.logprob.toFixed(4)})`;
+    const id = t.id !== undefined ? ` id ${t.id}` : "";
+    item.title = `${JSON.stringify(t.token)}${id}: p ${percent(p)} (logprob ${t.logprob.toFixed(4)})${t.drafted ? "; drafted and accepted" : ""}`;
     const show = () => { detail.textContent = `${item.title}; top alternatives: ${alternatives || "none"}`; };
     item.addEventListener("click", show);
     item.addEventListener("focus", show);
     return item;
   }));
   const cached = look.usage?.prompt_tokens_details?.cached_tokens ?? 0;
+  const drafted = look.tokens.filter((t) => t.drafted).length;
   const legend = el("p", { className: "legend", textContent:
-    `Prompt: ${look.usage?.prompt_tokens ?? "?"} tokens, ${cached} from the prompt cache (marked); reply: ${look.tokens.length} tokens, each with its probability.` });
+    `Prompt: ${look.usage?.prompt_tokens ?? "?"} tokens, ${cached} from the prompt cache (marked); reply: ${look.tokens.length} tokens, each with its probability, ${drafted} drafted and accepted (marked). Ids on hover.` });
   section.append(legend, el("h4", { textContent: "Prompt" }), prompts, el("h4", { textContent: "Reply" }), replies, detail);
   postJSON("/tokenize", { messages: prompt, with_pieces: true }).then((r) => {
     prompts.append(...r.tokens.map((t, i) => {
@@ -70,6 +75,7 @@ function pipelineRegion(look, prompt, onError, panel) {
   const sampler = Object.entries(look.request).filter(([k, v]) => v !== undefined && !["model", "stream", "stream_options"].includes(k))
     .map(([k, v]) => `${k} ${typeof v === "object" ? JSON.stringify(v) : v}`).join(", ");
   const stages = el("ol", { className: "stages" }, el("li", { textContent: "Running the prompt through the model…" }));
+  stages.setAttribute("aria-label", "Stages");
   section.append(stages, el("p", { className: "legend", textContent: `Sampler: ${sampler || "the server's defaults"}` }), timeline(look));
   postJSON("/v1/inspect", { messages: prompt }).then((r) => {
     stages.replaceChildren(...stageItems(r, look));
@@ -101,24 +107,39 @@ function size(bytes) {
   return `${bytes.toFixed(i ? 1 : 0)} ${units[i]}`;
 }
 
-// Prefill (until the first token) and each decode step, as the page saw the tokens arrive.
+// The prefill chunk by chunk as the server ran it (`timings.prompt_chunks`: tokens, start and
+// time of each), then each decode step as the page received its token (drafted ones marked),
+// on one time axis from the request.
 function timeline(look) {
   const times = look.times;
+  const t = look.timings;
+  const chunks = t?.prompt_chunks ?? [];
   const box = el("figure", { className: "timeline" });
   if (!times.length) { box.append(el("figcaption", { textContent: "No token arrived." })); return box; }
-  const end = times[times.length - 1] || 1;
-  const bar = el("div", { className: "bar" });
-  const prefill = el("div", { className: "prefill", title: `prefill: ${times[0].toFixed(0)} ms` });
-  prefill.style.width = `${(100 * times[0]) / end}%`;
-  bar.append(prefill, ...times.slice(1).map((t, i) => {
-    const tick = el("div", { className: "step", title: `decode step ${i + 1}: ${(t - times[i]).toFixed(1)} ms` });
-    tick.style.left = `${(100 * t) / end}%`;
-    return tick;
+  const end = Math.max(times[times.length - 1], ...chunks.map((c) => c.start_ms + c.ms)) || 1;
+  const at = (node, from, width) => {
+    node.style.left = `${(100 * from) / end}%`;
+    if (width !== undefined) node.style.width = `${Math.max((100 * width) / end, 0.3)}%`;
+    return node;
+  };
+  const bar = el("ol", { className: "bar" });
+  bar.setAttribute("aria-label", "Timeline");
+  bar.append(...chunks.map((c, i) => {
+    const item = at(el("li", { className: "prefill", title: `prefill chunk ${i + 1}: ${c.n} tokens in ${c.ms.toFixed(1)} ms` }), c.start_ms, c.ms);
+    item.dataset.n = String(c.n);
+    item.dataset.ms = String(c.ms);
+    return item;
+  }), ...times.slice(1).map((time, i) => {
+    const drafted = look.tokens[i + 1]?.drafted;
+    const item = at(el("li", { className: drafted ? "step drafted" : "step",
+      title: `decode step ${i + 1}: ${(time - times[i]).toFixed(1)} ms${drafted ? " (drafted and accepted)" : ""}` }), time);
+    item.dataset.drafted = String(Boolean(drafted));
+    return item;
   }));
-  const t = look.timings;
   const steps = times.length - 1;
-  const mean = steps ? (end - times[0]) / steps : 0;
-  const prefillText = t ? `prefill ${t.prompt_n} tokens (${t.cache_n} from the cache) in ${t.prompt_ms.toFixed(0)} ms` : `first token after ${times[0].toFixed(0)} ms`;
+  const mean = steps ? (times[times.length - 1] - times[0]) / steps : 0;
+  const sizes = chunks.map((c) => `${c.n} (${c.ms.toFixed(0)} ms)`).join(" + ");
+  const prefillText = t ? `prefill ${t.prompt_n} tokens (${t.cache_n} from the cache) in ${chunks.length} chunk${chunks.length === 1 ? "" : "s"}${sizes ? ` of ${sizes}` : ""}, the last prompt token with the first decode step; first token after ${t.prompt_ms.toFixed(0)} ms` : `first token after ${times[0].toFixed(0)} ms`;
   box.append(bar, el("figcaption", { textContent: `Timeline: ${prefillText}; then ${steps} decode steps, ${mean.toFixed(1)} ms each on average (as this page received them).` }));
   return box;
 }
