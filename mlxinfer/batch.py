@@ -34,7 +34,7 @@ from .checks import integer
 from .constrain import Constraint, masked
 from .decode import Score, Stats, Token, chosen_logprobs, drawn, scored_prefill
 from .errors import ImageError, InvalidOptionError
-from .images import LOCAL, NO_IMAGES, has_images
+from .images import LIMITS, LOCAL, NO_IMAGES, ImageLimits, has_images
 from .generate import (Chunk, GenerationOptions, ImagePrompt, Prompt, TextStream, check_context, context_limit,
                        constraint_for, generation_stream, image_prompt, predicted_tokens, read_tool_calls,
                        reasoning_of, speculative_source, tool_plan, wired_limit)
@@ -162,13 +162,15 @@ class BatchGenerator:
     """
 
     def __init__(self, model, tokenizer: Tokenizer, max_batch: int = 8, prefill_step: int = 512,
-                 pool: PromptCachePool | None = None, image_sources: frozenset[str] = LOCAL, **defaults: Any):
+                 pool: PromptCachePool | None = None, image_sources: frozenset[str] = LOCAL,
+                 image_limits: ImageLimits = LIMITS, **defaults: Any):
         integer("max_batch", max_batch, 1)
         if pool is not None and not isinstance(pool, PromptCachePool):
             raise InvalidOptionError(f"pool must be a PromptCachePool, got {type(pool).__name__}")
         self.model, self.tokenizer = model, tokenizer
         self.max_batch, self.prefill_step, self.pool = max_batch, prefill_step, pool
         self.image_sources = image_sources  # where requests' images may come from (a server: data: URLs)
+        self.image_limits = image_limits  # how large, and for a URL how slow, each may be
         self.defaults = {"prefill_step": prefill_step, **defaults}
         Request.of("", model.config.vocab_size, self.defaults)  # bad defaults fail here, not per request
         self.stats = BatchStats()
@@ -212,7 +214,7 @@ class BatchGenerator:
         if self.model.image_token_id is None and has_images(prompt):
             raise ImageError(NO_IMAGES)
         return Request.of(prompt, self.model.config.vocab_size, self.defaults, image_sources=self.image_sources,
-                          **options)
+                          image_limits=self.image_limits, **options)
 
     def prepare(self, request: Request) -> Prepared:
         """Everything about a request that does not need the engine: the prompt rendered and

@@ -7,7 +7,7 @@ import json
 import sys
 import traceback
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -587,12 +587,14 @@ def bench(model_argument, model, dtype, prompt_tokens, gen_tokens, repeat, max_k
 @click.option("--allow-image-urls", is_flag=True,
               help="Fetch http(s) image URLs in requests (a vision-language model; each bounded in bytes and "
                    "seconds). Without it images come inline, as data: URLs.")
+@click.option("--image-url-timeout", type=click.FloatRange(0, min_open=True), default=None,
+              help="Seconds an image URL's whole download may take, with --allow-image-urls (default: 10).")
 @click.option("--prefill-step", type=click.IntRange(1), default=512, show_default=True,
               help="Prompt tokens per prefill chunk (one chunk's activations are held at once).")
 @PIPELINE_OPTION
 def serve(model, dtype, host, port, max_concurrency, max_queue, max_kv_size, kv_bits, prompt_cache_bytes,
           draft_model, prompt_lookup, api_key, cors, allowed_host, max_connections, responses_store, adapters,
-          max_adapters, no_web, allow_image_urls, prefill_step, pipeline) -> None:
+          max_adapters, no_web, allow_image_urls, image_url_timeout, prefill_step, pipeline) -> None:
     """Serve the model over OpenAI's HTTP API (chat and text completions, streaming), with a
     chat page at / (unless --no-web). Concurrent requests are decoded together; Ctrl-C stops
     after the requests in flight."""
@@ -629,7 +631,9 @@ def serve(model, dtype, host, port, max_concurrency, max_queue, max_kv_size, kv_
                                "draft_model": open_model(draft_model, dtype)[0] if draft_model else None,
                                "prompt_lookup": prompt_lookup or None,
                                "pool": PromptCachePool(prompt_cache_bytes, measure) if prompt_cache_bytes else None,
-                               "image_sources": frozenset({DATA, HTTP} if allow_image_urls else {DATA})}
+                               "image_sources": frozenset({DATA, HTTP} if allow_image_urls else {DATA}),
+                               "image_limits": replace(LIMITS, url_seconds=image_url_timeout) if image_url_timeout
+                               else None}
     options = {k: v for k, v in options.items() if v is not None}
     replica = replica_for(m, tokenizer, max_batch=max_concurrency, **options)
     if followed(replica):

@@ -189,6 +189,8 @@ def _download(url: str, limits: ImageLimits) -> bytes:
                 chunks.append(chunk)
     except (urllib.error.URLError, OSError, ValueError) as e:
         reason = getattr(e, "reason", None) or e
+        if isinstance(reason, TimeoutError):  # the sender went quiet: the same bound as a slow one
+            raise ImageError(f"the image at the URL took over {limits.url_seconds:g} s to download") from None
         raise ImageError(f"cannot download the image ({_one_line(reason)})") from None
     return b"".join(chunks)
 

@@ -22,7 +22,7 @@ from PIL import Image
 
 from .errors import InvalidOptionError
 from .generate import GenerationOptions, Prompt, split_options
-from .images import LOCAL, data_url, has_images, load_image, take_images
+from .images import LIMITS, LOCAL, ImageLimits, data_url, has_images, load_image, take_images
 from .sample import SamplingConfig
 
 # Options that hold runtime objects (a loaded draft model, its cache): they configure this
@@ -41,13 +41,14 @@ class Request:
 
     @classmethod
     def of(cls, prompt: Prompt, vocab_size: int | None = None, defaults: Mapping[str, Any] | None = None,
-           image_sources: frozenset[str] = LOCAL, **options: Any) -> Request:
+           image_sources: frozenset[str] = LOCAL, image_limits: ImageLimits = LIMITS, **options: Any) -> Request:
         """The one place keyword options (`stream_generate`'s) become typed configs; `defaults`
         (an engine's) are overridden by `options`; token ids are checked against `vocab_size`;
         images in chat messages are loaded, from where `image_sources` allows (`images.LOCAL`:
-        files and data: URLs; a server: data: URLs, http(s) only when started to fetch them)."""
+        files and data: URLs; a server: data: URLs, http(s) only when started to fetch them), each
+        within `image_limits`."""
         sampling, generation = split_options({**(defaults or {}), **options}, vocab_size)
-        prompt, images = _with_images(prompt, image_sources)
+        prompt, images = _with_images(prompt, image_sources, image_limits)
         return cls(_frozen(prompt), sampling, generation, images)
 
     def keywords(self) -> dict[str, Any]:
@@ -82,11 +83,12 @@ class Request:
         return cls(_frozen(data["prompt"]), SamplingConfig(**sampling), GenerationOptions(**options), images)
 
 
-def _with_images(prompt: Prompt, sources: frozenset[str]) -> tuple[Prompt, tuple[Image.Image, ...]]:
+def _with_images(prompt: Prompt, sources: frozenset[str],
+                 limits: ImageLimits) -> tuple[Prompt, tuple[Image.Image, ...]]:
     """Chat messages with their images taken out and loaded (`images.take_images`); other prompts as they are."""
     if not has_images(prompt):
         return prompt, ()
-    messages, images = take_images(prompt, sources=sources)
+    messages, images = take_images(prompt, limits, sources)
     return messages, tuple(images)
 
 

@@ -301,8 +301,10 @@ def test_speculation_after_an_image_equals_plain_and_transformers(ours, hf, draf
 
 def test_server_loads_images_off_the_event_loop(checkpoint):
     """An image URL whose server holds its answer (until an event is released) keeps one request
-    waiting, not the server: /health and a text request are answered meanwhile (within bounds well
-    under the download's 10 s), then the image request finishes once its picture is sent."""
+    waiting, not the server: /health and a text request are answered meanwhile, then the image
+    request finishes once its picture is sent. The download may take 600 s here, so however slow
+    the machine the picture is released in time; the bounds below only keep a blocked loop from
+    hanging the test."""
     import threading
     import urllib.request
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -328,7 +330,8 @@ def test_server_loads_images_off_the_event_loop(checkpoint):
 
     images = ThreadingHTTPServer(("127.0.0.1", 0), Slow)
     threading.Thread(target=images.serve_forever, daemon=True).start()
-    server = Server(["-m", str(checkpoint), "--dtype", "float32", "--api-key", KEY, "--allow-image-urls"])
+    server = Server(["-m", str(checkpoint), "--dtype", "float32", "--api-key", KEY, "--allow-image-urls",
+                     "--image-url-timeout", "600"])
     try:
         text = {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 2}
         assert post(server.url, text)[0] == 200  # warm: the text request below is quick
@@ -339,18 +342,49 @@ def test_server_loads_images_off_the_event_loop(checkpoint):
             "messages": [{"role": "user", "content": content}], "max_tokens": 2})))
         waiting.start()
         assert asked.wait(60)
-        assert json.load(urllib.request.urlopen(f"{server.url}/health", timeout=4))["status"] == "ok"
+        assert json.load(urllib.request.urlopen(f"{server.url}/health", timeout=120))["status"] == "ok"
         request = urllib.request.Request(f"{server.url}/v1/chat/completions", data=json.dumps(text).encode(),
                                          headers={"Content-Type": "application/json",
                                                   "Authorization": f"Bearer {KEY}"})
-        with urllib.request.urlopen(request, timeout=5) as r:
+        with urllib.request.urlopen(request, timeout=120) as r:
             assert r.status == 200 and json.load(r)["choices"][0]["message"]["content"] is not None
         assert waiting.is_alive()
         release.set()
-        waiting.join(60)
+        waiting.join(120)
         assert result and result[0][0] == 200, result
     finally:
         release.set()
         server.stop()
+        images.shutdown()
+        images.server_close()
+
+
+def test_an_engines_image_limits_bound_a_slow_url(ours):
+    """The engine's own limits (a server's --image-url-timeout) bound a download: a URL that never
+    answers is refused in one line once its time is up, not waited on."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from mlxinfer.images import DATA, HTTP, ImageLimits
+
+    release = threading.Event()
+
+    class Silent(BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - http.server's name
+            release.wait(120)
+
+        def log_message(self, *args):
+            pass
+
+    images = ThreadingHTTPServer(("127.0.0.1", 0), Silent)
+    threading.Thread(target=images.serve_forever, daemon=True).start()
+    engine = BatchGenerator(*ours, image_sources=frozenset({DATA, HTTP}), image_limits=ImageLimits(url_seconds=0.5))
+    url = f"http://127.0.0.1:{images.server_address[1]}/never.png"
+    try:
+        with pytest.raises(ImageError, match="0.5 s") as e:
+            engine.request([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}]}])
+        assert "\n" not in str(e.value)
+    finally:
+        release.set()
         images.shutdown()
         images.server_close()
