@@ -195,7 +195,7 @@ def test_undo_then_regenerate_equals_never_generated(hybrid):
     list(session.send(first))
     list(session.send(second))
     ran, run_tokens = [], session.cache.run
-    session.cache.run = lambda model, tokens: ran.append(len(tokens)) or run_tokens(model, tokens)
+    session.cache.run = lambda model, tokens, *inputs: ran.append(len(tokens)) or run_tokens(model, tokens, *inputs)
     assert session.undo()
     del session.cache.run
     # the state was kept where the undone turn's prefill began: only the end-of-turn tokens after it ran again

@@ -31,9 +31,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def config_only(model) -> SimpleNamespace:
-    """A stand-in that has the model's config and nothing else: any work past validation
-    (building a cache, running a layer) fails with AttributeError, not InvalidOptionError."""
-    return SimpleNamespace(config=model.config)
+    """A stand-in that has what validation reads (the model's config, and whether it takes images)
+    and nothing else: any work past validation (building a cache, running a layer) fails with
+    AttributeError, not InvalidOptionError."""
+    return SimpleNamespace(config=model.config, image_token_id=model.image_token_id)
 
 
 def rejected(fact: str, run) -> str:
