@@ -21,6 +21,7 @@ import mlx.core as mx
 from .cache import PromptCache
 from .constrain import Constraint, masked
 from .errors import SamplingError
+from .kernels.cpu_logsumexp import logsumexp
 from .sample import NO_TOKEN, Sampler, finite
 
 
@@ -81,7 +82,7 @@ def chosen_logprobs(logits: mx.array, tokens: mx.array) -> tuple[mx.array, mx.ar
     them (`finite`), so a drawn token's log-probability is finite; masked-out tokens
     are -inf in the rows."""
     logits = finite(logits)
-    rows = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    rows = logits - logsumexp(logits)
     return mx.take_along_axis(rows, mx.maximum(tokens, 0)[:, None], axis=-1)[:, 0], rows
 
 

@@ -122,9 +122,71 @@ MLXINFER_AVX2 void float_matmul_avx2(const float* w, int in, const float* x, int
   }
 }
 
+#define MLXINFER_AVX512 __attribute__((target("avx512f,avx2,fma")))
+
+// e^x for 16 floats: x = n ln 2 + r, e^r by Cephes' expf polynomial, times 2^n (scalef, which
+// goes to 0 below the smallest float). Inputs are clamped first, so -inf gives 0, not NaN.
+MLXINFER_AVX512 inline __m512 exp_avx512(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-104.0f)), _mm512_set1_ps(88.7f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  const __m512 y = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  return _mm512_scalef_ps(y, n);
+}
+
+MLXINFER_AVX512 float logsumexp_avx512(const float* x, int n) {
+  const __m512 lowest = _mm512_set1_ps(-INFINITY);
+  __m512 top = lowest;
+  int i = 0;
+  for (; i + 16 <= n; i += 16) {
+    top = _mm512_max_ps(top, _mm512_loadu_ps(x + i));
+  }
+  const __mmask16 tail = static_cast<__mmask16>((1u << (n - i)) - 1);
+  top = _mm512_max_ps(top, _mm512_mask_loadu_ps(lowest, tail, x + i));
+  const float m = _mm512_reduce_max_ps(top);
+  if (m == -INFINITY) {
+    return m;
+  }
+  const __m512 shift = _mm512_set1_ps(m);
+  __m512 sum = _mm512_setzero_ps();
+  for (i = 0; i + 16 <= n; i += 16) {
+    sum = _mm512_add_ps(sum, exp_avx512(_mm512_sub_ps(_mm512_loadu_ps(x + i), shift)));
+  }
+  sum = _mm512_mask_add_ps(sum, tail, sum, exp_avx512(_mm512_sub_ps(_mm512_mask_loadu_ps(shift, tail, x + i), shift)));
+  return m + std::log(_mm512_reduce_add_ps(sum));
+}
+
 #endif
 
 } // namespace
+
+float logsumexp(const float* x, int n) {
+#if defined(__x86_64__)
+  if (simd_avx512()) {
+    return logsumexp_avx512(x, n);
+  }
+#endif
+  float m = -INFINITY;
+  for (int i = 0; i < n; ++i) {
+    m = std::max(m, x[i]);
+  }
+  if (m == -INFINITY) {
+    return m;
+  }
+  float sum = 0.0f;
+  for (int i = 0; i < n; ++i) {
+    sum += std::exp(x[i] - m);
+  }
+  return m + std::log(sum);
+}
 
 void axpy(float p, const float* v, float* acc, int n) {
 #if defined(__x86_64__)

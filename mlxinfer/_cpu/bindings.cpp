@@ -88,6 +88,8 @@ NB_MODULE(_cpu_qmm, m) {
       "scale"_a, "eps"_a, "gelu"_a,
       "A step's second half: causal attention over each row's stored cache, O, residual, norm, gated MLP, "
       "residual -> the block's output. norms: [pre-MLP] or [post-attention, pre-MLP, post-MLP] (sandwich).");
+  m.def("logsumexp", static_cast<mx::array (*)(const mx::array&)>(&mlxinfer::logsumexp), "x"_a,
+        "[rows, 1]: log(sum(exp(x))) of each float32 row, shifted by its maximum (AVX-512: 16 exps at once).");
   m.def("threads", &mlxinfer::threads, "Threads a matmul is split across (the calling one included).");
   m.def("set_threads", &mlxinfer::set_threads, "n"_a);
   m.def("simd", &mlxinfer::simd_name, "The widest loop in use on this CPU: 'avx512', 'avx2+fma' or 'scalar'.");

@@ -661,6 +661,10 @@ bool simd_avx2() {
   return active() != Simd::scalar;
 }
 
+bool simd_avx512() {
+  return active() == Simd::avx512;
+}
+
 bool limit_simd(const char* name) {
   const std::string level = name;
   Simd cap;

@@ -37,6 +37,9 @@ const char* simd_name();
 // Whether the AVX2 loops run (the CPU has them and `limit_simd` allows them).
 bool simd_avx2();
 
+// Whether the AVX-512 loops run (the CPU has them and `limit_simd` allows them).
+bool simd_avx512();
+
 // One sequence's cached keys or values for one decode step: float32, entry (head h,
 // slot j, dim d) at data[h * head_stride + j * slot_stride + d], slots [0, length) live.
 struct CachedHeads {
@@ -55,6 +58,11 @@ void decode_attention_head(const float* q, const CachedHeads& keys, const Cached
 // a . b over n floats in one fixed order (AVX2 lanes then a fixed tree where the CPU has
 // them, else a plain loop).
 float dot(const float* a, const float* b, int n);
+
+// log(sum_i exp(x[i])) over n floats, shifted by their maximum (-inf when every x[i] is -inf;
+// no NaN or +inf expected: the sampler's `finite` removed them). AVX-512 computes 16 exps at
+// once (a polynomial within 2 ulp of expf); elsewhere std::exp one at a time.
+float logsumexp(const float* x, int n);
 
 // acc[i] += p * v[i] for i in [0, n) (one fused multiply-add each where the CPU has them).
 void axpy(float p, const float* v, float* acc, int n);

@@ -290,6 +290,29 @@ bool DecodeAttention::is_equivalent(const mx::Primitive& other) const {
   return lengths_ == o.lengths_ && scale_ == o.scale_;
 }
 
+mx::array logsumexp(const mx::array& x) {
+  if (x.dtype() != mx::float32 || x.ndim() != 2 || x.shape(1) < 1) {
+    throw std::invalid_argument("logsumexp takes float32 rows [rows, n], n >= 1; got " + shape_text(x));
+  }
+  const mx::Stream cpu = mx::default_stream(mx::Device::cpu);
+  return mx::array({x.shape(0), 1}, mx::float32, std::make_shared<LogSumExp>(cpu), {x});
+}
+
+void LogSumExp::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
+  queue_on_cpu(stream(), inputs, outputs[0], [x = inputs[0]](float* y) {
+    std::vector<uint8_t> keep;
+    const auto* data = static_cast<const float*>(row_major(x, keep));
+    const int n = x.shape(1);
+    for (int r = 0; r < x.shape(0); ++r) {
+      y[r] = mlxinfer::logsumexp(data + static_cast<size_t>(r) * n, n);
+    }
+  });
+}
+
+void LogSumExp::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
+  throw std::runtime_error("MlxinferLogSumExp runs on the CPU only");
+}
+
 int threads() {
   return pool().size();
 }
