@@ -422,17 +422,19 @@ class Block(nn.Module):
         wrapped layer make a new one): a step then costs a lookup per name, ~4 µs a block where
         gathering the objects afresh cost ~13 (a thirtieth of a 135M model's step in Python)."""
         kept = self.__dict__.get("_plan")
-        if kept is not None and all([len(m) == n for m, n in kept[1]]) and all([m.get(k) is o for m, k, o in kept[0]]):
-            return kept[2]
+        if (kept is not None and len(self) == kept.size and all([len(m) == n for m, n in kept.sizes])
+                and all([self.get(k) is o for k, o in kept.own]) and all([m.get(k) is o for m, k, o in kept.parts])):
+            return kept.plan
         attn, mlp = self[self.mixer_name], self[self.ffn_name]
-        named = [(self, self.mixer_name, attn), (self, self.ffn_name, mlp), *((self, n, self[n]) for n in self._norm_names),
-                 *((attn, n, attn[n]) for n in ("q_norm", "k_norm", "qkv_proj", "o_proj") if n in attn),
+        own = [(self.mixer_name, attn), (self.ffn_name, mlp), *((n, self[n]) for n in self._norm_names)]
+        named = [*((attn, n, attn[n]) for n in ("q_norm", "k_norm", "qkv_proj", "o_proj") if n in attn),
                  *((mlp, n, mlp[n]) for n in ("gate_up_proj", "down_proj") if n in mlp)]
-        named += [(m, "base", m.base) for _, _, m in named if isinstance(m, LoRALinear)]
-        modules = [self, *(m for _, _, m in named)]
-        watched = named + [(m, k, a) for m in modules[3:] for k, a in m.items()]
+        modules = [attn, mlp, *(m for _, m in own[2:]), *(m for _, _, m in named)]
+        named += [(m, "base", m.base) for m in modules if isinstance(m, LoRALinear)]
+        modules += [m.base for m in modules if isinstance(m, LoRALinear)]
+        parts = named + [(m, k, a) for m in modules[2:] for k, a in m.items()]
         plan = FusedPlan.of(self, attn, mlp)
-        self.__dict__["_plan"] = (watched, [(m, len(m)) for m in modules], plan)
+        self.__dict__["_plan"] = _KeptPlan(len(self), own, [(m, len(m)) for m in modules], parts, plan)
         return plan
 
     @property
@@ -445,6 +447,20 @@ class Block(nn.Module):
 
 
 DECODE_ACTIVATIONS = (nn.silu, nn.gelu_approx)
+
+
+@dataclass
+class _KeptPlan:
+    """A block's plan and what it was made from, checked by identity before each step: the block's
+    own entries (its mixer, feed-forward and norms: it is not held itself, which would make a
+    reference cycle and keep a dropped model's arrays until the garbage collector ran), the
+    entries of the modules below it, and how many entries each had (one added changes the plan)."""
+
+    size: int
+    own: list[tuple[str, Any]]
+    sizes: list[tuple[nn.Module, int]]
+    parts: list[tuple[nn.Module, str, Any]]
+    plan: FusedPlan | None
 
 
 @dataclass(frozen=True)
