@@ -413,6 +413,26 @@ MLXINFER_AVX2 void dequantized_row(const QuantizedMatrix& m, int n, float* out) 
   }
 }
 
+// dequantized_row for 4 bits with AVX-512: each group's 16 weights looked up as the block loop
+// does (the same bits), a sixth of the AVX2 row's instructions: for a 41-row prompt the AVX2
+// row cost a fifth as much as the products that use it.
+MLXINFER_AVX512 void dequantized_row_avx512(const QuantizedMatrix& m, int n, float* out) {
+  const size_t row_bytes = static_cast<size_t>(m.in) / 2;
+  const int groups = m.in / m.group;
+  const uint8_t* w = m.packed + n * row_bytes;
+  const __m512 levels = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  for (int g = 0; g < groups; ++g) {
+    const __m512 s = _mm512_set1_ps(scale_at_avx2(m.scales, m.scale_type, static_cast<size_t>(n) * groups + g));
+    const __m512 b = _mm512_set1_ps(scale_at_avx2(m.biases, m.scale_type, static_cast<size_t>(n) * groups + g));
+    const __m512 table = _mm512_fmadd_ps(levels, s, b);
+    for (int k = g * m.group; k < (g + 1) * m.group; k += kSums) {
+      const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + k / 2)));
+      _mm512_storeu_ps(out + k, _mm512_permutexvar_ps(v, table));
+      _mm512_storeu_ps(out + k + 16, _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), table));
+    }
+  }
+}
+
 // R rows against the dequantized rows of NO outputs, register-blocked: each (row, output)
 // accumulates its 32 sums exactly as the block loops do, so the result is the same bit for bit.
 template <int R, int NO>
@@ -515,14 +535,24 @@ void many_rows(const QuantizedMatrix& m, const float* x, int rows, float* y, int
   for (int n = n0; n < n1; n += together) {
     const int outputs = std::min(together, n1 - n);
     for (int o = 0; o < outputs; ++o) {
-      dequantized_row<BITS>(m, n + o, buffer.data() + static_cast<size_t>(o) * m.in);
+      float* row = buffer.data() + static_cast<size_t>(o) * m.in;
+      if constexpr (WIDE && BITS == 4) {
+        dequantized_row_avx512(m, n + o, row);
+      } else {
+        dequantized_row<BITS>(m, n + o, row);
+      }
     }
     int r = 0;
     for (; r + R <= rows; r += R) {
       rows_by_outputs<R, WIDE>(x, m.in, r, buffer.data(), outputs, y + n, m.out);
     }
-    for (; r < rows; ++r) {
-      rows_by_outputs<1, WIDE>(x, m.in, r, buffer.data(), outputs, y + n, m.out);
+    if constexpr (WIDE) {  // the last 1-3 rows as one tile
+      switch (rows - r) {
+        case 3: rows_by_outputs<3, WIDE>(x, m.in, r, buffer.data(), outputs, y + n, m.out); break;
+        case 2: rows_by_outputs<2, WIDE>(x, m.in, r, buffer.data(), outputs, y + n, m.out); break;
+        case 1: rows_by_outputs<1, WIDE>(x, m.in, r, buffer.data(), outputs, y + n, m.out); break;
+        default: break;
+      }
     }
   }
 }
