@@ -142,6 +142,22 @@ MLXINFER_AVX512 inline __m512 exp_avx512(__m512 x) {
   return _mm512_scalef_ps(y, n);
 }
 
+MLXINFER_AVX512 void silu_gate_avx512(const float* g, const float* u, float* a, int n) {
+  const __m512 one = _mm512_set1_ps(1.0f);
+  int i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m512 x = _mm512_loadu_ps(g + i);
+    const __m512 y = _mm512_div_ps(one, _mm512_add_ps(one, exp_avx512(_mm512_abs_ps(x))));
+    const __m512 s = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ),
+                                          _mm512_sub_ps(one, y), y);
+    _mm512_storeu_ps(a + i, _mm512_mul_ps(_mm512_mul_ps(x, s), _mm512_loadu_ps(u + i)));
+  }
+  for (; i < n; ++i) {
+    const float y = 1.0f / (1.0f + std::exp(std::fabs(g[i])));
+    a[i] = g[i] * (g[i] < 0.0f ? y : 1.0f - y) * u[i];
+  }
+}
+
 MLXINFER_AVX512 float logsumexp_avx512(const float* x, int n) {
   const __m512 lowest = _mm512_set1_ps(-INFINITY);
   __m512 top = lowest;
@@ -167,6 +183,18 @@ MLXINFER_AVX512 float logsumexp_avx512(const float* x, int n) {
 #endif
 
 } // namespace
+
+void silu_gate(const float* g, const float* u, float* a, int n) {
+#if defined(__x86_64__)
+  if (simd_avx512()) {
+    return silu_gate_avx512(g, u, a, n);
+  }
+#endif
+  for (int i = 0; i < n; ++i) {
+    const float y = 1.0f / (1.0f + std::exp(std::fabs(g[i])));
+    a[i] = g[i] * (g[i] < 0.0f ? y : 1.0f - y) * u[i];
+  }
+}
 
 float logsumexp(const float* x, int n) {
 #if defined(__x86_64__)

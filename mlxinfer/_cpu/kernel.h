@@ -64,6 +64,10 @@ float dot(const float* a, const float* b, int n);
 // once (a polynomial within 2 ulp of expf); elsewhere std::exp one at a time.
 float logsumexp(const float* x, int n);
 
+// a[i] = g[i] * sigmoid(g[i]) * u[i] for i in [0, n): SwiGLU's gating, with MLX's sigmoid
+// (1 / (1 + e^|g|), mirrored for g >= 0); AVX-512 takes 16 exps at once (as logsumexp does).
+void silu_gate(const float* g, const float* u, float* a, int n);
+
 // acc[i] += p * v[i] for i in [0, n) (one fused multiply-add each where the CPU has them).
 void axpy(float p, const float* v, float* acc, int n);
 

@@ -153,12 +153,6 @@ void rope(float* v, const float* cosines, const float* sines, int dims, float fa
   }
 }
 
-// MLX's sigmoid: 1 / (1 + e^|x|) mirrored for x >= 0.
-float sigmoid(float x) {
-  const float y = 1.0f / (1.0f + std::exp(std::fabs(x)));
-  return x < 0.0f ? y : 1.0f - y;
-}
-
 // nn.gelu_approx: 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))).
 float gelu_tanh(float x) {
   const float inner = 0.7978845608028654f * (x + 0.044715f * (x * x * x));
@@ -483,8 +477,12 @@ void DecodeLayerOut::eval_cpu(const std::vector<mx::array>& inputs, std::vector<
       const float* g = gu.data() + static_cast<size_t>(r) * gate_up.out;
       const float* u = g + inter;
       float* a = act.data() + static_cast<size_t>(r) * inter;
+      if (!spec.gelu) {
+        silu_gate(g, u, a, inter);
+        continue;
+      }
       for (int i = 0; i < inter; ++i) {
-        a[i] = (spec.gelu ? gelu_tanh(g[i]) : g[i] * sigmoid(g[i])) * u[i];
+        a[i] = gelu_tanh(g[i]) * u[i];
       }
     }
     std::vector<float> d(static_cast<size_t>(all) * hidden);
