@@ -13,7 +13,8 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..errors import ConfigError
-from .qwen_vision import GATE_ACTIVATIONS, Segments, VisionAttention, VisionConfig, VisionTransformer
+from . import qwen_vision
+from .qwen_vision import GATE_ACTIVATIONS, VisionConfig, VisionTransformer
 from .qwen_vision import PatchMerger as RMSPatchMerger
 
 
@@ -42,17 +43,9 @@ class VisionMLP(nn.Module):
         return self.fc2(self.act(self.fc1(x)))
 
 
-class VisionBlock(nn.Module):
-    def __init__(self, cfg: VisionConfig):
-        super().__init__()
-        self.norm1 = nn.LayerNorm(cfg.hidden_size, eps=1e-6)
-        self.norm2 = nn.LayerNorm(cfg.hidden_size, eps=1e-6)
-        self.attn = VisionAttention(cfg)
-        self.mlp = VisionMLP(cfg)
-
-    def __call__(self, x: mx.array, rope: tuple[mx.array, mx.array], segments: Segments) -> mx.array:
-        x = x + self.attn(self.norm1(x), rope, segments)
-        return x + self.mlp(self.norm2(x))
+class VisionBlock(qwen_vision.VisionBlock):
+    norm = nn.LayerNorm
+    mlp_class = VisionMLP
 
 
 class PatchMerger(RMSPatchMerger):

@@ -190,12 +190,18 @@ class VisionMLP(nn.Module):
 
 
 class VisionBlock(nn.Module):
+    """A pre-norm ViT block; the towers differ only in its norm and MLP (Qwen2-VL and Qwen3-VL:
+    LayerNorm and a plain MLP)."""
+
+    norm: type[nn.Module] = nn.RMSNorm
+    mlp_class: type[nn.Module] = VisionMLP
+
     def __init__(self, cfg: VisionConfig):
         super().__init__()
-        self.norm1 = nn.RMSNorm(cfg.hidden_size, eps=1e-6)
-        self.norm2 = nn.RMSNorm(cfg.hidden_size, eps=1e-6)
+        self.norm1 = self.norm(cfg.hidden_size, eps=1e-6)
+        self.norm2 = self.norm(cfg.hidden_size, eps=1e-6)
         self.attn = VisionAttention(cfg)
-        self.mlp = VisionMLP(cfg)
+        self.mlp = self.mlp_class(cfg)
 
     def __call__(self, x: mx.array, rope: tuple[mx.array, mx.array], segments: Segments) -> mx.array:
         x = x + self.attn(self.norm1(x), rope, segments)
