@@ -7,7 +7,6 @@ so HF and mlx-lm checkpoints load without renaming.
 from __future__ import annotations
 
 import math
-import operator
 from dataclasses import dataclass
 from typing import Any
 
