@@ -482,11 +482,20 @@ def request_tokens(tokenizer: Tokenizer, prompt: Prompt, vocab_size: int, tools:
         return prompt_tokens(tokenizer, prompt, vocab_size, template_kwargs)
     if isinstance(prompt, str):
         raise InvalidOptionError("tools need chat messages as the prompt (a list of {'role', 'content'} dicts)")
-    messages, native = tools.messages(tokenizer, list(prompt))
-    extra = {"tools": tools.tools} if native else {}
+    messages, extra = with_tools(tokenizer, prompt, tools)
     ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
                                         **(template_kwargs or {}), **extra)
     return prompt_tokens(tokenizer, ids, vocab_size)
+
+
+def with_tools(tokenizer: Tokenizer, messages: Sequence[dict],
+               tools: ToolPlan | None) -> tuple[list[dict], dict[str, Any]]:
+    """Chat messages and the template's extra variables with the tools shown: by the template
+    (its `tools` variable) where it takes them, else in the messages (the fallback)."""
+    if tools is None:
+        return list(messages), {}
+    messages, native = tools.messages(tokenizer, list(messages))
+    return messages, {"tools": tools.tools} if native else {}
 
 
 @dataclass(frozen=True)
@@ -522,11 +531,7 @@ def image_prompt(model, tokenizer: Tokenizer, request, tools: ToolPlan | None) -
 def render(tokenizer: Tokenizer, messages: Sequence[dict], tools: ToolPlan | None,
            template_kwargs: dict[str, Any] | None) -> str:
     """Chat messages as the template writes them (with the tools, as `request_tokens` shows them)."""
-    extra: dict[str, Any] = {}
-    messages = list(messages)
-    if tools is not None:
-        messages, native = tools.messages(tokenizer, messages)
-        extra = {"tools": tools.tools} if native else {}
+    messages, extra = with_tools(tokenizer, messages, tools)
     return tokenizer.apply_chat_template(messages, add_generation_prompt=True, **(template_kwargs or {}), **extra)
 
 
