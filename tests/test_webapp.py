@@ -28,6 +28,7 @@ pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="no chromium on PATH (C
 expect = sync_api.expect
 HERE = Path(__file__).parent
 TIMEOUT_MS = 30_000  # a hang guard: every wait below ends on an event
+expect.set_options(timeout=TIMEOUT_MS)  # assertions retry until then (playwright's default is 5 s)
 PREFILL_STEP = 8  # the tiny server's prefill chunk: "hello there" (17 tokens) prefills in two
 
 
@@ -387,9 +388,9 @@ def test_no_web_serves_no_page(tiny):
     s = Server(["-m", str(tiny), "--dtype", "float32", "--no-web"])
     try:
         with pytest.raises(urllib.error.HTTPError) as e:
-            urllib.request.urlopen(s.url + "/", timeout=10)
+            urllib.request.urlopen(s.url + "/", timeout=60)
         assert e.value.code == 404
-        assert json.load(urllib.request.urlopen(s.url + "/v1/models", timeout=10))["data"]
+        assert json.load(urllib.request.urlopen(s.url + "/v1/models", timeout=60))["data"]
     finally:
         s.stop()
 

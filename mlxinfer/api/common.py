@@ -57,7 +57,7 @@ class Context:
 
 async def typed_request(engine: Any, prompt: Any, **options: Any) -> Any:
     """The engine's typed `Request` for `prompt`. Making one loads its images (decoding them,
-    and under `serve --allow-image-urls` downloading them, for up to 10 s), so a prompt with
+    and under `serve --allow-image-urls` downloading them, for up to --image-url-timeout), so a prompt with
     images is made on a worker thread: the event loop keeps answering every other request."""
     if not has_images(prompt):
         return engine.engine.request(prompt, **options)
