@@ -35,19 +35,27 @@ VISION = dict(depth=3, hidden_size=32, intermediate_size=64, num_heads=2, patch_
               temporal_patch_size=2, window_size=56, out_hidden_size=64, fullatt_block_indexes=[1])
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory) -> Path:
-    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+def build(folder: Path, family: str, text: dict, vision: dict):
+    """transformers' random-weight model of `family` (its config and model class names' stem),
+    saved with a tokenizer into `folder`."""
+    import transformers
 
     torch.manual_seed(0)
-    config = Qwen2_5_VLConfig(text_config=TEXT, vision_config=VISION, image_token_id=IMAGE, video_token_id=VIDEO,
-                              vision_start_token_id=START, vision_end_token_id=END, initializer_range=0.08)
+    config = getattr(transformers, f"{family}Config")(
+        text_config=text, vision_config=vision, image_token_id=IMAGE, video_token_id=VIDEO,
+        vision_start_token_id=START, vision_end_token_id=END, initializer_range=0.08)
     config.text_config.initializer_range = config.vision_config.initializer_range = 0.08
-    hf = Qwen2_5_VLForConditionalGeneration(config).float().eval()
+    hf = getattr(transformers, f"{family}ForConditionalGeneration")(config).float().eval()
     perturb(hf, 0)
-    folder = tmp_path_factory.mktemp("qwen2_5_vl")
     hf.save_pretrained(folder)
     train_tokenizer(folder)
+    return hf
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("qwen2_5_vl")
+    build(folder, "Qwen2_5_VL", TEXT, VISION)
     return folder
 
 
@@ -239,18 +247,8 @@ VISION3 = dict(depth=3, hidden_size=32, intermediate_size=64, num_heads=2, patch
 @pytest.fixture(scope="module")
 def qwen3(tmp_path_factory):
     """(transformers' model, ours) of a random-weight Qwen3-VL checkpoint."""
-    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
-
-    torch.manual_seed(0)
-    config = Qwen3VLConfig(text_config=TEXT3, vision_config=VISION3, image_token_id=IMAGE, video_token_id=VIDEO,
-                           vision_start_token_id=START, vision_end_token_id=END)
-    config.text_config.initializer_range = config.vision_config.initializer_range = 0.08
-    hf = Qwen3VLForConditionalGeneration(config).float().eval()
-    perturb(hf, 0)
     folder = tmp_path_factory.mktemp("qwen3_vl")
-    hf.save_pretrained(folder)
-    train_tokenizer(folder)
-    return hf, mlxinfer.load(folder, dtype="float32")[0]
+    return build(folder, "Qwen3VL", TEXT3, VISION3), mlxinfer.load(folder, dtype="float32")[0]
 
 
 @pytest.fixture(scope="module")
@@ -290,18 +288,8 @@ VISION2 = dict(depth=2, embed_dim=32, hidden_size=64, mlp_ratio=2, num_heads=2, 
 @pytest.fixture(scope="module")
 def qwen2(tmp_path_factory):
     """(transformers' model, ours) of a random-weight Qwen2-VL checkpoint."""
-    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
-
-    torch.manual_seed(0)
-    config = Qwen2VLConfig(text_config=TEXT, vision_config=VISION2, image_token_id=IMAGE, video_token_id=VIDEO,
-                           vision_start_token_id=START, vision_end_token_id=END)
-    config.text_config.initializer_range = config.vision_config.initializer_range = 0.08
-    hf = Qwen2VLForConditionalGeneration(config).float().eval()
-    perturb(hf, 0)
     folder = tmp_path_factory.mktemp("qwen2_vl")
-    hf.save_pretrained(folder)
-    train_tokenizer(folder)
-    return hf, mlxinfer.load(folder, dtype="float32")[0]
+    return build(folder, "Qwen2VL", TEXT, VISION2), mlxinfer.load(folder, dtype="float32")[0]
 
 
 @pytest.fixture(scope="module")
