@@ -172,6 +172,24 @@ def bigram_draft(folder: Path, vocab_size: int, follows: dict[int, int], tokeniz
     return folder
 
 
+def assert_speculation_equals(want: list[int], drafter: str, run, last: int, folder: Path, vocab_size: int,
+                              tokenizer) -> None:
+    """`run(**options)` (a greedy stream's tokens and last stats) with a drafter gives `want`: a draft
+    model proposing `want` but its third token (`last`: the prompt's last id), so drafts are both
+    accepted and rejected, or prompt lookup, whose drafts must at least be made."""
+    from mlxinfer.loading import load
+
+    if drafter == "model":
+        follows = dict(zip([last, *want], want))
+        follows[want[1]] = 0  # a wrong third draft
+        options = dict(draft_model=load(bigram_draft(folder, vocab_size, follows, tokenizer), dtype="float32")[0])
+    else:
+        options = dict(prompt_lookup=True)
+    tokens, stats = run(**options)
+    assert tokens == want
+    assert 0 < stats.accepted < stats.drafted if drafter == "model" else stats.drafted > 0
+
+
 def encoded_images(monkeypatch, model, method: str) -> list[str]:
     """The digests of the images `model.<method>` (its vision encoder) is given from now on, in order."""
     seen: list[str] = []

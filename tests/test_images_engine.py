@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import bigram_draft, encoded_images
+from conftest import assert_speculation_equals, encoded_images
 from test_models_gemma_vision import TEXT, VISION, perturb
 
 from mlxinfer.batch import BatchGenerator
@@ -284,19 +284,15 @@ def test_speculation_after_an_image_equals_plain_and_transformers(ours, hf, draf
     steps = 16  # past the chooser's first speculative probe and its plain one
     want = hf_greedy(hf, messages, steps)
     plain = our_greedy(model, tokenizer, messages, steps)
-    if drafter == "model":
-        last = hf_inputs(hf[1], messages)["input_ids"][0, -1].item()
-        follows = dict(zip([last, *want], want))
-        follows[want[1]] = 0  # a wrong third draft
-        spec = dict(draft_model=load(bigram_draft(tmp_path, 262_208, follows, hf[1].tokenizer), dtype="float32")[0])
-    else:
-        spec = dict(prompt_lookup=True)
-    chunks = [c for c in stream_generate(model, tokenizer, messages, max_tokens=steps, temperature=0.0,
-                                         ignore_eos=True, **spec) if c.token is not None]
     assert plain == want
-    assert [c.token for c in chunks] == want
-    stats = chunks[-1].stats
-    assert 0 < stats.accepted < stats.drafted if drafter == "model" else stats.drafted > 0
+
+    def run(**options):
+        chunks = [c for c in stream_generate(model, tokenizer, messages, max_tokens=steps, temperature=0.0,
+                                             ignore_eos=True, **options) if c.token is not None]
+        return [c.token for c in chunks], chunks[-1].stats
+
+    last = hf_inputs(hf[1], messages)["input_ids"][0, -1].item()
+    assert_speculation_equals(want, drafter, run, last, tmp_path, 262_208, hf[1].tokenizer)
 
 
 def test_server_loads_images_off_the_event_loop(checkpoint):

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import bigram_draft, encoded_images, perturb
+from conftest import assert_speculation_equals, encoded_images, perturb
 from test_models_qwen_vl import TEXT, VISION
 
 from mlxinfer.batch import BatchGenerator, stream_generate
@@ -219,15 +219,11 @@ def test_speculation_after_images_equals_plain_and_transformers(ours, hf, drafte
     ids, want = hf_greedy(hf, messages, steps)
     plain = [c.token for c in stream_generate(model, tokenizer, messages, max_tokens=steps, temperature=0.0,
                                               ignore_eos=True) if c.token is not None]
-    if drafter == "model":
-        follows = dict(zip([ids[-1], *want], want))
-        follows[want[1]] = 0  # a wrong third draft
-        spec = dict(draft_model=load(bigram_draft(tmp_path, 151_936, follows, hf[1]), dtype="float32")[0])
-    else:
-        spec = dict(prompt_lookup=True)
-    chunks = [c for c in stream_generate(model, tokenizer, messages, max_tokens=steps, temperature=0.0,
-                                         ignore_eos=True, **spec) if c.token is not None]
     assert plain == want
-    assert [c.token for c in chunks] == want
-    stats = chunks[-1].stats
-    assert 0 < stats.accepted < stats.drafted if drafter == "model" else stats.drafted > 0
+
+    def run(**options):
+        chunks = [c for c in stream_generate(model, tokenizer, messages, max_tokens=steps, temperature=0.0,
+                                             ignore_eos=True, **options) if c.token is not None]
+        return [c.token for c in chunks], chunks[-1].stats
+
+    assert_speculation_equals(want, drafter, run, ids[-1], tmp_path, 151_936, hf[1])
