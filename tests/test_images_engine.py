@@ -18,11 +18,10 @@ import numpy as np
 import pytest
 import torch
 from conftest import assert_speculation_equals, encoded_images
-from test_models_gemma_vision import TEXT, VISION, perturb
+from test_models_gemma_vision import TEXT, VISION, perturb, picture
 
-from mlxinfer.batch import BatchGenerator
+from mlxinfer.batch import BatchGenerator, stream_generate
 from mlxinfer.errors import ImageError
-from mlxinfer.batch import stream_generate
 from mlxinfer.loading import load
 from mlxinfer.pool import PromptCachePool
 
@@ -33,14 +32,6 @@ GEMMA_TOKENIZER = TOKENIZERS / "gemma3"
 IMAGE_TOKENS = 16
 STEPS = 8
 pytestmark = pytest.mark.skipif(not GEMMA_TOKENIZER.is_dir(), reason="needs ../shared/fixtures/tokenizers/gemma3")
-
-
-def picture(seed: int, size: tuple[int, int]) -> Image.Image:
-    rng = np.random.default_rng(seed)
-    h, w = size
-    y, x = np.mgrid[0:h, 0:w]
-    base = np.stack([x * 255 / w, y * 255 / h, (x + y) * 127 / (h + w)], axis=-1)
-    return Image.fromarray(np.clip(base + rng.normal(0, 40, (h, w, 3)), 0, 255).astype(np.uint8))
 
 
 def data_url(image: Image.Image) -> str:

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import assert_speculation_equals, encoded_images, perturb
+from test_models_gemma_vision import picture
 from test_models_qwen_vl import TEXT, VISION
 
 from mlxinfer.batch import BatchGenerator, stream_generate
@@ -36,14 +37,6 @@ TEMPLATE = (
     "'image_url' in content %}<|vision_start|><|image_pad|><|vision_end|>{% elif 'text' in content %}"
     "{{ content['text'] }}{% endif %}{% endfor %}<|im_end|>\n{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-
-
-def picture(seed: int, size: tuple[int, int]) -> Image.Image:
-    rng = np.random.default_rng(seed)
-    h, w = size
-    y, x = np.mgrid[0:h, 0:w]
-    base = np.stack([x * 255 / w, y * 255 / h, (x + y) * 127 / (h + w)], axis=-1)
-    return Image.fromarray(np.clip(base + rng.normal(0, 40, (h, w, 3)), 0, 255).astype(np.uint8))
 
 
 @pytest.fixture(scope="module")
