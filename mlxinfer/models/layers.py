@@ -418,7 +418,7 @@ class Block(nn.Module):
         (offset) RMSNorms, projections other than plain float32 or affine-quantized ones (sharded,
         adapted). Made once and kept while every module and parameter it read is the same object
         under the same name, and no module it read gained or lost one (reloaded weights or a
-        wrapped layer make a new one): a step then costs a lookup per name, ~4 µs a block where
+        wrapped layer make a new one): a step then costs a lookup per name, ~5 µs a block where
         gathering the objects afresh cost ~13 (a thirtieth of a 135M model's step in Python)."""
         kept = self.__dict__.get("_plan")
         if (kept is not None and len(self) == kept.size and all([len(m) == n for m, n in kept.sizes])
