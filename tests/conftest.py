@@ -227,6 +227,21 @@ def build_hf_checkpoint(folder: Path, model_type: str, overrides: dict[str, Any]
     return folder
 
 
+def pytest_configure(config) -> None:
+    config.addinivalue_line("markers", "timed_draft_judgement: the test times drafters itself (see "
+                            "`draft_models_are_tried`)")
+
+
+@pytest.fixture(autouse=True)
+def draft_models_are_tried(request, monkeypatch) -> None:
+    """Whether a draft model can beat plain decoding is judged by timing a step of each
+    (`speculative.draft_can_win`); on a loaded machine that clock can rule out a drafter a test
+    needs to draft. So every test drafts with the drafter it gives, except those marked
+    `timed_draft_judgement`, which test the judgement itself."""
+    if request.node.get_closest_marker("timed_draft_judgement") is None:
+        monkeypatch.setattr("mlxinfer.speculative.draft_can_win", lambda draft, target: True)
+
+
 @pytest.fixture(scope="session")
 def hf_checkpoint(tmp_path_factory) -> Callable[..., Path]:
     """`hf_checkpoint(model_type, **config_overrides)` -> folder, built once per session."""
