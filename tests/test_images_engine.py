@@ -265,6 +265,37 @@ def test_server_takes_image_url_parts(checkpoint, hf):
         server.stop()
 
 
+def test_tokenize_and_inspect_count_an_images_tokens(ours, hf):
+    """/tokenize gives a conversation with an image the ids transformers' processor makes (each
+    image's placeholder expanded), which are the ids the completion prefills (its usage says as
+    many); /v1/inspect runs those ids with the image; /v1/attention, whose weights are of token
+    ids alone, refuses an image prompt in OpenAI's error shape."""
+    from fastapi.testclient import TestClient
+
+    from mlxinfer.api.engine_thread import EngineThread
+    from mlxinfer.server import ServerConfig, create_app
+
+    model, tokenizer = ours
+    image = picture(14, (48, 64))
+    want = hf_inputs(hf[1], ask(image))["input_ids"][0].tolist()
+    messages = ask(data_url(image))
+    engine = EngineThread(BatchGenerator(model, tokenizer, max_batch=1))
+    try:
+        app = create_app(engine, model, tokenizer, ServerConfig("m", max_tokens=STEPS))
+        with TestClient(app, base_url="http://127.0.0.1") as c:
+            r = c.post("/tokenize", json={"messages": messages})
+            assert r.status_code == 200 and r.json()["tokens"] == want and r.json()["count"] == len(want)
+            r = c.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 1})
+            assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == len(want)
+            r = c.post("/v1/inspect", json={"messages": messages})
+            assert r.status_code == 200 and [t["id"] for t in r.json()["tokens"]] == want and "images" in r.json()
+            r = c.post("/v1/attention", json={"messages": messages})
+            assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+            assert "attention over image prompts is not offered" in r.json()["error"]["message"]
+    finally:
+        engine.stop()
+
+
 @pytest.mark.parametrize("drafter", ["model", "lookup"])
 def test_speculation_after_an_image_equals_plain_and_transformers(ours, hf, drafter, tmp_path):
     """Greedy speculative decoding after an image that attends both ways: the draft model (a text

@@ -18,13 +18,14 @@ from __future__ import annotations
 import asyncio
 
 from fastapi import APIRouter, Request
-from pydantic import Field
+from pydantic import Field, field_validator
+from pydantic_core import PydanticCustomError
 
 from ..guard import LOOPBACK_NAMES
 from ..inspection import attention_weights, inspect_pipeline
 from .common import Context, RequestError, json_body
-from .openai_schema import Message, Strict, validated
-from .tokens import chat_ids
+from .openai_schema import ImagePart, Message, Strict, validated
+from .tokens import chat_prompt
 
 MAX_TOKENS = 2048  # context a look inside reruns at most
 
@@ -39,10 +40,19 @@ class Attention(Strict):
     layer: int = Field(0, ge=0)
     head: int = Field(0, ge=0)
 
+    @field_validator("messages")
+    @classmethod
+    def text_only(cls, messages: list[Message]) -> list[Message]:
+        """`attention_weights` runs the text layers over token ids: an image's placeholders
+        would stand there without its pixels, so the weights would be of another prompt."""
+        if any(isinstance(p, ImagePart) for m in messages if isinstance(m.content, list) for p in m.content):
+            raise PydanticCustomError("images", "attention over image prompts is not offered; send text only", {})
+        return messages
+
 
 def attention_offered(host: str, api_key: str | None) -> bool:
     """Whether a server listening on `host` offers /v1/attention: on a loopback address, or
-    behind an API key."""
+    behind an API key (`serve` warns when it is neither, as anyone who can reach it can use it)."""
     return host in LOOPBACK_NAMES or api_key is not None
 
 
@@ -61,8 +71,9 @@ def router(ctx: Context) -> APIRouter:
     @api.post("/inspect")
     async def inspect(request: Request):
         body = validated(await json_body(request, ctx.config.max_body), Inspect)
-        ids = bounded(await asyncio.to_thread(chat_ids, ctx, body.messages))
-        return await ctx.engine.call(lambda: inspect_pipeline(ctx.model, ctx.tokenizer, ids, steps=1))
+        ids, images = await asyncio.to_thread(chat_prompt, ctx, body.messages)
+        bounded(ids)
+        return await ctx.engine.call(lambda: inspect_pipeline(ctx.model, ctx.tokenizer, ids, steps=1, images=images))
 
     @api.post("/attention")
     async def attention(request: Request):
@@ -72,7 +83,7 @@ def router(ctx: Context) -> APIRouter:
         body = validated(await json_body(request, ctx.config.max_body), Attention)
 
         def context() -> list[int]:
-            return chat_ids(ctx, body.messages) + ctx.tokenizer.encode(body.reply, False)
+            return chat_prompt(ctx, body.messages)[0] + ctx.tokenizer.encode(body.reply, False)
 
         ids = bounded(await asyncio.to_thread(context))
         weights = await ctx.engine.call(lambda: attention_weights(ctx.model, ids, body.layer, body.head))

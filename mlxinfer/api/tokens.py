@@ -22,7 +22,7 @@ from pydantic import model_validator
 from pydantic_core import PydanticCustomError
 
 from ..checks import token_ids
-from ..generate import request_tokens, tool_plan
+from ..generate import ImagePrompt, image_prompt, tool_plan
 from .common import Context, RequestError, json_body
 from .openai_schema import ChatCompletion, Message, Strict, validated
 
@@ -67,13 +67,16 @@ class Detokenize(Strict):
     tokens: list[int]
 
 
-def chat_ids(ctx: Context, messages: list[Message], tools: list[dict[str, Any]] | None = None) -> list[int]:
-    """The ids a chat completion of these messages (and tools) prefills."""
+def chat_prompt(ctx: Context, messages: list[Message],
+                tools: list[dict[str, Any]] | None = None) -> tuple[list[int], ImagePrompt | None]:
+    """The ids a chat completion of these messages (and tools) prefills and, when they hold
+    images, the images as the engine prepares them: `generate.image_prompt`, as the engine
+    itself renders a request (each image's placeholder expanded to its tokens), so the count is
+    the completion's `usage.prompt_tokens`. Loads the images: call it off the event loop."""
     chat = ChatCompletion(messages=messages, tools=tools)
     options = {"tools": tools, "tool_choice": "none"} if tools else {}  # rendered, no grammar needed
     request = ctx.engine.engine.request(chat.engine_prompt(), **options)
-    return request_tokens(ctx.tokenizer, request.prompt, ctx.model.config.vocab_size,
-                          tool_plan(request.options, ctx.tokenizer))
+    return image_prompt(ctx.model, ctx.tokenizer, request, tool_plan(request.options, ctx.tokenizer))
 
 
 def router(ctx: Context) -> APIRouter:
@@ -91,7 +94,7 @@ def router(ctx: Context) -> APIRouter:
                                    "generation prompt and the template's own special tokens; leave "
                                    "add_generation_prompt and add_special_tokens out",
                                    "add_generation_prompt" if not body.add_generation_prompt else "add_special_tokens")
-            ids = chat_ids(ctx, body.messages, body.tools)
+            ids = chat_prompt(ctx, body.messages, body.tools)[0]
         else:
             ids = tokenizer.encode(body.content if body.content is not None else body.prompt, body.add_bos())
         tokens: list[Any] = [{"id": i, "piece": tokenizer.decode([i])} for i in ids] if body.with_pieces else ids
