@@ -600,7 +600,7 @@ def serve(model, dtype, host, port, max_concurrency, max_queue, max_kv_size, kv_
     after the requests in flight."""
     from .batch import BatchGenerator
     from .pool import PromptCachePool, cache_nbytes
-    from .guard import LOOPBACK_NAMES, allowed_hosts
+    from .guard import allowed_hosts
     from .api.inspect import attention_offered
     from .server import EngineThread, ServerConfig, create_app, run
     from .shard import launched, summed, world
@@ -615,7 +615,8 @@ def serve(model, dtype, host, port, max_concurrency, max_queue, max_kv_size, kv_
     leader = not launched() or world() is None or world().rank() == 0
     if leader:
         check_free(host, port)
-    if host not in LOOPBACK_NAMES and api_key is None:
+    guarded = attention_offered(host, api_key)  # on a loopback address, or behind a key
+    if not guarded:
         click.echo(f"warning: listening on {host} without --api-key: anyone who can reach it can use it", err=True)
     if len(adapters) > max_adapters:
         raise click.UsageError(f"{len(adapters)} --adapter options but --max-adapters is {max_adapters}")
@@ -646,7 +647,7 @@ def serve(model, dtype, host, port, max_concurrency, max_queue, max_kv_size, kv_
     config = ServerConfig(name, max_tokens=m.config.max_position_embeddings, api_key=api_key, cors=cors,
                           hosts=allowed_hosts(host, allowed_host), responses_store=responses_store,
                           max_adapters=max_adapters, max_body=max_body, web=not no_web,
-                          attention=attention_offered(host, api_key))
+                          attention=guarded)
     split = shard_summary(m)
     page = "" if no_web else f"; chat at http://{host}:{port}/"
     click.echo(f"serving {name} at http://{host}:{port}/v1{page} (Ctrl-C stops)" + (f" [{split}]" if split else ""),
