@@ -535,3 +535,15 @@ def test_an_image_part_is_refused_by_a_text_model(server):
     status, body, _ = post(server.url, {"messages": [{"role": "user", "content": parts}]})
     assert status == 400 and "input_audio" in body["error"]["message"]
     assert body["error"]["param"] == "messages.0.content"
+
+
+@pytest.mark.parametrize("role", ["system", "developer", "assistant", "tool"])
+def test_an_image_part_is_taken_from_the_user_only(server, role):
+    """OpenAI's API takes image_url parts in user messages alone: one elsewhere is a 400 naming it."""
+    parts = [{"type": "text", "text": "look"},
+             {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}]
+    message = {"role": role, "content": parts, **({"tool_call_id": "c1"} if role == "tool" else {})}
+    status, body, _ = post(server.url, {"messages": [{"role": "user", "content": "hi"}, message]})
+    assert status == 400 and body["error"]["type"] == "invalid_request_error"
+    assert body["error"]["param"] == "messages.1.content" and "content.1" in body["error"]["message"]
+    assert "user messages only" in body["error"]["message"]

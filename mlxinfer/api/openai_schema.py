@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from ..generate import MAX_CHOICES, Chunk, Stats
@@ -148,6 +148,18 @@ class Message(Strict):
                 if kind in MEDIA_PARTS:
                     raise PydanticCustomError("text_only", f"this server takes text and images only: remove the "
                                               f"{kind} part (content.{i}) or send its text", {})
+        return content
+
+    @field_validator("content")
+    @classmethod
+    def images_from_the_user(cls, content: Any, info: ValidationInfo) -> Any:
+        """OpenAI takes image parts in user messages only; a template would place one anywhere."""
+        role = info.data.get("role")  # absent when the role itself was refused
+        if isinstance(content, list) and role not in (None, "user"):
+            for i, part in enumerate(content):
+                if isinstance(part, ImagePart):
+                    raise PydanticCustomError("role_part", f"image parts are taken in user messages only, not in a "
+                                              f"{role} message (content.{i})", {})
         return content
 
     def for_template(self) -> dict[str, Any]:
