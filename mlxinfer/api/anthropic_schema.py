@@ -22,7 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from pydantic_core import PydanticCustomError
 
 from ..generate import MAX_STOPS
-from .common import RequestError, model_body
+from .common import RequestError, image_part, model_body, template_content
 
 # Block types Anthropic defines that no model here reads (images, in a message, go to a vision-language model).
 MEDIA_BLOCKS = ("image", "document")
@@ -110,7 +110,7 @@ class ImageBlock(Strict):
     def part(self) -> dict[str, Any]:
         src = self.source
         url = f"data:{src.media_type};base64,{src.data}" if isinstance(src, Base64Source) else src.url
-        return {"type": "image_url", "image_url": {"url": url}}
+        return image_part(url)
 
 
 def _joined(blocks: list[TextBlock]) -> str:
@@ -202,9 +202,7 @@ class Message(Strict):
 
 def _user_content(blocks: list[TextBlock | ImageBlock]) -> str | list[dict[str, Any]]:
     """A user turn's text as one string, or with images its parts in order (each image where it was)."""
-    if not any(b.type == "image" for b in blocks):
-        return _joined(blocks)
-    return [b.part() if b.type == "image" else {"type": "text", "text": b.text} for b in blocks]
+    return template_content([b.part() if b.type == "image" else b.text for b in blocks], BLOCK_SEPARATOR)
 
 
 def _merged(a: str | list[dict[str, Any]], b: str | list[dict[str, Any]]) -> str | list[dict[str, Any]]:

@@ -13,7 +13,7 @@ import json
 import math
 import re
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
+from typing import Any, AsyncIterator, Awaitable, Callable, Sequence, TypeVar
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -62,6 +62,20 @@ async def typed_request(engine: Any, prompt: Any, **options: Any) -> Any:
     if not has_images(prompt):
         return engine.engine.request(prompt, **options)
     return await asyncio.to_thread(engine.engine.request, prompt, **options)
+
+
+def image_part(url: str) -> dict[str, Any]:
+    """An image as chat templates (and `images.take_images`) take it, whatever API sent it."""
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
+def template_content(parts: Sequence[str | dict[str, Any]], separator: str = "") -> str | list[dict[str, Any]]:
+    """A message's content as chat templates take it, from its parts in order (texts, and images
+    as `image_part`s): the texts joined by `separator`; or, with an image among them, the parts
+    as they came, so the template writes each image's placeholder where the image was."""
+    if all(isinstance(p, str) for p in parts):
+        return separator.join(parts)
+    return [{"type": "text", "text": p} if isinstance(p, str) else p for p in parts]
 
 
 def adapter_of(model: str | None, base: str) -> dict[str, str]:

@@ -16,7 +16,7 @@ from pydantic_core import PydanticCustomError
 from ..generate import MAX_CHOICES, Chunk, Stats
 from ..reasoning import EFFORTS, effort_kwargs
 from ..tokenizer import Tokenizer
-from .common import RequestError, json_object
+from .common import RequestError, image_part, json_object, template_content
 
 # Fields of OpenAI's API that change the output and that this server does not implement
 # (yet); each is refused by name. A null is the same as leaving the field out (`parse`).
@@ -102,7 +102,7 @@ class ImagePart(Strict):
     image_url: ImageURL
 
     def for_template(self) -> dict[str, Any]:
-        return {"type": "image_url", "image_url": {"url": self.image_url.url}}
+        return image_part(self.image_url.url)
 
 
 class Message(Strict):
@@ -164,15 +164,10 @@ class Message(Strict):
 
     def for_template(self) -> dict[str, Any]:
         """The message as chat templates take it ("developer" is OpenAI's new name for "system")."""
-        text: str | list[dict[str, Any]] = self.content if isinstance(self.content, str) else \
-            "".join(p.text if isinstance(p, TextPart) else p.refusal for p in self.content or []
-                    if not isinstance(p, ImagePart))
-        if self.content is None and self.refusal is not None:
-            text = self.refusal
-        if isinstance(self.content, list) and any(isinstance(p, ImagePart) for p in self.content):
-            # parts in order, images where they were: the template writes each one's placeholder
-            text = [p.for_template() if isinstance(p, ImagePart) else
-                    {"type": "text", "text": p.text if isinstance(p, TextPart) else p.refusal} for p in self.content]
+        text: str | list[dict[str, Any]] = self.content if isinstance(self.content, str) else self.refusal or ""
+        if isinstance(self.content, list):
+            text = template_content([p.for_template() if isinstance(p, ImagePart) else
+                                     p.text if isinstance(p, TextPart) else p.refusal for p in self.content])
         out: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": text}
         if self.tool_calls:
             out["tool_calls"] = [c.model_dump() for c in self.tool_calls]

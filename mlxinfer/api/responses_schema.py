@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal, Union
 from pydantic import Discriminator, Field, Tag, TypeAdapter, ValidationInfo, field_validator
 from pydantic_core import PydanticCustomError
 
-from .common import RequestError
+from .common import RequestError, image_part, template_content
 from .openai_schema import Strict
 
 Status = Literal["in_progress", "completed", "incomplete"]
@@ -70,10 +70,9 @@ def _joined(content: str | list) -> str:
 
 def _content(content: str | list) -> str | list[dict[str, Any]]:
     """A message's content as a template takes it: one string, or with images the parts in order."""
-    if isinstance(content, str) or not any(isinstance(p, InputImage) for p in content):
-        return _joined(content)
-    return [{"type": "image_url", "image_url": {"url": p.image_url}} if isinstance(p, InputImage) else
-            {"type": "text", "text": _joined([p])} for p in content]
+    if isinstance(content, str):
+        return content
+    return template_content([image_part(p.image_url) if isinstance(p, InputImage) else _joined([p]) for p in content])
 
 
 class MessageItem(Strict):
