@@ -265,35 +265,29 @@ def test_server_takes_image_url_parts(checkpoint, hf):
         server.stop()
 
 
-def test_tokenize_and_inspect_count_an_images_tokens(ours, hf):
+def test_tokenize_and_inspect_count_an_images_tokens(checkpoint, hf):
     """/tokenize gives a conversation with an image the ids transformers' processor makes (each
     image's placeholder expanded), which are the ids the completion prefills (its usage says as
     many); /v1/inspect runs those ids with the image; /v1/attention, whose weights are of token
     ids alone, refuses an image prompt in OpenAI's error shape."""
-    from fastapi.testclient import TestClient
+    from serving import KEY, Server, post
 
-    from mlxinfer.api.engine_thread import EngineThread
-    from mlxinfer.server import ServerConfig, create_app
-
-    model, tokenizer = ours
     image = picture(14, (48, 64))
     want = hf_inputs(hf[1], ask(image))["input_ids"][0].tolist()
     messages = ask(data_url(image))
-    engine = EngineThread(BatchGenerator(model, tokenizer, max_batch=1))
+    server = Server(["-m", str(checkpoint), "--dtype", "float32", "--api-key", KEY])
     try:
-        app = create_app(engine, model, tokenizer, ServerConfig("m", max_tokens=STEPS))
-        with TestClient(app, base_url="http://127.0.0.1") as c:
-            r = c.post("/tokenize", json={"messages": messages})
-            assert r.status_code == 200 and r.json()["tokens"] == want and r.json()["count"] == len(want)
-            r = c.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 1})
-            assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == len(want)
-            r = c.post("/v1/inspect", json={"messages": messages})
-            assert r.status_code == 200 and [t["id"] for t in r.json()["tokens"]] == want and "images" in r.json()
-            r = c.post("/v1/attention", json={"messages": messages})
-            assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
-            assert "attention over image prompts is not offered" in r.json()["error"]["message"]
+        status, body, _ = post(server.url, {"messages": messages}, path="/tokenize")
+        assert status == 200 and body["tokens"] == want and body["count"] == len(want)
+        status, body, _ = post(server.url, {"messages": messages, "max_tokens": 1})
+        assert status == 200 and body["usage"]["prompt_tokens"] == len(want)
+        status, body, _ = post(server.url, {"messages": messages}, path="/v1/inspect")
+        assert status == 200 and [t["id"] for t in body["tokens"]] == want and "images" in body
+        status, body, _ = post(server.url, {"messages": messages}, path="/v1/attention")
+        assert status == 400 and body["error"]["type"] == "invalid_request_error"
+        assert "attention over image prompts is not offered" in body["error"]["message"]
     finally:
-        engine.stop()
+        server.stop()
 
 
 @pytest.mark.parametrize("drafter", ["model", "lookup"])
