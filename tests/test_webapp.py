@@ -148,6 +148,40 @@ def test_the_page_loads_after_asking_for_the_key_once(tab, server):
     assert tab.errors == []
 
 
+def test_a_dismissed_key_dialog_asks_again_on_the_next_send(browser, server):
+    """Esc closes the dialog without a submit: the wait for the key ends there (a refusal shown), and
+    the next request the server refuses asks again."""
+    t = Page(browser, server.url + "/")
+    try:
+        dialog = t.page.get_by_role("dialog", name="API key")
+        error = t.page.locator("#error")
+        expect(dialog).to_be_visible()  # asked before the first call
+        t.page.keyboard.press("Escape")
+        expect(dialog).to_be_hidden()
+        expect(error).to_contain_text("API key")
+        t.settings(**{"Temperature": "0", "Max tokens": "12", "Seed": "7"})
+        t.send("hello there")  # the server answers 401: asked again
+        expect(dialog).to_be_visible()
+        t.page.keyboard.press("Escape")  # dismissed again, mid-send: that send ends
+        expect(dialog).to_be_hidden()
+        t.wait_done()
+        expect(error).to_contain_text("API key")
+        t.send("hello there")
+        expect(dialog).to_be_visible()
+        dialog.get_by_label("API key").fill(KEY)
+        dialog.get_by_role("button", name="Use key").click()
+        expect(t.replies()).to_have_count(1)
+        t.wait_done()
+        sent = t.bodies[-1]["messages"]  # the refused sends' messages stay in the conversation
+        assert [m["content"] for m in sent] == ["hello there"] * 2
+        _, want, _ = post(server.url, {"messages": sent, "temperature": 0, "max_tokens": 12, "seed": 7})
+        assert t.conversation()[-1]["content"] == want["choices"][0]["message"]["content"]
+        expect(error).to_be_empty()
+        assert all("401 (Unauthorized)" in e for e in t.errors), t.errors  # Chromium logs each 401: no other error
+    finally:
+        t.context.close()
+
+
 def test_settings_shape_the_request_and_a_greedy_reply_equals_the_api(tab, server):
     form = tab.page.get_by_role("form", name="Settings")
     expect(form).to_be_hidden()  # folded until asked for
