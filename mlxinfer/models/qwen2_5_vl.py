@@ -103,8 +103,9 @@ class Model(CausalLM):
         cfg = self.visual.cfg
         for im in images:
             check_pixels(im, cfg)
+        proj = self.visual.patch_embed.proj  # its weight is uint32 where `convert --quantize-vision` packed it
         patches = mx.array(np.concatenate([im.values for im in images]))
-        return self.visual.features(patches.astype(self.visual.patch_embed.proj.weight.dtype),
+        return self.visual.features(patches.astype(getattr(proj, "scales", proj.weight).dtype),
                                     [im.grid for im in images])
 
     def embedded(self, tokens: Sequence[int], images: Sequence[Pixels], start: int = 0) -> Embedded:
