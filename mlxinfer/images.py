@@ -187,6 +187,8 @@ def _download(url: str, limits: ImageLimits) -> bytes:
                 if time.monotonic() > deadline:
                     raise ImageError(f"the image at the URL took over {limits.url_seconds:g} s to download")
                 chunks.append(chunk)
+    except ImageError:  # a bound broken above (an ImageError is a ValueError too: not to be wrapped again)
+        raise
     except (urllib.error.URLError, OSError, ValueError) as e:
         reason = getattr(e, "reason", None) or e
         if isinstance(reason, TimeoutError):  # the sender went quiet: the same bound as a slow one

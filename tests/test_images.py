@@ -192,6 +192,9 @@ def test_http_urls_only_where_allowed_and_bounded(tmp_path):
         got = load_image(url, sources=frozenset({DATA, HTTP}))
         assert np.array_equal(np.asarray(got), np.asarray(picture(33, 22, seed=9)))
         one_line_error(url, "over 100 bytes", sources=frozenset({HTTP}), limits=ImageLimits(max_bytes=100))
+        with pytest.raises(ImageError) as e:
+            load_image(url, sources=frozenset({HTTP}), limits=ImageLimits(max_bytes=100))
+        assert str(e.value) == "the image at the URL is over 100 bytes"  # said once, not wrapped in "cannot download"
         one_line_error(url + ".missing", "cannot download", sources=frozenset({HTTP}))
     finally:
         server.shutdown()
