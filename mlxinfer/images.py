@@ -26,6 +26,7 @@ import io
 import json
 import math
 import os
+import re
 import time
 import urllib.error
 import urllib.parse
@@ -50,6 +51,8 @@ FORMATS = ("PNG", "JPEG", "GIF", "WEBP", "BMP", "TIFF")
 # Where an image may come from: inline data, a local file, the network (only where a server allows it).
 DATA, FILE, HTTP = "data", "file", "http"
 LOCAL = frozenset({DATA, FILE})
+# RFC 3986's scheme: a letter, then letters, digits, '+', '-', '.'; a path such as ./a:b.png has none
+SCHEME = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*):")
 CLIP_MEAN, CLIP_STD = (0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711)
 
 
@@ -90,7 +93,7 @@ def load_image(source: Any, limits: ImageLimits = LIMITS, sources: frozenset[str
 
 def image_bytes(url: str, limits: ImageLimits = LIMITS, sources: frozenset[str] = LOCAL) -> bytes:
     """The encoded image a URL or path names, within `limits.max_bytes`."""
-    scheme = url.split(":", 1)[0].lower() if ":" in url[:8] else ""
+    scheme = m.group(1).lower() if (m := SCHEME.match(url)) else ""
     if scheme == "data":
         if DATA not in sources:
             raise ImageError("data: URLs are not accepted here")

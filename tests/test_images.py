@@ -118,6 +118,17 @@ def test_sources_load_the_same_image(tmp_path):
         assert np.array_equal(np.asarray(load_image(source)), want), source if isinstance(source, str) else type(source)
 
 
+def test_a_path_with_a_colon_is_a_file_not_a_url(tmp_path, monkeypatch):
+    """Only letters, digits, '+', '-' and '.' after a first letter make a URL scheme (RFC 3986), and
+    one letter is a Windows drive: ./a:b.png and a:b.png name files."""
+    image = picture(20, 10, seed=3)
+    (tmp_path / "a:b.png").write_bytes(encoded(image))
+    monkeypatch.chdir(tmp_path)
+    for source in ("./a:b.png", "a:b.png", str(tmp_path / "a:b.png")):
+        assert np.array_equal(np.asarray(load_image(source)), np.asarray(image)), source
+    one_line_error("ab:c.png", "scheme 'ab'")
+
+
 def test_digest_tells_images_apart(tmp_path):
     Qwen2VLImageProcessorPil(min_pixels=4 * 28 * 28, max_pixels=16 * 28 * 28).save_pretrained(tmp_path)
     ours = read_image_processor(tmp_path)
