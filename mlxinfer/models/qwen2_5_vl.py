@@ -19,7 +19,7 @@ from .config import ModelConfig
 from .layers import Block as TextBlock
 from .layers import CausalLM
 from .mrope import MRoPE, positions
-from .multimodal import text_config, text_name
+from .multimodal import text_config, text_weights
 from .qwen_vision import VisionConfig, VisionTransformer
 from .vision import Embedded, Pixels
 
@@ -139,7 +139,7 @@ class Model(CausalLM):
         return x, mx.array(where), delta, deep
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
-        text = {text_name(k): v for k, v in weights.items() if not k.startswith(VISION)}
+        text = text_weights(weights, VISION)
         vision = {f"visual.{k.split('.', 2 if k.startswith('model.') else 1)[-1]}": v
                   for k, v in weights.items() if k.startswith(VISION)}
         return {**super().sanitize(text), **self.visual.sanitize(vision)}
