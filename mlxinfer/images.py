@@ -278,19 +278,6 @@ class ImageProcessor:
             values = (values - mean) / std
         return values
 
-    def describe(self, image: Image.Image) -> dict[str, Any]:
-        """What the stage makes of `image` (for `mlxinfer inspect`): sizes, patches, grid, tokens."""
-        px = self(image)
-        out: dict[str, Any] = {"processor": self.kind, "input": f"{image.width}x{image.height}",
-                               "pixel_values": list(px.values.shape), "tokens": px.tokens, "digest": px.digest[:16]}
-        if px.grid is not None:
-            t, h, w = px.grid
-            out.update(resized=f"{w * self.patch_size}x{h * self.patch_size}", grid_thw=[t, h, w],
-                       patches=t * h * w, merge=self.merge_size)
-        else:
-            out["resized"] = f"{self.size[1]}x{self.size[0]}"
-        return out
-
 
 def pixels(values: np.ndarray, grid: tuple[int, int, int] | None, tokens: int) -> Pixels:
     """A `Pixels` with its digest: sha256 over dtype, shape and bytes (the prompt cache's key)."""
