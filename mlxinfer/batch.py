@@ -272,12 +272,16 @@ class BatchGenerator:
         return PromptCache.for_model(self.model, **cache_options)
 
     def fill(self, cache: PromptCache, tokens: Sequence[int]) -> None:
-        """Make a kept cache hold exactly `tokens` (a chat rolled back): the common prefix stays,
-        the rest is prefilled; no tokens empties it."""
+        """Make a kept cache hold exactly `tokens` (a chat rolled back to text alone): the common
+        prefix stays, the rest is prefilled; no tokens empties it. Text alone has no M-RoPE delta:
+        the one an image left must not place what is prefilled again (the kept prefix, before
+        any image, does not depend on it)."""
         if not tokens:
             cache.reset()
             return
-        cache.prefill(self.model, cache.prepare(list(tokens)), self.prefill_step)
+        todo = cache.prepare(list(tokens))
+        cache.set_position_delta(0)
+        cache.prefill(self.model, todo, self.prefill_step)
 
     def close(self) -> None:
         """Nothing more will be queued. A one-process engine holds nothing to let go of; a

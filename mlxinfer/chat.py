@@ -197,16 +197,15 @@ class ChatSession:
 
     def undo(self) -> bool:
         """Drop the last exchange and roll the cache back to exactly the rest of the
-        conversation; False when there is nothing to undo."""
+        conversation (while an image is left in it, the next turn trims the cache to what the
+        two share, as any prompt does); False when there is nothing to undo."""
         self._close_stream()
         if not self._turns:
             return False
         del self._turns[-2:]
         self.stats = None
         self._transcript = self._transcript.undo()
-        if self.has_images:  # the next turn prefills the conversation again, images and all
-            self.cache.reset()
-        else:
+        if not self.has_images:
             self._sync_cache(self._tokens_for(self._render(add_generation_prompt=False)))
         return True
 
