@@ -19,7 +19,9 @@ from test_models_gemma_vision import picture
 from test_models_qwen_vl import TEXT, VISION
 
 from mlxinfer.batch import BatchGenerator, stream_generate
+from mlxinfer.cache import PromptCache, save_prompt_cache
 from mlxinfer.chat import ChatSession
+from mlxinfer.errors import InvalidOptionError
 from mlxinfer.loading import load
 from mlxinfer.pool import PromptCachePool
 
@@ -264,3 +266,14 @@ def test_undo_of_image_turns_equals_a_fresh_session(ours, hf):
     again = send(session, "Say more.")
     same(again, straight[1])
     assert again[2].prefill_tokens <= straight[1][2].prefill_tokens  # the image turn was not run again
+
+
+def test_a_cache_holding_an_image_is_refused_by_save_prompt_cache(ours, tmp_path):
+    """Its image tokens are keys of the pixels, not token ids: one line saying so, no file."""
+    model, tokenizer = ours
+    cache = PromptCache.for_model(model)
+    list(stream_generate(model, tokenizer, [user(picture(10, (56, 56)), "Describe it.")], cache, max_tokens=2))
+    assert min(cache.tokens) < 0
+    with pytest.raises(InvalidOptionError, match="^a prompt cache that holds an image cannot be saved"):
+        save_prompt_cache(tmp_path / "c.safetensors", cache)
+    assert not list(tmp_path.iterdir())
