@@ -113,7 +113,7 @@ class _Sequence:
     shared: _SharedPrompt | None = None  # with n > 1: the prompt it shares with the other choices, until it starts
     predicted: tuple[int, ...] | None = None  # the prediction it drafts from while alone
     images: ImagePrompt | None = None  # its prompt's images and cache keys, when it has images
-    embedded: Embedded | None = None  # its whole prompt's inputs with the images in (made when it starts)
+    embedded: Embedded | None = None  # its whole prompt's inputs with the images in (while it prefills)
     start: int = 0  # where `todo` starts in the prompt
 
     @property
@@ -502,6 +502,7 @@ class BatchGenerator:
             if s.prefilled < len(s.todo) - 1:
                 break
             self._prefilling.remove(s)
+            s.embedded = None  # the prompt is in the cache: its inputs (images in) are not held through decoding
             if s.shared is not None:  # its prompt is in: the other choices start from copies of it
                 s.shared.cache, s.shared.scores = prefix_copy(s.cache, len(s.cache.tokens)), s.scores
                 s.shared = None

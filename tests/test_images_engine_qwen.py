@@ -9,6 +9,8 @@ merge² times, then encoded. Our greedy tokens must equal transformers' `generat
 
 from __future__ import annotations
 
+import gc
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -277,3 +279,23 @@ def test_a_cache_holding_an_image_is_refused_by_save_prompt_cache(ours, tmp_path
     with pytest.raises(InvalidOptionError, match="^a prompt cache that holds an image cannot be saved"):
         save_prompt_cache(tmp_path / "c.safetensors", cache)
     assert not list(tmp_path.iterdir())
+
+
+def test_a_prompts_inputs_are_let_go_once_it_is_prefilled(ours, monkeypatch):
+    """The whole prompt's embeddings (images in) serve its prefill only, not each decode step."""
+    model, tokenizer = ours
+    made = []
+    embedded = model.embedded
+
+    def keeping(*args):
+        made.append(weakref.ref(out := embedded(*args)))
+        return out
+
+    monkeypatch.setattr(model, "embedded", keeping)
+    engine = BatchGenerator(model, tokenizer, max_batch=1)
+    engine.submit([user(picture(11, (56, 56)), "Describe it.")], max_tokens=STEPS, temperature=0.0, ignore_eos=True)
+    stream = engine.stream()
+    next(c for _, c in stream if c.token is not None)
+    gc.collect()
+    assert len(made) == 1 and made[0]() is None  # decoding on without them
+    assert sum(1 for _, c in stream if c.token is not None) == STEPS - 1
