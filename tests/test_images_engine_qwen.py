@@ -9,6 +9,8 @@ merge² times, then encoded. Our greedy tokens must equal transformers' `generat
 
 from __future__ import annotations
 
+import gc
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +21,9 @@ from test_models_gemma_vision import picture
 from test_models_qwen_vl import TEXT, VISION
 
 from mlxinfer.batch import BatchGenerator, stream_generate
+from mlxinfer.cache import PromptCache, save_prompt_cache
+from mlxinfer.chat import ChatSession
+from mlxinfer.errors import InvalidOptionError
 from mlxinfer.loading import load
 from mlxinfer.pool import PromptCachePool
 
@@ -220,3 +225,77 @@ def test_speculation_after_images_equals_plain_and_transformers(ours, hf, drafte
         return [c.token for c in chunks], chunks[-1].stats
 
     assert_speculation_equals(want, drafter, run, ids[-1], tmp_path, 151_936, hf[1])
+
+
+def test_undo_of_image_turns_equals_a_fresh_session(ours, hf):
+    """A chat undone back to text alone prefills again what it must with no M-RoPE delta left by
+    the image; one undone while an image stays reuses its cache up to where the two conversations
+    part. Each reply is transformers' and, log-probabilities too, a fresh session's."""
+    model, tokenizer = ours
+    system = "Be brief."
+    options = {"max_tokens": STEPS, "temperature": 0.0, "ignore_eos": True}
+
+    def send(session, text, images=()):
+        chunks = [c for c in session.send(text, images) if c.token is not None]
+        return [c.token for c in chunks], [c.logprob for c in chunks], chunks[-1].stats
+
+    def same(got, want):
+        assert got[0] == want[0]
+        np.testing.assert_allclose(got[1], want[1], atol=1e-4)
+
+    def fresh(*turns):
+        session = ChatSession(model, tokenizer, system, **options)
+        return [send(session, *turn) for turn in turns]
+
+    pic = picture(9, (56, 84))
+    [hello] = fresh(("Hello there.",))
+    for undone in ([("Describe it.", [pic])], [("Describe it.", [pic]), ("And then?",)]):
+        session = ChatSession(model, tokenizer, system, **options)
+        for turn in undone:
+            send(session, *turn)
+        for _ in undone:
+            session.undo()
+        same(send(session, "Hello there."), hello)
+
+    straight = fresh(("Describe it.", [pic]), ("Say more.",))
+    conversation = [{"role": "system", "content": system}, user(pic, "Describe it."),
+                    {"role": "assistant", "content": tokenizer.decode(straight[0][0])}, user("Say more.")]
+    assert straight[1][0] == hf_greedy(hf, conversation)[1]
+    session = ChatSession(model, tokenizer, system, **options)
+    send(session, "Describe it.", [pic])
+    send(session, "And then?")
+    session.undo()
+    again = send(session, "Say more.")
+    same(again, straight[1])
+    assert again[2].prefill_tokens <= straight[1][2].prefill_tokens  # the image turn was not run again
+
+
+def test_a_cache_holding_an_image_is_refused_by_save_prompt_cache(ours, tmp_path):
+    """Its image tokens are keys of the pixels, not token ids: one line saying so, no file."""
+    model, tokenizer = ours
+    cache = PromptCache.for_model(model)
+    list(stream_generate(model, tokenizer, [user(picture(10, (56, 56)), "Describe it.")], cache, max_tokens=2))
+    assert min(cache.tokens) < 0
+    with pytest.raises(InvalidOptionError, match="^a prompt cache that holds an image cannot be saved"):
+        save_prompt_cache(tmp_path / "c.safetensors", cache)
+    assert not list(tmp_path.iterdir())
+
+
+def test_a_prompts_inputs_are_let_go_once_it_is_prefilled(ours, monkeypatch):
+    """The whole prompt's embeddings (images in) serve its prefill only, not each decode step."""
+    model, tokenizer = ours
+    made = []
+    embedded = model.embedded
+
+    def keeping(*args):
+        made.append(weakref.ref(out := embedded(*args)))
+        return out
+
+    monkeypatch.setattr(model, "embedded", keeping)
+    engine = BatchGenerator(model, tokenizer, max_batch=1)
+    engine.submit([user(picture(11, (56, 56)), "Describe it.")], max_tokens=STEPS, temperature=0.0, ignore_eos=True)
+    stream = engine.stream()
+    next(c for _, c in stream if c.token is not None)
+    gc.collect()
+    assert len(made) == 1 and made[0]() is None  # decoding on without them
+    assert sum(1 for _, c in stream if c.token is not None) == STEPS - 1
