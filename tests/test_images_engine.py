@@ -289,9 +289,9 @@ def test_speculation_after_an_image_equals_plain_and_transformers(ours, hf, draf
 def test_server_loads_images_off_the_event_loop(checkpoint):
     """An image URL whose server holds its answer (until an event is released) keeps one request
     waiting, not the server: /health and a text request are answered meanwhile, then the image
-    request finishes once its picture is sent. The download may take 600 s here, so however slow
-    the machine the picture is released in time; the bounds below only keep a blocked loop from
-    hanging the test."""
+    request finishes once its picture is sent. The picture is held until the test releases it (600 s
+    at most, as long as the server waits for it), longer than /health and the text request are
+    waited for: a server downloading on its event loop fails them instead of outwaiting the hold."""
     import threading
     import urllib.request
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
