@@ -68,7 +68,8 @@ def hf(checkpoint):
 
     model = Gemma3ForConditionalGeneration.from_pretrained(checkpoint, dtype=torch.float32,
                                                            attn_implementation="eager").eval()
-    return model, AutoProcessor.from_pretrained(checkpoint)
+    # PIL's resize, which ours copies, whether or not torchvision is installed (else it would be picked)
+    return model, AutoProcessor.from_pretrained(checkpoint, backend="pil")
 
 
 @pytest.fixture(scope="module")
