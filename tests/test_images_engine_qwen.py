@@ -16,7 +16,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import assert_speculation_equals, encoded_images, perturb
+from conftest import SHARED, assert_speculation_equals, encoded_images, perturb
+from test_images_engine import our_greedy
 from test_models_gemma_vision import picture
 from test_models_qwen_vl import TEXT, VISION
 
@@ -29,7 +30,7 @@ from mlxinfer.pool import PromptCachePool
 
 from PIL import Image  # noqa: E402
 
-QWEN_TOKENIZER = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "tokenizers" / "qwen3"
+QWEN_TOKENIZER = SHARED / "fixtures" / "tokenizers" / "qwen3"
 pytestmark = pytest.mark.skipif(not QWEN_TOKENIZER.is_dir(), reason="needs ../shared/fixtures/tokenizers/qwen3")
 STEPS = 6
 MIN_PIXELS, MAX_PIXELS = 4 * 28 * 28, 20 * 28 * 28
@@ -114,9 +115,7 @@ def test_conversation_with_two_images_equals_transformers(ours, hf):
     ids, want = hf_greedy(hf, messages)
     engine = BatchGenerator(model, tokenizer, max_batch=1)
     assert engine.prepare(engine.request(messages)).ids == ids
-    got = [c.token for c in stream_generate(model, tokenizer, messages, max_tokens=STEPS, temperature=0.0,
-                                            ignore_eos=True, prefill_step=16) if c.token is not None]
-    assert got == want
+    assert our_greedy(model, tokenizer, messages, STEPS, prefill_step=16) == want
 
 
 def test_pool_reuses_only_the_same_pixels(ours, hf, monkeypatch):
@@ -138,7 +137,7 @@ def test_pool_reuses_only_the_same_pixels(ours, hf, monkeypatch):
     assert [t for t, _ in first] == want_a
     second = run([user(b, "Describe it.")])
     assert [t for t, _ in second] == hf_greedy(hf, [user(b, "Describe it.")])[1] and second != first
-    assert pool.stats.hits == 1 and pool.stats.reused_tokens <= ids.index(model.image_token_id)
+    assert pool.stats.hits == 1 and 0 < pool.stats.reused_tokens <= ids.index(model.image_token_id)
     assert len(encoded) == 2 and encoded[0] != encoded[1]
     reused = pool.stats.reused_tokens
     third = run([user(a, "Describe it.")])
@@ -201,9 +200,7 @@ def test_batched_image_requests_equal_alone(ours, hf):
     assert engine.stats.max_batch_seen == 3
     for i in (0, 2):
         assert got[uids[i]] == hf_greedy(hf, asks[i])[1]
-    alone = [c.token for c in stream_generate(model, tokenizer, asks[1], max_tokens=STEPS, temperature=0.0,
-                                              ignore_eos=True) if c.token is not None]
-    assert got[uids[1]] == alone
+    assert got[uids[1]] == our_greedy(model, tokenizer, asks[1], STEPS)
 
 
 @pytest.mark.parametrize("drafter", ["model", "lookup"])
@@ -215,16 +212,7 @@ def test_speculation_after_images_equals_plain_and_transformers(ours, hf, drafte
     messages = [user(picture(7, (84, 140)), "Describe it, then say it again.")]
     steps = 16  # past the chooser's first speculative probe and its plain one
     ids, want = hf_greedy(hf, messages, steps)
-    plain = [c.token for c in stream_generate(model, tokenizer, messages, max_tokens=steps, temperature=0.0,
-                                              ignore_eos=True) if c.token is not None]
-    assert plain == want
-
-    def run(**options):
-        chunks = [c for c in stream_generate(model, tokenizer, messages, max_tokens=steps, temperature=0.0,
-                                             ignore_eos=True, **options) if c.token is not None]
-        return [c.token for c in chunks], chunks[-1].stats
-
-    assert_speculation_equals(want, drafter, run, ids[-1], tmp_path, 151_936, hf[1])
+    assert_speculation_equals(want, drafter, model, tokenizer, messages, ids[-1], tmp_path, 151_936, hf[1])
 
 
 def test_undo_of_image_turns_equals_a_fresh_session(ours, hf):
