@@ -206,7 +206,9 @@ def test_chat_session_and_repl_with_images(ours, hf, tmp_path):
     conversation = [turn1, {"role": "assistant", "content": session.messages[1]["content"]},
                     {"role": "user", "content": [{**image, "image": b}, {"type": "text", "text": "And this one?"}]}]
     assert second == hf_greedy(hf, conversation)
-    assert session.undo() and session.cache.offset == 0  # refilled with the images on the next turn
+    assert session.undo()  # the cache is kept: the next turn reuses what the two conversations share
+    assert [c.token for c in session.send("And this one?", images=[b])] == second
+    assert 0 < session.stats.prefill_tokens < session.stats.prompt_tokens
     with pytest.raises(SessionFileError, match="cannot be saved"):
         session.save(tmp_path / "chat.json")
 
