@@ -113,7 +113,7 @@ class _Sequence:
     shared: _SharedPrompt | None = None  # with n > 1: the prompt it shares with the other choices, until it starts
     predicted: tuple[int, ...] | None = None  # the prediction it drafts from while alone
     images: ImagePrompt | None = None  # its prompt's images and cache keys, when it has images
-    embedded: Embedded | None = None  # its whole prompt's inputs with the images in (made when it starts)
+    embedded: Embedded | None = None  # its whole prompt's inputs with the images in (while it prefills)
     start: int = 0  # where `todo` starts in the prompt
 
     @property
@@ -272,12 +272,16 @@ class BatchGenerator:
         return PromptCache.for_model(self.model, **cache_options)
 
     def fill(self, cache: PromptCache, tokens: Sequence[int]) -> None:
-        """Make a kept cache hold exactly `tokens` (a chat rolled back): the common prefix stays,
-        the rest is prefilled; no tokens empties it."""
+        """Make a kept cache hold exactly `tokens` (a chat rolled back to text alone): the common
+        prefix stays, the rest is prefilled; no tokens empties it. Text alone has no M-RoPE delta:
+        the one an image left must not place what is prefilled again (the kept prefix, before
+        any image, does not depend on it)."""
         if not tokens:
             cache.reset()
             return
-        cache.prefill(self.model, cache.prepare(list(tokens)), self.prefill_step)
+        todo = cache.prepare(list(tokens))
+        cache.set_position_delta(0)
+        cache.prefill(self.model, todo, self.prefill_step)
 
     def close(self) -> None:
         """Nothing more will be queued. A one-process engine holds nothing to let go of; a
@@ -498,6 +502,7 @@ class BatchGenerator:
             if s.prefilled < len(s.todo) - 1:
                 break
             self._prefilling.remove(s)
+            s.embedded = None  # the prompt is in the cache: its inputs (images in) are not held through decoding
             if s.shared is not None:  # its prompt is in: the other choices start from copies of it
                 s.shared.cache, s.shared.scores = prefix_copy(s.cache, len(s.cache.tokens)), s.scores
                 s.shared = None

@@ -33,7 +33,7 @@ from .errors import ImageError, InvalidOptionError, MlxinferError, SessionFileEr
 from .files import replacing, write_problem
 from .batch import BatchGenerator, stream_request
 from .request import Request
-from .generate import Chunk, Stats
+from .generate import Chunk, Stats, with_tools
 from .images import NO_IMAGES, load_image
 from .reasoning import reasoning_for
 from .tokenizer import Tokenizer
@@ -197,16 +197,15 @@ class ChatSession:
 
     def undo(self) -> bool:
         """Drop the last exchange and roll the cache back to exactly the rest of the
-        conversation; False when there is nothing to undo."""
+        conversation (while an image is left in it, the next turn trims the cache to what the
+        two share, as any prompt does); False when there is nothing to undo."""
         self._close_stream()
         if not self._turns:
             return False
         del self._turns[-2:]
         self.stats = None
         self._transcript = self._transcript.undo()
-        if self.has_images:  # the next turn prefills the conversation again, images and all
-            self.cache.reset()
-        else:
+        if not self.has_images:
             self._sync_cache(self._tokens_for(self._render(add_generation_prompt=False)))
         return True
 
@@ -270,12 +269,9 @@ class ChatSession:
         messages = self.messages
         if not messages:
             return ""
-        extra: dict[str, Any] = {}
         o = self.settings.options
-        if o.tools:  # shown the way stream_generate shows them to a lone request
-            tools = plan_tools(self.tokenizer, o.tools, o.tool_choice, o.parallel_tool_calls)
-            messages, native = tools.messages(self.tokenizer, messages)
-            extra = {"tools": tools.tools} if native else {}
+        tools = plan_tools(self.tokenizer, o.tools, o.tool_choice, o.parallel_tool_calls) if o.tools else None
+        messages, extra = with_tools(self.tokenizer, messages, tools)  # as stream_generate shows them
         return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
                                                   **(o.chat_template_kwargs or {}), **extra)
 

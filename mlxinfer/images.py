@@ -26,6 +26,7 @@ import io
 import json
 import math
 import os
+import re
 import time
 import urllib.error
 import urllib.parse
@@ -50,6 +51,8 @@ FORMATS = ("PNG", "JPEG", "GIF", "WEBP", "BMP", "TIFF")
 # Where an image may come from: inline data, a local file, the network (only where a server allows it).
 DATA, FILE, HTTP = "data", "file", "http"
 LOCAL = frozenset({DATA, FILE})
+# RFC 3986's scheme: a letter, then letters, digits, '+', '-', '.'; a path such as ./a:b.png has none
+SCHEME = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*):")
 CLIP_MEAN, CLIP_STD = (0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711)
 
 
@@ -90,7 +93,7 @@ def load_image(source: Any, limits: ImageLimits = LIMITS, sources: frozenset[str
 
 def image_bytes(url: str, limits: ImageLimits = LIMITS, sources: frozenset[str] = LOCAL) -> bytes:
     """The encoded image a URL or path names, within `limits.max_bytes`."""
-    scheme = url.split(":", 1)[0].lower() if ":" in url[:8] else ""
+    scheme = m.group(1).lower() if (m := SCHEME.match(url)) else ""
     if scheme == "data":
         if DATA not in sources:
             raise ImageError("data: URLs are not accepted here")
@@ -187,6 +190,8 @@ def _download(url: str, limits: ImageLimits) -> bytes:
                 if time.monotonic() > deadline:
                     raise ImageError(f"the image at the URL took over {limits.url_seconds:g} s to download")
                 chunks.append(chunk)
+    except ImageError:  # a bound broken above (an ImageError is a ValueError too: not to be wrapped again)
+        raise
     except (urllib.error.URLError, OSError, ValueError) as e:
         reason = getattr(e, "reason", None) or e
         if isinstance(reason, TimeoutError):  # the sender went quiet: the same bound as a slow one
@@ -272,19 +277,6 @@ class ImageProcessor:
             std = np.array(self.std, dtype=np.float32)[:, None, None]
             values = (values - mean) / std
         return values
-
-    def describe(self, image: Image.Image) -> dict[str, Any]:
-        """What the stage makes of `image` (for `mlxinfer inspect`): sizes, patches, grid, tokens."""
-        px = self(image)
-        out: dict[str, Any] = {"processor": self.kind, "input": f"{image.width}x{image.height}",
-                               "pixel_values": list(px.values.shape), "tokens": px.tokens, "digest": px.digest[:16]}
-        if px.grid is not None:
-            t, h, w = px.grid
-            out.update(resized=f"{w * self.patch_size}x{h * self.patch_size}", grid_thw=[t, h, w],
-                       patches=t * h * w, merge=self.merge_size)
-        else:
-            out["resized"] = f"{self.size[1]}x{self.size[0]}"
-        return out
 
 
 def pixels(values: np.ndarray, grid: tuple[int, int, int] | None, tokens: int) -> Pixels:

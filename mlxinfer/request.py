@@ -22,12 +22,17 @@ from PIL import Image
 
 from .errors import InvalidOptionError
 from .generate import GenerationOptions, Prompt, split_options
-from .images import LIMITS, LOCAL, ImageLimits, data_url, has_images, load_image, take_images
+from .images import DATA, LIMITS, LOCAL, ImageLimits, data_url, has_images, load_image, take_images
 from .sample import SamplingConfig
 
 # Options that hold runtime objects (a loaded draft model, its cache): they configure this
 # process only, so a request carrying them cannot be written out.
 RUNTIME_OPTIONS = ("draft_model", "draft_cache")
+
+# Images a request carries in JSON were accepted (within `LIMITS.max_pixels`) where it was made,
+# then written as PNG, which for a photo can be larger than the encoded bytes first accepted
+# (a 12-MP photo is ~22 MiB as PNG): read back, they are bounded by their raw RGB size instead.
+RELAYED = ImageLimits(max_bytes=4 * LIMITS.max_pixels + (1 << 20))
 
 
 @dataclass(frozen=True)
@@ -79,7 +84,7 @@ class Request:
                                   for k, v in sampling["logit_bias"].items()}
         options = dict(data["options"])
         options["stop"] = tuple(options["stop"])
-        images = tuple(load_image(url, sources=frozenset({"data"})) for url in data.get("images", ()))
+        images = tuple(load_image(url, RELAYED, frozenset({DATA})) for url in data.get("images", ()))
         return cls(_frozen(data["prompt"]), SamplingConfig(**sampling), GenerationOptions(**options), images)
 
 

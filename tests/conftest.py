@@ -172,17 +172,24 @@ def bigram_draft(folder: Path, vocab_size: int, follows: dict[int, int], tokeniz
     return folder
 
 
-def assert_speculation_equals(want: list[int], drafter: str, run, last: int, folder: Path, vocab_size: int,
-                              tokenizer) -> None:
-    """`run(**options)` (a greedy stream's tokens and last stats) with a drafter gives `want`: a draft
-    model proposing `want` but its third token (`last`: the prompt's last id), so drafts are both
-    accepted and rejected, or prompt lookup, whose drafts must at least be made."""
+def assert_speculation_equals(want: list[int], drafter: str, model, tokenizer, messages: list[dict], last: int,
+                              folder: Path, vocab_size: int, hf_tokenizer) -> None:
+    """`model`'s greedy stream of `messages` gives `want`, plainly and with a drafter: a draft model
+    (saved with `hf_tokenizer`) proposing `want` but its third token (`last`: the prompt's last id),
+    so drafts are both accepted and rejected, or prompt lookup, whose drafts must at least be made."""
+    from mlxinfer.batch import stream_generate
     from mlxinfer.loading import load
 
+    def run(**options):
+        chunks = [c for c in stream_generate(model, tokenizer, messages, max_tokens=len(want), temperature=0.0,
+                                             ignore_eos=True, **options) if c.token is not None]
+        return [c.token for c in chunks], chunks[-1].stats
+
+    assert run()[0] == want
     if drafter == "model":
         follows = dict(zip([last, *want], want))
         follows[want[1]] = 0  # a wrong third draft
-        options = dict(draft_model=load(bigram_draft(folder, vocab_size, follows, tokenizer), dtype="float32")[0])
+        options = dict(draft_model=load(bigram_draft(folder, vocab_size, follows, hf_tokenizer), dtype="float32")[0])
     else:
         options = dict(prompt_lookup=True)
     tokens, stats = run(**options)

@@ -118,16 +118,18 @@ def loops() -> list[str]:
 def test_every_loop_is_bit_exact_with_the_scalar_one(bits):
     """The scalar loop models the vector ones operation for operation, so on any CPU a product
     is the same bits; checked for few rows (the block loops) and many (dequantize once + tiles),
-    half and bfloat16 scales, and an odd output count (a tile with one output)."""
-    for rows, dtype in ((3, mx.bfloat16), (11, mx.float16)):
-        x, packed, scales, biases = random_case(bits, 32, dtype, rows=rows, seed=7, out=301)
+    every group size (one, two or four chunks a group), every scale type, and an odd output
+    count (a tile with one output)."""
+    levels = loops()
+    assert {"scalar", ext.simd()} <= set(levels)
+    for group_size, dtype, rows in itertools.product(qmm.GROUP_SIZES, SCALE_DTYPES, (3, 11)):
+        x, packed, scales, biases = random_case(bits, group_size, dtype, rows=rows, seed=7, out=301)
         results = {}
-        for level in loops():
+        for level in levels:
             with simd(level):
-                results[level] = np.array(ext.affine_quantized_matmul(x, packed, scales, biases, 32, bits))
-        assert results.keys() >= {"scalar", ext.simd()}
+                results[level] = np.array(ext.affine_quantized_matmul(x, packed, scales, biases, group_size, bits))
         for level, y in results.items():
-            assert np.array_equal(y, results["scalar"]), (level, rows)
+            assert np.array_equal(y, results["scalar"]), (level, group_size, dtype, rows)
 
 
 def test_limit_simd_refuses_an_unknown_loop():
@@ -376,3 +378,21 @@ def test_logsumexp_matches_float64_and_mlx():
                                np.array(mx.logsumexp(mx.array(batch), axis=-1, keepdims=True)), rtol=1e-6)
     with pytest.raises(ValueError, match="float32 rows"):
         ext.logsumexp(mx.zeros((3,)))
+
+
+@needs_extension
+def test_logsumexp_takes_the_extension_only_where_its_loop_is_vectorized(monkeypatch):
+    """Its scalar loop is one std::exp at a time, as MLX's (and slower than it on arm64): with the
+    loops capped below AVX-512 the sampler's logsumexp is MLX's."""
+    from mlxinfer.kernels import cpu_logsumexp
+
+    monkeypatch.delenv("MLXINFER_CPU_QMM", raising=False)
+    taken = []
+    real = ext.logsumexp
+    monkeypatch.setattr(ext, "logsumexp", lambda x: taken.append(ext.simd()) or real(x))
+    x = mx.array(np.random.default_rng(4).normal(0, 4, (2, 100)).astype(np.float32))
+    want = np.array(mx.logsumexp(x, axis=-1, keepdims=True))
+    for level in loops():
+        with simd(level):
+            np.testing.assert_allclose(np.array(cpu_logsumexp.logsumexp(x)), want, rtol=1e-6)
+    assert taken == [level for level in loops() if level == "avx512"]

@@ -10,13 +10,19 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from test_batch import GREEDY, assert_batch_equals_solo, prompts_for
-from test_cpu_qmm import ext, needs_extension
+from test_cpu_qmm import ext, loops, needs_extension, simd
 from test_parity import TOL, hf_logits
 
 import mlxinfer
 from convert import convert
 from mlxinfer.cache import LayerRows, PromptCache, make_cache
 from mlxinfer.kernels import decode_layer
+from mlxinfer.kernels import quantized_matmul as qmm
+
+# The primitives run only where the extension is built and not switched off (MLXINFER_CPU_QMM=off).
+needs_primitives = pytest.mark.skipif(
+    ext is None or qmm.mode() == "off",
+    reason="MLXINFER_CPU_QMM=off" if ext is not None else f"CPU extension unavailable: {qmm.reason()}")
 
 CHUNKS = (9, 7)  # prompt chunks before single tokens
 LENGTH = 40
@@ -78,7 +84,7 @@ def ids_of(seed: int = 3) -> list[int]:
     return np.random.default_rng(seed).integers(3, 500, size=LENGTH).tolist()
 
 
-@needs_extension
+@needs_primitives
 @pytest.mark.parametrize("name", sorted(VARIANTS))
 def test_fused_steps_match_transformers_and_the_per_op_path(name, hf_checkpoint, monkeypatch, calls):
     model_type, overrides = VARIANTS[name]
@@ -96,7 +102,7 @@ def test_fused_steps_match_transformers_and_the_per_op_path(name, hf_checkpoint,
     np.testing.assert_allclose(fused, per_op(model, ids, monkeypatch), atol=REL * np.abs(ref).max(), rtol=0)
 
 
-@needs_extension
+@needs_primitives
 @pytest.mark.parametrize("bits", [4, 8])
 def test_quantized_fused_steps_match_the_per_op_path(bits, hf_checkpoint, tmp_path, monkeypatch, calls):
     src = hf_checkpoint("qwen2", tie_word_embeddings=True)  # biases beside quantized weights
@@ -110,6 +116,22 @@ def test_quantized_fused_steps_match_the_per_op_path(bits, hf_checkpoint, tmp_pa
     assert (fused.argmax(-1) == slow.argmax(-1)).all()
 
 
+@needs_primitives
+def test_every_loop_gates_as_the_per_op_path(hf_checkpoint, monkeypatch, calls):
+    """SwiGLU's gating under each loop the CPU has: 120 intermediate units are seven 16-lane
+    AVX-512 vectors and a scalar tail of 8, and all 120 in the narrower loops' scalar one."""
+    model, _ = mlxinfer.load(hf_checkpoint("llama", intermediate_size=120), dtype="float32")
+    ids = ids_of(8)
+    slow = per_op(model, ids, monkeypatch)
+    for level in loops():
+        calls.clear()
+        with simd(level):
+            fused = decode_logits(model, ids)
+        assert calls, f"no decode step was fused under {level}"
+        np.testing.assert_allclose(fused, slow, atol=REL * np.abs(slow).max(), rtol=0, err_msg=level)
+
+
+@needs_primitives
 def test_a_dropped_model_frees_its_arrays_at_once(hf_checkpoint, calls):
     """The plans a model's blocks keep make no reference cycle: deleting the model after a fused
     step gives its memory back without waiting for the garbage collector (a cycle kept a converted
@@ -129,7 +151,7 @@ def test_a_dropped_model_frees_its_arrays_at_once(hf_checkpoint, calls):
         gc.enable()
 
 
-@needs_extension
+@needs_primitives
 @pytest.mark.parametrize("bits", [None, 4])
 def test_a_batch_of_rows_gets_each_rows_own_numbers(bits, hf_checkpoint, tmp_path, calls):
     """Sequences of mixed lengths decoded together equal each alone, in tokens and logprobs
@@ -171,7 +193,7 @@ def assert_rows_alone_equal_together(model, prompts: list[list[int]], adapters: 
     assert all(np.array_equal(together[b], alone[b]) for b in range(len(prompts)))
 
 
-@needs_extension
+@needs_primitives
 def test_thread_count_does_not_change_a_step(hf_checkpoint):
     model, _ = mlxinfer.load(hf_checkpoint("llama", hidden_size=256, intermediate_size=512), dtype="float32")
     ids = ids_of(5)
@@ -184,7 +206,7 @@ def test_thread_count_does_not_change_a_step(hf_checkpoint):
     assert np.array_equal(one, decode_logits(model, ids))
 
 
-@needs_extension
+@needs_primitives
 def test_layers_the_primitives_cannot_run_take_the_per_op_path(hf_checkpoint, calls):
     """Gemma 2's soft-capped scores and MoE feed-forwards are not fused (their own family tests
     check their numbers)."""
@@ -209,14 +231,15 @@ def test_bad_arguments_raise_value_errors():
         ext.decode_layer_in(x, mx.ones(64), [good], 0, 0, lora, [], [], [0], [2], 4, 2, 16, 1e-5, 1e-5, 1.0)
     with pytest.raises(ValueError, match="LoRA stacks"):
         ext.decode_layer_in(x, mx.ones(64), [good], 0, 0, lora[::-1], [], [], [0], [1], 4, 2, 16, 1e-5, 1e-5, 1.0)
+    packed = [mx.zeros((128, 8), dtype=mx.uint32), mx.zeros((128, 4)), mx.zeros((128, 4))]  # 4 bits, groups of 16
+    with pytest.raises(ValueError, match="no loop for 4-bit weights in groups of 16"):
+        ext.decode_layer_in(x, mx.ones(64), packed, 4, 16, [], [], [], [0], [], 4, 2, 16, 1e-5, 1e-5, 1.0)
 
 
 def test_an_extension_built_from_older_sources_is_not_used(monkeypatch):
     """An editable install whose compiled part predates the Python (pulled, not rebuilt) falls back
     to the per-op path, and says how to rebuild, instead of failing at the first decode step."""
     from types import SimpleNamespace
-
-    from mlxinfer.kernels import quantized_matmul as qmm
 
     old = SimpleNamespace(mlx_version=mx.__version__, affine_quantized_matmul=None)
     monkeypatch.setattr(qmm, "_loaded", [])
@@ -228,7 +251,7 @@ def test_an_extension_built_from_older_sources_is_not_used(monkeypatch):
     assert not decode_layer.available(mx.zeros((1, 1, 8)))
 
 
-@needs_extension
+@needs_primitives
 def test_half_scales_are_kept_and_read_exactly(hf_checkpoint, tmp_path, monkeypatch):
     """A checkpoint whose quantization scales are float16 (as a GGUF's are) keeps them so beside
     float32 activations where the extension reads them: logits (a prompt past the extension's rows
@@ -252,7 +275,7 @@ def test_half_scales_are_kept_and_read_exactly(hf_checkpoint, tmp_path, monkeypa
     assert half.dtype == np.float32 and np.array_equal(half, single)
 
 
-@needs_extension
+@needs_primitives
 def test_new_weights_or_a_replaced_layer_are_seen_by_the_next_step(hf_checkpoint, calls):
     """A block keeps what the primitives need between steps; weights loaded into the model
     afterwards, or a projection replaced by another module, are used from the next step on."""
@@ -281,7 +304,7 @@ def test_new_weights_or_a_replaced_layer_are_seen_by_the_next_step(hf_checkpoint
     assert not np.allclose(changed, decode_logits(other, ids), atol=1e-3)
 
 
-@needs_extension
+@needs_primitives
 @pytest.mark.parametrize("bits", [None, 4])
 def test_lora_rows_take_the_fused_step(bits, hf_checkpoint, tmp_path, monkeypatch, calls):
     """Rows running LoRA adapters (issue 28) go through the primitives, each adding its own

@@ -9,22 +9,28 @@ merge² times, then encoded. Our greedy tokens must equal transformers' `generat
 
 from __future__ import annotations
 
+import gc
+import weakref
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from conftest import assert_speculation_equals, encoded_images, perturb
+from conftest import SHARED, assert_speculation_equals, encoded_images, perturb
+from test_images_engine import our_greedy
 from test_models_gemma_vision import picture
 from test_models_qwen_vl import TEXT, VISION
 
 from mlxinfer.batch import BatchGenerator, stream_generate
+from mlxinfer.cache import PromptCache, save_prompt_cache
+from mlxinfer.chat import ChatSession
+from mlxinfer.errors import InvalidOptionError
 from mlxinfer.loading import load
 from mlxinfer.pool import PromptCachePool
 
 from PIL import Image  # noqa: E402
 
-QWEN_TOKENIZER = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "tokenizers" / "qwen3"
+QWEN_TOKENIZER = SHARED / "fixtures" / "tokenizers" / "qwen3"
 pytestmark = pytest.mark.skipif(not QWEN_TOKENIZER.is_dir(), reason="needs ../shared/fixtures/tokenizers/qwen3")
 STEPS = 6
 MIN_PIXELS, MAX_PIXELS = 4 * 28 * 28, 20 * 28 * 28
@@ -109,9 +115,7 @@ def test_conversation_with_two_images_equals_transformers(ours, hf):
     ids, want = hf_greedy(hf, messages)
     engine = BatchGenerator(model, tokenizer, max_batch=1)
     assert engine.prepare(engine.request(messages)).ids == ids
-    got = [c.token for c in stream_generate(model, tokenizer, messages, max_tokens=STEPS, temperature=0.0,
-                                            ignore_eos=True, prefill_step=16) if c.token is not None]
-    assert got == want
+    assert our_greedy(model, tokenizer, messages, STEPS, prefill_step=16) == want
 
 
 def test_pool_reuses_only_the_same_pixels(ours, hf, monkeypatch):
@@ -133,7 +137,7 @@ def test_pool_reuses_only_the_same_pixels(ours, hf, monkeypatch):
     assert [t for t, _ in first] == want_a
     second = run([user(b, "Describe it.")])
     assert [t for t, _ in second] == hf_greedy(hf, [user(b, "Describe it.")])[1] and second != first
-    assert pool.stats.hits == 1 and pool.stats.reused_tokens <= ids.index(model.image_token_id)
+    assert pool.stats.hits == 1 and 0 < pool.stats.reused_tokens <= ids.index(model.image_token_id)
     assert len(encoded) == 2 and encoded[0] != encoded[1]
     reused = pool.stats.reused_tokens
     third = run([user(a, "Describe it.")])
@@ -196,9 +200,7 @@ def test_batched_image_requests_equal_alone(ours, hf):
     assert engine.stats.max_batch_seen == 3
     for i in (0, 2):
         assert got[uids[i]] == hf_greedy(hf, asks[i])[1]
-    alone = [c.token for c in stream_generate(model, tokenizer, asks[1], max_tokens=STEPS, temperature=0.0,
-                                              ignore_eos=True) if c.token is not None]
-    assert got[uids[1]] == alone
+    assert got[uids[1]] == our_greedy(model, tokenizer, asks[1], STEPS)
 
 
 @pytest.mark.parametrize("drafter", ["model", "lookup"])
@@ -210,13 +212,78 @@ def test_speculation_after_images_equals_plain_and_transformers(ours, hf, drafte
     messages = [user(picture(7, (84, 140)), "Describe it, then say it again.")]
     steps = 16  # past the chooser's first speculative probe and its plain one
     ids, want = hf_greedy(hf, messages, steps)
-    plain = [c.token for c in stream_generate(model, tokenizer, messages, max_tokens=steps, temperature=0.0,
-                                              ignore_eos=True) if c.token is not None]
-    assert plain == want
+    assert_speculation_equals(want, drafter, model, tokenizer, messages, ids[-1], tmp_path, 151_936, hf[1])
 
-    def run(**options):
-        chunks = [c for c in stream_generate(model, tokenizer, messages, max_tokens=steps, temperature=0.0,
-                                             ignore_eos=True, **options) if c.token is not None]
-        return [c.token for c in chunks], chunks[-1].stats
 
-    assert_speculation_equals(want, drafter, run, ids[-1], tmp_path, 151_936, hf[1])
+def test_undo_of_image_turns_equals_a_fresh_session(ours, hf):
+    """A chat undone back to text alone prefills again what it must with no M-RoPE delta left by
+    the image; one undone while an image stays reuses its cache up to where the two conversations
+    part. Each reply is transformers' and, log-probabilities too, a fresh session's."""
+    model, tokenizer = ours
+    system = "Be brief."
+    options = {"max_tokens": STEPS, "temperature": 0.0, "ignore_eos": True}
+
+    def send(session, text, images=()):
+        chunks = [c for c in session.send(text, images) if c.token is not None]
+        return [c.token for c in chunks], [c.logprob for c in chunks], chunks[-1].stats
+
+    def same(got, want):
+        assert got[0] == want[0]
+        np.testing.assert_allclose(got[1], want[1], atol=1e-4)
+
+    def fresh(*turns):
+        session = ChatSession(model, tokenizer, system, **options)
+        return [send(session, *turn) for turn in turns]
+
+    pic = picture(9, (56, 84))
+    [hello] = fresh(("Hello there.",))
+    for undone in ([("Describe it.", [pic])], [("Describe it.", [pic]), ("And then?",)]):
+        session = ChatSession(model, tokenizer, system, **options)
+        for turn in undone:
+            send(session, *turn)
+        for _ in undone:
+            session.undo()
+        same(send(session, "Hello there."), hello)
+
+    straight = fresh(("Describe it.", [pic]), ("Say more.",))
+    conversation = [{"role": "system", "content": system}, user(pic, "Describe it."),
+                    {"role": "assistant", "content": tokenizer.decode(straight[0][0])}, user("Say more.")]
+    assert straight[1][0] == hf_greedy(hf, conversation)[1]
+    session = ChatSession(model, tokenizer, system, **options)
+    send(session, "Describe it.", [pic])
+    send(session, "And then?")
+    session.undo()
+    again = send(session, "Say more.")
+    same(again, straight[1])
+    assert again[2].prefill_tokens <= straight[1][2].prefill_tokens  # the image turn was not run again
+
+
+def test_a_cache_holding_an_image_is_refused_by_save_prompt_cache(ours, tmp_path):
+    """Its image tokens are keys of the pixels, not token ids: one line saying so, no file."""
+    model, tokenizer = ours
+    cache = PromptCache.for_model(model)
+    list(stream_generate(model, tokenizer, [user(picture(10, (56, 56)), "Describe it.")], cache, max_tokens=2))
+    assert min(cache.tokens) < 0
+    with pytest.raises(InvalidOptionError, match="^a prompt cache that holds an image cannot be saved"):
+        save_prompt_cache(tmp_path / "c.safetensors", cache)
+    assert not list(tmp_path.iterdir())
+
+
+def test_a_prompts_inputs_are_let_go_once_it_is_prefilled(ours, monkeypatch):
+    """The whole prompt's embeddings (images in) serve its prefill only, not each decode step."""
+    model, tokenizer = ours
+    made = []
+    embedded = model.embedded
+
+    def keeping(*args):
+        made.append(weakref.ref(out := embedded(*args)))
+        return out
+
+    monkeypatch.setattr(model, "embedded", keeping)
+    engine = BatchGenerator(model, tokenizer, max_batch=1)
+    engine.submit([user(picture(11, (56, 56)), "Describe it.")], max_tokens=STEPS, temperature=0.0, ignore_eos=True)
+    stream = engine.stream()
+    next(c for _, c in stream if c.token is not None)
+    gc.collect()
+    assert len(made) == 1 and made[0]() is None  # decoding on without them
+    assert sum(1 for _, c in stream if c.token is not None) == STEPS - 1

@@ -14,14 +14,12 @@ import mlx.core as mx
 import numpy as np
 import pytest
 import torch
+from PIL import Image
 from test_parity import TOL
 
 from mlxinfer.cache import PromptCache
 from mlxinfer.loading import load_model
 from mlxinfer.models.vision import Embedded, Pixels
-
-pytest.importorskip("PIL")
-from PIL import Image  # noqa: E402
 
 VOCAB, BOI, EOI, IMAGE = 300, 290, 291, 292
 IMAGE_TOKENS = 16  # a 4x4 grid pooled from SigLIP's 8x8 patches (kernel 2)

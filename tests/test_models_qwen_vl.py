@@ -245,10 +245,17 @@ VISION3 = dict(depth=3, hidden_size=32, intermediate_size=64, num_heads=2, patch
 
 
 @pytest.fixture(scope="module")
-def qwen3(tmp_path_factory):
-    """(transformers' model, ours) of a random-weight Qwen3-VL checkpoint."""
+def qwen3_folder(tmp_path_factory) -> tuple[Path, object]:
+    """A random-weight Qwen3-VL checkpoint and transformers' model of it."""
     folder = tmp_path_factory.mktemp("qwen3_vl")
-    return build(folder, "Qwen3VL", TEXT3, VISION3), mlxinfer.load(folder, dtype="float32")[0]
+    return folder, build(folder, "Qwen3VL", TEXT3, VISION3)
+
+
+@pytest.fixture(scope="module")
+def qwen3(qwen3_folder):
+    """(transformers' model, ours) of a random-weight Qwen3-VL checkpoint."""
+    folder, hf = qwen3_folder
+    return hf, mlxinfer.load(folder, dtype="float32")[0]
 
 
 @pytest.fixture(scope="module")
@@ -322,3 +329,21 @@ def test_qwen2_vl_greedy_decoding_matches_transformers_generate(qwen2, images2):
     for _ in range(5):
         got.append(int(mx.argmax(model(mx.array([got[-1:]]), cache=caches)[0, -1])))
     assert got == ref
+
+
+def test_qwen3_vl_quantized_tower_logits_stay_near_transformers(qwen3_folder, images3, tmp_path):
+    """Qwen3-VL's 1536-value patches are whole groups of 32, so `--quantize-vision` packs the patch
+    embedding too (uint32 weight): the pixels must still go in as floats."""
+    from convert import convert
+
+    folder, hf = qwen3_folder
+    out = tmp_path / "all"
+    convert(folder, out, quantize=True, bits=8, group_size=32, quantize_vision=True)
+    assert "visual.patch_embed.proj.scales" in set(mx.load(str(next(out.glob("*.safetensors")))))
+    model = mlxinfer.load(out, dtype="float32")[0]
+    ids = prompt(images3)
+    with torch.no_grad():
+        ref = hf(**hf_inputs(ids, images3)).logits[0].numpy()
+    got = np.array(model(mx.array([ids]), embedded=model.embedded(ids, images3))[0])
+    drift = np.sqrt(np.mean((got - ref) ** 2) / np.mean(ref**2))
+    assert drift < 0.1, f"8 bits drifted {drift:.0%} from transformers' float model"

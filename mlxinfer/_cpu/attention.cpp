@@ -5,11 +5,8 @@
 #include <cmath>
 #include <cstdint>
 
-#if defined(__x86_64__)
-#include <immintrin.h>
-#endif
-
 #include "kernel.h"
+#include "simd.h"
 
 namespace mlxinfer {
 
@@ -29,9 +26,14 @@ void axpy_scalar(float p, const float* v, float* acc, int n) {
   }
 }
 
-#if defined(__x86_64__)
+// g * sigmoid(g) * u with MLX's sigmoid: 1 / (1 + e^|g|), mirrored for g >= 0 (so e^x never
+// overflows); the scalar loop and the AVX-512 loop's tail both.
+inline float silu_gate_one(float g, float u) {
+  const float y = 1.0f / (1.0f + std::exp(std::fabs(g)));
+  return g * (g < 0.0f ? y : 1.0f - y) * u;
+}
 
-#define MLXINFER_AVX2 __attribute__((target("avx2,fma")))
+#if defined(__x86_64__)
 
 // Eight lanes over the dims (the tail scalar), summed lane by lane in a fixed tree.
 MLXINFER_AVX2 float dot_avx2(const float* a, const float* b, int n) {
@@ -122,8 +124,6 @@ MLXINFER_AVX2 void float_matmul_avx2(const float* w, int in, const float* x, int
   }
 }
 
-#define MLXINFER_AVX512 __attribute__((target("avx512f,avx2,fma")))
-
 // e^x for 16 floats: x = n ln 2 + r, e^r by Cephes' expf polynomial, times 2^n (scalef, which
 // goes to 0 below the smallest float). Inputs are clamped first, so -inf gives 0, not NaN.
 MLXINFER_AVX512 inline __m512 exp_avx512(__m512 x) {
@@ -153,8 +153,7 @@ MLXINFER_AVX512 void silu_gate_avx512(const float* g, const float* u, float* a, 
     _mm512_storeu_ps(a + i, _mm512_mul_ps(_mm512_mul_ps(x, s), _mm512_loadu_ps(u + i)));
   }
   for (; i < n; ++i) {
-    const float y = 1.0f / (1.0f + std::exp(std::fabs(g[i])));
-    a[i] = g[i] * (g[i] < 0.0f ? y : 1.0f - y) * u[i];
+    a[i] = silu_gate_one(g[i], u[i]);
   }
 }
 
@@ -191,8 +190,7 @@ void silu_gate(const float* g, const float* u, float* a, int n) {
   }
 #endif
   for (int i = 0; i < n; ++i) {
-    const float y = 1.0f / (1.0f + std::exp(std::fabs(g[i])));
-    a[i] = g[i] * (g[i] < 0.0f ? y : 1.0f - y) * u[i];
+    a[i] = silu_gate_one(g[i], u[i]);
   }
 }
 

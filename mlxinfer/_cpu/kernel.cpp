@@ -11,6 +11,7 @@
 // The AVX-512 4-bit loop then looks each weight up in its group's table of 16 values
 // (fma(q, s, b) for q = 0..15, the same bits) rather than converting and scaling it.
 #include "kernel.h"
+#include "simd.h"
 
 #include <algorithm>
 #include <atomic>
@@ -19,10 +20,6 @@
 #include <string>
 #include <utility>
 #include <vector>
-
-#if defined(__x86_64__)
-#include <immintrin.h>
-#endif
 
 namespace mlxinfer {
 
@@ -144,9 +141,6 @@ void rows_scalar(const QuantizedMatrix& m, const float* x, int rows, float* y, i
 }
 
 #if defined(__x86_64__)
-
-#define MLXINFER_AVX2 __attribute__((target("avx2,fma,f16c")))
-#define MLXINFER_AVX512 __attribute__((target("avx512f,avx2,fma,f16c")))
 
 // 8 integers as floats: 8-bit values are whole bytes; narrower ones come from two
 // 32-bit windows (values 0-3 and 4-7) shifted per lane.
@@ -345,6 +339,20 @@ MLXINFER_AVX512 inline float tree_sum_avx512(__m512 a0, __m512 a1) {
   return tree_sum_avx2(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
 }
 
+// A group's 16 possible 4-bit weights, fma(q, s, b) for q = 0..15 (the bits the other loops
+// compute), for the AVX-512 loops to look each weight up in rather than convert and scale it.
+MLXINFER_AVX512 inline __m512 group_table(__m512 s, __m512 b) {
+  return _mm512_fmadd_ps(_mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), s, b);
+}
+
+// The 32 4-bit weights of inputs [k, k + 32) looked up in their group's table: w0 from the low
+// nibbles of the chunk's 16 bytes (even inputs, sums 0-15), w1 from the high ones (odd, 16-31).
+MLXINFER_AVX512 inline void lookup32(const uint8_t* w, int k, __m512 table, __m512& w0, __m512& w1) {
+  const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + k / 2)));
+  w0 = _mm512_permutexvar_ps(v, table);  // reads each lane's low 4 bits: the low nibble
+  w1 = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), table);
+}
+
 // The AVX-512 loop for 4- and 8-bit weights: the same 32 sums as two 16-lane registers
 // (sums 0-15, 16-31), each updated by the same operations in the same order, so its
 // results equal block_avx2's bit for bit at about 1.5x its speed.
@@ -356,7 +364,6 @@ MLXINFER_AVX512 void block_avx512(const QuantizedMatrix& m, const float* x, floa
   for (int n = n0; n < n1; ++n) {
     const uint8_t* w = m.packed + n * row_bytes;
     const auto [sf, bf] = start_row(m, n, n0, n1, row_bytes, scales, row_scales_avx512);
-    const __m512 levels = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     __m512 acc[R][2];
     for (int r = 0; r < R; ++r) {
       acc[r][0] = acc[r][1] = _mm512_setzero_ps();
@@ -364,14 +371,12 @@ MLXINFER_AVX512 void block_avx512(const QuantizedMatrix& m, const float* x, floa
     for (int g = 0; g < groups; ++g) {
       const __m512 s = _mm512_set1_ps(sf[g]);
       const __m512 b = _mm512_set1_ps(bf[g]);
-      const __m512 table = _mm512_fmadd_ps(levels, s, b);  // the group's 16 weights, fma(q, s, b) each
+      const __m512 table = group_table(s, b);
       for (int c = 0; c < CHUNKS; ++c) {
         const int k = (g * CHUNKS + c) * kSums;
         __m512 w0, w1;
         if constexpr (BITS == 4) {  // look each weight up: no convert, no multiply-add
-          const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + k / 2)));
-          w0 = _mm512_permutexvar_ps(v, table);  // reads each lane's low 4 bits: the low nibble
-          w1 = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), table);
+          lookup32(w, k, table, w0, w1);
         } else {
           __m512 q0, q1;
           unpack32_8bit_avx512(w, k, q0, q1);
@@ -418,15 +423,15 @@ MLXINFER_AVX512 void dequantized_row_avx512(const QuantizedMatrix& m, int n, flo
   const size_t row_bytes = static_cast<size_t>(m.in) / 2;
   const int groups = m.in / m.group;
   const uint8_t* w = m.packed + n * row_bytes;
-  const __m512 levels = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   for (int g = 0; g < groups; ++g) {
     const __m512 s = _mm512_set1_ps(scale_at_avx2(m.scales, m.scale_type, static_cast<size_t>(n) * groups + g));
     const __m512 b = _mm512_set1_ps(scale_at_avx2(m.biases, m.scale_type, static_cast<size_t>(n) * groups + g));
-    const __m512 table = _mm512_fmadd_ps(levels, s, b);
+    const __m512 table = group_table(s, b);
     for (int k = g * m.group; k < (g + 1) * m.group; k += kSums) {
-      const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + k / 2)));
-      _mm512_storeu_ps(out + k, _mm512_permutexvar_ps(v, table));
-      _mm512_storeu_ps(out + k + 16, _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), table));
+      __m512 w0, w1;
+      lookup32(w, k, table, w0, w1);
+      _mm512_storeu_ps(out + k, w0);
+      _mm512_storeu_ps(out + k + 16, w1);
     }
   }
 }

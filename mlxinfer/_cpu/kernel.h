@@ -24,6 +24,17 @@ struct QuantizedMatrix {
   int group;
 };
 
+// The widths quantized_matmul_range has loops for.
+constexpr bool supported_bits(int bits) {
+  return bits == 2 || bits == 3 || bits == 4 || bits == 5 || bits == 6 || bits == 8;
+}
+
+// The group sizes its loops handle: one, two or four 32-input chunks a group (the MLX-side
+// checks of primitive.cpp and layer.cpp refuse any other before it is called).
+constexpr bool supported_group(int group) {
+  return group == 32 || group == 64 || group == 128;
+}
+
 // y[r, n] = sum_k x[r, k] * (q[n, k] * s[n, k / group] + b[n, k / group]) for rows r
 // in [0, rows) and outputs n in [n0, n1); x is [rows, in] and y [rows, out], row major.
 // Every output is accumulated in float32 in one fixed order that depends neither on

@@ -194,6 +194,9 @@ void check_linear(const std::vector<mx::array>& arrays, const LinearSpec& spec, 
   check(static_cast<int>(arrays.size()) == spec.count(), what.str());
   const mx::array& w = arrays[0];
   if (spec.bits) {
+    check(supported_bits(spec.bits) && supported_group(spec.group),
+          what.str() + ", but there is no loop for " + std::to_string(spec.bits) + "-bit weights in groups of " +
+              std::to_string(spec.group));
     check(w.dtype() == mx::uint32 && w.ndim() == 2 && w.shape(0) == out &&
               static_cast<int64_t>(w.shape(1)) * 32 == static_cast<int64_t>(in) * spec.bits &&
               in % spec.group == 0 && arrays[1].shape() == arrays[2].shape() &&

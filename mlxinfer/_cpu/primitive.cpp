@@ -99,9 +99,9 @@ namespace {
 void check_arguments(const mx::array& x, const mx::array& w, const mx::array& scales, const mx::array& biases,
                      int group_size, int bits, int experts = 0) {
   std::ostringstream err;
-  if (bits != 2 && bits != 3 && bits != 4 && bits != 5 && bits != 6 && bits != 8) {
+  if (!supported_bits(bits)) {
     err << "bits must be 2, 3, 4, 5, 6 or 8, got " << bits;
-  } else if (group_size != 32 && group_size != 64 && group_size != 128) {
+  } else if (!supported_group(group_size)) {
     err << "group_size must be 32, 64 or 128, got " << group_size;
   } else if (!mx::issubdtype(x.dtype(), mx::floating) || x.ndim() < 1) {
     err << "x must be a floating-point array";

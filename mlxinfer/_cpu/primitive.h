@@ -57,24 +57,6 @@ class AffineQuantizedMatmul : public mx::Primitive {
 // (the cache buffers as they lie), of which the first lengths[b] slots are live. Every
 // (row, head) is computed by one fixed loop (decode_attention_head), so a row's output
 // does not depend on the others. -> [B, heads, 1, dims] float32.
-// [rows, 1]: each row of x [rows, n] (float32) as log(sum(exp(x))), for log-probabilities.
-mx::array logsumexp(const mx::array& x);
-
-class LogSumExp : public mx::Primitive {
- public:
-  explicit LogSumExp(mx::Stream stream) : mx::Primitive(stream) {}
-
-  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
-  void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
-
-  const char* name() const override {
-    return "MlxinferLogSumExp";
-  }
-  bool is_equivalent(const mx::Primitive&) const override {
-    return true;
-  }
-};
-
 mx::array decode_attention(const mx::array& q, const std::vector<mx::array>& caches,
                            const std::vector<int>& lengths, float scale);
 
@@ -94,6 +76,24 @@ class DecodeAttention : public mx::Primitive {
  private:
   std::vector<int> lengths_;
   float scale_;
+};
+
+// [rows, 1]: each row of x [rows, n] (float32) as log(sum(exp(x))), for log-probabilities.
+mx::array logsumexp(const mx::array& x);
+
+class LogSumExp : public mx::Primitive {
+ public:
+  explicit LogSumExp(mx::Stream stream) : mx::Primitive(stream) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+
+  const char* name() const override {
+    return "MlxinferLogSumExp";
+  }
+  bool is_equivalent(const mx::Primitive&) const override {
+    return true;
+  }
 };
 
 // Threads the matmuls split across (the calling thread included).

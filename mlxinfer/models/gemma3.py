@@ -109,7 +109,8 @@ class Model(CausalLM):
                                          f"this one was prepared for {p.tokens}")
         if not images:
             return mx.zeros((0, self.config.hidden_size))
-        dtype = self.vision_tower.embeddings.patch_embedding.weight.dtype
+        proj = self.vision_tower.embeddings.patch_embedding  # its weight is uint32 where it was quantized
+        dtype = getattr(proj, "scales", proj.weight).dtype
         pixels = mx.array(np.stack([np.asarray(p.values, dtype=np.float32) for p in images])).astype(dtype)
         features = self.multi_modal_projector(self.vision_tower(pixels))
         return features.reshape(-1, features.shape[-1])

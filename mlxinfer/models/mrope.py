@@ -21,7 +21,7 @@ import numpy as np
 
 from ..errors import ConfigError
 from .config import ModelConfig
-from .layers import RoPE, inv_freq
+from .layers import RoPE
 
 # transformers' defaults where a config names none: Qwen2/2.5-VL's, Qwen3-VL's (interleaved)
 DEFAULT_SECTIONS = {False: (16, 24, 24), True: (24, 20, 20)}
@@ -50,8 +50,7 @@ class MRoPE(RoPE):
             raise ConfigError(f"rope type '{self.kind}' cannot be combined with M-RoPE; fix rope_scaling")
         sections = self.params.get("mrope_section") or DEFAULT_SECTIONS[interleaved]
         self.axes = mx.array(frequency_axes(sections, self.dims // 2, interleaved))
-        inv = inv_freq(self.base, self.dims) if self.freqs is None else 1.0 / np.array(self.freqs, dtype=np.float64)
-        self.inv = mx.array(inv, dtype=mx.float32)
+        self.inv = self.table()  # mx.fast.rope's own inverse frequencies, so text positions rotate alike
 
     def __call__(self, x: mx.array, offset: int | list[int] | mx.array) -> mx.array:
         if not isinstance(offset, mx.array):

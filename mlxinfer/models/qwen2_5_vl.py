@@ -19,7 +19,7 @@ from .config import ModelConfig
 from .layers import Block as TextBlock
 from .layers import CausalLM
 from .mrope import MRoPE, positions
-from .multimodal import text_config, text_name
+from .multimodal import text_config, text_weights
 from .qwen_vision import VisionConfig, VisionTransformer
 from .vision import Embedded, Pixels
 
@@ -103,8 +103,9 @@ class Model(CausalLM):
         cfg = self.visual.cfg
         for im in images:
             check_pixels(im, cfg)
+        proj = self.visual.patch_embed.proj  # its weight is uint32 where `convert --quantize-vision` packed it
         patches = mx.array(np.concatenate([im.values for im in images]))
-        return self.visual.features(patches.astype(self.visual.patch_embed.proj.weight.dtype),
+        return self.visual.features(patches.astype(getattr(proj, "scales", proj.weight).dtype),
                                     [im.grid for im in images])
 
     def embedded(self, tokens: Sequence[int], images: Sequence[Pixels], start: int = 0) -> Embedded:
@@ -138,7 +139,7 @@ class Model(CausalLM):
         return x, mx.array(where), delta, deep
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
-        text = {text_name(k): v for k, v in weights.items() if not k.startswith(VISION)}
+        text = text_weights(weights, VISION)
         vision = {f"visual.{k.split('.', 2 if k.startswith('model.') else 1)[-1]}": v
                   for k, v in weights.items() if k.startswith(VISION)}
         return {**super().sanitize(text), **self.visual.sanitize(vision)}

@@ -16,8 +16,7 @@ import numpy as np
 
 from ..errors import ConfigError
 from . import qwen_vision
-from .qwen_vision import (GATE_ACTIVATIONS, Grid, Segments, VisionConfig, flat_patch_kernel,
-                          patch_rows_cols)
+from .qwen_vision import GATE_ACTIVATIONS, Grid, Segments, VisionConfig, VisionTransformer, patch_rows_cols
 
 ACTIVATIONS = {**GATE_ACTIVATIONS, "gelu": nn.gelu}
 
@@ -94,7 +93,7 @@ class PatchMerger(nn.Module):
     """A merge block's patches through LayerNorm (per patch, or over the joined block: `joined`)
     and a GELU MLP to the language model's width."""
 
-    def __init__(self, cfg: VisionConfig, joined: bool):
+    def __init__(self, cfg: VisionConfig, joined: bool = False):
         super().__init__()
         self.width = cfg.hidden_size * cfg.merge_unit
         self.joined = joined
@@ -107,17 +106,18 @@ class PatchMerger(nn.Module):
         return self.linear_fc2(nn.gelu(self.linear_fc1(x)))
 
 
-class Qwen3VisionTransformer(nn.Module):
+class Qwen3VisionTransformer(VisionTransformer):
+    """Qwen2.5-VL's tower (its 2-D RoPE, its patch kernel) with these blocks and merger, a biased
+    patch embedding, learned positions, no windows, and the deepstack mergers."""
+
+    block_class = VisionBlock
+    merger_class = PatchMerger
+
     def __init__(self, cfg: Qwen3VisionConfig):
-        super().__init__()
-        self.cfg = cfg
+        super().__init__(cfg)
         self.patch_embed = PatchEmbed(cfg)
         self.pos_embed = nn.Embedding(cfg.num_position_embeddings, cfg.hidden_size)
-        self.blocks = [VisionBlock(cfg) for _ in range(cfg.depth)]
-        self.merger = PatchMerger(cfg, joined=False)
         self.deepstack_merger_list = [PatchMerger(cfg, joined=True) for _ in cfg.deepstack_visual_indexes]
-        self._inv = mx.array(1.0 / cfg.theta ** (np.arange(0, cfg.head_dim // 2, 2) / (cfg.head_dim // 2)),
-                             dtype=mx.float32)  # underscored: a constant, not a checkpoint parameter
 
     @classmethod
     def of(cls, d: dict[str, Any]) -> Qwen3VisionTransformer:
@@ -134,9 +134,8 @@ class Qwen3VisionTransformer(nn.Module):
         cfg = self.cfg
         x = self.patch_embed(patches)
         x = x + self.positions(grids).astype(x.dtype)
-        where = mx.array(np.concatenate([patch_rows_cols(g, cfg.spatial_merge_size) for g in grids]))
-        angles = (where[:, :, None].astype(mx.float32) * self._inv).reshape(where.shape[0], 1, -1)
-        rope = (mx.cos(angles).astype(x.dtype), mx.sin(angles).astype(x.dtype))
+        cos, sin = self.rope(grids)
+        rope = (cos.astype(x.dtype), sin.astype(x.dtype))
         frames = Segments.of([h * w for t, h, w in grids for _ in range(t)])
         deep = []
         for i, block in enumerate(self.blocks):
@@ -147,6 +146,3 @@ class Qwen3VisionTransformer(nn.Module):
 
     def __call__(self, patches: mx.array, grids: Sequence[Grid]) -> mx.array:
         return self.features(patches, grids)[0]
-
-    def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
-        return flat_patch_kernel(weights, self.cfg.in_channels)

@@ -16,13 +16,22 @@ let current = conversations[0] ?? null;
 let settings = loadSettings();
 let running = null; // {controller, message} while a reply streams
 
-// --- the API key: asked once, when the server first answers 401 ---
+// --- the API key: asked when the server answers 401, and asked again after the dialog is dismissed ---
 let keyAsked = null;
 onKeyNeeded(() => {
-  keyAsked ??= new Promise((resolve) => {
+  keyAsked ??= new Promise((resolve, reject) => {
     const dialog = $("key-dialog");
     const form = $("key-form");
-    form.addEventListener("submit", () => { resolve(form.key.value); keyAsked = null; form.reset(); }, { once: true });
+    dialog.returnValue = "";
+    // "close" follows a submit and Esc alike (Esc sends no submit): settling here leaves no
+    // caller waiting forever, and clearing keyAsked makes the next 401 ask again.
+    dialog.addEventListener("close", () => {
+      const key = form.key.value;
+      keyAsked = null;
+      form.reset();
+      if (dialog.returnValue === "use") resolve(key);
+      else reject(new ApiError("this server needs an API key: the next message sent asks for it again"));
+    }, { once: true });
     dialog.showModal();
   });
   return keyAsked;
@@ -267,7 +276,10 @@ $("composer").addEventListener("submit", (e) => { e.preventDefault(); send(); })
 $("message").addEventListener("keydown", (e) => {
   if (e.key === "Enter" && !e.shiftKey && !e.isComposing) { e.preventDefault(); send(); }
 });
-document.addEventListener("keydown", (e) => { if (e.key === "Escape" && running) { e.preventDefault(); stop(); } });
+// Esc stops a reply, except while the key dialog is open: there Esc dismisses the dialog.
+document.addEventListener("keydown", (e) => {
+  if (e.key === "Escape" && running && !$("key-dialog").open) { e.preventDefault(); stop(); }
+});
 $("stop").addEventListener("click", stop);
 $("new-chat").addEventListener("click", () => {
   if (running) return;
