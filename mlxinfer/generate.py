@@ -10,8 +10,8 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
-import functools
 import math
+import threading
 import time
 import warnings
 from dataclasses import dataclass, fields
@@ -240,10 +240,18 @@ def wired_limit(model):
             mx.set_wired_limit(previous)
 
 
-@functools.cache
+_thread_streams = threading.local()
+
+
 def generation_stream() -> mx.Stream:
-    """A stream of our own, so generation is not queued behind other work on the default one."""
-    return mx.new_stream(mx.default_device())
+    """A stream of our own, so generation is not queued behind other work on the default one.
+    One per thread: an MLX stream belongs to the thread that made it, and another thread using it
+    fails ("There is no Stream(cpu, 1) in current thread"), e.g. a server's engine thread after
+    generating on the main one."""
+    stream = getattr(_thread_streams, "stream", None)
+    if stream is None:
+        stream = _thread_streams.stream = mx.new_stream(mx.default_device())
+    return stream
 
 
 class StopMatcher:

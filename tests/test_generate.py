@@ -50,6 +50,21 @@ def test_greedy_equals_recomputation(loaded, opts):
     assert out == greedy_by_recompute(model, PROMPT, 20)
 
 
+def test_generating_on_two_threads_in_turn_equals_recomputation(loaded):
+    """An app that generates on its main thread, then on a worker (a server's engine thread):
+    MLX streams belong to the thread that made them, so each thread needs its own."""
+    import threading
+
+    model, tok = loaded
+    want = greedy_by_recompute(model, PROMPT, 8)
+    opts = dict(max_tokens=8, ignore_eos=True)
+    got = [tokens_of(stream_generate(model, tok, PROMPT, **opts))]
+    worker = threading.Thread(target=lambda: got.append(tokens_of(stream_generate(model, tok, PROMPT, **opts))))
+    worker.start()
+    worker.join()
+    assert got == [want, want]
+
+
 @pytest.mark.parametrize("prefill_step", [4, 64])
 def test_greedy_small_window_equals_recomputation_over_kept_tokens(loaded, prefill_step):
     """max_kv_size=12 keeps 4 sink tokens and a window of the newest 8."""
