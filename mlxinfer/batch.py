@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field, replace
 from typing import Any, Iterator, Sequence
 
@@ -115,6 +115,8 @@ class _Sequence:
     images: ImagePrompt | None = None  # its prompt's images and cache keys, when it has images
     embedded: Embedded | None = None  # its whole prompt's inputs with the images in (while it prefills)
     start: int = 0  # where `todo` starts in the prompt
+    group: int = 0  # the request it belongs to (its choices, or the prompts one client sent together)
+    pausing: bool = False  # it gives its slot to another request after this step (`_make_room`)
 
     @property
     def cache_options(self) -> dict[str, Any]:
@@ -175,9 +177,11 @@ class BatchGenerator:
         Request.of("", model.config.vocab_size, self.defaults)  # bad defaults fail here, not per request
         self.stats = BatchStats()
         self._uids = itertools.count()
+        self._groups = itertools.count()
         self._waiting: deque[_Sequence] = deque()
         self._prefilling: list[_Sequence] = []
         self._decoding: list[_Sequence] = []
+        self._paused: list[_Sequence] = []  # decoding sequences that gave their slot to another request
         self._cancelled: set[int] = set()
         self._known: set[int] = set()
         self._queued: _Decode | None = None
@@ -185,8 +189,8 @@ class BatchGenerator:
 
     @property
     def active(self) -> int:
-        """Sequences submitted and not finished (waiting, prefilling or decoding)."""
-        return len(self._waiting) + len(self._prefilling) + len(self._decoding)
+        """Sequences submitted and not finished (waiting, prefilling, decoding or paused)."""
+        return len(self._waiting) + len(self._prefilling) + len(self._decoding) + len(self._paused)
 
     @property
     def waiting(self) -> int:
@@ -196,11 +200,14 @@ class BatchGenerator:
     @property
     def cache_bytes(self) -> int:
         """Bytes of K/V held by the sequences in flight."""
-        return sum(s.cache.nbytes for s in (*self._prefilling, *self._decoding) if s.cache is not None)
+        return sum(s.cache.nbytes for s in (*self._prefilling, *self._decoding, *self._paused) if s.cache is not None)
 
     def uses_adapter(self, name: str) -> bool:
         """Whether a sequence in flight (waiting, prefilling or decoding) runs adapter `name`."""
-        return any(s.options.adapter == name for s in (*self._waiting, *self._prefilling, *self._decoding))
+        return any(s.options.adapter == name for s in self._in_engine())
+
+    def _in_engine(self) -> tuple[_Sequence, ...]:
+        return (*self._waiting, *self._prefilling, *self._decoding, *self._paused)
 
     def submit(self, prompt: Prompt, **options: Any) -> int:
         """Queue a sequence (a string, token ids or chat messages) with its own options
@@ -238,30 +245,39 @@ class BatchGenerator:
         shown = plan_tools(self.tokenizer, o.tools, "none") if o.tools is not None else None
         return len(image_prompt(self.model, self.tokenizer, request, shown)[0])
 
-    def enqueue(self, prepared: Prepared, cache: PromptCache | None = None) -> int:
+    def new_group(self) -> int:
+        """A name for a request made of several engine requests (the prompts one client sent
+        together), to pass as their `group`: slots are shared fairly between groups."""
+        return next(self._groups)
+
+    def enqueue(self, prepared: Prepared, cache: PromptCache | None = None, group: int | None = None) -> int:
         """Queue a prepared request (`prepare`) of one choice; returns its uid. With `cache`
         (the caller's, kept across calls) the sequence runs in it, reusing its longest common
-        prefix, and its draft cache (`draft_cache`) is the caller's too."""
+        prefix, and its draft cache (`draft_cache`) is the caller's too. `group`: as `enqueue_choices`."""
         if prepared.options.n != 1:
             raise InvalidOptionError(f"this request asks for n={prepared.options.n} choices: queue it with "
                                      "enqueue_choices, which returns one uid per choice")
         if cache is not None:
             cache.check_fits(self.model)
-        return self._queue(prepared, 0, None, cache)
+        return self._queue(prepared, 0, None, self.new_group() if group is None else group, cache)
 
-    def enqueue_choices(self, prepared: Prepared) -> list[int]:
+    def enqueue_choices(self, prepared: Prepared, group: int | None = None) -> list[int]:
         """Queue a prepared request's n choices (`options.n`) as n sequences that prefill its
         prompt once; their uids, in choice order. With seed s, choice i samples with seed
-        `sample.choice_seed(s, i)` (choice 0 with s: the first of n is what n=1 gives)."""
+        `sample.choice_seed(s, i)` (choice 0 with s: the first of n is what n=1 gives). They share
+        slots with other requests as one `group` (`new_group`; by default a group of their own)."""
         shared = _SharedPrompt() if prepared.options.n > 1 else None
-        return [self._queue(prepared, i, shared) for i in range(prepared.options.n)]
+        group = self.new_group() if group is None else group
+        return [self._queue(prepared, i, shared, group) for i in range(prepared.options.n)]
 
-    def _queue(self, p: Prepared, index: int, shared: _SharedPrompt | None, cache: PromptCache | None = None) -> int:
+    def _queue(self, p: Prepared, index: int, shared: _SharedPrompt | None, group: int,
+               cache: PromptCache | None = None) -> int:
         uid = next(self._uids)
         self._waiting.append(_Sequence(uid, p.ids, p.options, Sampler(p.sampling.for_choice(index), p.ids),
                                        Stats(prompt_tokens=len(p.ids)), time.perf_counter(), tools=p.tools,
                                        constraint=p.constraints[index], own_cache=cache, reasoning=p.reasoning,
-                                       index=index, shared=shared, predicted=p.predicted, images=p.images))
+                                       index=index, shared=shared, predicted=p.predicted, images=p.images,
+                                       group=group))
         self._known.add(uid)
         return uid
 
@@ -300,15 +316,17 @@ class BatchGenerator:
             while self.active:
                 yield from self.step()
 
-    def step(self) -> list[tuple[int, Chunk]]:
+    def step(self, prefill: bool = True) -> list[tuple[int, Chunk]]:
         """Admit, prefill a little, then decode: one batched step, or one speculative burst
-        for a sequence alone in the engine. Returns the (uid, Chunk) pairs it produced."""
+        for a sequence alone in the engine. Returns the (uid, Chunk) pairs it produced.
+        `prefill=False`: no prefill this step (the caller runs another chunk of work beside it)."""
         out: list[tuple[int, Chunk]] = []
         self.failures.clear()
         with mx.stream(generation_stream()):
             self._drop_cancelled(out)
             self._admit(out)
-            self._prefill_some(out)
+            if prefill:
+                self._prefill_some(out)
             lone = self._lone_speculative()
             try:
                 if lone is not None and self._queued is None:
@@ -324,6 +342,7 @@ class BatchGenerator:
                     if self._queued is None:  # not pipelined: the next step starts from these tokens
                         for i, s in enumerate(current.members):
                             s.next_input = current.tokens[i : i + 1]
+                    self._pause_marked(current)
             except Exception as e:  # noqa: BLE001 - a failed batched step ends its members, not the engine
                 self._queued = None
                 for s in list(self._decoding):
@@ -332,7 +351,7 @@ class BatchGenerator:
 
     def _lone_speculative(self) -> _Sequence | None:
         """The sequence that may draft now: it asked to, and it is the only one in the engine."""
-        if len(self._decoding) == 1 and not self._prefilling and not self._waiting:
+        if len(self._decoding) == 1 and not self._prefilling and not self._waiting and not self._paused:
             s = self._decoding[0]
             return s if s.speculative is not None else None
         return None
@@ -380,7 +399,7 @@ class BatchGenerator:
 
     def _fail(self, s: _Sequence, error: Exception, out: list[tuple[int, Chunk]]) -> None:
         """End `s` with an error chunk (the others go on); its cache is dropped, not pooled."""
-        for group in (self._waiting, self._prefilling, self._decoding):
+        for group in (self._waiting, self._prefilling, self._decoding, self._paused):
             if s in group:
                 group.remove(s)
         s.stats.finish_reason = "error"
@@ -393,7 +412,7 @@ class BatchGenerator:
     def _drop_cancelled(self, out: list[tuple[int, Chunk]]) -> None:
         if not self._cancelled:
             return
-        for group in (self._waiting, self._prefilling, self._decoding):
+        for group in (self._waiting, self._prefilling, self._decoding, self._paused):
             for s in [s for s in group if s.uid in self._cancelled]:
                 group.remove(s)
                 text = s.text or self._text(s, PromptCache([]), 0)
@@ -402,12 +421,21 @@ class BatchGenerator:
         self._cancelled.clear()
 
     def _admit(self, out: list[tuple[int, Chunk]]) -> None:
-        """Start waiting sequences in order while slots are free; a choice whose prompt another
-        choice is prefilling stays in the queue (others behind it may start) until that is done."""
-        for s in list(self._waiting):
+        """Start waiting sequences, and resume paused ones, while slots are free, fairly across
+        requests: each free slot goes to the request (`group`) holding the fewest, the oldest
+        sequence first, so one request's many choices or prompts never keep another request out
+        (when every slot is taken, `_make_room`). A choice whose prompt another choice is
+        prefilling stays in the queue (others behind it may start) until that is done."""
+        held = Counter(s.group for s in (*self._prefilling, *self._decoding) if not s.pausing)
+        while ready := [s for s in (*self._paused, *self._waiting) if s.shared is None or s.shared.ready()]:
+            s = min(ready, key=lambda s: (held[s.group], s.uid))
             if len(self._prefilling) + len(self._decoding) >= self.max_batch:
+                self._make_room(held, held[s.group])
                 return
-            if s.shared is not None and not s.shared.ready():
+            held[s.group] += 1
+            if s in self._paused:
+                self._paused.remove(s)
+                self._decoding.append(s)
                 continue
             self._waiting.remove(s)
             try:
@@ -422,6 +450,28 @@ class BatchGenerator:
                 self._finished(s)
                 continue
             self._prefilling.append(s)
+
+    def _make_room(self, held: Counter, wanting: int) -> None:
+        """Every slot is taken and a request holding `wanting` slots waits: the request holding the
+        most, when that is more than one above it, pauses its youngest decoding sequence after
+        this step (its cache kept, it resumes when a slot is free), so slots even out."""
+        decoding = [s for s in self._decoding if not s.pausing]
+        if not decoding:
+            return
+        most = max(held[s.group] for s in decoding)
+        if most > wanting + 1:
+            max((s for s in decoding if held[s.group] == most), key=lambda s: s.uid).pausing = True
+
+    def _pause_marked(self, current: _Decode) -> None:
+        """Move the sequences marked by `_make_room` out of the decoding batch, each holding its
+        next input: the token this step gave it."""
+        row = {id(s): i for i, s in enumerate(current.members)}
+        for s in [s for s in self._decoding if s.pausing]:
+            s.pausing = False
+            if id(s) in row:
+                s.next_input = current.tokens[row[id(s)] : row[id(s)] + 1]
+            self._decoding.remove(s)
+            self._paused.append(s)
 
     def _start(self, s: _Sequence) -> int:
         """Give an admitted sequence its cache (the caller's, or from the pool when one shares its
@@ -481,6 +531,8 @@ class BatchGenerator:
                 while s.prefilled < len(s.todo) - 1 and budget > 0:
                     start = s.prefilled
                     chunk = s.todo[start : self._chunk_end(s, start, step)]
+                    if len(chunk) > budget and budget < self.prefill_step:  # the next step runs it
+                        break
                     began = time.perf_counter()
                     if s.embedded is not None:
                         at = s.start + start  # in the whole prompt
@@ -527,7 +579,8 @@ class BatchGenerator:
     def _continuing(self, current: _Decode) -> list[_Sequence]:
         """Who the next decode step runs: this step's members that may still produce a
         token after this one, then sequences whose prompt just went in."""
-        members = [s for s in current.members if s in self._decoding and s.text.generated + 1 < s.text.limit]
+        members = [s for s in current.members
+                   if s in self._decoding and not s.pausing and s.text.generated + 1 < s.text.limit]
         running = {s.uid for s in current.members}
         return members + [s for s in self._decoding if s.uid not in running]
 

@@ -57,15 +57,18 @@ class Replica(BatchGenerator):
         self._ops.append(["cache", cache_options])
         return cache
 
-    def enqueue(self, prepared: Prepared, cache: PromptCache | None = None) -> int:
-        op = ["submit", prepared.request.to_json(), self._name(cache)]  # a request that cannot be shared fails first
-        uid = super().enqueue(prepared, cache)
+    def enqueue(self, prepared: Prepared, cache: PromptCache | None = None, group: int | None = None) -> int:
+        group = self.new_group() if group is None else group  # named here: the other ranks take rank 0's
+        # a request that cannot be shared fails first
+        op = ["submit", prepared.request.to_json(), self._name(cache), group]
+        uid = super().enqueue(prepared, cache, group)
         self._ops.append(op)
         return uid
 
-    def enqueue_choices(self, prepared: Prepared) -> list[int]:
-        op = ["choices", prepared.request.to_json()]
-        uids = super().enqueue_choices(prepared)
+    def enqueue_choices(self, prepared: Prepared, group: int | None = None) -> list[int]:
+        group = self.new_group() if group is None else group
+        op = ["choices", prepared.request.to_json(), group]
+        uids = super().enqueue_choices(prepared, group)
         self._ops.append(op)
         return uids
 
@@ -115,9 +118,9 @@ class Replica(BatchGenerator):
             self._kept.append(super().new_cache(**op[1]))
         elif kind == "submit":
             cache = self._kept[op[2]] if op[2] is not None else None
-            super().enqueue(self.prepare(Request.from_json(op[1])), cache)
+            super().enqueue(self.prepare(Request.from_json(op[1])), cache, op[3])
         elif kind == "choices":
-            super().enqueue_choices(self.prepare(Request.from_json(op[1])))
+            super().enqueue_choices(self.prepare(Request.from_json(op[1])), op[2])
         elif kind == "cancel":
             super().cancel(op[1])
         elif kind == "fill":

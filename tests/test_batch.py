@@ -289,6 +289,21 @@ def test_zero_max_tokens_and_context_limit_equal_solo(loaded):
     assert_batch_equals_solo(model, tok, items)
 
 
+def test_a_step_prefills_at_most_one_chunk(loaded):
+    """A step's prefill stops before a chunk that would take it past `prefill_step` tokens, so a
+    stream being decoded waits for one chunk at most, however many prompts are going in."""
+    model, tok = loaded
+    engine = BatchGenerator(model, tok, prefill_step=8)
+    for n in (6, 10, 10):
+        engine.submit(prompt(n, seed=n), **GREEDY)
+    done = 0
+    while engine.active:
+        engine.step()
+        assert engine.stats.prefilled_tokens - done <= 8
+        done = engine.stats.prefilled_tokens
+    assert done == 5 + 9 + 9
+
+
 # 4. cache kinds
 
 
@@ -305,7 +320,8 @@ def test_cache_kinds_differ_per_sequence_in_one_batch(loaded):
     """Each row keeps its own cache kind: growing, rotating, quantized, both, side by side."""
     model, tok = loaded
     kinds = [{}, dict(max_kv_size=32), dict(kv_bits=8), dict(max_kv_size=24, kv_bits=4, kv_group_size=32)]
-    items = [(prompt(n, seed=13), dict(GREEDY, **kind)) for n, kind in zip((200, 100, 64, 90), kinds)]
+    # long enough replies that every row decodes beside the others (a step prefills at most one chunk)
+    items = [(prompt(n, seed=13), dict(GREEDY, max_tokens=16, **kind)) for n, kind in zip((200, 100, 64, 90), kinds)]
     assert assert_batch_equals_solo(model, tok, items, dict(prefill_step=32)) == len(items)
 
 

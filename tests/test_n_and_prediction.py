@@ -154,6 +154,45 @@ def test_more_choices_than_slots_and_a_cancelled_runner(loaded):
     assert engine.stats.max_batch_seen == 1
 
 
+def test_choices_do_not_keep_other_requests_out(loaded):
+    """Fair admission: a request of 8 choices holds every slot of a 4-slot engine; a request that
+    comes next gets a slot within a step or two (a choice gives its slot up, its cache kept, and
+    resumes when a slot is free), well before any choice ends. Slots then even out between two
+    requests of many choices, and every paused choice still equals its lone run."""
+    model, tok = loaded
+    engine = BatchGenerator(model, tok, max_batch=4)
+    options = dict(SAMPLED, max_tokens=40)
+    many = engine.enqueue_choices(engine.prepare(engine.request(PROMPT, n=8, seed=3, **options)))
+    produced = []
+    while sum(c.token is not None for _, c in produced[-4:]) < 4:  # every slot decoding
+        produced += engine.step()
+    other = engine.enqueue_choices(engine.prepare(engine.request("hello there", seed=4, **options)))[0]
+    for steps in range(1, 4):
+        step = engine.step()
+        produced += step
+        if any(uid == other and c.token is not None for uid, c in step):
+            break
+    else:
+        pytest.fail("the request behind 8 choices got no token in 3 steps")
+    assert not any(c.finish_reason for _, c in produced), "a choice ended before the other request started"
+    third = engine.enqueue_choices(engine.prepare(engine.request("the lazy dog", n=4, seed=5, **options)))
+    held = []
+    for _ in range(12):
+        produced += engine.step()
+        running = {s.uid for s in (*engine._prefilling, *engine._decoding)}
+        held.append((len(running & set(many)), len(running & set(third))))
+    assert held[-1] == (2, 1) or held[-1] == (1, 2), f"the slots did not even out: {held}"
+    produced += drain(engine)
+    streams = defaultdict(list)
+    for uid, chunk in produced:
+        streams[uid].append(chunk)
+    for i, uid in enumerate(many):
+        assert tokens_of(streams[uid]) == tokens_of(lone(loaded, PROMPT, seed=seed_of(3, i), **options)), f"choice {i}"
+    assert tokens_of(streams[other]) == tokens_of(lone(loaded, "hello there", seed=4, **options))
+    for i, uid in enumerate(third):
+        assert tokens_of(streams[uid]) == tokens_of(lone(loaded, "the lazy dog", seed=seed_of(5, i), **options))
+
+
 def test_choices_of_a_scored_prompt_each_echo_its_scores(loaded):
     """Echo with prompt logprobs: the prompt is scored once, and every choice's first chunk is
     the prompt with the scores a lone run gives."""
@@ -408,3 +447,19 @@ def test_a_client_that_leaves_cancels_every_choice(server, client):
     assert (health["active"], health["cache_bytes"]) == (0, 0)
     assert server.health()["prompt_cache"]["entries"] == before, "a choice ran to its end instead of being cancelled"
     assert client.chat.completions.create(model="tiny", messages=USER, n=6, max_tokens=2).choices[5].index == 5
+
+
+def test_many_choices_leave_room_for_another_client(server, client):
+    """n=4 takes the server's four slots with long replies; another client's chat still gets its
+    first token while those choices run (one gives its slot up), not when one of them ends."""
+    no_end = {str(t): -100 for t in range(3)}  # the tiny tokenizer's special tokens: the replies run long
+    many = client.chat.completions.create(model="tiny", messages=USER, n=4, max_tokens=150, stream=True,
+                                          temperature=0, logit_bias=no_end)
+    first = next(iter(many))
+    assert server.wait_for(lambda h: h["active"] == 4)["active"] == 4
+    other = client.chat.completions.create(model="tiny", messages=USER, max_tokens=2, stream=True)
+    assert [c.choices[0].finish_reason for c in other][-1] == "length"
+    health = server.health()
+    many.close()
+    assert first.choices[0].index in range(4)
+    assert health["active"] >= 4, f"the choices had ended before the other chat was served: {health}"

@@ -15,9 +15,10 @@ import asyncio
 import queue
 import threading
 import time
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable, TypeVar
+from typing import Any, AsyncIterator, Callable, Generator, TypeVar
 
 import mlx.core as mx
 
@@ -33,6 +34,9 @@ RETRY_AFTER_SECONDS = 1
 # Threads that prepare requests (render, tokenize, compile grammars) beside the engine thread.
 PREPARE_THREADS = 2
 T = TypeVar("T")
+# Model work that is not a generation (inspection, embeddings): a generator that yields after each
+# piece of at most one prefill chunk of work and returns its result.
+Slices = Generator[None, None, T]
 
 
 @dataclass(eq=False)
@@ -41,6 +45,7 @@ class _Job:
 
     request: Request
     loop: asyncio.AbstractEventLoop
+    group: int | None = None  # the client request it is part of (`BatchGenerator.new_group`); None: its own
     chunks: asyncio.Queue = field(default_factory=asyncio.Queue)
     prepared: Prepared | None = None
     running: set[int] = field(default_factory=set)  # engine uids of its choices that have not ended
@@ -52,6 +57,16 @@ class _Job:
     def places(self) -> int:
         """The places it takes: one per choice."""
         return self.request.options.n
+
+
+@dataclass(eq=False)
+class _Work:
+    """Model work other than a generation, run on the engine thread a slice at a time between
+    engine steps; `done` gets its result (a cancelled `done`: its caller left, the work stops)."""
+
+    slices: Slices
+    done: asyncio.Future
+    loop: asyncio.AbstractEventLoop
 
 
 class EngineThread:
@@ -79,6 +94,7 @@ class EngineThread:
         self._lock = threading.Lock()
         self._commands: queue.Queue = queue.Queue()
         self._requests: dict[int, _Job] = {}  # engine uid -> request
+        self._works: deque[_Work] = deque()  # model work other than generations, a slice at a time
         self._stop = threading.Event()
         self._snapshot()
         self._thread = threading.Thread(target=self._run, name="mlxinfer-engine", daemon=True)
@@ -120,18 +136,35 @@ class EngineThread:
             with self._lock:
                 self.preparing -= 1
 
+    def new_group(self) -> int:
+        """A name for the engine requests of one client request (`BatchGenerator.new_group`)."""
+        return self.engine.new_group()
+
     def submit(self, request: _Job) -> None:
         """Hand a prepared request to the engine."""
         self._commands.put(("submit", request))
 
     async def call(self, fn: Callable[[], T]) -> T:
-        """`fn()` run on the engine thread between steps (MLX work that is not a generation,
-        such as embeddings or scoring, must not run beside a step on another thread)."""
+        """`fn()` run on the engine thread between steps: one short piece of MLX work that is not
+        a generation (it must not run beside a step on another thread)."""
+
+        def once() -> Slices:
+            return fn()
+            yield  # a generator of one slice
+
+        return await self.run_slices(once())
+
+    async def run_slices(self, slices: Slices[T]) -> T:
+        """Run model work that is not a generation (inspection, embeddings) on the engine thread,
+        one slice (at most one prefill chunk of work) at a time, taking turns with the prefill of
+        the engine's own requests, so no stream being decoded waits longer than one chunk for it.
+        Its result, or the RequestError it ended with; leaving (a cancelled await) stops it."""
         if isinstance(self.engine, Replica):  # the other ranks run engine rounds only: they would not join this
+            slices.close()
             raise RequestError("this endpoint is not available while the model is sharded across ranks")
         loop = asyncio.get_running_loop()
         done: asyncio.Future = loop.create_future()
-        self._commands.put(("call", (fn, done, loop)))
+        self._commands.put(("work", _Work(slices, done, loop)))
         return await done
 
     def cancel(self, request: _Job) -> None:
@@ -183,14 +216,14 @@ class EngineThread:
                 self._refuse(request, RequestError("the server is shutting down", status=503, kind="server_busy"))
                 return
             try:
-                uids = self.engine.enqueue_choices(request.prepared)
+                uids = self.engine.enqueue_choices(request.prepared, request.group)
             except Exception as e:  # noqa: BLE001 - a fault of ours ends this request, not the server
                 self._refuse(request, server_error(f"{type(e).__name__}: {e}"))
                 return
             request.running.update(uids)
             self._requests.update(dict.fromkeys(uids, request))
-        elif command == "call":
-            self._call(*request)
+        elif command == "work":
+            self._works.append(request)
         elif command == "cancel":
             for uid in request.running:
                 self._cancel(uid)
@@ -200,23 +233,33 @@ class EngineThread:
             for uid in self._requests:
                 self._cancel(uid)
 
-    @staticmethod
-    def _call(fn: Callable[[], Any], done: asyncio.Future, loop: asyncio.AbstractEventLoop) -> None:
+    def _slice(self) -> None:
+        """Run one slice of the oldest work, which then goes to the back of the line."""
+        work = self._works.popleft()
+        if work.done.cancelled():  # its caller left
+            work.slices.close()
+            return
         try:
-            result, error = fn(), None
+            next(work.slices)
+            self._works.append(work)
+            return
+        except StopIteration as end:
+            self._settle(work, end.value)
         except RequestError as e:  # refused as the caller says
-            result, error = None, e
+            self._settle(work, error=e)
         except MlxinferError as e:  # the request's own fault
-            result, error = None, RequestError(str(e))
+            self._settle(work, error=RequestError(str(e)))
         except Exception as e:  # noqa: BLE001 - a fault of ours ends this request, not the server
-            result, error = None, server_error(f"{type(e).__name__}: {' '.join(str(e).split())}")
+            self._settle(work, error=server_error(f"{type(e).__name__}: {' '.join(str(e).split())}"))
 
+    @staticmethod
+    def _settle(work: _Work, result: Any = None, error: RequestError | None = None) -> None:
         def settle() -> None:
-            if not done.cancelled():
-                done.set_exception(error) if error is not None else done.set_result(result)
+            if not work.done.cancelled():
+                work.done.set_exception(error) if error is not None else work.done.set_result(result)
 
         try:
-            loop.call_soon_threadsafe(settle)
+            work.loop.call_soon_threadsafe(settle)
         except RuntimeError:  # the event loop has closed: nobody is waiting
             pass
 
@@ -224,8 +267,9 @@ class EngineThread:
         self.engine.cancel(uid)
 
     def _run(self) -> None:
+        engine_had_turn = True  # with work waiting, the engine's prefill and the work's slices take turns
         while not self._stop.is_set():
-            block = not self.engine.active
+            block = not self.engine.active and not self._works
             try:
                 while True:
                     self._handle(*self._commands.get(block=block))
@@ -233,17 +277,25 @@ class EngineThread:
             except queue.Empty:
                 pass
             self._snapshot()  # a request that just arrived shows as active while its prefill runs
-            if self.engine.active:
-                self._step()
+            work_turn = bool(self._works) and (engine_had_turn or not self.engine.active)
+            if self.engine.active:  # on the work's turn the step only decodes: the slice is its chunk of work
+                self._step(prefill=not work_turn)
+            if work_turn:
+                self._slice()
+            engine_had_turn = not work_turn
             self._snapshot()
         self.engine.close()
+        for work in self._works:  # stopping: work that is left is refused
+            work.slices.close()
+            self._settle(work, error=RequestError("the server is shutting down", status=503, kind="server_busy"))
+        self._works.clear()
         for request in set(self._requests.values()):  # stopping: end the streams that are left
             self._deliver(request, None)
         self._requests.clear()
 
-    def _step(self) -> None:
+    def _step(self, prefill: bool = True) -> None:
         try:
-            produced = self.engine.step()
+            produced = self.engine.step() if prefill else self.engine.step(prefill=False)
         except Exception as e:  # noqa: BLE001 - the engine ends a failed sequence itself; this is the last guard
             for uid in list(self._requests):
                 request = self._requests[uid]
@@ -281,11 +333,13 @@ class EngineThread:
 
 
 
-async def chunks_of(engine: EngineThread, request: Request) -> AsyncIterator[Chunk]:
+async def chunks_of(engine: EngineThread, request: Request, group: int | None = None) -> AsyncIterator[Chunk]:
     """A request's chunks as they come: its places taken, the request prepared, then its engine
     chunks (those of n choices interleaved, each with its `index`). Leaving early (a client
-    gone) gives the places back or cancels every choice."""
-    job = _Job(request, asyncio.get_running_loop())
+    gone) gives the places back or cancels every choice. The engine requests of one client
+    request (its prompts) share a `group` (`EngineThread.new_group`): slots are shared fairly
+    between groups."""
+    job = _Job(request, asyncio.get_running_loop(), group)
     engine.reserve(job.places)
     try:
         await engine.prepare(job)

@@ -65,8 +65,9 @@ def router(ctx: Context) -> APIRouter:
                       [Logprobs(tokenizer, chat, rows, as_ids) for _ in range(len(typed) * n)] if rows else None,
                       call_opener(tokenizer) if calls else None, chat and body.legacy, n, o.prediction is not None,
                       bool(body.return_token_details))
-        # each prompt its own request of n sequences (its choices), all decoded together
-        streams = [chunks_of(engine, t) for t in typed]
+        # each prompt its own request of n sequences (its choices), all decoded together, as one group
+        group = engine.new_group()
+        streams = [chunks_of(engine, t, group) for t in typed]
         return await respond_each(request, streams, bool(body.stream), reply.whole,
                                   lambda firsts, rest: reply.events(firsts, rest, body.include_usage))
 
