@@ -34,6 +34,7 @@ from .loading import safetensors_header
 from .models.attention import attention_mask
 from .models.lora import selecting
 from .models.vision import Embedded
+from .slices import Slices, run_whole
 
 Parts = tuple[mx.array, ...]
 KV_BITS = (4, 8)
@@ -574,6 +575,11 @@ class PromptCache:
         With `embedded` (these tokens' inputs, images in) a chunk never ends inside a span that
         attends both ways (it runs longer or stops before it), and every layer takes the prompt's
         position delta; `keys` are what the cache lists for the tokens (`run`)."""
+        run_whole(self.prefill_slices(model, tokens, step, embedded, keys))
+
+    def prefill_slices(self, model, tokens: Sequence[int], step: int = 512, embedded: Embedded | None = None,
+                       keys: Sequence[int] | None = None) -> Slices[None]:
+        """`prefill`, yielding after each chunk (`slices`)."""
         self.checkpoint()
         if embedded is not None:
             self.set_position_delta(embedded.position_delta)
@@ -586,6 +592,7 @@ class PromptCache:
             mx.eval([c.arrays() for c in self.caches])
             self.checkpoint()
             i = j
+            yield
 
     def set_position_delta(self, delta: int) -> None:
         """What positions after this prompt add to the cache offset, on every layer (M-RoPE)."""

@@ -5,7 +5,9 @@ checkpoints, the mean of the tokens otherwise.
 
 Texts are sorted by length and run in batches, right-padded: under the causal mask a real
 token never sees the padding after it, so a text's vector is the same alone or in any batch
-(to float rounding), and sorting keeps the padding short.
+(to float rounding), and sorting keeps the padding short. A forward pass runs at most `chunk`
+tokens, padding included: a text longer than that runs alone, in pieces, through a KV cache.
+A server runs the passes one at a time between engine steps (`embed_slices`).
 """
 
 from __future__ import annotations
@@ -15,15 +17,17 @@ from collections.abc import Sequence
 import mlx.core as mx
 import numpy as np
 
+from .cache import make_cache
 from .checks import integer, is_integer, token_ids
 from .errors import ConfigError, InvalidOptionError
 from .models import CausalLM
-from .models.pooling import pool
+from .models.pooling import Pooling
+from .slices import Slices, run_whole
 from .tokenizer import Tokenizer
 
 Text = str | Sequence[int]
 BATCH_SIZE = 32
-# Padded tokens per forward pass, beyond one text: bounds the memory of the attention scores.
+# Padded tokens per forward pass: bounds the memory of the attention scores.
 BATCH_TOKENS = 8192
 EPS = 1e-12  # a norm below this divides as this (torch's `normalize`, which sentence-transformers uses)
 
@@ -72,12 +76,20 @@ def _ids(model: CausalLM, tokenizer: Tokenizer, text: Text, name: str) -> list[i
 def embed_tokens(model: CausalLM, ids: Sequence[Sequence[int]], *, dimensions: int | None = None,
                  normalize: bool = True, batch_size: int = BATCH_SIZE) -> np.ndarray:
     """`embed` of texts already tokenized (and checked) by `encode_texts`."""
+    return run_whole(embed_slices(model, ids, dimensions=dimensions, normalize=normalize, batch_size=batch_size))
+
+
+def embed_slices(model: CausalLM, ids: Sequence[Sequence[int]], *, dimensions: int | None = None,
+                 normalize: bool = True, batch_size: int = BATCH_SIZE, chunk: int = BATCH_TOKENS
+                 ) -> Slices[np.ndarray]:
+    """`embed_tokens` in slices (`slices`): one forward pass of at most `chunk` tokens each."""
     config = model.sentence_embedding
     width = check_dimensions(model, dimensions)
     integer("batch_size", batch_size, 1)
+    integer("chunk", chunk, 1)
     vectors = np.empty((len(ids), width), dtype=np.float32)
-    for rows in _batches(ids, batch_size):
-        vectors[rows] = _pooled(model, [ids[i] for i in rows], config.modes)
+    for rows in _batches(ids, batch_size, chunk):
+        vectors[rows] = yield from _pooled(model, [ids[i] for i in rows], config.modes, chunk)
     if config.normalize:
         vectors = _unit(vectors)
     if dimensions is not None:
@@ -97,27 +109,31 @@ def check_dimensions(model: CausalLM, dimensions: int | None) -> int:
     return width
 
 
-def _batches(ids: Sequence[Sequence[int]], batch_size: int) -> list[list[int]]:
-    """Indices of `ids` in batches of similar length: at most `batch_size` texts and, past
-    the first, BATCH_TOKENS padded tokens each."""
+def _batches(ids: Sequence[Sequence[int]], batch_size: int, chunk: int) -> list[list[int]]:
+    """Indices of `ids` in batches of similar length: at most `batch_size` texts and, past the
+    first, `chunk` padded tokens each."""
     batches: list[list[int]] = []
     for i in sorted(range(len(ids)), key=lambda i: len(ids[i])):
-        if batches and len(batches[-1]) < batch_size and (len(batches[-1]) + 1) * len(ids[i]) <= BATCH_TOKENS:
+        if batches and len(batches[-1]) < batch_size and (len(batches[-1]) + 1) * len(ids[i]) <= chunk:
             batches[-1].append(i)
         else:
             batches.append([i])
     return batches
 
 
-def _pooled(model: CausalLM, rows: list[Sequence[int]], modes: tuple[str, ...]) -> np.ndarray:
-    """The pooled vectors of one batch, right-padded (with token 0: any id would do, no real
-    token sees it)."""
+def _pooled(model: CausalLM, rows: list[Sequence[int]], modes: tuple[str, ...], chunk: int) -> Slices[np.ndarray]:
+    """The pooled vectors of one batch, right-padded (with token 0: any id would do, no real token
+    sees it), a forward pass at a time: the whole batch, or a text longer than `chunk` in pieces
+    through a KV cache."""
     longest = max(map(len, rows))
     tokens = mx.array([list(r) + [0] * (longest - len(r)) for r in rows], dtype=mx.int32)
-    lengths = mx.array([len(r) for r in rows], dtype=mx.int32)
-    vectors = pool(model.hidden_states(tokens), lengths, modes)
-    mx.eval(vectors)
-    return np.array(vectors)
+    pooling = Pooling([len(r) for r in rows], modes)
+    cache = make_cache(model) if longest > chunk else None
+    for start in range(0, longest, chunk):
+        pooling.add(model.hidden_states(tokens[:, start : start + chunk], cache), start)
+        mx.eval(pooling.arrays(), [c.arrays() for c in cache or ()])
+        yield
+    return np.array(pooling.vectors())
 
 
 def _unit(vectors: np.ndarray) -> np.ndarray:

@@ -22,6 +22,7 @@ from .models.layers import Attention
 from .models.moe import SwitchGLU
 from .sample import SamplingConfig, filtered_probs
 from .shard import layout
+from .slices import Slices, run_whole
 from .terminal import size
 from .tokenizer import Tokenizer
 
@@ -33,17 +34,31 @@ def inspect_pipeline(
     """Run `prompt` (with `images`, its pictures as the engine prepared them) through the model,
     recording each stage; decode `steps` tokens greedily, showing the `top` most likely next
     tokens and their probability after `temperature` and after `top_p` on top of it."""
+    return run_whole(inspect_slices(model, tokenizer, prompt, steps, top, temperature, top_p, images))
+
+
+def inspect_slices(
+    model, tokenizer: Tokenizer, prompt: list[int], steps: int = 5, top: int = 5,
+    temperature: float = 0.7, top_p: float = 0.9, images: ImagePrompt | None = None, chunk: int = 512,
+) -> Slices[dict[str, Any]]:
+    """`inspect_pipeline` in slices (`slices`): the prompt is prefilled `chunk` tokens at a time,
+    then each decode step is one slice; the timings count the work, not the time between slices."""
     cache = PromptCache.for_model(model)
     start = time.perf_counter()
-    if images is None:
-        logits, seen = cache.run(model, prompt)[-1], None
-    else:
+    embedded = seen = None
+    if images is not None:
         embedded = model.embedded(prompt, images.pixels)
-        cache.set_position_delta(embedded.position_delta)
-        logits = cache.run(model, prompt, embedded, images.keys)[-1]
         seen = image_view(model, prompt, images, embedded)
+    keys = images.keys if images is not None else prompt
+    prefill_s = 0.0
+    for _ in cache.prefill_slices(model, prompt[:-1], chunk, embedded, keys[:-1]):
+        prefill_s += time.perf_counter() - start
+        yield
+        start = time.perf_counter()
+    last = None if embedded is None else embedded.slice(len(prompt) - 1, len(prompt))
+    logits = cache.run(model, prompt[-1:], last, keys[-1:])[-1]
     mx.eval(logits)
-    prefill_s = time.perf_counter() - start
+    prefill_s += time.perf_counter() - start
     prompt_bytes = cache.nbytes
     per_token = sum(c.bytes_per_token for c in cache.caches)
     eos = set(tokenizer.eos_token_ids)
@@ -55,6 +70,7 @@ def inspect_pipeline(
         token = step["chosen"]["id"]
         if token in eos or len(decoded) == steps:
             break
+        yield
         start = time.perf_counter()
         logits = cache.run(model, [token])[-1]
         mx.eval(logits)
@@ -63,7 +79,7 @@ def inspect_pipeline(
     return {
         "sharding": layout(model),
         **({"images": seen} if seen is not None else {}),
-        "tokens": [{"id": t, "text": tokenizer.decode([t])} for t in prompt],
+        "tokens": [{"id": t, "text": p} for t, p in zip(prompt, tokenizer.pieces(prompt))],
         "embedding": embedding_view(model, len(prompt)),
         "layers": layers_view(model),
         "kv_cache": {"bytes_per_token": per_token, "prompt_bytes": prompt_bytes, "prompt_tokens": len(prompt),
@@ -133,19 +149,27 @@ def next_token_view(tokenizer: Tokenizer, logits: mx.array, top: int, temperatur
     return {"chosen": entry(chosen), "top": [entry(t) for t in best], "top_p_keeps": int((nucleus > 0).sum().item())}
 
 
-class _Reached(Exception):
-    """Carries a layer's attention input out of a forward pass that need go no further."""
+class _Tap(nn.Module):
+    """Stands in for the chosen layer's attention and keeps its input: a module that is not an
+    `Attention`, so the block takes its per-op path (the fused one never calls its mixer). The
+    rest of the forward pass is built on its zeros but never evaluated."""
 
-    def __init__(self, x: mx.array):
-        super().__init__()
+    def __call__(self, x: mx.array, mask, cache=None, positions=None) -> mx.array:
         self.x = x
+        return mx.zeros_like(x)
 
 
 def attention_weights(model, prompt: list[int], layer: int, head: int) -> list[float]:
-    """How the last token of `prompt` attends over all of it in `layer`'s `head`: the
-    softmax weights, one per token. The forward pass runs (no cache) up to that layer's
-    attention, whose input is taken there; the weights the fused kernel never forms are then
-    spelled out by the layer itself (`Attention.last_weights`)."""
+    """How the last token of `prompt` attends over all of it in `layer`'s `head`: the softmax
+    weights, one per token."""
+    return run_whole(attention_slices(model, prompt, layer, head))
+
+
+def attention_slices(model, prompt: list[int], layer: int, head: int, chunk: int = 512) -> Slices[list[float]]:
+    """`attention_weights` in slices (`slices`): the prompt but its last token is prefilled
+    `chunk` tokens at a time; the last token then runs up to that layer's attention, whose input
+    is taken there, and the weights the fused kernel never forms are spelled out by the layer
+    itself over what its cache keeps (`Attention.last_weights`)."""
     layers = model.layers
     if not 0 <= layer < len(layers):
         raise InvalidOptionError(f"layer {layer} does not exist; this model has layers 0 to {len(layers) - 1}")
@@ -156,19 +180,14 @@ def attention_weights(model, prompt: list[int], layer: int, head: int) -> list[f
                                  "over the context; choose a grouped-query attention layer")
     if not 0 <= head < mixer.n_heads:
         raise InvalidOptionError(f"head {head} does not exist; layer {layer} has heads 0 to {mixer.n_heads - 1}")
-
-    def reached(x: mx.array, mask, cache=None) -> mx.array:
-        raise _Reached(x)
-
-    block[block.mixer_name] = reached
+    cache = PromptCache.for_model(model)
+    yield from cache.prefill_slices(model, prompt[:-1], chunk)
+    block[block.mixer_name] = tap = _Tap()
     try:
-        model(mx.array([prompt]))
-        raise AssertionError("the forward pass did not reach the chosen layer")
-    except _Reached as r:
-        x = r.x
+        cache.run(model, prompt[-1:])
     finally:
         block[block.mixer_name] = mixer
-    return mixer.last_weights(x, block.window)[head].tolist()
+    return mixer.last_weights(tap.x, cache.caches[layer], block.window)[head].tolist()
 
 
 def embedding_view(model, tokens: int) -> dict[str, Any]:

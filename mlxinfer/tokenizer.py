@@ -41,6 +41,9 @@ GENERATION_CONFIG_FILE = "generation_config.json"
 MODEL_CONFIG_FILE = "config.json"
 CHAT_TEMPLATE_JINJA_FILE = "chat_template.jinja"
 CHAT_TEMPLATE_JSON_FILE = "chat_template.json"
+# Characters (or ids) past which encoding (decoding) goes through the batch call that lets go of the
+# GIL: it costs a few microseconds more, which a token's own decode in the streaming loop must not pay.
+LONG = 4096
 
 # The special tokens transformers names by attribute; other `*_token` keys are model-specific extras.
 _STANDARD_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
@@ -109,13 +112,26 @@ class Tokenizer:
             yield tail
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Ids for `text`; BOS/EOS come from tokenizer.json's post-processor when `add_special_tokens`."""
+        """Ids for `text`; BOS/EOS come from tokenizer.json's post-processor when `add_special_tokens`.
+        A long text is encoded as a batch of one, which lets go of the GIL while the Rust tokenizer
+        works (`encode` holds it throughout: megabytes of text would stop every other thread of
+        a server, its engine included, for seconds)."""
+        if len(text) > LONG:
+            return self._backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
-        """Text for `ids`, dropping tokens flagged special when `skip_special_tokens`."""
-        text = self._backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+        """Text for `ids`, dropping tokens flagged special when `skip_special_tokens` (many ids: as
+        a batch of one, letting go of the GIL, as `encode` does)."""
+        ids = [int(i) for i in ids]
+        text = self._backend.decode_batch([ids], skip_special_tokens=skip_special_tokens)[0] if len(ids) > LONG \
+            else self._backend.decode(ids, skip_special_tokens=skip_special_tokens)
         return _clean_up_tokenization(text) if self._clean_up_spaces else text
+
+    def pieces(self, ids: Sequence[int]) -> list[str]:
+        """Each id's own text (`decode` of it alone), all in one call that lets go of the GIL."""
+        texts = self._backend.decode_batch([[int(i)] for i in ids], skip_special_tokens=False)
+        return [_clean_up_tokenization(t) for t in texts] if self._clean_up_spaces else texts
 
     def apply_chat_template(
         self,

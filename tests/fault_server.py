@@ -55,11 +55,11 @@ def wait_for_gate() -> None:
         time.sleep(0.01)
 
 
-def slow_step(self):
+def slow_step(self, prefill=True):
     time.sleep(DELAY)
     if any(s.text.generated and holds(s.prompt, GATE_DECODE) for s in self._decoding):
         wait_for_gate()
-    return step(self)
+    return step(self) if prefill else step(self, prefill=False)
 
 
 def gated_prepare(self, request):

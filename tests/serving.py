@@ -15,6 +15,8 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
 
 import pytest
 
@@ -118,3 +120,49 @@ def post(url: str, body: bytes | dict, key: str | None = KEY, path: str = "/v1/c
             return r.status, json.load(r), dict(r.headers)
     except urllib.error.HTTPError as e:
         return e.code, json.loads(e.read() or b"{}"), dict(e.headers)
+
+
+@dataclass
+class While:
+    """What another client's streamed completion saw while some work ran (`tokens_while`)."""
+
+    tokens: int  # tokens it received meanwhile
+    longest_gap: float  # its longest wait for a token meanwhile, in seconds
+    seconds: float  # how long the work took
+    result: Any  # what the work returned
+
+
+def tokens_while(url: str, work: Callable[[], Any], no_end: Sequence[int], key: str | None = KEY,
+                 max_tokens: int = 200) -> While:
+    """Another client's stream, watched while `work` runs. The stream starts first and `work` runs
+    once tokens flow; the stream must outlast `work` (`no_end`: token ids biased away, the
+    tokenizer's ends, and `max_tokens`). A server that runs `work` in one piece (or holds the
+    GIL or the event loop for it) gives the stream no token meanwhile; one that runs it in slices
+    between engine steps gives it about one token a slice."""
+    body = {"prompt": "once upon a time", "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "logit_bias": {str(t): -100 for t in no_end}}
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
+    request = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(), headers=headers)
+    arrivals: list[float] = []
+    flowing, ended = threading.Event(), threading.Event()
+
+    def read() -> None:
+        with urllib.request.urlopen(request, timeout=120) as r:
+            for line in r:
+                if line.startswith(b"data: {"):
+                    arrivals.append(time.monotonic())
+                    if len(arrivals) == 3:
+                        flowing.set()
+        ended.set()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    assert flowing.wait(60), "the stream gave no tokens"
+    start = time.monotonic()
+    result = work()
+    end = time.monotonic()
+    assert not ended.is_set(), "the stream ended before the work did: give it more tokens"
+    reader.join(120)
+    seen = [t for t in arrivals if start < t < end]
+    marks = [max([t for t in arrivals if t <= start], default=start), *seen, end]
+    return While(len(seen), max(b - a for a, b in zip(marks, marks[1:])), end - start, result)

@@ -181,6 +181,30 @@ def test_pooling_modes(hf_checkpoint, tmp_path, modes, layout):
     np.testing.assert_allclose(ours, st_encode(folder, TEXTS), atol=TOL, rtol=1e-5)
 
 
+@pytest.mark.parametrize("modes", ["mean", "max", "weightedmean", ["lasttoken", "cls", "mean_sqrt_len_tokens"]])
+def test_texts_run_in_pieces_equal_sentence_transformers(hf_checkpoint, tmp_path, modes):
+    """Forward passes of at most 12 tokens (a server's prefill chunk, small): texts longer than that
+    run alone in pieces through a KV cache, the short ones batched; every mode's vectors are
+    sentence-transformers' of the whole texts."""
+    from mlxinfer.embed import embed_slices, encode_texts
+
+    folder = sentence_transformer(hf_checkpoint("llama"), tmp_path / "st", modes, False)
+    model, tokenizer = mlxinfer.load(folder)
+    ids = encode_texts(model, tokenizer, TEXTS)
+    assert max(map(len, ids)) > 3 * 12 and min(map(len, ids)) <= 12
+    slices = embed_slices(model, ids, normalize=False, chunk=12)
+    passes = 0
+    while True:
+        try:
+            next(slices)
+            passes += 1
+        except StopIteration as end:
+            ours = end.value
+            break
+    assert passes >= sum(-(-len(i) // 12) for i in ids if len(i) > 12)
+    np.testing.assert_allclose(ours, st_encode(folder, TEXTS), atol=TOL, rtol=1e-5)
+
+
 def test_plain_checkpoint_is_mean_pooled(hf_checkpoint):
     """No sentence-transformers files: the mean of the final hidden states (transformers'
     `last_hidden_state`, after the final norm) over the text's tokens, normalised."""

@@ -11,13 +11,14 @@ import json
 import math
 import socket
 import sys
+import urllib.request
 from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from serving import Server, marker, post
+from serving import Server, marker, post, tokens_while
 
 openai = pytest.importorskip("openai")
 HERE = Path(__file__).parent
@@ -201,6 +202,60 @@ def test_a_connection_that_never_finishes_its_headers_is_closed(server):
     with socket.create_connection(("127.0.0.1", server.port), timeout=HANG_GUARD) as sock:
         sock.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n")
         assert sock.recv(1024) == b""
+
+
+@pytest.fixture(scope="module")
+def sliced(tiny):
+    """Prefill chunks of 8 tokens and 20 ms per engine step (tests/fault_server.py): model work
+    over a context (a look inside, embeddings) takes many chunks, each a step apart."""
+    s = Server(["-m", str(tiny), "--dtype", "float32", "--prefill-step", "8"], env={"MLXINFER_TEST_STEP_DELAY": "0.02"},
+               script=[sys.executable, str(HERE / "fault_server.py")])
+    yield s
+    s.stop()
+
+
+LONG_CHAT = user(" ".join(["the quick brown fox"] * 45))  # ~190 tokens: 24 chunks of 8
+NO_END = range(3)  # the tiny tokenizer's special tokens: another client's stream outlasts the work
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/inspect", {"messages": LONG_CHAT}),
+    ("/v1/attention", {"messages": LONG_CHAT, "layer": 1, "head": 0}),
+    ("/v1/embeddings", {"input": " ".join(["the quick brown fox"] * 50)}),
+    ("/v1/embeddings", {"input": [f"{i} the quick brown fox jumps over the lazy dog" * 3 for i in range(12)]}),
+], ids=["inspect", "attention", "embed-one-long", "embed-many"])
+def test_model_work_runs_between_another_clients_tokens(sliced, path, body):
+    """A look inside reruns a whole context and embeddings run texts through the model: the server
+    runs them a prefill chunk at a time between decode steps, so a stream being decoded keeps
+    getting tokens while they run (run in one piece, it gets none)."""
+    seen = tokens_while(sliced.url, lambda: post(sliced.url, body, key=None, path=path), NO_END, key=None)
+    status, reply, _ = seen.result
+    assert status == 200, reply
+    assert seen.tokens >= 10, f"the stream got {seen.tokens} tokens while {path} ran"
+
+
+def raw_post(url: str, path: str, body: dict) -> tuple[int, int]:
+    """(status, bytes) of a POST whose answer is not parsed here: parsing megabytes of JSON would
+    hold this process's GIL and delay the other client's reader."""
+    data = json.dumps(body, separators=(",", ":")).encode()
+    request = urllib.request.Request(url + path, data, {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=HANG_GUARD) as r:
+        return r.status, len(r.read())
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/tokenize", {"content": "the quick brown fox jumps over the lazy dog " * 60_000, "with_pieces": True}),
+    ("/tokenize", {"content": "the quick brown fox jumps over the lazy dog " * 80_000}),
+    ("/detokenize", {"tokens": list(range(3, 380)) * 1_900}),
+], ids=["pieces", "ids", "detokenize"])
+def test_megabytes_of_tokens_hold_neither_the_event_loop_nor_the_engine(sliced, path, body):
+    """The tokenizer's own calls let go of the GIL, the ids are checked and the answer encoded off
+    the event loop (a piece at a time), so another client's stream keeps flowing: its longest wait
+    is a small part of the work's time (held in one piece, it waits for all of it)."""
+    seen = tokens_while(sliced.url, lambda: raw_post(sliced.url, path, body), NO_END, key=None, max_tokens=240)
+    assert seen.result[0] == 200
+    assert seen.longest_gap < seen.seconds / 2, \
+        f"the stream waited {seen.longest_gap:.2f} s of the {seen.seconds:.2f} s {path} took"
 
 
 # --- 2. client errors are 400s in OpenAI's shape, nothing coerced ---

@@ -353,9 +353,34 @@ def test_attention_weights_equal_transformers(server, tiny):
         assert body["weights"] == pytest.approx(want, abs=1e-5)
 
 
+@pytest.mark.parametrize("chunk", [5, 64])
+def test_attention_weights_in_chunks_equal_transformers_past_the_window(hf_checkpoint, chunk):
+    """The context prefilled a few tokens at a time (the server's slices), on Gemma 3's sliding
+    layers (window 8, which a 30-token context outgrows) and its full one: transformers' eager
+    attention weights of the last token, masked positions included (as zeros)."""
+    torch = pytest.importorskip("torch")
+    from transformers import AutoModelForCausalLM
+
+    import mlxinfer
+    from mlxinfer.inspection import attention_slices
+    from mlxinfer.slices import run_whole
+
+    folder = hf_checkpoint("gemma3_text", head_dim=32, num_hidden_layers=3, sliding_window=8,
+                           query_pre_attn_scalar=24,
+                           layer_types=["sliding_attention", "full_attention", "sliding_attention"])
+    model, _ = mlxinfer.load(folder, dtype="float32")
+    hf = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager", dtype=torch.float32)
+    ids = [(7 * i + 3) % 500 + 2 for i in range(30)]
+    with torch.no_grad():
+        want = hf(torch.tensor([ids]), output_attentions=True).attentions
+    for layer in range(3):
+        got = run_whole(attention_slices(model, ids, layer, 1, chunk))
+        assert got == pytest.approx(want[layer][0, 1, -1].tolist(), abs=1e-5), f"layer {layer}"
+
+
 def test_attention_is_bounded_and_needs_the_key(server):
     status, body, _ = post(server.url, {"messages": [{"role": "user", "content": "hi " * 3000}]}, path="/v1/attention")
-    assert status == 400 and "at most 2048" in body["error"]["message"]
+    assert status == 400 and "at most 256" in body["error"]["message"]
     status, _, _ = post(server.url, {"messages": [{"role": "user", "content": "hi"}]}, key=None, path="/v1/attention")
     assert status == 401
 

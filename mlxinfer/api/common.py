@@ -209,6 +209,54 @@ def model_body(raw: bytes, kind: type[M], refusal: Callable[[ValidationError], R
         raise refusal(e) from None
 
 
+# Items of a long list encoded per `json.dumps` call (`json_bytes`): a few milliseconds of work each.
+JSON_PIECE = 4096
+
+
+def json_bytes(data: Any) -> bytes:
+    """`data` as JSON (as Starlette's JSONResponse writes it: compact, no NaN), each long list
+    encoded a few thousand items at a time. Why: one `json.dumps` call holds the GIL throughout
+    (a second for a million token pieces), which would stop the engine's thread; between pieces
+    the GIL changes hands."""
+    parts: list[str] = []
+    stack: list[Any] = [data]
+    while stack:
+        value = stack.pop()
+        if isinstance(value, _Raw):
+            parts.append(value.text)
+        elif isinstance(value, dict):
+            items: list[Any] = [_Raw("{")]
+            for i, (key, item) in enumerate(value.items()):
+                items += [_Raw(("," if i else "") + _dumps(str(key)) + ":"), item]
+            stack.extend(reversed([*items, _Raw("}")]))
+        elif isinstance(value, list) and len(value) > JSON_PIECE:
+            pieces = [_Raw(("," if i else "[") + _dumps(value[i:i + JSON_PIECE])[1:-1])
+                      for i in range(0, len(value), JSON_PIECE)]
+            stack.extend(reversed([*pieces, _Raw("]")]))
+        else:
+            parts.append(_dumps(value))
+    return "".join(parts).encode()
+
+
+def _dumps(value: Any) -> str:
+    return json.dumps(value, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+
+
+@dataclass(frozen=True)
+class _Raw:
+    """JSON text already written, in `json_bytes`' stack."""
+
+    text: str
+
+
+async def json_reply(make: Callable[[], Any]) -> Response:
+    """The JSON response of `make()`, made and encoded on a worker thread (`json_bytes`): a reply
+    of megabytes (a long text's token pieces, a scored prompt's logprobs) must not hold the event
+    loop, which every other client's stream goes through. (FastAPI's own encoding of a returned
+    dict walks it in Python on the event loop: 13 s for a million pieces.)"""
+    return Response(await asyncio.to_thread(lambda: json_bytes(make())), media_type="application/json")
+
+
 def sse(data: dict[str, Any] | str, event: str | None = None) -> bytes:
     """One Server-Sent Event; `event` names it (the Responses and Messages APIs do, OpenAI's chat does not)."""
     body = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
@@ -265,7 +313,8 @@ async def respond_each(request: Request, streams: list[AsyncIterator[Chunk]], st
     gone = asyncio.ensure_future(hung_up(request))
     try:
         if not streamed:
-            return JSONResponse(whole(await unless_gone(collect_all(streams), gone)))
+            chunks = await unless_gone(collect_all(streams), gone)
+            return await json_reply(lambda: whole(chunks))
         firsts = await unless_gone(first_chunks(streams), gone)
     except ClientGone:
         return Response(status_code=499)

@@ -2,28 +2,27 @@
 token ids or a list of token-id lists; `dimensions`; `encoding_format` float or base64
 (little-endian float32, as the openai client decodes it, and asks for by default).
 
-Texts are tokenized and checked off the event loop; the model runs on the engine thread
-(`EngineThread.call`), a few texts per call, so the streams being decoded keep stepping
-between them.
+Texts are tokenized and checked off the event loop; the model runs on the engine thread one
+forward pass of at most a prefill chunk at a time (`EngineThread.run_slices`), so the streams
+being decoded keep stepping between them.
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
-from functools import partial
 from typing import Any, Literal
 
 import numpy as np
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 from pydantic import Field, field_validator
 from pydantic_core import PydanticCustomError
 
 from ..checks import is_integer
-from ..embed import BATCH_SIZE, check_dimensions, embed_tokens, encode_texts
+from ..embed import check_dimensions, embed_slices, encode_texts
 from ..errors import MlxinferError
-from .common import ClientGone, Context, RequestError, hung_up, json_body, unless_gone
+from .common import ClientGone, Context, RequestError, hung_up, json_body, json_reply, unless_gone
 from .openai_schema import Strict, validated
 
 MAX_INPUTS = 2048  # texts per request, as OpenAI allows
@@ -63,11 +62,6 @@ def router(ctx: Context) -> APIRouter:
     api = APIRouter()
     model, tokenizer, engine, config = ctx.model, ctx.tokenizer, ctx.engine, ctx.config
 
-    async def vectors(ids: list[list[int]], dimensions: int | None) -> np.ndarray:
-        parts = [await engine.call(partial(embed_tokens, model, ids[i:i + BATCH_SIZE], dimensions=dimensions))
-                 for i in range(0, len(ids), BATCH_SIZE)]
-        return np.concatenate(parts)
-
     @api.post("/embeddings")
     async def embeddings(request: Request):
         body = validated(await json_body(request, config.max_body), Embeddings)
@@ -81,14 +75,16 @@ def router(ctx: Context) -> APIRouter:
             raise RequestError(str(e), "input") from None
         gone = asyncio.ensure_future(hung_up(request))
         try:
-            result = await unless_gone(vectors(ids, body.dimensions), gone)
+            result = await unless_gone(engine.run_slices(embed_slices(model, ids, dimensions=body.dimensions,
+                                                                      chunk=engine.engine.prefill_step)), gone)
         except ClientGone:
             return Response(status_code=499)
         finally:
             gone.cancel()
         tokens = sum(map(len, ids))
-        return JSONResponse({"object": "list", "data": [item(i, v, body.encoding_format) for i, v in enumerate(result)],
-                             "model": config.model_name, "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
+        return await json_reply(lambda: {
+            "object": "list", "data": [item(i, v, body.encoding_format) for i, v in enumerate(result)],
+            "model": config.model_name, "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
 
     return api
 

@@ -18,7 +18,7 @@ import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable, Generator, TypeVar
+from typing import Any, AsyncIterator, Callable, TypeVar
 
 import mlx.core as mx
 
@@ -27,6 +27,7 @@ from ..errors import MlxinferError
 from ..generate import Chunk
 from ..replica import Replica
 from ..request import Request
+from ..slices import Slices
 from .common import RequestError, server_error
 from .metrics import Metrics
 
@@ -34,9 +35,6 @@ RETRY_AFTER_SECONDS = 1
 # Threads that prepare requests (render, tokenize, compile grammars) beside the engine thread.
 PREPARE_THREADS = 2
 T = TypeVar("T")
-# Model work that is not a generation (inspection, embeddings): a generator that yields after each
-# piece of at most one prefill chunk of work and returns its result.
-Slices = Generator[None, None, T]
 
 
 @dataclass(eq=False)

@@ -7,10 +7,11 @@ app's "Look inside" (and any client).
 - `/v1/attention` {"messages", "reply", "layer", "head"}: the attention weights of the last
   token of prompt + reply over all of it, in one layer and head (`inspection.attention_weights`).
 
-Both rerun the model over the context, on the engine thread between decode steps, so the
-context is bounded (MAX_TOKENS). Attention weights expose more of the model than its text
-does and cost a forward pass each: the server offers them on a loopback address, or behind
---api-key elsewhere (`ServerConfig.attention`).
+Both rerun the model over the context on the engine thread, one prefill chunk at a time between
+the engine's own steps (`EngineThread.run_slices`), so no other stream waits longer than a chunk
+for them; the context is bounded (MAX_TOKENS). Attention weights expose more of the model than
+its text does and cost a forward pass each: the server offers them on a loopback address, or
+behind --api-key elsewhere (`ServerConfig.attention`).
 """
 
 from __future__ import annotations
@@ -22,12 +23,12 @@ from pydantic import Field, field_validator
 from pydantic_core import PydanticCustomError
 
 from ..guard import LOOPBACK_NAMES
-from ..inspection import attention_weights, inspect_pipeline
-from .common import Context, RequestError, json_body
+from ..inspection import attention_slices, inspect_slices
+from .common import Context, RequestError, json_body, json_reply
 from .openai_schema import ImagePart, Message, Strict, validated
 from .tokens import chat_prompt
 
-MAX_TOKENS = 2048  # context a look inside reruns at most
+MAX_TOKENS = 8192  # context a look inside reruns at most
 
 
 class Inspect(Strict):
@@ -60,10 +61,11 @@ def router(ctx: Context) -> APIRouter:
     """The routes, under the server's /v1 prefix."""
     api = APIRouter()
 
+    limit = min(MAX_TOKENS, ctx.model.config.max_position_embeddings)
+
     def bounded(ids: list[int]) -> list[int]:
-        if len(ids) > MAX_TOKENS:
-            raise RequestError(f"the context is {len(ids)} tokens; a look inside reruns at most {MAX_TOKENS}",
-                               "messages")
+        if len(ids) > limit:
+            raise RequestError(f"the context is {len(ids)} tokens; a look inside reruns at most {limit}", "messages")
         if not ids:
             raise RequestError("the messages render to no tokens", "messages")
         return ids
@@ -73,7 +75,9 @@ def router(ctx: Context) -> APIRouter:
         body = validated(await json_body(request, ctx.config.max_body), Inspect)
         ids, images = await asyncio.to_thread(chat_prompt, ctx, body.messages)
         bounded(ids)
-        return await ctx.engine.call(lambda: inspect_pipeline(ctx.model, ctx.tokenizer, ids, steps=1, images=images))
+        report = await ctx.engine.run_slices(inspect_slices(ctx.model, ctx.tokenizer, ids, steps=1, images=images,
+                                                            chunk=ctx.engine.engine.prefill_step))
+        return await json_reply(lambda: report)
 
     @api.post("/attention")
     async def attention(request: Request):
@@ -86,8 +90,9 @@ def router(ctx: Context) -> APIRouter:
             return chat_prompt(ctx, body.messages)[0] + ctx.tokenizer.encode(body.reply, False)
 
         ids = bounded(await asyncio.to_thread(context))
-        weights = await ctx.engine.call(lambda: attention_weights(ctx.model, ids, body.layer, body.head))
-        return {"layer": body.layer, "head": body.head, "weights": weights,
-                "tokens": [{"id": i, "text": ctx.tokenizer.decode([i])} for i in ids]}
+        weights = await ctx.engine.run_slices(attention_slices(ctx.model, ids, body.layer, body.head,
+                                                               ctx.engine.engine.prefill_step))
+        return await json_reply(lambda: {"layer": body.layer, "head": body.head, "weights": weights, "tokens": [
+            {"id": i, "text": p} for i, p in zip(ids, ctx.tokenizer.pieces(ids))]})
 
     return api

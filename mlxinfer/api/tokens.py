@@ -14,7 +14,6 @@ a conversation's tokens before sending it.
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -23,7 +22,7 @@ from pydantic_core import PydanticCustomError
 
 from ..checks import token_ids
 from ..generate import ImagePrompt, image_prompt, tool_plan
-from .common import Context, RequestError, json_body
+from .common import Context, RequestError, json_body, json_reply
 from .openai_schema import ChatCompletion, Message, Strict, validated
 
 
@@ -97,20 +96,23 @@ def router(ctx: Context) -> APIRouter:
             ids = chat_prompt(ctx, body.messages, body.tools)[0]
         else:
             ids = tokenizer.encode(body.content if body.content is not None else body.prompt, body.add_bos())
-        tokens: list[Any] = [{"id": i, "piece": tokenizer.decode([i])} for i in ids] if body.with_pieces else ids
+        tokens: list[Any] = [{"id": i, "piece": p} for i, p in zip(ids, tokenizer.pieces(ids))] if body.with_pieces \
+            else ids
         strs = [tokenizer.backend.id_to_token(i) for i in ids] if body.return_token_strs else None
         return {"tokens": tokens, "count": len(ids), "max_model_len": context, "token_strs": strs}
 
     @api.post("/tokenize")
     async def tokenize_route(request: Request):
         body = validated(await json_body(request, ctx.config.max_body), Tokenize)
-        return await asyncio.to_thread(tokenize, body)  # a long text or template must not stall the event loop
+        return await json_reply(lambda: tokenize(body))  # a long text or template must not stall the event loop
 
     @api.post("/detokenize")
     async def detokenize(request: Request):
         body = validated(await json_body(request, ctx.config.max_body), Detokenize)
-        ids = token_ids(body.tokens, tokenizer.vocab_size, "tokens")
-        text = await asyncio.to_thread(tokenizer.decode, ids)
-        return {"content": text, "prompt": text}
+        def detokenized() -> dict[str, str]:
+            text = tokenizer.decode(token_ids(body.tokens, tokenizer.vocab_size, "tokens"))
+            return {"content": text, "prompt": text}
+
+        return await json_reply(detokenized)
 
     return api

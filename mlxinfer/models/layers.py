@@ -280,31 +280,38 @@ class Attention(nn.Module):
         o = o.transpose(0, 2, 1, 3).reshape(B, T, -1)
         return self.o_proj(o if gate is None else o * mx.sigmoid(gate))
 
-    def last_weights(self, x: mx.array, window: int | None) -> mx.array:
-        """The attention weights [heads, T] of the last of `x`'s T positions (one sequence, from
-        position 0, no cache) over all of them: what `__call__` computes inside the fused kernel,
-        spelled out so they can be shown. A head's row sums to 1, less what its sink takes."""
-        B, T, _ = x.shape
-        q, k, _ = self._qkv(x)
-        q = q[:, -1:]
+    def last_weights(self, x: mx.array, cache, window: int | None) -> np.ndarray:
+        """The attention weights [heads, T] of the one position `x` [1, 1, hidden] holds over the
+        T up to it: its key and value are stored in `cache` (this layer's, not quantized) and it
+        attends over what that keeps, as `__call__` does inside the fused kernel, spelled out so
+        they can be shown; positions the cache no longer keeps (outside a sliding window) weigh
+        0. A head's row sums to 1, less what its sink takes."""
+        q, k, v = self._qkv(x)
         if self.output_gate:  # each head's rows: its query, then its gate
-            q = mx.split(q.reshape(B, 1, self.n_heads, 2 * self.head_dim), 2, axis=-1)[0].reshape(B, 1, -1)
+            q = mx.split(q.reshape(1, 1, self.n_heads, 2 * self.head_dim), 2, axis=-1)[0].reshape(1, 1, -1)
         q = self._heads(q, self.n_heads, getattr(self, "q_norm", None))
         k = self._heads(k, self.n_kv_heads, getattr(self, "k_norm", None))
         if self.rope is not None:
-            q, k = self.rope(q, T - 1), self.rope(k, 0)
+            q, k = self.rope(q, offsets(cache)), self.rope(k, offsets(cache))
+        at = cache.offset  # the query's position
+        k = cache.update_and_fetch(k, self._heads(v, self.n_kv_heads))[0][0]
+        kept = cache.positions()  # each stored key's position, in storage order
         group = self.n_heads // self.n_kv_heads
         q = q.astype(mx.float32).reshape(self.n_kv_heads, group, self.head_dim) * self.scale
-        scores = (q @ k[0].astype(mx.float32).swapaxes(-1, -2)).reshape(self.n_heads, T)
+        scores = (q @ k[0].astype(mx.float32).swapaxes(-1, -2)).reshape(self.n_heads, -1)
         if self.softcap is not None:
             scores = mx.tanh(scores / self.softcap) * self.softcap
-        if window is not None and T > window:
-            scores = mx.where(mx.arange(T) > T - 1 - window, scores, -mx.inf)
+        seen = (kept <= at) & ((kept > at - window) if window is not None else True)
+        scores = mx.where(mx.array(seen), scores, -mx.inf)
         sinks = self.get("sinks")
         if sinks is None:
-            return mx.softmax(scores, axis=-1, precise=True)
-        full = mx.softmax(mx.concatenate([scores, sinks.astype(mx.float32)[:, None]], axis=-1), axis=-1, precise=True)
-        return full[:, :-1]
+            probs = mx.softmax(scores, axis=-1, precise=True)
+        else:
+            probs = mx.softmax(mx.concatenate([scores, sinks.astype(mx.float32)[:, None]], axis=-1), axis=-1,
+                               precise=True)[:, :-1]
+        weights = np.zeros((self.n_heads, at + 1), dtype=np.float32)
+        weights[:, kept[seen]] = np.array(probs)[:, seen]
+        return weights
 
 
 GATE_ACTIVATIONS = {"silu": nn.silu, "gelu_pytorch_tanh": nn.gelu_approx}

@@ -31,24 +31,57 @@ class EmbeddingConfig:
     refusal: str | None = None  # why this checkpoint's pipeline cannot be run here (a module we lack)
 
 
-def pool(hidden: mx.array, lengths: mx.array, modes: tuple[str, ...]) -> mx.array:
-    """[B, D * len(modes)] float32 vectors of the right-padded `hidden` [B, T, D], row b
-    holding `lengths[b]` (int32 [B]) real tokens."""
-    hidden = hidden.astype(mx.float32)
-    real = (mx.arange(hidden.shape[1])[None] < lengths[:, None])[..., None]  # [B, T, 1]
-    counts = lengths[:, None].astype(mx.float32)
-    return mx.concatenate([_pool_one(hidden, real, counts, lengths, m) for m in modes], axis=-1)
+class Pooling:
+    """The pooled vectors of right-padded rows, row b holding `lengths[b]` real tokens, from their
+    final hidden states given a piece at a time (a long text runs in chunks): `add` each piece of
+    columns in order, then `vectors` is [B, D * len(modes)] float32. Each mode keeps what its
+    formula needs (the first or last real token, a running max, sums), so the vectors are those
+    of the whole rows at once, to float rounding."""
+
+    def __init__(self, lengths: list[int], modes: tuple[str, ...]):
+        self.lengths, self.modes = mx.array(lengths, dtype=mx.int32), modes
+        self.kept: dict[str, list[mx.array]] = {}
+
+    def add(self, hidden: mx.array, start: int) -> None:
+        """Hidden states [B, T, D] of columns start .. start + T."""
+        hidden = hidden.astype(mx.float32)
+        columns = mx.arange(start, start + hidden.shape[1])
+        real = (columns[None] < self.lengths[:, None])[..., None]  # [B, T, 1]
+        for mode in self.modes:
+            self.kept[mode] = _fold(mode, self.kept.get(mode), hidden, real, columns, start, self.lengths)
+
+    def arrays(self) -> list[mx.array]:
+        return [a for kept in self.kept.values() for a in kept]
+
+    def vectors(self) -> mx.array:
+        counts = self.lengths[:, None].astype(mx.float32)
+        return mx.concatenate([_finish(mode, self.kept[mode], counts) for mode in self.modes], axis=-1)
 
 
-def _pool_one(hidden: mx.array, real: mx.array, counts: mx.array, lengths: mx.array, mode: str) -> mx.array:
+def _fold(mode: str, kept: list[mx.array] | None, hidden: mx.array, real: mx.array, columns: mx.array, start: int,
+          lengths: mx.array) -> list[mx.array]:
+    """What `mode` keeps after one more piece of columns."""
     if mode == "cls":
-        return hidden[:, 0]
+        return kept if start else [hidden[:, 0]]
     if mode == "lasttoken":
-        return mx.take_along_axis(hidden, (lengths - 1)[:, None, None], axis=1)[:, 0]
+        at = lengths - 1 - start  # the last real token's column within this piece
+        inside = ((at >= 0) & (at < hidden.shape[1]))[:, None]
+        last = mx.take_along_axis(hidden, mx.clip(at, 0, hidden.shape[1] - 1)[:, None, None], axis=1)[:, 0]
+        return [mx.where(inside, last, kept[0]) if kept else last]
     if mode == "max":
-        return mx.where(real, hidden, -mx.inf).max(axis=1)
+        top = mx.where(real, hidden, -mx.inf).max(axis=1)
+        return [mx.maximum(kept[0], top) if kept else top]
     if mode == "weightedmean":  # the i-th real token weighs i
-        weights = (mx.arange(1, hidden.shape[1] + 1, dtype=mx.float32)[None, :, None]) * real
-        return (hidden * weights).sum(axis=1) / weights.sum(axis=1)
-    total = mx.where(real, hidden, 0.0).sum(axis=1)
-    return total / (counts if mode == "mean" else mx.sqrt(counts))
+        weights = (columns + 1).astype(mx.float32)[None, :, None] * real
+        sums = [(hidden * weights).sum(axis=1), weights.sum(axis=1)]
+    else:
+        sums = [mx.where(real, hidden, 0.0).sum(axis=1)]
+    return [a + b for a, b in zip(kept, sums)] if kept else sums
+
+
+def _finish(mode: str, kept: list[mx.array], counts: mx.array) -> mx.array:
+    if mode in ("cls", "lasttoken", "max"):
+        return kept[0]
+    if mode == "weightedmean":
+        return kept[0] / kept[1]
+    return kept[0] / (counts if mode == "mean" else mx.sqrt(counts))
