@@ -495,7 +495,34 @@ def load_model(path: Path, dtype: str | mx.Dtype | None = None, shard: str | Non
         if shard == "pipeline":
             model.model = Stage(model.model, place, mine.start)
         model.shard = place
+    mx.eval(held_arrays(model))
     return model
+
+
+def held_arrays(model: nn.Module) -> list[mx.array]:
+    """Every array the model holds, parameters or not: modules' underscored members and the
+    arrays of our own plain objects in them (a RoPE's frequency table, M-RoPE's axes, a vision
+    tower's constants). Loading evaluates them all because an array left lazy is a graph on the
+    loading thread's stream, and another thread evaluating it (a server's engine thread) fails
+    ("There is no Stream(cpu, 0) in current thread")."""
+    found: list[mx.array] = []
+    seen: set[int] = set()
+    todo: list[Any] = [model]
+    while todo:
+        item = todo.pop()
+        if id(item) in seen:
+            continue
+        seen.add(id(item))
+        if isinstance(item, mx.array):
+            found.append(item)
+            continue
+        if isinstance(item, dict):
+            todo.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            todo.extend(item)
+        if isinstance(item, nn.Module) or type(item).__module__.startswith(__package__ + "."):
+            todo.extend(getattr(item, "__dict__", {}).values())
+    return found
 
 
 def placement(shard: str | None, group=None) -> Shard | None:
