@@ -510,10 +510,10 @@ def load_model(path: Path, dtype: str | mx.Dtype | None = None, shard: str | Non
 
 def held_arrays(model: nn.Module) -> list[mx.array]:
     """Every array the model holds, parameters or not: modules' underscored members and the
-    arrays of our own plain objects in them (a RoPE's frequency table, M-RoPE's axes, a vision
-    tower's constants). Loading evaluates them all because an array left lazy is a graph on the
-    loading thread's stream, and another thread evaluating it (a server's engine thread) fails
-    ("There is no Stream(cpu, 0) in current thread")."""
+    arrays of our own plain objects in them (a RoPE's frequency table, which M-RoPE computes
+    lazily at construction; a vision tower's constants). Loading evaluates them all because an
+    array left lazy is a graph on the loading thread's stream, and another thread evaluating it
+    (a server's engine thread) fails ("There is no Stream(cpu, 0) in current thread")."""
     found: list[mx.array] = []
     seen: set[int] = set()
     todo: list[Any] = [model]
