@@ -646,10 +646,11 @@ def serve(model, dtype, host, port, max_concurrency, max_queue, max_kv_size, kv_
                                "prompt_lookup": prompt_lookup or None,
                                "pool": PromptCachePool(prompt_cache_bytes, measure) if prompt_cache_bytes else None,
                                "image_sources": frozenset({DATA, HTTP} if allow_image_urls else {DATA}),
-                               "image_limits": replace(LIMITS, url_seconds=image_url_timeout or LIMITS.url_seconds,
-                                                       max_images=images_per_request or LIMITS.max_images,
-                                                       max_request_pixels=pixels_per_request or LIMITS.max_request_pixels,
-                                                       allowed_hosts=frozenset(",".join(image_hosts).split(",")))}
+                               "image_limits": replace(
+                                   LIMITS, url_seconds=image_url_timeout or LIMITS.url_seconds,
+                                   max_images=images_per_request or LIMITS.max_images,
+                                   max_request_pixels=pixels_per_request or LIMITS.max_request_pixels,
+                                   allowed_hosts=frozenset(",".join(image_hosts).split(",")))}
     options = {k: v for k, v in options.items() if v is not None}
     replica = replica_for(m, tokenizer, max_batch=max_concurrency, **options)
     if followed(replica):

@@ -206,5 +206,6 @@ def _left(deadline: float) -> float:
 
 @functools.cache
 def _tls() -> ssl.SSLContext:
-    """Certificates checked against the system's authorities, the host name against them (one context: loading them is slow)."""
+    """Certificates checked against the system's authorities, and the host name against them
+    (one context for every fetch: loading the authorities is slow)."""
     return ssl.create_default_context()

@@ -112,7 +112,7 @@ class LazyImage:
         with _read_as_image():
             image = Image.open(io.BytesIO(self.data), formats=FORMATS)
             image.load()
-            image = ImageOps.exif_transpose(image, in_place=True) or image
+            ImageOps.exif_transpose(image, in_place=True)  # no copy: one full-size image at a time
             return image if image.mode == "RGB" else image.convert("RGB")
 
     def encoded(self) -> str:
@@ -251,7 +251,7 @@ def _download(url: str, limits: ImageLimits, deadline: float) -> bytes:
     try:
         return fetch(url, limits.max_bytes, deadline, limits.allowed_hosts)
     except NotFetched as e:
-        log.warning("image URL %s not fetched: %s", _one_line(url)[:200], _one_line(e))
+        log.warning("image URL %s not fetched: %s", _one_line(url), _one_line(e))
         raise ImageError(f"the image URL was not fetched (only public http(s) addresses are fetched, each image "
                          f"within {limits.max_bytes:,} bytes and a request's within {limits.url_seconds:g} s); "
                          "send the image inline as a data: URL") from None

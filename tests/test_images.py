@@ -5,11 +5,13 @@ token counts; and bad images refused in one line."""
 from __future__ import annotations
 
 import base64
+import contextlib
 import io
 import json
 import struct
 import warnings
 import zlib
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -231,8 +233,9 @@ LOCAL = frozenset({"127.0.0.1"})
 
 
 class Pictures:
-    """A loopback HTTP server: /a.png is a picture, /to?url=U redirects to U, anything else a 404;
-    `asked` lists the paths it was asked for."""
+    """A loopback HTTP server: /a.png is a picture, /held.png the same once `release` is set,
+    /to?url=U redirects to U, anything else a 404. `asked` lists the paths it was asked for, in
+    order; `arrived` is notified as each is."""
 
     def __init__(self):
         import http.server
@@ -240,13 +243,18 @@ class Pictures:
         import urllib.parse
 
         self.raw, self.asked = encoded(picture(20, 10, seed=3)), []
+        self.arrived, self.release = threading.Condition(), threading.Event()
         outer = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
             def do_GET(self):  # noqa: N802 - http.server's name
-                outer.asked.append(self.path)
+                with outer.arrived:
+                    outer.asked.append(self.path)
+                    outer.arrived.notify_all()
                 query = urllib.parse.parse_qs(urllib.parse.urlsplit(self.path).query)
-                if self.path == "/a.png":
+                if self.path in ("/a.png", "/held.png"):
+                    if self.path == "/held.png":
+                        outer.release.wait(HANG_GUARD)
                     self.send_response(200)
                     self.send_header("Content-Length", str(len(outer.raw)))
                     self.end_headers()
@@ -267,8 +275,37 @@ class Pictures:
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
     def close(self) -> None:
+        self.release.set()
         self.server.shutdown()
         self.server.server_close()
+
+
+@contextlib.contextmanager
+def dripping(where: str) -> Iterator[int]:
+    """A loopback port whose one connection answers a byte every 20 ms, never quiet long enough
+    for a read to time out: its status line on (`where` "headers"), or after its headers a body
+    of a megabyte ("body"), until the block ends."""
+    import socket
+    import threading
+
+    stop = threading.Event()
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def drip() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            conn.recv(65536)
+            if where == "body":
+                conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: image/png\r\nContent-Length: 1000000\r\n\r\n")
+            while not stop.wait(0.02):
+                conn.sendall(b"H" if where == "headers" else b"\x00")
+
+    threading.Thread(target=drip, daemon=True).start()
+    try:
+        yield listener.getsockname()[1]
+    finally:
+        stop.set()
+        listener.close()
 
 
 @pytest.fixture
@@ -413,34 +450,16 @@ def test_a_dripping_sender_is_cut_at_the_deadline(where):
     """A sender that drips a byte at a time, in its headers or its body, never letting a read
     time out, is cut off at the request's deadline (0.5 s), not after some large read fills;
     the refusal names the bound. Bounded here only by the hang guard."""
-    import socket
     import threading
 
-    stop = threading.Event()
-    listener = socket.create_server(("127.0.0.1", 0))
-
-    def drip() -> None:
-        conn, _ = listener.accept()
-        with conn:
-            conn.recv(65536)
-            if where == "body":
-                conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 1000000\r\n\r\n")
-            while not stop.wait(0.02):
-                conn.sendall(b"H" if where == "headers" else b"\x00")
-
-    threading.Thread(target=drip, daemon=True).start()
     got: list = []
-    url = f"http://127.0.0.1:{listener.getsockname()[1]}/slow.png"
-    worker = threading.Thread(target=lambda: got.append(fetched(url, ImageLimits(url_seconds=0.5,
-                                                                                  allowed_hosts=LOCAL))))
-    try:
+    with dripping(where) as port:
+        worker = threading.Thread(target=lambda: got.append(fetched(
+            f"http://127.0.0.1:{port}/slow.png", ImageLimits(url_seconds=0.5, allowed_hosts=LOCAL))))
         worker.start()
         worker.join(HANG_GUARD)
         assert not worker.is_alive(), "the download was not cut off"
-        assert isinstance(got[0], ImageError) and "not fetched" in str(got[0]) and "0.5 s" in str(got[0])
-    finally:
-        stop.set()
-        listener.close()
+    assert isinstance(got[0], ImageError) and "not fetched" in str(got[0]) and "0.5 s" in str(got[0])
 
 
 # ---- a request's images: how many, their pixels together, read before anything is decoded ----

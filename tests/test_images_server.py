@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 from conftest import train_tokenizer
 from serving import KEY, Server, post
-from test_images import Pictures, encoded, picture
+from test_images import Pictures, dripping, encoded, picture
 
 HANG_GUARD = 120  # seconds: a bound no healthy run comes near, even on a busy machine
 VISION_TOKENS = ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>")
@@ -124,24 +124,9 @@ def test_a_dripping_sender_is_a_400_at_the_bound(server):
     """A sender that drips its body a byte at a time (never quiet long enough for a read to time
     out) is cut off at --image-url-timeout: a 400 naming the bound, not a request held for as long
     as the sender likes (here: until the test ends)."""
-    stop = threading.Event()
-    listener = socket.create_server(("127.0.0.1", 0))
-
-    def drip() -> None:
-        conn, _ = listener.accept()
-        with conn:
-            conn.recv(65536)
-            conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: image/png\r\nContent-Length: 1000000\r\n\r\n")
-            while not stop.wait(0.05):
-                conn.sendall(b"\x00")
-
-    threading.Thread(target=drip, daemon=True).start()
-    try:
-        status, body, _ = post(server.url, chat(f"http://127.0.0.1:{listener.getsockname()[1]}/slow.png"))
-        assert status == 400 and "not fetched" in body["error"]["message"] and "1 s" in body["error"]["message"]
-    finally:
-        stop.set()
-        listener.close()
+    with dripping("body") as port:
+        status, body, _ = post(server.url, chat(f"http://127.0.0.1:{port}/slow.png"))
+    assert status == 400 and "not fetched" in body["error"]["message"] and "1 s" in body["error"]["message"]
 
 
 def test_a_requests_images_are_bounded_in_count_and_pixels(server):
@@ -159,52 +144,32 @@ def test_a_requests_images_are_bounded_in_count_and_pixels(server):
     assert post(server.url, chat(big))[0] == 200
 
 
-def test_image_downloads_never_hold_the_workers_others_need(vlm):
+def test_image_downloads_never_hold_the_workers_others_need(vlm, pictures):
     """As many downloads as asyncio's shared worker pool has threads (what /tokenize, token counts
     and inline images run on), each held by its sender until the test lets go: the server takes
     a few on its own download threads and answers the rest 503 with Retry-After, and meanwhile
     /tokenize, Anthropic's count_tokens and a chat with an inline image are answered. Then the
     held downloads finish."""
     workers = min(32, (os.cpu_count() or 1) + 4)  # ThreadPoolExecutor's default, asyncio's shared pool
-    held, release = threading.Condition(), threading.Event()
-    seen = {"asked": 0, "busy": 0}
-    raw = encoded(picture(40, 30))
-
-    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-
-    class Held(BaseHTTPRequestHandler):
-        def do_GET(self):  # noqa: N802 - http.server's name
-            with held:
-                seen["asked"] += 1
-                held.notify_all()
-            release.wait(HANG_GUARD)
-            self.send_response(200)
-            self.send_header("Content-Length", str(len(raw)))
-            self.end_headers()
-            self.wfile.write(raw)
-
-        def log_message(self, *args):
-            pass
-
-    images = ThreadingHTTPServer(("127.0.0.1", 0), Held)
-    threading.Thread(target=images.serve_forever, daemon=True).start()
     server = Server(["-m", str(vlm), "--dtype", "float32", "--api-key", KEY, "--allow-image-urls",
                      "--allow-image-hosts", "127.0.0.1", "--image-url-timeout", "600"])
     results: list = []
 
     def download() -> None:
-        result = post(server.url, chat(f"http://127.0.0.1:{images.server_address[1]}/held.png"))
-        with held:
+        result = post(server.url, chat(f"http://127.0.0.1:{pictures.port}/held.png"))
+        with pictures.arrived:
             results.append(result)
-            seen["busy"] += result[0] == 503
-            held.notify_all()
+            pictures.arrived.notify_all()
+
+    def busy() -> list:
+        return [r for r in results if r[0] == 503]
 
     senders = [threading.Thread(target=download, daemon=True) for _ in range(workers)]
     try:
         for t in senders:
             t.start()
-        with held:
-            assert held.wait_for(lambda: seen["asked"] + seen["busy"] == workers, HANG_GUARD), seen
+        with pictures.arrived:  # each download is either held by its sender or refused
+            assert pictures.arrived.wait_for(lambda: len(pictures.asked) + len(busy()) == workers, HANG_GUARD)
         status, body, _ = post(server.url, {"content": "Hello there"}, path="/tokenize")
         assert status == 200 and body["count"] > 0, body
         block = {"type": "image", "source": {"type": "base64", "media_type": "image/png",
@@ -213,18 +178,15 @@ def test_image_downloads_never_hold_the_workers_others_need(vlm):
             block, {"type": "text", "text": "What?"}]}]}, path="/v1/messages/count_tokens")
         assert status == 200 and body["input_tokens"] > 16, body
         assert post(server.url, chat(inline()))[0] == 200
-        busy = [r for r in results if r[0] == 503]
-        assert busy and all(r[1]["error"]["type"] == "server_busy" and "retry-after" in map(str.lower, r[2])
-                            for r in busy)
-        release.set()
+        assert busy() and all(r[1]["error"]["type"] == "server_busy" and "retry-after" in map(str.lower, r[2])
+                              for r in busy())
+        pictures.release.set()
         for t in senders:
             t.join(HANG_GUARD)
-        assert sorted(r[0] for r in results) == [200] * seen["asked"] + [503] * seen["busy"]
+        assert sorted(r[0] for r in results) == [200] * len(pictures.asked) + [503] * len(busy())
     finally:
-        release.set()
+        pictures.release.set()
         server.stop()
-        images.shutdown()
-        images.server_close()
 
 
 def test_a_requests_images_are_decoded_one_at_a_time(vlm, monkeypatch):
@@ -255,3 +217,14 @@ def test_a_requests_images_are_decoded_one_at_a_time(vlm, monkeypatch):
     request = engine.request(chat(*[inline(300 + i, 200) for i in range(3)])["messages"])
     engine.prepare(request)
     assert alive == [0, 0, 0]
+
+
+def test_allowed_image_hosts_need_image_urls(tmp_path):
+    """--allow-image-hosts widens where image URLs may be fetched from: alone it would fetch
+    nothing, so it is a usage error naming the flag it needs, before any model is loaded."""
+    from click.testing import CliRunner
+
+    from mlxinfer.cli import main
+
+    result = CliRunner().invoke(main, ["serve", "--allow-image-hosts", "localhost", "-m", str(tmp_path / "none")])
+    assert result.exit_code == 2 and "pass --allow-image-urls too" in result.output and "Traceback" not in result.output

@@ -70,7 +70,8 @@ class EngineThread:
     the engine ends it, so a request whose client vanished still frees its place when it
     stops. `health` is a snapshot the engine thread refreshes before and after every step,
     so the event loop never touches the engine. For a model sharded across ranks the engine is
-    a `Replica`, whose rounds the other ranks follow."""
+    a `Replica`, whose rounds the other ranks follow. A request whose images are downloaded is
+    made on threads of its own (`download`): slow image senders never hold the shared workers."""
 
     def __init__(self, engine: BatchGenerator, max_queued: int = 32):
         self.engine, self.max_queued = engine, max_queued
