@@ -76,9 +76,14 @@ def pictures():
     server.close()
 
 
-def chat(*urls: str) -> dict:
+def messages(*urls: str) -> dict:
+    """A body of one user message showing images at `urls` (what /tokenize takes)."""
     content = [*({"type": "image_url", "image_url": {"url": u}} for u in urls), {"type": "text", "text": "What?"}]
-    return {"messages": [{"role": "user", "content": content}], "max_tokens": 1}
+    return {"messages": [{"role": "user", "content": content}]}
+
+
+def chat(*urls: str) -> dict:
+    return {**messages(*urls), "max_tokens": 1}
 
 
 def anthropic(*urls: str) -> dict:
@@ -102,21 +107,21 @@ def test_image_urls_to_this_machine_are_not_fetched(server, pictures):
     Anthropic's) with the same words, so a client cannot scan the server's ports or network. The
     host allowed by name is fetched; the picture server is asked for the redirect alone."""
     p = pictures.port
-    status, body, _ = post(server.url, chat(f"http://127.0.0.1:{p}/a.png"))
-    assert status == 200, body
+    status, body, _ = post(server.url, messages(f"http://127.0.0.1:{p}/a.png"), path="/tokenize")
+    assert status == 200 and body["count"] > 16, body  # its tokens counted: the image was fetched
     pictures.asked.clear()
     urls = [f"http://localhost:{p}/a.png", f"http://[::1]:{p}/a.png", "http://10.0.0.1/a.png",
             "http://169.254.169.254/latest/meta-data/", f"http://localhost:{closed_port()}/a.png",
             f"http://127.0.0.1:{p}/to?url=http://localhost:{p}/a.png"]
-    messages = set()
+    said = set()
     for url in urls:
         status, body, _ = post(server.url, chat(url))
         assert status == 400 and body["error"]["type"] == "invalid_request_error", body
-        messages.add(body["error"]["message"])
+        said.add(body["error"]["message"])
         status, body, _ = post(server.url, anthropic(url), path="/v1/messages")
         assert status == 400 and body["type"] == "error" and body["error"]["type"] == "invalid_request_error", body
-        messages.add(body["error"]["message"])
-    assert len(messages) == 1 and "not fetched" in messages.pop()
+        said.add(body["error"]["message"])
+    assert len(said) == 1 and "not fetched" in said.pop()
     assert pictures.asked == [f"/to?url=http://localhost:{p}/a.png"] * 2
 
 
@@ -141,7 +146,7 @@ def test_a_requests_images_are_bounded_in_count_and_pixels(server):
     status, body, _ = post(server.url, {"model": "m", "max_tokens": 1, "messages": [
         {"role": "user", "content": [*blocks, {"type": "text", "text": "?"}]}]}, path="/v1/messages")
     assert status == 400 and "over 20,000 pixels together" in body["error"]["message"], body
-    assert post(server.url, chat(big))[0] == 200
+    assert post(server.url, messages(big), path="/tokenize")[0] == 200
 
 
 def test_image_downloads_never_hold_the_workers_others_need(vlm, pictures):
@@ -214,7 +219,7 @@ def test_a_requests_images_are_decoded_one_at_a_time(vlm, monkeypatch):
 
     monkeypatch.setattr(model, "image_processor", Watched())
     engine = BatchGenerator(model, tokenizer)
-    request = engine.request(chat(*[inline(300 + i, 200) for i in range(3)])["messages"])
+    request = engine.request(messages(*[inline(300 + i, 200) for i in range(3)])["messages"])
     engine.prepare(request)
     assert alive == [0, 0, 0]
 
