@@ -5,9 +5,8 @@
 
 import sys
 
-import mlx.core as mx
-
-import mlxinfer
+import mlxinfer  # first: it binds a fast BLAS before mlx.core loads (see mlxinfer.blas)
+import mlx.core as mx  # noqa: I001
 
 
 def main(model_path: str, prompt: str = "The capital of France is", top: int = 5) -> None:

@@ -451,11 +451,13 @@ def fused_weights(model: nn.Module, path: str | Path, weight_of: Callable[[str],
     return {layer: (lambda layer=layer, update=update: fused(layer, update)) for layer, update in found.items()}
 
 
-def load(path_or_repo: str | os.PathLike, *args: Any, adapter_path: str | os.PathLike | None = None,
-         **kwargs: Any) -> tuple[CausalLM, Tokenizer]:
-    """`loading.load` (the same arguments), then the LoRA adapter in folder `adapter_path`
-    (PEFT or mlx-lm) applied unfused as the model's default: requests that name no adapter use it."""
-    model, tokenizer = load_base(path_or_repo, *args, **kwargs)
+def load(path_or_repo: str | os.PathLike, dtype: str | mx.Dtype | None = None, revision: str | None = None,
+         shard: str | None = None, group=None, adapter_path: str | os.PathLike | None = None
+         ) -> tuple[CausalLM, Tokenizer]:
+    """`loading.load`: a model folder, a name from `mlxinfer models` or a hub id, as the CLI's
+    `--model` takes them; then the LoRA adapter in folder `adapter_path` (PEFT or mlx-lm)
+    applied unfused as the model's default: requests that name no adapter use it."""
+    model, tokenizer = load_base(path_or_repo, dtype, revision, shard, group)
     if adapter_path is not None:
         registry(model).default = load_adapter(model, adapter_path)
     return model, tokenizer

@@ -32,6 +32,15 @@ def is_model_folder(path: Path) -> bool:
     return (path / "config.json").is_file() and any(path.glob("*.safetensors"))
 
 
+def named_model(name: str) -> Path | None:
+    """The folder in our cache that `mlxinfer models` lists as `name` (the demo model, a converted
+    GGUF), or None. Here, below the loader and the CLI's `--model`, so both take the same names."""
+    if "/" in name or name in ("", ".", ".."):
+        return None
+    folder = models_dir() / name
+    return folder if is_model_folder(folder) else None
+
+
 def convert_into(source: Path, out: Path, progress: bool | None = None) -> None:
     """Convert `source` into `out` (written atomically by the converter); a concurrent run
     that finished first is as good as ours."""

@@ -586,15 +586,25 @@ def bench(model_argument, model, dtype, prompt_tokens, gen_tokens, repeat, max_k
 @click.option("--no-web", "no_web", is_flag=True, help="Serve no chat page at / (the APIs only).")
 @click.option("--allow-image-urls", is_flag=True,
               help="Fetch http(s) image URLs in requests (a vision-language model; each bounded in bytes and "
-                   "seconds). Without it images come inline, as data: URLs.")
+                   "seconds), from public addresses only. Without it images come inline, as data: URLs.")
+@click.option("--allow-image-hosts", "image_hosts", multiple=True, metavar="HOST[,HOST]",
+              help="With --allow-image-urls, also fetch from these hosts (names or addresses, as URLs write "
+                   "them) whatever address they are at: loopback, private, link-local (repeatable).")
 @click.option("--image-url-timeout", type=click.FloatRange(0, min_open=True), default=None,
-              help="Seconds an image URL's whole download may take, with --allow-image-urls (default: 10).")
+              help="Seconds a request's image URLs may take to download, all of them, with --allow-image-urls "
+                   "(default: 10).")
+@click.option("--images-per-request", type=click.IntRange(1), default=None,
+              help="Images one request may hold (default: 16).")
+@click.option("--pixels-per-request", type=click.IntRange(1), default=None,
+              help="Pixels one request's images may hold together, width x height summed (default: 128000000; "
+                   "each image: at most 64000000).")
 @click.option("--prefill-step", type=click.IntRange(1), default=512, show_default=True,
               help="Prompt tokens per prefill chunk (one chunk's activations are held at once).")
 @PIPELINE_OPTION
 def serve(model, dtype, host, port, max_concurrency, max_queue, max_kv_size, kv_bits, prompt_cache_bytes,
           draft_model, prompt_lookup, api_key, cors, allowed_host, max_connections, responses_store, adapters,
-          max_adapters, no_web, allow_image_urls, image_url_timeout, prefill_step, pipeline) -> None:
+          max_adapters, no_web, allow_image_urls, image_hosts, image_url_timeout, images_per_request,
+          pixels_per_request, prefill_step, pipeline) -> None:
     """Serve the model over OpenAI's HTTP API (chat and text completions, streaming), with a
     chat page at / (unless --no-web). Concurrent requests are decoded together; Ctrl-C stops
     after the requests in flight."""
@@ -609,6 +619,9 @@ def serve(model, dtype, host, port, max_concurrency, max_queue, max_kv_size, kv_
     from .images import DATA, HTTP, LIMITS
     from .store import open_model
 
+    if image_hosts and not allow_image_urls:
+        raise click.UsageError("--allow-image-hosts names hosts image URLs may also be fetched from: pass "
+                               "--allow-image-urls too")
     if draft_model and prompt_lookup:
         raise click.UsageError("--draft-model and --prompt-lookup are alternatives: pass one of them")
     no_drafting_across_ranks(bool(draft_model or prompt_lookup))
@@ -633,8 +646,11 @@ def serve(model, dtype, host, port, max_concurrency, max_queue, max_kv_size, kv_
                                "prompt_lookup": prompt_lookup or None,
                                "pool": PromptCachePool(prompt_cache_bytes, measure) if prompt_cache_bytes else None,
                                "image_sources": frozenset({DATA, HTTP} if allow_image_urls else {DATA}),
-                               "image_limits": replace(LIMITS, url_seconds=image_url_timeout) if image_url_timeout
-                               else None}
+                               "image_limits": replace(
+                                   LIMITS, url_seconds=image_url_timeout or LIMITS.url_seconds,
+                                   max_images=images_per_request or LIMITS.max_images,
+                                   max_request_pixels=pixels_per_request or LIMITS.max_request_pixels,
+                                   allowed_hosts=frozenset(",".join(image_hosts).split(",")))}
     options = {k: v for k, v in options.items() if v is not None}
     replica = replica_for(m, tokenizer, max_batch=max_concurrency, **options)
     if followed(replica):

@@ -529,7 +529,8 @@ def image_prompt(model, tokenizer: Tokenizer, request, tools: ToolPlan | None) -
                          "copy the file from the original model into its folder")
     if o.prompt_logprobs is not None:
         raise InvalidOptionError("prompt_logprobs cannot score a prompt with images; drop one or the other")
-    pixels = tuple(model.image_processor(image) for image in request.images)
+    # each image decoded, preprocessed to the model's size and let go before the next is decoded
+    pixels = tuple(model.image_processor(image.rgb()) for image in request.images)
     text = render(tokenizer, request.prompt, tools, o.chat_template_kwargs)
     text = expand_placeholders(text, pixels, model.image_processor, tokenizer.decode([model.image_token_id]))
     ids = prompt_tokens(tokenizer, tokenizer.encode(text, add_special_tokens=False), vocab)

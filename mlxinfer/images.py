@@ -3,7 +3,11 @@ a vision-language checkpoint's own image processor would give (`Pixels`).
 
 Loading is bounded before any decoding work: encoded bytes (`ImageLimits.max_bytes`) and the
 pixel count the header declares (`max_pixels`, so a decompression bomb is refused before it
-expands); anything Pillow cannot read as an image is refused in one line. Encoded images are
+expands), and for a request its number of images and their pixels together; anything Pillow
+cannot read as an image is refused in one line. A request holds its images encoded
+(`LazyImage`) and each is decoded when the model needs its pixels, then let go, so peak memory
+is one image's decode, not all of them. An http(s) URL is fetched only where a server allows
+it, under `fetch`'s address rule and one deadline for the request. Encoded images are
 turned upright by their EXIF orientation and converted to RGB, as transformers' `load_image`
 does; a PIL image handed over as it is gets the processors' own RGB conversion (transparency
 composited onto white).
@@ -21,18 +25,18 @@ from __future__ import annotations
 
 import base64
 import binascii
+import contextlib
 import hashlib
 import io
 import json
+import logging
 import math
 import os
 import re
 import time
-import urllib.error
 import urllib.parse
-import urllib.request
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -42,7 +46,10 @@ from PIL import Image, ImageOps
 
 from .checks import integer
 from .errors import ConfigError, ImageError
+from .fetch import NotFetched, fetch, host_keys
 from .models.vision import Pixels
+
+log = logging.getLogger(__name__)
 
 PREPROCESSOR_FILE = "preprocessor_config.json"
 PROCESSOR_FILE = "processor_config.json"
@@ -58,42 +65,92 @@ CLIP_MEAN, CLIP_STD = (0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.261302
 
 @dataclass(frozen=True)
 class ImageLimits:
-    """Bounds on one image: encoded bytes, decoded pixels (width × height), and for an http(s)
-    URL the seconds its download may take. A phone photo is 2-8 MB and 12-48 megapixels."""
+    """Bounds on a request's images, and where an image URL may be fetched from.
+
+    Each image: encoded bytes and decoded pixels (width x height). Each request: how many
+    images, their pixels together (both read from the images' headers, before any is decoded:
+    a request's images are decoded one at a time, as the model needs each, `LazyImage`), and
+    the seconds its http(s) URLs may take to download, all of them together. `allowed_hosts`
+    (`fetch.host_keys`) are fetched from whatever address they resolve to; any other URL only
+    from a public one (`fetch.public_address`). A phone photo is 2-8 MB and 12-48 megapixels."""
 
     max_bytes: int = 20 * 2**20
     max_pixels: int = 64_000_000
     url_seconds: float = 10.0
+    max_images: int = 16
+    max_request_pixels: int = 128_000_000
+    allowed_hosts: frozenset[str] = frozenset()
 
     def __post_init__(self) -> None:
         integer("max_bytes", self.max_bytes, 1)
         integer("max_pixels", self.max_pixels, 1)
+        integer("max_images", self.max_images, 1)
+        integer("max_request_pixels", self.max_request_pixels, 1)
         if not (isinstance(self.url_seconds, (int, float)) and self.url_seconds > 0):
             raise ImageError(f"url_seconds must be a positive number, got {self.url_seconds!r}")
+        if isinstance(self.allowed_hosts, str) or not all(isinstance(h, str) for h in self.allowed_hosts):
+            raise ImageError(f"allowed_hosts must be a set of host names, got {self.allowed_hosts!r}")
+        object.__setattr__(self, "allowed_hosts", host_keys(self.allowed_hosts))
 
 
 LIMITS = ImageLimits()
+
+
+@dataclass(frozen=True)
+class LazyImage:
+    """An image checked against its limits (its format and the size its header declares) and not
+    yet decoded: a request holds its images so, and `rgb` decodes one when the model needs its
+    pixels, so a request's images are never all decoded at once."""
+
+    data: bytes | Image.Image  # the encoded image, or a PIL image a caller handed over as it is
+    size: tuple[int, int]  # (width, height)
+
+    def rgb(self) -> Image.Image:
+        """The upright RGB pixels, as `load_image` gives them."""
+        if isinstance(self.data, Image.Image):
+            return _to_rgb(self.data)
+        with _read_as_image():
+            image = Image.open(io.BytesIO(self.data), formats=FORMATS)
+            image.load()
+            ImageOps.exif_transpose(image, in_place=True)  # no copy: one full-size image at a time
+            return image if image.mode == "RGB" else image.convert("RGB")
+
+    def encoded(self) -> str:
+        """A data: URL `open_image` reads back to the same pixels (the bytes as they came, or a
+        PIL image as lossless PNG)."""
+        if isinstance(self.data, Image.Image):
+            return data_url(self.rgb())
+        return "data:application/octet-stream;base64," + base64.b64encode(self.data).decode()
 
 
 def load_image(source: Any, limits: ImageLimits = LIMITS, sources: frozenset[str] = LOCAL) -> Image.Image:
     """An RGB image from a PIL image, encoded bytes, a path, a `data:` URL, a `file://` URL or
     (only when `sources` holds HTTP) an http(s) URL; refused in one line when it is none of them,
     is not an image, or breaks `limits`."""
+    return open_image(source, limits, sources).rgb()
+
+
+def open_image(source: Any, limits: ImageLimits = LIMITS, sources: frozenset[str] = LOCAL,
+               deadline: float | None = None) -> LazyImage:
+    """`load_image` up to the decoding: the image read (an http(s) URL's download ending by
+    `deadline`, a `time.monotonic()`; by default `limits.url_seconds` from now) and its header
+    checked against `limits`."""
     if isinstance(source, Image.Image):
         _check_pixels(source.size, limits)
-        return _to_rgb(source)
+        return LazyImage(source, source.size)
     if isinstance(source, (bytes, bytearray, memoryview)):
-        return decode_image(bytes(source), limits)
+        return _checked(bytes(source), limits)
     if isinstance(source, os.PathLike):
-        return decode_image(_read_file(Path(source), limits, sources), limits)
+        return _checked(_read_file(Path(source), limits, sources), limits)
     if not isinstance(source, str):
         raise ImageError(f"an image must be a PIL image, bytes, a path or a URL, got {type(source).__name__}")
-    return decode_image(image_bytes(source, limits, sources), limits)
+    return _checked(image_bytes(source, limits, sources, deadline), limits)
 
 
-def image_bytes(url: str, limits: ImageLimits = LIMITS, sources: frozenset[str] = LOCAL) -> bytes:
-    """The encoded image a URL or path names, within `limits.max_bytes`."""
-    scheme = m.group(1).lower() if (m := SCHEME.match(url)) else ""
+def image_bytes(url: str, limits: ImageLimits = LIMITS, sources: frozenset[str] = LOCAL,
+                deadline: float | None = None) -> bytes:
+    """The encoded image a URL or path names, within `limits.max_bytes` (an http(s) URL's by `deadline`)."""
+    scheme = _scheme(url)
     if scheme == "data":
         if DATA not in sources:
             raise ImageError("data: URLs are not accepted here")
@@ -102,7 +159,7 @@ def image_bytes(url: str, limits: ImageLimits = LIMITS, sources: frozenset[str] 
         if HTTP not in sources:
             raise ImageError(f"{scheme} image URLs are not fetched here; send the image inline as a data: URL"
                              + (" (or start the server with --allow-image-urls)" if DATA in sources else ""))
-        return _download(url, limits)
+        return _download(url, limits, time.monotonic() + limits.url_seconds if deadline is None else deadline)
     if scheme == "file":
         path = Path(urllib.parse.unquote(urllib.parse.urlparse(url).path))
     elif scheme and len(scheme) > 1:  # "c:" is a drive, not a scheme
@@ -114,17 +171,27 @@ def image_bytes(url: str, limits: ImageLimits = LIMITS, sources: frozenset[str] 
 
 def decode_image(raw: bytes, limits: ImageLimits = LIMITS) -> Image.Image:
     """Decode encoded bytes to an upright RGB image, checking the declared size before decoding."""
+    return _checked(raw, limits).rgb()
+
+
+def _checked(raw: bytes, limits: ImageLimits) -> LazyImage:
+    """Encoded bytes within the byte bound whose header names a supported format and a size
+    within the pixel bound (read, not decoded: a decompression bomb is refused before it expands)."""
     if len(raw) > limits.max_bytes:
         raise ImageError(f"the image is {len(raw):,} bytes; at most {limits.max_bytes:,} are accepted")
+    with _read_as_image():
+        size = Image.open(io.BytesIO(raw), formats=FORMATS).size
+    _check_pixels(size, limits)
+    return LazyImage(raw, size)
+
+
+@contextlib.contextmanager
+def _read_as_image() -> Iterator[None]:
+    """Pillow's ways of failing on bytes that are not a sound image, as one-line ImageErrors."""
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)
-            image = Image.open(io.BytesIO(raw), formats=FORMATS)
-            _check_pixels(image.size, limits)
-            image.load()
-            return ImageOps.exif_transpose(image).convert("RGB")
-    except ImageError:
-        raise
+            yield
     except (Image.DecompressionBombError, Image.DecompressionBombWarning):
         raise ImageError("the image declares more pixels than it could hold (a decompression bomb); "
                          "send a smaller image") from None
@@ -177,27 +244,17 @@ def _read_file(path: Path, limits: ImageLimits, sources: frozenset[str]) -> byte
     return raw
 
 
-def _download(url: str, limits: ImageLimits) -> bytes:
-    """An http(s) URL's body within the byte and time bounds (a slow sender is cut off too)."""
-    deadline = time.monotonic() + limits.url_seconds
-    chunks, got = [], 0
+def _download(url: str, limits: ImageLimits, deadline: float) -> bytes:
+    """An http(s) URL's body under `fetch`'s rules. Why it failed goes to the log; the client
+    hears only that it was not fetched (the same words whatever happened), so a request cannot
+    tell an open port from a closed one, or a host that answers from one that does not."""
     try:
-        with urllib.request.urlopen(url, timeout=limits.url_seconds) as response:  # noqa: S310 - http(s) only
-            while chunk := response.read(65536):
-                got += len(chunk)
-                if got > limits.max_bytes:
-                    raise ImageError(f"the image at the URL is over {limits.max_bytes:,} bytes")
-                if time.monotonic() > deadline:
-                    raise ImageError(f"the image at the URL took over {limits.url_seconds:g} s to download")
-                chunks.append(chunk)
-    except ImageError:  # a bound broken above (an ImageError is a ValueError too: not to be wrapped again)
-        raise
-    except (urllib.error.URLError, OSError, ValueError) as e:
-        reason = getattr(e, "reason", None) or e
-        if isinstance(reason, TimeoutError):  # the sender went quiet: the same bound as a slow one
-            raise ImageError(f"the image at the URL took over {limits.url_seconds:g} s to download") from None
-        raise ImageError(f"cannot download the image ({_one_line(reason)})") from None
-    return b"".join(chunks)
+        return fetch(url, limits.max_bytes, deadline, limits.allowed_hosts)
+    except NotFetched as e:
+        log.warning("image URL %s not fetched: %s", _one_line(url), _one_line(e))
+        raise ImageError(f"the image URL was not fetched (only public http(s) addresses are fetched, each image "
+                         f"within {limits.max_bytes:,} bytes and a request's within {limits.url_seconds:g} s); "
+                         "send the image inline as a data: URL") from None
 
 
 def _one_line(value: object) -> str:
@@ -392,25 +449,42 @@ IMAGE_PART = "image"  # what a message keeps where an image was: {"type": "image
 
 
 def take_images(messages: Sequence[Mapping[str, Any]], limits: ImageLimits = LIMITS,
-                sources: frozenset[str] = LOCAL) -> tuple[list[Mapping[str, Any]], list[Image.Image]]:
+                sources: frozenset[str] = LOCAL) -> tuple[list[Mapping[str, Any]], list[LazyImage]]:
     """Chat messages with their image parts (`{"type": "image_url", "image_url": {"url"}}`,
-    `{"type": "image", "image": PIL image | path | bytes}`) loaded, in order, and each part left
-    as `{"type": "image"}`, what chat templates render as the model's image placeholder."""
-    out, images = [], []
+    `{"type": "image", "image": PIL image | path | bytes}`) read and checked, in order, and each
+    part left as `{"type": "image"}`, what chat templates render as the model's image placeholder.
+    Their count is checked before any is read, their pixels together as each header is read (none
+    is decoded here), and their URLs' downloads share one deadline."""
+    count = sum(1 for m in messages for _ in _image_parts(m))
+    if count > limits.max_images:
+        raise ImageError(f"the request has {count} images; at most {limits.max_images} are accepted in one "
+                         "request; send fewer")
+    deadline = time.monotonic() + limits.url_seconds
+    out, images, pixels = [], [], 0
     for message in messages:
-        content = message.get("content") if isinstance(message, Mapping) else None
-        if not isinstance(content, list) or not any(_is_image(p) for p in content):
+        if next(_image_parts(message), None) is None:
             out.append(message)
             continue
         parts = []
-        for part in content:
+        for part in message["content"]:
             if _is_image(part):
-                images.append(load_image(_image_source(part), limits, sources))
+                image = open_image(_image_source(part), limits, sources, deadline)
+                pixels += image.size[0] * image.size[1]
+                if pixels > limits.max_request_pixels:
+                    raise ImageError(f"the request's images are over {limits.max_request_pixels:,} pixels together "
+                                     f"(its first {len(images) + 1} are {pixels:,}); send fewer or smaller images")
+                images.append(image)
                 parts.append({"type": IMAGE_PART})
             else:
                 parts.append(part)
         out.append({**message, "content": parts})
     return out, images
+
+
+def _image_parts(message: Any) -> Iterator[Mapping[str, Any]]:
+    """A chat message's image parts, in order (none for text, or for what is not a message)."""
+    content = message.get("content") if isinstance(message, Mapping) else None
+    return (p for p in content if _is_image(p)) if isinstance(content, list) else iter(())
 
 
 NO_IMAGES = ("this model takes no images; send text only, or use a vision-language model "
@@ -421,8 +495,21 @@ def has_images(prompt: Any) -> bool:
     """Whether a prompt is chat messages with an image part in them."""
     if isinstance(prompt, (str, bytes)) or not isinstance(prompt, Sequence):
         return False
-    return any(isinstance(m, Mapping) and isinstance(m.get("content"), list) and any(map(_is_image, m["content"]))
-               for m in prompt)
+    return any(next(_image_parts(m), None) is not None for m in prompt)
+
+
+def downloads(prompt: Any, sources: frozenset[str]) -> bool:
+    """Whether loading a prompt's images downloads one: an http(s) image URL, where `sources`
+    allow them (elsewhere one is refused at once)."""
+    if HTTP not in sources or not has_images(prompt):
+        return False
+    named = (p.get("image_url", p.get("image")) for m in prompt for p in _image_parts(m))
+    return any(_scheme(url.get("url") if isinstance(url, Mapping) else url) in ("http", "https") for url in named)
+
+
+def _scheme(url: Any) -> str:
+    """A URL's scheme in lower case ("" for a path, or for what is not a string)."""
+    return m.group(1).lower() if isinstance(url, str) and (m := SCHEME.match(url)) else ""
 
 
 def _is_image(part: Any) -> bool:

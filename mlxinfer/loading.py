@@ -13,6 +13,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
+from .cachedir import named_model
 from .errors import ConfigError, CorruptCheckpointError, InvalidOptionError, ModelNotFoundError
 from .files import checkpoint_file, read_checkpoint_file
 from .models import CausalLM, build_model
@@ -45,15 +46,23 @@ _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
 def resolve(path_or_repo: str | os.PathLike, revision: str | None = None, patterns=MODEL_FILES) -> Path:
-    """A local folder as is, or a hub id downloaded (or found in the HF cache)."""
+    """A local folder as is, a name from `mlxinfer models` (a folder in our cache, as the CLI's
+    `--model` takes it), or a hub id downloaded (or found in the HF cache)."""
     path = Path(path_or_repo).expanduser()
     if path.is_dir():
         return path
     name = str(path_or_repo)
+    if path.suffix == ".gguf" and path.is_file():
+        raise ModelNotFoundError(f"'{name}' is a GGUF file, not a model folder; convert it once "
+                                 f"(`mlxinfer convert {name} -o FOLDER`) and load the folder")
     if path.exists():
         raise ModelNotFoundError(f"'{name}' is a file, not a model folder; pass the folder that holds config.json")
+    named = named_model(name)
+    if named is not None:
+        return named
     if not _REPO_ID.match(name):
-        raise ModelNotFoundError(f"no model folder at '{name}'; pass an existing folder or a hub id like 'org/model'")
+        raise ModelNotFoundError(f"no model folder at '{name}' and no model of that name in `mlxinfer models`; "
+                                 "pass an existing folder, a name it lists or a hub id like 'org/model'")
     return _download(name, revision, patterns)
 
 
@@ -495,7 +504,34 @@ def load_model(path: Path, dtype: str | mx.Dtype | None = None, shard: str | Non
         if shard == "pipeline":
             model.model = Stage(model.model, place, mine.start)
         model.shard = place
+    mx.eval(held_arrays(model))
     return model
+
+
+def held_arrays(model: nn.Module) -> list[mx.array]:
+    """Every array the model holds, parameters or not: modules' underscored members and the
+    arrays of our own plain objects in them (a RoPE's frequency table, which M-RoPE computes
+    lazily at construction; a vision tower's constants). Loading evaluates them all because an
+    array left lazy is a graph on the loading thread's stream, and another thread evaluating it
+    (a server's engine thread) fails ("There is no Stream(cpu, 0) in current thread")."""
+    found: list[mx.array] = []
+    seen: set[int] = set()
+    todo: list[Any] = [model]
+    while todo:
+        item = todo.pop()
+        if id(item) in seen:
+            continue
+        seen.add(id(item))
+        if isinstance(item, mx.array):
+            found.append(item)
+            continue
+        if isinstance(item, dict):
+            todo.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            todo.extend(item)
+        if isinstance(item, nn.Module) or type(item).__module__.startswith(__package__ + "."):
+            todo.extend(getattr(item, "__dict__", {}).values())
+    return found
 
 
 def placement(shard: str | None, group=None) -> Shard | None:
@@ -512,12 +548,13 @@ def load(
     path_or_repo: str | os.PathLike, dtype: str | mx.Dtype | None = None, revision: str | None = None,
     shard: str | None = None, group=None,
 ) -> tuple[CausalLM, Tokenizer]:
-    """Load a model and its tokenizer from a local folder or a Hugging Face hub id;
-    `shard="tensor"` splits it across the processes of a distributed group (see `shard`)."""
+    """Load a model and its tokenizer from a local folder, a name from `mlxinfer models` or a
+    Hugging Face hub id (`resolve`); `shard="tensor"` splits it across the processes of a
+    distributed group (see `shard`)."""
     path = resolve(path_or_repo, revision)
     return load_model(path, dtype, shard, group), load_tokenizer_from_dir(path)
 
 
 def load_tokenizer(path_or_repo: str | os.PathLike, revision: str | None = None) -> Tokenizer:
-    """Only the tokenizer (downloads no weights for a hub id)."""
+    """Only the tokenizer, of what `load` takes (downloads no weights for a hub id)."""
     return load_tokenizer_from_dir(resolve(path_or_repo, revision, TOKENIZER_FILES))

@@ -6,9 +6,11 @@ config and the generation options, each checked when it is made. The engine take
 it is; nothing below re-validates a loose dict. `to_json`/`from_json` carry it across
 ranks of a sharded model (and anywhere else a request is stored) as plain data.
 
-Images in chat messages are loaded here, once (`images.take_images`: bounded, decoded to
-RGB); the messages keep `{"type": "image"}` where each was, for the chat template, and the
-request holds the images in order. In JSON they travel as lossless PNG data URLs.
+Images in chat messages are read here, once (`images.take_images`: bounded, checked, not yet
+decoded); the messages keep `{"type": "image"}` where each was, for the chat template, and the
+request holds the images in order (`images.LazyImage`: decoded one at a time when the engine
+prepares the request). In JSON they travel as data URLs: their bytes as they came, or a PIL
+image a caller gave as lossless PNG.
 """
 
 from __future__ import annotations
@@ -18,20 +20,18 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from PIL import Image
-
 from .errors import InvalidOptionError
 from .generate import GenerationOptions, Prompt, split_options
-from .images import DATA, LIMITS, LOCAL, ImageLimits, data_url, has_images, load_image, take_images
+from .images import DATA, LIMITS, LOCAL, ImageLimits, LazyImage, has_images, open_image, take_images
 from .sample import SamplingConfig
 
 # Options that hold runtime objects (a loaded draft model, its cache): they configure this
 # process only, so a request carrying them cannot be written out.
 RUNTIME_OPTIONS = ("draft_model", "draft_cache")
 
-# Images a request carries in JSON were accepted (within `LIMITS.max_pixels`) where it was made,
-# then written as PNG, which for a photo can be larger than the encoded bytes first accepted
-# (a 12-MP photo is ~22 MiB as PNG): read back, they are bounded by their raw RGB size instead.
+# Images a request carries in JSON were accepted (within `LIMITS.max_pixels`) where it was made;
+# one a caller gave as a PIL image is written as PNG, which for a photo can be larger than the
+# byte bound (a 12-MP photo is ~22 MiB as PNG): read back, they are bounded by their raw RGB size.
 RELAYED = ImageLimits(max_bytes=4 * LIMITS.max_pixels + (1 << 20))
 
 
@@ -42,14 +42,14 @@ class Request:
     prompt: str | tuple[int, ...] | tuple[Mapping[str, Any], ...]
     sampling: SamplingConfig
     options: GenerationOptions
-    images: tuple[Image.Image, ...] = ()  # the messages' images in order, loaded (RGB)
+    images: tuple[LazyImage, ...] = ()  # the messages' images in order, checked, decoded when prepared
 
     @classmethod
     def of(cls, prompt: Prompt, vocab_size: int | None = None, defaults: Mapping[str, Any] | None = None,
            image_sources: frozenset[str] = LOCAL, image_limits: ImageLimits = LIMITS, **options: Any) -> Request:
         """The one place keyword options (`stream_generate`'s) become typed configs; `defaults`
         (an engine's) are overridden by `options`; token ids are checked against `vocab_size`;
-        images in chat messages are loaded, from where `image_sources` allows (`images.LOCAL`:
+        images in chat messages are read and checked, from where `image_sources` allows (`images.LOCAL`:
         files and data: URLs; a server: data: URLs, http(s) only when started to fetch them), each
         within `image_limits`."""
         sampling, generation = split_options({**(defaults or {}), **options}, vocab_size)
@@ -74,7 +74,7 @@ class Request:
         options["stop"] = list(self.options.stop)
         prompt = self.prompt if isinstance(self.prompt, str) else [dict(m) if isinstance(m, Mapping) else m
                                                                    for m in self.prompt]
-        return {"prompt": prompt, "sampling": sampling, "options": options, "images": [data_url(i) for i in self.images]}
+        return {"prompt": prompt, "sampling": sampling, "options": options, "images": [i.encoded() for i in self.images]}
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> Request:
@@ -84,13 +84,13 @@ class Request:
                                   for k, v in sampling["logit_bias"].items()}
         options = dict(data["options"])
         options["stop"] = tuple(options["stop"])
-        images = tuple(load_image(url, RELAYED, frozenset({DATA})) for url in data.get("images", ()))
+        images = tuple(open_image(url, RELAYED, frozenset({DATA})) for url in data.get("images", ()))
         return cls(_frozen(data["prompt"]), SamplingConfig(**sampling), GenerationOptions(**options), images)
 
 
 def _with_images(prompt: Prompt, sources: frozenset[str],
-                 limits: ImageLimits) -> tuple[Prompt, tuple[Image.Image, ...]]:
-    """Chat messages with their images taken out and loaded (`images.take_images`); other prompts as they are."""
+                 limits: ImageLimits) -> tuple[Prompt, tuple[LazyImage, ...]]:
+    """Chat messages with their images taken out and read (`images.take_images`); other prompts as they are."""
     if not has_images(prompt):
         return prompt, ()
     messages, images = take_images(prompt, limits, sources)

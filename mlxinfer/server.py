@@ -123,7 +123,7 @@ def create_app(engine: EngineThread, model, tokenizer, config: ServerConfig) -> 
             raise RequestError("a valid API key is required (Authorization: Bearer KEY, or x-api-key: KEY)",
                                status=401, kind="authentication_error")
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])  # HEAD: a probe's headers, no body (uvicorn drops it)
     async def health():
         return {"status": "ok", "model": config.model_name, **engine.health, "preparing": engine.preparing,
                 "limits": {"max_concurrency": engine.engine.max_batch, "max_queued": engine.max_queued},

@@ -17,7 +17,7 @@ from typing import Any
 
 from convert.sources import is_gguf
 
-from .cachedir import Notify, convert_into, is_model_folder, models_dir, stderr_line
+from .cachedir import Notify, convert_into, is_model_folder, models_dir, named_model, stderr_line
 from .demo import demo_model
 from .errors import MlxinferError, ModelNotFoundError
 from .adapters import load
@@ -45,10 +45,7 @@ def resolve_model(spec: str | None, notify: Notify = stderr_line) -> Path | str:
         return gguf_in_cache(path, notify)
     if path.suffix == ".gguf":
         raise ModelNotFoundError(f"no GGUF file at '{spec}'; check the path")
-    named = models_dir() / spec
-    if "/" not in spec and is_model_folder(named):
-        return named
-    return spec
+    return named_model(spec) or spec
 
 
 def gguf_key(path: Path) -> str:

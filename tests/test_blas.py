@@ -68,6 +68,19 @@ def test_mlx_imported_first_is_too_late_and_the_advice_says_so():
     assert "import mlxinfer first" in run(code).stdout
 
 
+@needs_openblas
+def test_mlx_imported_first_warns_once_saying_what_to_do():
+    """mlx.core, then mlxinfer (then `convert` and the CLI, which import it again): one warning, at
+    the script's own import line, saying to import mlxinfer first. None where nothing is lost:
+    mlxinfer first, MLXINFER_BLAS=off, or MLX already bound to OpenBLAS by LD_PRELOAD."""
+    late = run("import mlx.core\nimport mlxinfer\nimport convert\nimport mlxinfer.cli").stderr
+    assert late.count("Warning") == 1 and "<string>:2: RuntimeWarning" in late, late
+    assert "import mlxinfer before mlx" in late and "MLXINFER_BLAS=off" in late
+    assert "Warning" not in run("import mlxinfer\nimport mlx.core").stderr
+    assert "Warning" not in run("import mlx.core\nimport mlxinfer", MLXINFER_BLAS="off").stderr
+    assert "Warning" not in run("import mlx.core\nimport mlxinfer", LD_PRELOAD=OPENBLAS[0]).stderr
+
+
 def test_a_blas_that_cannot_be_loaded_is_named_in_the_advice(tmp_path):
     out = run("import mlxinfer.blas as b; print(b.hint())", MLXINFER_BLAS=str(tmp_path / "missing.so")).stdout
     assert "could not be loaded" in out and "missing.so" in out

@@ -557,6 +557,31 @@ def test_demo_model_from_a_gguf_file(tiny_gguf, isolated_home, monkeypatch):
     assert (isolated_home / "models" / NAME / "config.json").is_file()
 
 
+def test_python_api_takes_the_names_models_lists(tiny_gguf, isolated_home, tmp_path, monkeypatch):
+    """`mlxinfer.load` and `mlxinfer.load_tokenizer` take the names `mlxinfer models` prints, as
+    `--model` does. Before the demo model is fetched its name is a one-line error that points to
+    `mlxinfer models`, and fetches nothing (the CLI given no model is what fetches it); after, it
+    loads the folder listed under it. A .gguf file is refused in one line saying to convert it."""
+    from mlxinfer.errors import ModelNotFoundError
+
+    monkeypatch.setenv("MLXINFER_DEMO_SOURCE", str(demo_wheel(tmp_path, tiny_gguf)))
+    for load in (mlxinfer.load, mlxinfer.load_tokenizer):
+        with pytest.raises(ModelNotFoundError, match="`mlxinfer models`") as e:
+            load(NAME)
+        assert "\n" not in str(e.value) and NAME in str(e.value)
+    assert not [p for p in isolated_home.rglob("*") if p.is_file()]
+    with pytest.raises(ModelNotFoundError, match="is a GGUF file.*mlxinfer convert"):
+        mlxinfer.load(tiny_gguf)
+    assert invoke("generate", "-p", QUESTION, "--max-tokens", "1").exit_code == 0  # fetches the demo model
+    [listed] = json.loads(invoke("models", "--json").stdout)
+    assert listed["name"] == NAME
+    model, tokenizer = mlxinfer.load(NAME, dtype="float32")
+    ids = mlxinfer.load_tokenizer(NAME).encode(QUESTION)
+    assert ids == tokenizer.encode(QUESTION)
+    same = mlxinfer.load(listed["path"], dtype="float32")[0]
+    np.testing.assert_array_equal(np.array(model(mx.array([ids]))), np.array(same(mx.array([ids]))))
+
+
 @pytest.mark.parametrize("case", ["bad hash", "not a zip", "missing"])
 def test_demo_model_fetch_failures_are_one_line(tiny_gguf, isolated_home, tmp_path, monkeypatch, case):
     if case == "bad hash":

@@ -1,21 +1,43 @@
 """The README's examples run as written."""
 
+import re
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_next_token_example(hf_checkpoint):
-    out = subprocess.run(
+    run = subprocess.run(
         [sys.executable, str(ROOT / "examples" / "next_token.py"), str(hf_checkpoint("llama")), "hello there"],
         capture_output=True, text=True, check=True, timeout=120,
-    ).stdout
+    )
+    assert "Warning" not in run.stderr, run.stderr  # e.g. mlx imported before mlxinfer (test_blas)
+    out = run.stdout
     lines = out.splitlines()
     assert lines[0].endswith("top 5 next tokens:") and len(lines) == 6
     probs = [float(line.split()[0]) for line in lines[1:]]
     assert probs == sorted(probs, reverse=True) and 0 < sum(probs) <= 1.0001
+
+
+def python_sources() -> list[tuple[str, str]]:
+    """(where, code) of every example script and every Python block of the README."""
+    readme = (ROOT / "README.md").read_text()
+    blocks = re.findall(r"^```python\n(.*?)^```", readme, flags=re.S | re.M)
+    return [*((f"examples/{p.name}", p.read_text()) for p in sorted((ROOT / "examples").glob("*.py"))),
+            *((f"README.md's Python block {i + 1}", b) for i, b in enumerate(blocks))]
+
+
+@pytest.mark.parametrize("where, code", python_sources(), ids=[w for w, _ in python_sources()])
+def test_examples_import_mlxinfer_before_mlx(where, code):
+    """As the README's Linux note says: MLX imported first keeps its slow reference BLAS."""
+    imports = re.findall(r"^\s*(?:import|from)\s+(mlxinfer|convert|mlx)\b", code, flags=re.M)
+    if "mlx" in imports:
+        ours = [imports.index(m) for m in ("mlxinfer", "convert") if m in imports]
+        assert ours and min(ours) < imports.index("mlx"), where
 
 
 def test_cli_help():

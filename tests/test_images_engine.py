@@ -341,7 +341,7 @@ def test_server_loads_images_off_the_event_loop(checkpoint):
     images = ThreadingHTTPServer(("127.0.0.1", 0), Slow)
     threading.Thread(target=images.serve_forever, daemon=True).start()
     server = Server(["-m", str(checkpoint), "--dtype", "float32", "--api-key", KEY, "--allow-image-urls",
-                     "--image-url-timeout", "600"])
+                     "--allow-image-hosts", "127.0.0.1", "--image-url-timeout", "600"])
     try:
         text = {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 2}
         assert post(server.url, text)[0] == 200  # warm: the text request below is quick
@@ -388,7 +388,8 @@ def test_an_engines_image_limits_bound_a_slow_url(ours):
 
     images = ThreadingHTTPServer(("127.0.0.1", 0), Silent)
     threading.Thread(target=images.serve_forever, daemon=True).start()
-    engine = BatchGenerator(*ours, image_sources=frozenset({DATA, HTTP}), image_limits=ImageLimits(url_seconds=0.5))
+    engine = BatchGenerator(*ours, image_sources=frozenset({DATA, HTTP}),
+                            image_limits=ImageLimits(url_seconds=0.5, allowed_hosts=frozenset({"127.0.0.1"})))
     url = f"http://127.0.0.1:{images.server_address[1]}/never.png"
     try:
         with pytest.raises(ImageError, match="0.5 s") as e:

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import SHARED, assert_speculation_equals, encoded_images, perturb
-from test_images_engine import our_greedy
+from test_images_engine import data_url, our_greedy
 from test_models_gemma_vision import picture
 from test_models_qwen_vl import TEXT, VISION
 
@@ -88,15 +88,16 @@ def hf_greedy(hf, messages: list[dict], steps: int = STEPS) -> tuple[list[int], 
     model, tokenizer, processor = hf
     images = [p["image"] for m in messages if isinstance(m["content"], list) for p in m["content"]
               if p["type"] == "image"]
-    out = processor(images=images, return_tensors="pt")
+    out = processor(images=images, return_tensors="pt") if images else {}
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     pieces = text.split("<|image_pad|>")
-    counts = [int(g.prod()) // processor.merge_size**2 for g in out["image_grid_thw"]]
+    counts = [int(g.prod()) // processor.merge_size**2 for g in out.get("image_grid_thw", [])]
     text = pieces[0] + "".join("<|image_pad|>" * n + piece for n, piece in zip(counts, pieces[1:]))
     ids = tokenizer(text, return_tensors="pt", add_special_tokens=False)["input_ids"]
+    pixels = {k: out[k] for k in ("pixel_values", "image_grid_thw") if k in out}
     with torch.no_grad():
-        gen = model.generate(input_ids=ids, pixel_values=out["pixel_values"], image_grid_thw=out["image_grid_thw"],
-                             mm_token_type_ids=(ids == model.config.image_token_id).int(), max_new_tokens=steps, min_new_tokens=steps, do_sample=False, eos_token_id=None,
+        gen = model.generate(input_ids=ids, **pixels, mm_token_type_ids=(ids == model.config.image_token_id).int(),
+                             max_new_tokens=steps, min_new_tokens=steps, do_sample=False, eos_token_id=None,
                              pad_token_id=0)
     return ids[0].tolist(), gen[0, ids.shape[1]:].tolist()
 
@@ -116,6 +117,35 @@ def test_conversation_with_two_images_equals_transformers(ours, hf):
     engine = BatchGenerator(model, tokenizer, max_batch=1)
     assert engine.prepare(engine.request(messages)).ids == ids
     assert our_greedy(model, tokenizer, messages, STEPS, prefill_step=16) == want
+
+
+def test_server_answers_images_and_text_as_transformers(checkpoint, hf):
+    """`mlxinfer serve` on a Qwen2.5-VL folder, through the official openai client: a chat with an
+    image (a data: URL) and one of text alone each get transformers' greedy reply. The model is
+    loaded on the server's main thread and run on its engine thread: an array it held unevaluated
+    belonged to the loading thread's stream, and every request was a 500."""
+    import openai
+    from serving import KEY, Server
+
+    server = Server(["-m", str(checkpoint), "--dtype", "float32", "--api-key", KEY])
+    try:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0, timeout=120)
+        image = picture(12, (56, 84))
+        for asked, sent in (
+            (user(image, "What is in this picture?"),
+             [{"type": "image_url", "image_url": {"url": data_url(image)}},
+              {"type": "text", "text": "What is in this picture?"}]),
+            (user("Hello there."), "Hello there."),
+        ):
+            reply = client.chat.completions.create(model="m", messages=[{"role": "user", "content": sent}],
+                                                   max_tokens=STEPS, temperature=0, logprobs=True,
+                                                   extra_body={"return_tokens_as_token_ids": True})
+            want = hf_greedy(hf, [asked])[1]
+            ids = [int(t.token.removeprefix("token_id:")) for t in reply.choices[0].logprobs.content]
+            assert ids and ids == want[:len(ids)]  # transformers' reply goes on past an EOS, where ours may stop
+            assert ids == want or reply.choices[0].finish_reason == "stop"
+    finally:
+        server.stop()
 
 
 def test_pool_reuses_only_the_same_pixels(ours, hf, monkeypatch):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import mlx.core as mx
@@ -200,6 +201,31 @@ def test_greedy_continuation_matches_transformers_generate(ours, hf):
                           max_new_tokens=steps, min_new_tokens=steps, do_sample=False, eos_token_id=None,
                           pad_token_id=0)
     assert tokens == out[0, len(TWO):].tolist()
+
+
+def test_a_model_loaded_on_one_thread_decodes_on_another(checkpoint, hf):
+    """A server loads its model on the main thread and runs it on its engine thread, where an array
+    the model held unevaluated could not run (it is a graph on the loading thread's stream): loaded
+    afresh here, the model prefills with images and decodes on a worker thread, giving
+    transformers' greedy tokens (the Qwen-VL families' test in test_models_qwen_vl)."""
+    model = load_model(checkpoint, dtype="float32")
+    values = pixels(picture(3, (64, 48)), picture(4, (48, 64)))
+    steps = 4
+
+    def greedy() -> list[int]:
+        cache, logits = prefill(model, TWO, model.embedded(TWO, as_pixels(values)), step=20)
+        tokens = [int(np.argmax(logits[-1]))]
+        for _ in range(steps - 1):
+            tokens.append(int(np.argmax(np.array(cache.run(model, [tokens[-1]])[-1]))))
+        return tokens
+
+    types = torch.tensor([[int(t == IMAGE) for t in TWO]])
+    with torch.no_grad():
+        out = hf.generate(input_ids=torch.tensor([TWO]), pixel_values=torch.tensor(values), token_type_ids=types,
+                          max_new_tokens=steps, min_new_tokens=steps, do_sample=False, eos_token_id=None,
+                          pad_token_id=0)
+    with ThreadPoolExecutor(1) as worker:
+        assert worker.submit(greedy).result(timeout=300) == out[0, len(TWO):].tolist()
 
 
 def test_another_image_changes_the_logits(ours):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import mlx.core as mx
@@ -293,10 +294,17 @@ VISION2 = dict(depth=2, embed_dim=32, hidden_size=64, mlp_ratio=2, num_heads=2, 
 
 
 @pytest.fixture(scope="module")
-def qwen2(tmp_path_factory):
-    """(transformers' model, ours) of a random-weight Qwen2-VL checkpoint."""
+def qwen2_folder(tmp_path_factory) -> tuple[Path, object]:
+    """A random-weight Qwen2-VL checkpoint and transformers' model of it."""
     folder = tmp_path_factory.mktemp("qwen2_vl")
-    return build(folder, "Qwen2VL", TEXT, VISION2), mlxinfer.load(folder, dtype="float32")[0]
+    return folder, build(folder, "Qwen2VL", TEXT, VISION2)
+
+
+@pytest.fixture(scope="module")
+def qwen2(qwen2_folder):
+    """(transformers' model, ours) of a random-weight Qwen2-VL checkpoint."""
+    folder, hf = qwen2_folder
+    return hf, mlxinfer.load(folder, dtype="float32")[0]
 
 
 @pytest.fixture(scope="module")
@@ -347,3 +355,32 @@ def test_qwen3_vl_quantized_tower_logits_stay_near_transformers(qwen3_folder, im
     got = np.array(model(mx.array([ids]), embedded=model.embedded(ids, images3))[0])
     drift = np.sqrt(np.mean((got - ref) ** 2) / np.mean(ref**2))
     assert drift < 0.1, f"8 bits drifted {drift:.0%} from transformers' float model"
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
+def test_a_model_loaded_on_one_thread_decodes_on_another(family, request):
+    """A server loads its model on the main thread and runs it on its engine thread. An array the
+    loaded model held unevaluated (M-RoPE's frequency table was one) is a graph on the loading
+    thread's stream, which no other thread can run ("There is no Stream(cpu, 0) in current
+    thread"): loaded afresh here, the model prefills with images and decodes on a worker thread,
+    giving transformers' greedy tokens."""
+    folder, hf, images = {
+        "qwen2_vl": lambda: (*request.getfixturevalue("qwen2_folder"), request.getfixturevalue("images2")),
+        "qwen2_5_vl": lambda: (request.getfixturevalue("checkpoint"), request.getfixturevalue("hf"),
+                               request.getfixturevalue("images")),
+        "qwen3_vl": lambda: (*request.getfixturevalue("qwen3_folder"), request.getfixturevalue("images3")),
+    }[family]()
+    model = mlxinfer.load(folder, dtype="float32")[0]
+    ids = prompt(images)
+    with torch.no_grad():
+        ref = hf.generate(**hf_inputs(ids, images), max_new_tokens=4, do_sample=False)[0, len(ids) :].tolist()
+
+    def greedy() -> list[int]:
+        caches, logits = prefill(model, ids, images, [len(ids) - 5, 5])
+        got = [int(mx.argmax(logits[-1]))]
+        for _ in range(3):
+            got.append(int(mx.argmax(model(mx.array([got[-1:]]), cache=caches)[0, -1])))
+        return got
+
+    with ThreadPoolExecutor(1) as worker:
+        assert worker.submit(greedy).result(timeout=300) == ref

@@ -21,4 +21,4 @@ def test_an_image_larger_as_png_than_the_byte_limit_reads_back_with_equal_pixels
     png = base64.b64decode(data["images"][0].partition(",")[2])
     assert len(png) > LIMITS.max_bytes  # the case: the leader accepted it, a follower must too
     again = Request.from_json(data)
-    assert np.array_equal(np.asarray(again.images[0]), pixels) and again.prompt == request.prompt
+    assert np.array_equal(np.asarray(again.images[0].rgb()), pixels) and again.prompt == request.prompt

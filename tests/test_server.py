@@ -184,6 +184,28 @@ def test_models_and_health(client, server, tiny):
     assert health["prompt_cache"]["entries"] >= 1
 
 
+def test_head_is_answered_as_get_without_a_body(server):
+    """HEAD on the page, its assets and /health: GET's status and headers (its Content-Length
+    too), and no body: the next response on the same connection parses (a body sent after HEAD
+    would be read as its status line)."""
+    import http.client
+
+    connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+    try:
+        for path in ("/", "/web/app.js", "/health"):
+            connection.request("GET", path)
+            got = connection.getresponse()
+            body = got.read()
+            connection.request("HEAD", path)
+            head = connection.getresponse()
+            assert head.status == got.status == 200, path
+            assert head.read() == b"" and int(head.headers["Content-Length"]) == len(body) > 0, path
+            same = ("Content-Type", "Content-Security-Policy", "X-Content-Type-Options")
+            assert [head.headers[h] for h in same] == [got.headers[h] for h in same], path
+    finally:
+        connection.close()
+
+
 # --- limits and bad input ---
 
 @pytest.mark.parametrize("kwargs, fact", [

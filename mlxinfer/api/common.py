@@ -9,6 +9,7 @@ they have in common, so none of them reaches into another.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import math
 import re
@@ -21,7 +22,7 @@ from pydantic import BaseModel, ValidationError
 
 from ..generate import Chunk
 from ..guard import allowed_hosts
-from ..images import has_images
+from ..images import downloads, has_images
 
 BODY_SECONDS = 30  # from the headers to the body's last byte
 T = TypeVar("T")
@@ -56,12 +57,17 @@ class Context:
 
 
 async def typed_request(engine: Any, prompt: Any, **options: Any) -> Any:
-    """The engine's typed `Request` for `prompt`. Making one loads its images (decoding them,
-    and under `serve --allow-image-urls` downloading them, for up to --image-url-timeout), so a prompt with
-    images is made on a worker thread: the event loop keeps answering every other request."""
+    """The engine's typed `Request` for `prompt`. Making one reads its images (base64, headers),
+    so a prompt with images is made on a worker thread: the event loop keeps answering every
+    other request. One that downloads them (`serve --allow-image-urls`, for up to
+    --image-url-timeout) is made on the engine's own download threads (`EngineThread.download`),
+    never on the workers that other requests' images, /tokenize and token counts run on."""
     if not has_images(prompt):
         return engine.engine.request(prompt, **options)
-    return await asyncio.to_thread(engine.engine.request, prompt, **options)
+    make = functools.partial(engine.engine.request, prompt, **options)
+    if downloads(prompt, engine.engine.image_sources):
+        return await engine.download(make)
+    return await asyncio.to_thread(make)
 
 
 def image_part(url: str) -> dict[str, Any]:

@@ -34,6 +34,10 @@ from .metrics import Metrics
 RETRY_AFTER_SECONDS = 1
 # Threads that prepare requests (render, tokenize, compile grammars) beside the engine thread.
 PREPARE_THREADS = 2
+# Threads that make the requests that download image URLs (`serve --allow-image-urls`), each for
+# up to --image-url-timeout: their own, so a slow sender never holds a thread another request
+# needs, and this many at once (past that a 503: the clients retry).
+DOWNLOAD_THREADS = 4
 T = TypeVar("T")
 
 
@@ -79,7 +83,8 @@ class EngineThread:
     the engine ends it, so a request whose client vanished still frees its place when it
     stops. `health` is a snapshot the engine thread refreshes before and after every step,
     so the event loop never touches the engine. For a model sharded across ranks the engine is
-    a `Replica`, whose rounds the other ranks follow."""
+    a `Replica`, whose rounds the other ranks follow. A request whose images are downloaded is
+    made on threads of its own (`download`): slow image senders never hold the shared workers."""
 
     def __init__(self, engine: BatchGenerator, max_queued: int = 32):
         self.engine, self.max_queued = engine, max_queued
@@ -89,6 +94,8 @@ class EngineThread:
         self._in_flight = 0
         self.preparing = 0
         self._preparer = ThreadPoolExecutor(PREPARE_THREADS, thread_name_prefix="mlxinfer-prepare")
+        self._downloader = ThreadPoolExecutor(DOWNLOAD_THREADS, thread_name_prefix="mlxinfer-download")
+        self.downloading = 0  # requests on the download threads
         self._lock = threading.Lock()
         self._commands: queue.Queue = queue.Queue()
         self._requests: dict[int, _Job] = {}  # engine uid -> request
@@ -138,6 +145,24 @@ class EngineThread:
         """A name for the engine requests of one client request (`BatchGenerator.new_group`)."""
         return self.engine.new_group()
 
+    async def download(self, make: Callable[[], T]) -> T:
+        """`make()` (a typed request whose images download) on a download thread, or a 503 when
+        all DOWNLOAD_THREADS are taken: a download ends by its own deadline, so waiting for one
+        would only hold the client's connection as long."""
+        with self._lock:
+            if self.downloading >= DOWNLOAD_THREADS:
+                raise RequestError(f"the server is downloading images for {DOWNLOAD_THREADS} requests; retry shortly, "
+                                   "or send the images inline as data: URLs", status=503, kind="server_busy",
+                                   headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
+            self.downloading += 1
+        done = self._downloader.submit(make)
+        done.add_done_callback(self._downloaded)  # when the thread is free, even if the client left before
+        return await asyncio.wrap_future(done)
+
+    def _downloaded(self, _: object) -> None:
+        with self._lock:
+            self.downloading -= 1
+
     def submit(self, request: _Job) -> None:
         """Hand a prepared request to the engine."""
         self._commands.put(("submit", request))
@@ -177,6 +202,7 @@ class EngineThread:
         self.shutdown()
         self._thread.join(timeout)
         self._preparer.shutdown(wait=False, cancel_futures=True)
+        self._downloader.shutdown(wait=False, cancel_futures=True)
 
     @staticmethod
     def _deliver(request: _Job, item: Chunk | RequestError | None) -> None:

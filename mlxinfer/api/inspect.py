@@ -73,7 +73,7 @@ def router(ctx: Context) -> APIRouter:
     @api.post("/inspect")
     async def inspect(request: Request):
         body = validated(await json_body(request, ctx.config.max_body), Inspect)
-        ids, images = await asyncio.to_thread(chat_prompt, ctx, body.messages)
+        ids, images = await chat_prompt(ctx, body.messages)
         bounded(ids)
         report = await ctx.engine.run_slices(inspect_slices(ctx.model, ctx.tokenizer, ids, steps=1, images=images,
                                                             chunk=ctx.engine.engine.prefill_step))
@@ -86,10 +86,8 @@ def router(ctx: Context) -> APIRouter:
                                "the server with --api-key KEY to use them here", status=403, kind="permission_error")
         body = validated(await json_body(request, ctx.config.max_body), Attention)
 
-        def context() -> list[int]:
-            return chat_prompt(ctx, body.messages)[0] + ctx.tokenizer.encode(body.reply, False)
-
-        ids = bounded(await asyncio.to_thread(context))
+        reply = await asyncio.to_thread(ctx.tokenizer.encode, body.reply, False)
+        ids = bounded((await chat_prompt(ctx, body.messages))[0] + reply)
         weights = await ctx.engine.run_slices(attention_slices(ctx.model, ids, body.layer, body.head,
                                                                ctx.engine.engine.prefill_step))
         return await json_reply(lambda: {"layer": body.layer, "head": body.head, "weights": weights, "tokens": [

@@ -14,6 +14,7 @@ a conversation's tokens before sending it.
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -22,7 +23,7 @@ from pydantic_core import PydanticCustomError
 
 from ..checks import token_ids
 from ..generate import ImagePrompt, image_prompt, tool_plan
-from .common import Context, RequestError, json_body, json_reply
+from .common import Context, RequestError, json_body, json_reply, typed_request
 from .openai_schema import ChatCompletion, Message, Strict, validated
 
 
@@ -66,16 +67,18 @@ class Detokenize(Strict):
     tokens: list[int]
 
 
-def chat_prompt(ctx: Context, messages: list[Message],
-                tools: list[dict[str, Any]] | None = None) -> tuple[list[int], ImagePrompt | None]:
+async def chat_prompt(ctx: Context, messages: list[Message],
+                      tools: list[dict[str, Any]] | None = None) -> tuple[list[int], ImagePrompt | None]:
     """The ids a chat completion of these messages (and tools) prefills and, when they hold
     images, the images as the engine prepares them: `generate.image_prompt`, as the engine
     itself renders a request (each image's placeholder expanded to its tokens), so the count is
-    the completion's `usage.prompt_tokens`. Loads the images: call it off the event loop."""
+    the completion's `usage.prompt_tokens`. The images are read as a completion's are
+    (`typed_request`), then rendered on a worker: the event loop is never held."""
     chat = ChatCompletion(messages=messages, tools=tools)
     options = {"tools": tools, "tool_choice": "none"} if tools else {}  # rendered, no grammar needed
-    request = ctx.engine.engine.request(chat.engine_prompt(), **options)
-    return image_prompt(ctx.model, ctx.tokenizer, request, tool_plan(request.options, ctx.tokenizer))
+    request = await typed_request(ctx.engine, chat.engine_prompt(), **options)
+    return await asyncio.to_thread(image_prompt, ctx.model, ctx.tokenizer, request,
+                                   tool_plan(request.options, ctx.tokenizer))
 
 
 def router(ctx: Context) -> APIRouter:
@@ -83,18 +86,9 @@ def router(ctx: Context) -> APIRouter:
     api = APIRouter()
     tokenizer, context = ctx.tokenizer, ctx.model.config.max_position_embeddings
 
-    def tokenize(body: Tokenize) -> dict[str, Any]:
-        if not body.parse_special:
-            raise RequestError("parse_special: false (special tokens' text read as plain text) is not supported; "
-                               "leave it out", "parse_special")
-        if body.messages is not None:
-            if not body.add_generation_prompt or body.add_special_tokens:
-                raise RequestError("chat messages are counted as a chat completion renders them: with the "
-                                   "generation prompt and the template's own special tokens; leave "
-                                   "add_generation_prompt and add_special_tokens out",
-                                   "add_generation_prompt" if not body.add_generation_prompt else "add_special_tokens")
-            ids = chat_prompt(ctx, body.messages, body.tools)[0]
-        else:
+    def tokenize(body: Tokenize, ids: list[int] | None) -> dict[str, Any]:
+        """The answer for `body`: its text's ids, or `ids` (its messages', `chat_prompt`)."""
+        if ids is None:
             ids = tokenizer.encode(body.content if body.content is not None else body.prompt, body.add_bos())
         tokens: list[Any] = [{"id": i, "piece": p} for i, p in zip(ids, tokenizer.pieces(ids))] if body.with_pieces \
             else ids
@@ -104,11 +98,23 @@ def router(ctx: Context) -> APIRouter:
     @api.post("/tokenize")
     async def tokenize_route(request: Request):
         body = validated(await json_body(request, ctx.config.max_body), Tokenize)
-        return await json_reply(lambda: tokenize(body))  # a long text or template must not stall the event loop
+        if not body.parse_special:
+            raise RequestError("parse_special: false (special tokens' text read as plain text) is not supported; "
+                               "leave it out", "parse_special")
+        ids = None
+        if body.messages is not None:
+            if not body.add_generation_prompt or body.add_special_tokens:
+                raise RequestError("chat messages are counted as a chat completion renders them: with the "
+                                   "generation prompt and the template's own special tokens; leave "
+                                   "add_generation_prompt and add_special_tokens out",
+                                   "add_generation_prompt" if not body.add_generation_prompt else "add_special_tokens")
+            ids = (await chat_prompt(ctx, body.messages, body.tools))[0]
+        return await json_reply(lambda: tokenize(body, ids))  # a long text or template must not stall the event loop
 
     @api.post("/detokenize")
     async def detokenize(request: Request):
         body = validated(await json_body(request, ctx.config.max_body), Detokenize)
+
         def detokenized() -> dict[str, str]:
             text = tokenizer.decode(token_ids(body.tokens, tokenizer.vocab_size, "tokens"))
             return {"content": text, "prompt": text}

@@ -32,7 +32,8 @@ def assets() -> dict[str, tuple[bytes, str]]:
 
 def router() -> APIRouter:
     """GET / (the page) and GET /web/NAME (its scripts and styles), open to all: the page asks
-    for the API key itself when the server wants one."""
+    for the API key itself when the server wants one. HEAD too, as HTTP asks of every GET
+    (uvicorn sends its headers without the body): link checkers and uptime probes use it."""
     api = APIRouter()
     found = assets()
 
@@ -43,11 +44,11 @@ def router() -> APIRouter:
         return Response(body, media_type=kind, headers={"Content-Security-Policy": POLICY, "Cache-Control": "no-cache",
                                                         "X-Content-Type-Options": "nosniff"})
 
-    @api.get("/")
+    @api.api_route("/", methods=["GET", "HEAD"])
     async def page():
         return served("index.html")
 
-    @api.get("/web/{name}")
+    @api.api_route("/web/{name}", methods=["GET", "HEAD"])
     async def asset(name: str):
         return served(name)
 
