@@ -23,8 +23,8 @@ from pydantic_core import PydanticCustomError
 
 from ..checks import token_ids
 from ..generate import ImagePrompt, image_prompt, tool_plan
-from .common import Context, RequestError, json_body
-from .openai_schema import ChatCompletion, Message, Strict, validated
+from .common import Context, RequestError, parsed
+from .openai_schema import ChatCompletion, Message, Strict, parse
 
 
 class Tokenize(Strict):
@@ -103,12 +103,12 @@ def router(ctx: Context) -> APIRouter:
 
     @api.post("/tokenize")
     async def tokenize_route(request: Request):
-        body = validated(await json_body(request, ctx.config.max_body), Tokenize)
+        body = await parsed(request, ctx.config.max_body, parse, Tokenize)
         return await asyncio.to_thread(tokenize, body)  # a long text or template must not stall the event loop
 
     @api.post("/detokenize")
     async def detokenize(request: Request):
-        body = validated(await json_body(request, ctx.config.max_body), Detokenize)
+        body = await parsed(request, ctx.config.max_body, parse, Detokenize)
         ids = token_ids(body.tokens, tokenizer.vocab_size, "tokens")
         text = await asyncio.to_thread(tokenizer.decode, ids)
         return {"content": text, "prompt": text}
