@@ -431,6 +431,20 @@ def test_continuing_an_evicted_response_is_openais_previous_response_not_found(r
         s.stop()
 
 
+def test_item_references_stand_for_no_more_than_a_body_may_send(server, client):
+    """A reference names a stored item instead of sending it: 50 references to a 100 KB item would
+    be a 5 MB input from a 3 KB body. What references name together is bounded as a body is (4 MiB)."""
+    stored = client.responses.create(model="m", input=[{**thinking_input("hi", 100_000)[0], "id": "rs_big"},
+                                                       *user("hi")], max_output_tokens=1)
+    assert stored.status in ("completed", "incomplete")
+    few = client.responses.create(model="m", input=[{"type": "item_reference", "id": "rs_big"}] * 5 + user("hi"),
+                                  max_output_tokens=1)
+    assert few.status in ("completed", "incomplete")
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model="m", input=[{"type": "item_reference", "id": "rs_big"}] * 50 + user("hi"),
+                                max_output_tokens=1)
+    assert e.value.body["param"] == "input" and "item_references" in e.value.message
+
 def rss(pid: int) -> int:
     """A process's resident memory in bytes (`ps`, as on Linux and macOS alike)."""
     import subprocess
