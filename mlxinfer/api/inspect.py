@@ -23,8 +23,8 @@ from pydantic_core import PydanticCustomError
 
 from ..guard import LOOPBACK_NAMES
 from ..inspection import attention_weights, inspect_pipeline
-from .common import Context, RequestError, json_body
-from .openai_schema import ImagePart, Message, Strict, validated
+from .common import Context, RequestError, parsed
+from .openai_schema import ImagePart, Message, Strict, parse
 from .tokens import chat_prompt
 
 MAX_TOKENS = 2048  # context a look inside reruns at most
@@ -70,7 +70,7 @@ def router(ctx: Context) -> APIRouter:
 
     @api.post("/inspect")
     async def inspect(request: Request):
-        body = validated(await json_body(request, ctx.config.max_body), Inspect)
+        body = await parsed(request, ctx.config.max_body, parse, Inspect)
         ids, images = await chat_prompt(ctx, body.messages)
         bounded(ids)
         return await ctx.engine.call(lambda: inspect_pipeline(ctx.model, ctx.tokenizer, ids, steps=1, images=images))
@@ -80,7 +80,7 @@ def router(ctx: Context) -> APIRouter:
         if not ctx.config.attention:
             raise RequestError("attention weights are offered on a loopback address, or with --api-key; restart "
                                "the server with --api-key KEY to use them here", status=403, kind="permission_error")
-        body = validated(await json_body(request, ctx.config.max_body), Attention)
+        body = await parsed(request, ctx.config.max_body, parse, Attention)
 
         reply = await asyncio.to_thread(ctx.tokenizer.encode, body.reply, False)
         ids = bounded((await chat_prompt(ctx, body.messages))[0] + reply)
