@@ -25,27 +25,27 @@ import re
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_unflatten
 
+from .adapter_config import MlxLora, PeftLora, mlx_lora, peft_lora
 from .errors import AdapterError, CorruptCheckpointError, ModelNotFoundError
 from .loading import PICKLE_SUFFIXES, checkpoint_json, read_weights
 from .loading import load as load_base
 from .models import CausalLM
 from .models.layers import Attention, Linear, QuantizedLinear, SwiGLU
-from .models.lora import LoRALinear, LoRASwitchLinear, Update, registry
+from .models.lora import LoRALinear, LoRASwitchLinear, Update, adapter_name, registry
 from .models.moe import QuantizedSwitchLinear, SwitchGLU, SwitchLinear
 from .shard import COLUMN, KV, LAYER, ROW, Shard, Stage, _kv_part, _part
 from .tokenizer import Tokenizer
 
 PEFT_FILE, MLX_FILE = "adapter_model.safetensors", "adapters.safetensors"
 PEFT_PREFIX = "base_model.model."
-# PEFT options that change what the adapter computes in ways we do not run: refused when set.
-PEFT_REFUSED = ("modules_to_save", "fan_in_fan_out", "lora_bias", "layer_replication", "trainable_token_indices",
-                "alora_invocation_tokens", "use_qalora")
+MAX_PATH_CHARS = 4096  # Linux's PATH_MAX; a longer path names no folder
+MAX_TENSOR_NAME = 1000
 LINEARS = (Linear, QuantizedLinear, nn.Linear, nn.QuantizedLinear, LoRALinear)
 SWITCHES = (SwitchLinear, QuantizedSwitchLinear, LoRASwitchLinear)
 
@@ -77,11 +77,23 @@ class Place:
 
 
 def adapter_folder(path: str | Path) -> Path:
-    folder = Path(path).expanduser()
-    if not folder.is_dir():
-        raise ModelNotFoundError(f"no adapter folder at '{path}'; pass the folder that holds adapter_config.json")
-    if not (folder / "adapter_config.json").is_file():
-        raise ModelNotFoundError(f"no adapter_config.json in '{folder}'; is this a PEFT or mlx-lm adapter folder?")
+    """The adapter folder `path` names (a path a server's client may send: bounded, checked)."""
+    text = os.fspath(path)
+    if not isinstance(text, str) or not text or len(text) > MAX_PATH_CHARS or "\0" in text:
+        length = f"{len(text):,} characters" if isinstance(text, str) else type(text).__name__
+        raise ModelNotFoundError(f"the adapter path ({length}) is not a folder path: pass the folder that holds "
+                                 f"adapter_config.json, at most {MAX_PATH_CHARS:,} characters, without NUL")
+    folder = Path(text).expanduser()
+    try:
+        is_dir = folder.is_dir()
+        has_config = is_dir and (folder / "adapter_config.json").is_file()
+    except OSError as e:  # a name too long for the file system, a folder we may not read
+        raise ModelNotFoundError(f"cannot read the adapter folder '{text[:200]}' ({e.strerror})") from None
+    if not is_dir:
+        raise ModelNotFoundError(f"no adapter folder at '{text[:200]}'; pass the folder that holds adapter_config.json")
+    if not has_config:
+        raise ModelNotFoundError(f"no adapter_config.json in '{str(folder)[:200]}'; "
+                                 "is this a PEFT or mlx-lm adapter folder?")
     return folder
 
 
@@ -89,47 +101,39 @@ def read_adapter(path: str | Path) -> list[Part]:
     """The parts of the adapter in folder `path`, PEFT's format or mlx-lm's."""
     folder = adapter_folder(path)
     config = checkpoint_json(folder, "adapter_config.json")
-    if not isinstance(config, dict):
-        raise AdapterError(f"{folder / 'adapter_config.json'} is not a JSON object")
     for name in (PEFT_FILE, MLX_FILE):
         if (folder / name).is_file():
+            settings = peft_lora(config) if name == PEFT_FILE else mlx_lora(config)  # before reading any tensor
             weights = read_weights([folder / name])[0]
-            return _peft_parts(config, weights) if name == PEFT_FILE else _mlx_parts(config, weights)
+            _check_tensors(weights)
+            return _peft_parts(settings, weights) if name == PEFT_FILE else _mlx_parts(settings, weights)
     pickles = sorted(p.name for p in folder.iterdir() if p.suffix in (*PICKLE_SUFFIXES, ".npz"))
     if pickles:
         raise CorruptCheckpointError(
-            f"'{folder}' holds its adapter as {pickles[0]}, a pickle (unsafe to load) or not safetensors; "
-            f"save it as {PEFT_FILE} (PEFT: save_pretrained(safe_serialization=True))"
+            f"'{str(folder)[:200]}' holds its adapter as {pickles[0]}, a pickle (unsafe to load) or not "
+            f"safetensors; save it as {PEFT_FILE} (PEFT: save_pretrained(safe_serialization=True))"
         )
-    raise ModelNotFoundError(f"no {PEFT_FILE} (PEFT) or {MLX_FILE} (mlx-lm) in '{folder}'")
+    raise ModelNotFoundError(f"no {PEFT_FILE} (PEFT) or {MLX_FILE} (mlx-lm) in '{str(folder)[:200]}'")
 
 
-def _number(config: dict[str, Any], key: str, default: Any = None) -> float:
-    value = config.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-        raise AdapterError(f"adapter_config.json has {key} {value!r:.40}; expected a positive number")
-    return value
+def _check_tensors(weights: dict[str, mx.array]) -> None:
+    """Refuse a tensor named past any layer name's length (names are matched against patterns),
+    or holding NaN or an infinity: every request running the adapter would end in NaN logits (a
+    server's requests naming it, 500s), so it is caught here, by name."""
+    long = next((key for key in weights if len(key) > MAX_TENSOR_NAME), None)
+    if long is not None:
+        raise AdapterError(f"adapter tensor '{long[:120]}...' has a name of {len(long):,} characters, longer than "
+                           f"any layer's ({MAX_TENSOR_NAME:,} at most); the file is not an adapter for a model")
+    floats = [(key, value) for key, value in weights.items() if mx.issubdtype(value.dtype, mx.floating)]
+    finite = [mx.isfinite(value).all() for _, value in floats]
+    mx.eval(finite)
+    for (key, _), ok in zip(floats, finite):
+        if not ok.item():
+            raise AdapterError(f"adapter tensor '{key[:120]}' holds NaN or infinite values; the adapter is damaged "
+                               "(its training diverged, or the file was corrupted): use another checkpoint of it")
 
 
-def _pattern(patterns: Any, target: str, default: Any) -> Any:
-    """PEFT's per-module override (`rank_pattern`, `alpha_pattern`): a key matching the end of
-    the module's name."""
-    for key, value in (patterns or {}).items():
-        if re.match(rf"(.*\.)?({key})$", target):
-            return value
-    return default
-
-
-def _peft_parts(config: dict[str, Any], weights: dict[str, mx.array]) -> list[Part]:
-    if config.get("peft_type", "LORA") != "LORA":
-        raise AdapterError(f"adapter_config.json is a {config.get('peft_type')!r:.40} adapter; only LoRA is supported")
-    for key in PEFT_REFUSED:
-        if config.get(key):
-            raise AdapterError(f"adapter_config.json sets {key}, which mlxinfer does not run; "
-                               "merge the adapter with PEFT (merge_and_unload) and load the merged model")
-    if config.get("bias", "none") != "none":
-        raise AdapterError(f"adapter_config.json has bias {config['bias']!r:.40}; only 'none' is supported")
-    r, alpha = _number(config, "r"), _number(config, "lora_alpha", config.get("r"))
+def _peft_parts(config: PeftLora, weights: dict[str, mx.array]) -> list[Part]:
     groups: dict[str, dict[str, mx.array]] = defaultdict(dict)
     for key, value in weights.items():
         name = key.removeprefix(PEFT_PREFIX)
@@ -140,13 +144,19 @@ def _peft_parts(config: dict[str, Any], weights: dict[str, mx.array]) -> list[Pa
         else:
             raise AdapterError(f"adapter tensor '{key[:120]}' is not a LoRA A, B or DoRA magnitude; "
                                "only LoRA adapters are supported")
+    targets = {module: _peft_targets(module, config.target_parameters) for module in groups}
+    stray = config.unselected(m for m, t in targets.items() if t[0] == m)  # expert tensors: target_parameters
+    if stray is not None:
+        raise AdapterError(f"adapter layer '{stray[:120]}' is not among the layers adapter_config.json's "
+                           "target_modules selects; the adapter's files do not match")
+    names = [t[0] for t in targets.values()]
+    ranks, alphas = config.rank_pattern.resolve(names), config.alpha_pattern.resolve(names)
     parts = []
     for module, tensors in groups.items():
-        targets = _peft_targets(module, config.get("target_parameters") or [])
-        target, stacked = targets[0], targets[0] != module
-        rank = _pattern(config.get("rank_pattern"), target, r)
-        scale = _pattern(config.get("alpha_pattern"), target, alpha)
-        scale = scale / math.sqrt(rank) if config.get("use_rslora") else scale / rank
+        target = targets[module][0]
+        stacked = target != module
+        rank = int(ranks.get(target, config.r))
+        scale = config.scale(rank, alphas.get(target, config.alpha))
         a, b = _pair(tensors, module)
         experts = a.shape[0] // rank if stacked else 1
         if a.shape[0] != rank * experts or not experts:
@@ -155,11 +165,11 @@ def _peft_parts(config: dict[str, Any], weights: dict[str, mx.array]) -> list[Pa
         if experts > 1:  # PEFT's expert layout: A [E*r, in] as (E, r, in), B [out, r*E] as (out, r, E)
             a = a.reshape(experts, rank, -1)
             b = b.reshape(b.shape[0], rank, experts).transpose(2, 0, 1)
-        parts.append(Part(targets, a, b * scale, tensors.get("lora_magnitude_vector")))
+        parts.append(Part(targets[module], a, b * scale, tensors.get("lora_magnitude_vector")))
     return parts
 
 
-def _peft_targets(module: str, target_parameters: list[str]) -> tuple[str, ...]:
+def _peft_targets(module: str, target_parameters: Sequence[str]) -> tuple[str, ...]:
     """The layers a PEFT module name may stand for: itself, or for a module whose tensors
     `target_parameters` wraps (`mlp.experts` for `mlp.experts.gate_up_proj`, once per tensor,
     in an order the file does not keep: `experts.base_layer.lora_A`) each such expert tensor,
@@ -180,16 +190,8 @@ def _pair(tensors: dict[str, mx.array], module: str) -> tuple[mx.array, mx.array
     return a, b
 
 
-def _mlx_parts(config: dict[str, Any], weights: dict[str, mx.array]) -> list[Part]:
-    kind = config.get("fine_tune_type", "lora")
-    if kind not in ("lora", "dora"):
-        raise AdapterError(f"adapter_config.json has fine_tune_type {kind!r:.40}; only 'lora' and 'dora' are adapters")
-    params = config.get("lora_parameters")
-    if not isinstance(params, dict):
-        raise AdapterError("adapter_config.json has no lora_parameters object (rank, scale)")
-    rank, scale = _number(params, "rank"), params.get("scale")
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
-        raise AdapterError(f"adapter_config.json has lora_parameters.scale {scale!r:.40}; expected a number")
+def _mlx_parts(config: MlxLora, weights: dict[str, mx.array]) -> list[Part]:
+    rank, scale = config.rank, config.scale
     groups: dict[str, dict[str, mx.array]] = defaultdict(dict)
     for key, value in weights.items():
         module, _, leaf = key.rpartition(".")
@@ -299,7 +301,7 @@ def updates(model: nn.Module, parts: list[Part], weight_of: Callable[[str], mx.a
                     squares = mx.distributed.all_sum(squares, group=split.shard.group)
                 gain = magnitude.astype(mx.float32) / mx.sqrt(squares)
             pieces[place.path].append((place.offset, a, b, gain))
-    return {path: _combined(modules[path], ps) for path, ps in pieces.items()}
+    return {path: _combined(path, modules[path], ps) for path, ps in pieces.items()}
 
 
 @dataclass(frozen=True)
@@ -386,7 +388,8 @@ def _check_shape(target: str, a: mx.array, b: mx.array, place: Place, layer: nn.
         )
 
 
-def _combined(layer: nn.Module, pieces: list[tuple[int, mx.array, mx.array, mx.array | None]]) -> Update:
+def _combined(path: str, layer: nn.Module, pieces: list[tuple[int, mx.array, mx.array, mx.array | None]]) -> Update:
+    """The layer at `path`'s one update from its pieces (see `updates`), evaluated and checked finite."""
     dtype, out = _float_dtype(layer), _out_dims(layer)
     offset, a, b, gain = pieces[0]
     if len(pieces) > 1 or offset or b.shape[-2] != out:
@@ -404,15 +407,29 @@ def _combined(layer: nn.Module, pieces: list[tuple[int, mx.array, mx.array, mx.a
                     g[offset : offset + b_i.shape[-2]] = g_i
             gain = g
     update = Update(a.astype(dtype), b.astype(dtype), None if gain is None else gain.astype(dtype))
-    mx.eval(update.a, update.b, *([] if update.gain is None else [update.gain]))
+    arrays = [update.a, update.b, *([] if update.gain is None else [update.gain])]
+    finite = [mx.isfinite(x).all() for x in arrays]
+    mx.eval(*arrays, *finite)
+    if not all(ok.item() for ok in finite):
+        raise AdapterError(f"the adapter's update of layer '{path[:120]}' is not finite in the model's {dtype}: "
+                           "scaled by lora_alpha / r (DoRA: by its magnitude over the row norms) it overflows; "
+                           "the adapter does not fit this model as it is")
     return update
 
 
-def load_adapter(model: nn.Module, path: str | Path, name: str | None = None) -> str:
-    """Register the adapter in folder `path` on `model` under `name` (default: the folder's
-    name), unfused: the base weights stay, and requests choose it by name."""
-    name = name or Path(path).expanduser().resolve().name
-    found = updates(model, read_adapter(path))
+def prepare_adapter(model: nn.Module, path: str | Path) -> dict[str, Update]:
+    """All the work of loading the adapter in folder `path` on `model`: its files read and
+    checked, and each layer's update computed, evaluated and checked finite (`attach_adapter`
+    then puts them on the model). It changes nothing, so a server runs it on a thread of its
+    own while the engine keeps stepping; the updates are evaluated arrays, usable from any
+    thread (an MLX stream belongs to the thread that made it: a graph left to evaluate would
+    need this one's)."""
+    return updates(model, read_adapter(path))
+
+
+def attach_adapter(model: nn.Module, name: str, found: dict[str, Update]) -> str:
+    """Register `found` (`prepare_adapter`'s) on `model` as adapter `name`: cheap (no array is
+    computed), so a server does it on its engine thread between steps."""
     adapters = registry(model)
     slot = adapters.add(name)
     modules = dict(model.named_modules())
@@ -426,6 +443,16 @@ def load_adapter(model: nn.Module, path: str | Path, name: str | None = None) ->
     if wrapped:
         model.update_modules(tree_unflatten(wrapped))
     return name
+
+
+def load_adapter(model: nn.Module, path: str | Path, name: str | None = None) -> str:
+    """Register the adapter in folder `path` on `model` under `name` (default: the folder's
+    name; `lora.adapter_name` says what a name may be), unfused: the base weights stay, and
+    requests choose it by name."""
+    folder = adapter_folder(path)
+    name = adapter_name(folder.resolve().name if name is None else name)
+    registry(model).check_free(name)  # before the work, which the name's refusal would waste
+    return attach_adapter(model, name, prepare_adapter(model, folder))
 
 
 def unload_adapter(model: nn.Module, name: str) -> None:

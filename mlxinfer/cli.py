@@ -579,6 +579,9 @@ def bench(model_argument, model, dtype, prompt_tokens, gen_tokens, repeat, max_k
 @click.option("--responses-store", type=click.IntRange(0), default=256, show_default=True,
               help="Responses API responses kept in memory for GET /v1/responses/{id} and previous_response_id "
                    "(the least recently used go first; 0: none).")
+@click.option("--responses-store-bytes", type=ByteSize(), default="256MiB", show_default=True,
+              help="Bytes the kept responses may hold in all, their inputs included, as JSON (e.g. 64MiB, 1GB); the "
+                   "least recently used go first, and one larger than this alone is not kept.")
 @click.option("--adapter", "adapters", multiple=True, metavar="NAME=DIR",
               help="A LoRA adapter to serve as the model BASE:NAME (repeatable; DIR alone: named after its folder).")
 @click.option("--max-adapters", type=click.IntRange(0), default=8, show_default=True,
@@ -602,9 +605,9 @@ def bench(model_argument, model, dtype, prompt_tokens, gen_tokens, repeat, max_k
               help="Prompt tokens per prefill chunk (one chunk's activations are held at once).")
 @PIPELINE_OPTION
 def serve(model, dtype, host, port, max_concurrency, max_queue, max_kv_size, kv_bits, prompt_cache_bytes,
-          draft_model, prompt_lookup, api_key, cors, allowed_host, max_connections, responses_store, adapters,
-          max_adapters, no_web, allow_image_urls, image_hosts, image_url_timeout, images_per_request,
-          pixels_per_request, prefill_step, pipeline) -> None:
+          draft_model, prompt_lookup, api_key, cors, allowed_host, max_connections, responses_store,
+          responses_store_bytes, adapters, max_adapters, no_web, allow_image_urls, image_hosts, image_url_timeout,
+          images_per_request, pixels_per_request, prefill_step, pipeline) -> None:
     """Serve the model over OpenAI's HTTP API (chat and text completions, streaming), with a
     chat page at / (unless --no-web). Concurrent requests are decoded together; Ctrl-C stops
     after the requests in flight."""
@@ -662,8 +665,8 @@ def serve(model, dtype, host, port, max_concurrency, max_queue, max_kv_size, kv_
     max_body = 4 << 20 if m.image_token_id is None else (4 << 20) + LIMITS.max_bytes * 4 // 3
     config = ServerConfig(name, max_tokens=m.config.max_position_embeddings, api_key=api_key, cors=cors,
                           hosts=allowed_hosts(host, allowed_host), responses_store=responses_store,
-                          max_adapters=max_adapters, max_body=max_body, web=not no_web,
-                          attention=guarded)
+                          responses_store_bytes=responses_store_bytes, max_adapters=max_adapters, max_body=max_body,
+                          web=not no_web, attention=guarded)
     split = shard_summary(m)
     page = "" if no_web else f"; chat at http://{host}:{port}/"
     click.echo(f"serving {name} at http://{host}:{port}/v1{page} (Ctrl-C stops)" + (f" [{split}]" if split else ""),

@@ -15,6 +15,9 @@ Environment:
   MLXINFER_TEST_GATE_DECODE: token ids; once a sequence whose prompt holds them has sent a
   token, the engine's next step waits for the file (a reply held mid-stream: a speculative
   burst can finish a short reply within one step, too fast to catch otherwise).
+- MLXINFER_TEST_GATE_ADAPTER: a file path; loading an adapter creates it once it starts reading
+  the adapter's files, then waits for MLXINFER_TEST_GATE (a load held mid-way, for as long as a
+  test needs).
 - MLXINFER_TEST_HEADER_SECONDS: the header deadline (the server's HEADER_SECONDS), so a test
   that waits for it to free connections waits that long, not the 10 s a real client gets.
 """
@@ -24,7 +27,7 @@ from __future__ import annotations
 import os
 import time
 
-from mlxinfer import server
+from mlxinfer import adapters, server
 from mlxinfer.batch import BatchGenerator
 from mlxinfer.cache import PromptCache
 from mlxinfer.cli import main
@@ -46,7 +49,9 @@ PREPARE_FAULT = ids("MLXINFER_TEST_PREPARE_FAULT")
 GATE, GATE_PREPARE, GATE_PREFILL = os.environ.get("MLXINFER_TEST_GATE"), ids("MLXINFER_TEST_GATE_PREPARE"), \
     ids("MLXINFER_TEST_GATE_PREFILL")
 GATE_DECODE = ids("MLXINFER_TEST_GATE_DECODE")
+GATE_ADAPTER = os.environ.get("MLXINFER_TEST_GATE_ADAPTER")
 step, prefill, emit, prepare = BatchGenerator.step, PromptCache.prefill, TextStream.emit, BatchGenerator.prepare
+read_adapter = adapters.read_adapter
 
 
 def wait_for_gate() -> None:
@@ -85,7 +90,15 @@ def faulty_emit(self, token):
     return emit(self, token)
 
 
+def gated_read_adapter(path):
+    if GATE_ADAPTER:
+        open(GATE_ADAPTER, "w").close()
+        wait_for_gate()
+    return read_adapter(path)
+
+
 BatchGenerator.step = slow_step
+adapters.read_adapter = gated_read_adapter
 PromptCache.prefill = faulty_prefill
 TextStream.emit = faulty_emit
 BatchGenerator.prepare = gated_prepare

@@ -141,43 +141,93 @@ def write_peft(folder: Path, config: dict, tensors: dict[str, np.ndarray], file:
     return folder
 
 
-def lora_pair(module: str, rank: int = 4, in_dims: int = 64, out_dims: int = 64) -> dict[str, np.ndarray]:
+def lora_pair(module: str, rank: int = 4, in_dims: int = 64, out_dims: int = 64, a: float = 1.0,
+              b: float = 1.0) -> dict[str, np.ndarray]:
     prefix = f"base_model.model.{module}"
-    return {f"{prefix}.lora_A.weight": np.ones((rank, in_dims), np.float32),
-            f"{prefix}.lora_B.weight": np.ones((out_dims, rank), np.float32)}
+    return {f"{prefix}.lora_A.weight": np.full((rank, in_dims), a, np.float32),
+            f"{prefix}.lora_B.weight": np.full((out_dims, rank), b, np.float32)}
 
 
-@pytest.mark.parametrize("case,error,words", [
-    ("unknown-module", AdapterError, "model.layers.7.self_attn.q_proj"),
-    ("rank-mismatch", AdapterError, "rank 4 but adapter_config.json says r=8"),
-    ("wrong-shape", AdapterError, "do not fit"),
-    ("pickle", CorruptCheckpointError, "adapter_model.bin"),
-    ("no-weights", ModelNotFoundError, "adapter_model.safetensors"),
-    ("no-config", ModelNotFoundError, "adapter_config.json"),
-    ("modules-to-save", AdapterError, "modules_to_save"),
-])
-def test_bad_adapters_are_refused_in_one_line(case, error, words, tiny, tmp_path):
+Q = "model.layers.0.self_attn.q_proj"
+# (adapter_config.json fields over r=4, lora_alpha=8; tensors) -> the error and words naming the problem
+REFUSED = {
+    "unknown-module": ({}, lora_pair("model.layers.7.self_attn.q_proj"), AdapterError,
+                       "model.layers.7.self_attn.q_proj"),
+    "rank-mismatch": ({"r": 8}, lora_pair(Q), AdapterError, "rank 4 but adapter_config.json says r=8"),
+    "wrong-shape": ({}, lora_pair(Q, in_dims=48), AdapterError, "do not fit"),
+    "modules-to-save": ({"modules_to_save": ["lm_head"]}, lora_pair(Q), AdapterError, "modules_to_save"),
+    # the fields' types and ranges, as PEFT's LoraConfig takes them (r and ranks: positive whole numbers)
+    "nan-tensor": ({}, lora_pair(Q, a=np.nan), AdapterError, f"'base_model.model.{Q}.lora_A.weight' holds NaN"),
+    "inf-tensor": ({}, lora_pair(Q, b=np.inf), AdapterError, f"'base_model.model.{Q}.lora_B.weight' holds NaN"),
+    "r-float": ({"r": 4.0}, lora_pair(Q), AdapterError, "r 4.0; expected a positive whole number"),
+    "r-nan": ({"r": float("nan")}, lora_pair(Q), AdapterError, "r nan; expected a positive whole number"),
+    "alpha-string": ({"lora_alpha": "8"}, lora_pair(Q), AdapterError, "lora_alpha '8'; expected a positive number"),
+    "rslora-string": ({"use_rslora": "false"}, lora_pair(Q), AdapterError, "use_rslora 'false'; expected true or false"),
+    "rank-pattern-zero": ({"rank_pattern": {"q_proj": 0}}, lora_pair(Q), AdapterError,
+                          "rank_pattern['q_proj'] 0; expected a positive whole number"),
+    "rank-pattern-string": ({"rank_pattern": {"q_proj": "4"}}, lora_pair(Q), AdapterError, "rank_pattern['q_proj'] '4'"),
+    "rank-pattern-list": ({"rank_pattern": ["q_proj"]}, lora_pair(Q), AdapterError, "rank_pattern ['q_proj']"),
+    "alpha-pattern-string": ({"alpha_pattern": {"q_proj": "x"}}, lora_pair(Q), AdapterError,
+                             "alpha_pattern['q_proj'] 'x'; expected a positive number"),
+    "bad-regex": ({"rank_pattern": {"q_proj(": 4}}, lora_pair(Q), AdapterError,
+                  "rank_pattern key 'q_proj(' is not a valid regular expression"),
+    "long-regex": ({"alpha_pattern": {"q" * 5000: 4}}, lora_pair(Q), AdapterError, "longer than a pattern may be"),
+    # what Python's re backtracks on for ever, or `regex` compiles into gigabytes: RE2 refuses both
+    "backreference": ({"rank_pattern": {r"(q)\1_proj": 4}}, lora_pair(Q), AdapterError, "refused by RE2"),
+    "repeat-bomb": ({"target_modules": r"(?:.{1000}){1000}"}, lora_pair(Q), AdapterError,
+                    "target_modules '(?:.{1000}){1000}' is refused by RE2"),
+    "target-modules-number": ({"target_modules": 7}, lora_pair(Q), AdapterError, "target_modules 7; expected a list"),
+    # a layer the config's target_modules does not select (PEFT would leave it out): the files disagree
+    "target-modules-list": ({"target_modules": ["k_proj", "v_proj"]}, lora_pair(Q), AdapterError,
+                            f"'{Q}' is not among the layers adapter_config.json's target_modules selects"),
+    "target-modules-regex": ({"target_modules": r".*\.(k|v)_proj"}, lora_pair(Q), AdapterError,
+                             "target_modules selects"),
+    "long-path": (None, None, ModelNotFoundError, "at most 4,096 characters"),
+    "long-folder-name": (None, None, ModelNotFoundError, "cannot read the adapter folder"),
+    "pickle": ({}, {}, CorruptCheckpointError, "adapter_model.bin"),
+    "no-weights": ({}, {}, ModelNotFoundError, "adapter_model.safetensors"),
+    "no-config": (None, None, ModelNotFoundError, "adapter_config.json"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(REFUSED))
+def test_bad_adapters_are_refused_in_one_line(case, tiny, tmp_path):
     model, _ = mlxinfer.load(tiny, dtype="float32")
-    q = "model.layers.0.self_attn.q_proj"
+    config, tensors, error, words = REFUSED[case]
     folder = tmp_path / case
-    if case == "unknown-module":
-        write_peft(folder, {}, lora_pair("model.layers.7.self_attn.q_proj"))
-    elif case == "rank-mismatch":
-        write_peft(folder, {"r": 8}, lora_pair(q))
-    elif case == "wrong-shape":
-        write_peft(folder, {}, lora_pair(q, in_dims=48))
-    elif case == "pickle":
-        write_peft(folder, {}, {}, file="adapter_model.bin")
-    elif case == "no-weights":
-        write_peft(folder, {}, {}, file="README.md")
-    elif case == "no-config":
+    if case == "long-path":
+        folder = tmp_path / ("x/" * 50_000)
+    elif case == "long-folder-name":
+        folder = tmp_path / ("x" * 300)  # over a file system's 255 bytes per name
+    elif config is None:
         folder.mkdir()
     else:
-        write_peft(folder, {"modules_to_save": ["lm_head"]}, lora_pair(q))
+        write_peft(folder, config, tensors, file={"pickle": "adapter_model.bin", "no-weights": "README.md"}.get(
+            case, "adapter_model.safetensors"))
     with pytest.raises(error) as e:
-        mlxinfer.load_adapter(model, folder)
-    assert words in str(e.value) and "\n" not in str(e.value)
+        mlxinfer.load_adapter(model, folder, name="x")
+    assert words in str(e.value) and "\n" not in str(e.value) and len(str(e.value)) < 500
     assert model.adapters.slots == {} if "adapters" in model.__dict__ else True  # nothing half-registered
+
+
+def test_an_update_that_overflows_the_models_dtype_is_refused(tiny, tmp_path):
+    """Finite in the file, infinite once scaled and cast to a float16 model's weights (65,504 at most)."""
+    model, _ = mlxinfer.load(tiny, dtype="float16")
+    folder = write_peft(tmp_path / "big", {"lora_alpha": 4e5}, lora_pair(Q, b=1.0))
+    with pytest.raises(AdapterError, match=r"update of layer 'model\.layers\.0\.self_attn\.qkv_proj' is not finite "
+                       r"in the model's mlx\.core\.float16") as e:
+        mlxinfer.load_adapter(model, folder)
+    assert "\n" not in str(e.value) and model.adapters.slots == {}
+
+
+@pytest.mark.parametrize("name", ["a\nb", "nul\0", "\x1b[31mred", "tab\t", "x" * 129, "", "a:b", "a/b"])
+def test_adapter_names_follow_one_rule(name, tiny, tmp_path):
+    model, _ = mlxinfer.load(tiny, dtype="float32")
+    folder = write_peft(tmp_path / "a", {}, lora_pair(Q))
+    with pytest.raises(mlxinfer.MlxinferError, match="1 to 128 printable characters") as e:
+        mlxinfer.load_adapter(model, folder, name=name)
+    assert "\n" not in str(e.value) and len(str(e.value)) < 300
+    assert mlxinfer.load_adapter(model, folder, name="with spaces, dots. and 128 chars" + "x" * 96) is not None
 
 
 def test_names_are_unique_and_unload_frees_them(tiny, tmp_path):

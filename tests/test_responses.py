@@ -350,6 +350,159 @@ def test_the_store_keeps_the_most_recent(roomy):
         s.stop()
 
 
+
+def get(url: str) -> tuple[int, bytes]:
+    """(status, body) of a raw GET with the API key."""
+    import urllib.error
+    import urllib.request
+
+    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {KEY}"})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+@pytest.mark.parametrize("query, param", [
+    ("limit=%C2%B2", "limit"),  # a Unicode digit (²): str.isdigit says yes, int() says no
+    ("limit=-1", "limit"), ("limit=abc", "limit"), ("limit=0", "limit"), ("limit=101", "limit"),
+    ("order=sideways", "order"), ("after=msg_nope", "after"),
+])
+def test_input_items_queries_out_of_openais_range_are_400_naming_the_parameter(server, client, query, param):
+    """OpenAI's `limit` is 1 to 100, `order` asc or desc, `after` an item of the list."""
+    r = client.responses.create(model="m", input="hi", max_output_tokens=1)
+    status, body = get(f"{server.url}/v1/responses/{r.id}/input_items?{query}")
+    assert status == 400, body
+    error = json.loads(body)["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["type"] == "invalid_request_error"
+    assert error["param"] == param and param in error["message"]
+
+
+REASONING_TEXT = 20_000  # characters of thinking in each response of the bytes test: ~20 KB stored
+
+
+def thinking_input(text: str, n: int = REASONING_TEXT) -> list[dict]:
+    """An input whose bulk is an earlier reasoning item (kept by the store, left out of the prompt)."""
+    return [{"type": "reasoning", "summary": [{"type": "summary_text", "text": "t" * n}]}, *user(text)]
+
+
+def test_the_store_is_bounded_in_bytes(roomy):
+    """Two responses of ~20 KB fit in 64 KiB, a third evicts the oldest; one over the bound alone is
+    answered and not kept; what is kept comes back as it was sent."""
+    s = Server(["-m", str(roomy), "--dtype", "float32", "--responses-store-bytes", "64KiB"])
+    try:
+        c = openai.OpenAI(base_url=f"{s.url}/v1", api_key="unused", max_retries=0, timeout=60)
+        ids = [c.responses.create(model="m", input=thinking_input(f"turn {i}"), max_output_tokens=1).id
+               for i in range(4)]
+        for evicted in ids[:2]:
+            with pytest.raises(openai.NotFoundError):
+                c.responses.retrieve(evicted)
+        assert [c.responses.retrieve(i).id for i in ids[2:]] == ids[2:]
+        reasoning, message = c.responses.input_items.list(ids[-1], order="asc").data
+        assert reasoning.summary[0].text == "t" * REASONING_TEXT and message.content[0].text == "turn 3"
+        huge = c.responses.create(model="m", input=thinking_input("hi", 70_000), max_output_tokens=1)
+        with pytest.raises(openai.NotFoundError):
+            c.responses.retrieve(huge.id)
+        assert c.responses.retrieve(ids[-1]).id == ids[-1]  # the huge one evicted nothing
+    finally:
+        s.stop()
+
+
+def test_continuing_an_evicted_response_is_openais_previous_response_not_found(roomy):
+    """A chain longer than the store: the oldest responses are gone, and continuing one is the
+    400 OpenAI gives (code previous_response_not_found); the latest still continues."""
+    s = Server(["-m", str(roomy), "--dtype", "float32", "--responses-store", "2"])
+    try:
+        c = openai.OpenAI(base_url=f"{s.url}/v1", api_key="unused", max_retries=0, timeout=60)
+        ids: list[str] = []
+        for i in range(5):
+            ids.append(c.responses.create(model="m", input=thinking_input(f"turn {i}", 2_000), max_output_tokens=1,
+                                          previous_response_id=ids[-1] if ids else None).id)
+        with pytest.raises(openai.BadRequestError) as e:
+            c.responses.create(model="m", input="and?", previous_response_id=ids[0], max_output_tokens=1)
+        assert e.value.code == "previous_response_not_found" and e.value.body["param"] == "previous_response_id"
+        assert ids[0] in e.value.message
+        latest = c.responses.create(model="m", input="and?", previous_response_id=ids[-1], max_output_tokens=1)
+        items = list(c.responses.input_items.list(latest.id, order="asc"))
+        assert [i.content[0].text for i in items if i.type == "message" and i.role == "user"] == \
+            [*(f"turn {i}" for i in range(5)), "and?"]
+    finally:
+        s.stop()
+
+
+def test_item_references_stand_for_no_more_than_a_body_may_send(server, client):
+    """A reference names a stored item instead of sending it: 50 references to a 100 KB item would
+    be a 5 MB input from a 3 KB body. What references name together is bounded as a body is (4 MiB)."""
+    stored = client.responses.create(model="m", input=[{**thinking_input("hi", 100_000)[0], "id": "rs_big"},
+                                                       *user("hi")], max_output_tokens=1)
+    assert stored.status in ("completed", "incomplete")
+    few = client.responses.create(model="m", input=[{"type": "item_reference", "id": "rs_big"}] * 5 + user("hi"),
+                                  max_output_tokens=1)
+    assert few.status in ("completed", "incomplete")
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model="m", input=[{"type": "item_reference", "id": "rs_big"}] * 50 + user("hi"),
+                                max_output_tokens=1)
+    assert e.value.body["param"] == "input" and "item_references" in e.value.message
+
+def rss(pid: int) -> int:
+    """A process's resident memory in bytes (`ps`, as on Linux and macOS alike)."""
+    import subprocess
+
+    return int(subprocess.run(["ps", "-o", "rss=", "-p", str(pid)], capture_output=True, text=True,
+                              check=True).stdout) * 1024
+
+
+def test_stored_responses_stay_within_the_stores_bound_in_memory(roomy):
+    """A reasoning item of 90,000 `{}` is 270 KB of JSON but 6.5 MB as Python objects: kept as
+    objects, 24 such responses would grow the server by ~150 MB. The store keeps JSON and
+    counts it: the server grows by about its 4 MiB bound (and noise)."""
+    s = Server(["-m", str(roomy), "--dtype", "float32", "--responses-store-bytes", "4MiB"])
+    try:
+        body = {"model": "m", "input": [{"type": "reasoning", "summary": [{}] * 90_000}, *user("hi")],
+                "max_output_tokens": 1}
+        for _ in range(2):  # the first requests warm up (compiling, caches, the allocator's arenas)
+            assert post(s.url, body, key=None, path="/v1/responses")[0] == 200
+        before = rss(s.proc.pid)
+        for _ in range(24):
+            assert post(s.url, body, key=None, path="/v1/responses")[0] == 200
+        grown = rss(s.proc.pid) - before
+        assert grown < 48 << 20, f"the server grew by {grown >> 20} MiB"
+    finally:
+        s.stop()
+
+
+def test_the_store_counts_at_least_what_it_holds():
+    """The store's count of its bytes (`Store.nbytes`, what --responses-store-bytes bounds) is
+    no less than the memory it holds, as tracemalloc measures it, for hostile shapes of item."""
+    import gc
+    import tracemalloc
+
+    from mlxinfer.api.openai_schema import parse
+    from mlxinfer.api.responses import Store, Stored, turn_of
+    from mlxinfer.api.responses_schema import CreateResponse
+
+    shapes = {"many empty objects": [{"type": "reasoning", "summary": [{}] * 90_000}, *user("x")],
+              "many small messages": user("hi") * 20_000, "one long text": "x " * 1_000_000}
+    for shape, items in shapes.items():
+        raw = json.dumps({"input": items}).encode()
+        store = Store(256, 1 << 40)
+        gc.collect()
+        tracemalloc.start()
+        try:
+            for k in range(3):
+                turn = turn_of(store, parse(raw, CreateResponse), 4 << 20)
+                output = [{"id": f"msg_out{k}", "type": "message", "role": "assistant", "status": "completed",
+                           "content": [{"type": "output_text", "text": "ok", "annotations": [], "logprobs": []}]}]
+                store.put(f"resp_{k}", Stored.of({"id": f"resp_{k}", "object": "response", "output": output}, turn))
+                del turn
+            gc.collect()
+            held = tracemalloc.get_traced_memory()[0]
+        finally:
+            tracemalloc.stop()
+        assert held <= store.nbytes * 1.1 + (64 << 10), (shape, held, store.nbytes)
+
+
 # --- what is accepted, and what is refused by name ---
 
 def test_openais_no_op_fields_are_accepted_and_change_nothing(client):

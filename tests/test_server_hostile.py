@@ -11,6 +11,8 @@ import json
 import math
 import socket
 import sys
+import threading
+import time
 import urllib.request
 from pathlib import Path
 
@@ -108,6 +110,61 @@ def test_a_request_being_prepared_does_not_stall_other_streams(gated):
         held.close()
     assert gated.wait_for(lambda h: h["active"] == 0 and h["queued"] == 0 and h["preparing"] == 0,
                           HANG_GUARD)["active"] == 0
+
+
+
+def longest_health_wait(url: str, work):
+    """`work()`'s result, and the longest a /health call took while it ran (/health polled from
+    another thread, one call after another): an event loop busy with one request's body would
+    hold some call for as long as it is busy."""
+    done, waits = threading.Event(), []
+
+    def poll() -> None:
+        while not done.is_set():
+            start = time.monotonic()
+            urllib.request.urlopen(f"{url}/health", timeout=HANG_GUARD).read()
+            waits.append(time.monotonic() - start)
+
+    poller = threading.Thread(target=poll, daemon=True)
+    poller.start()
+    try:
+        result = work()
+    finally:
+        done.set()
+        poller.join(HANG_GUARD)
+    return result, max(waits, default=0.0)
+
+
+STALL_GUARD = 10  # seconds a /health call may wait on a busy machine; a body parsed on the event loop took 40-80
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{}] * 1_300_000}]}),
+    ("/v1/responses", {"input": [{"type": "reasoning", "summary": [{}] * 1_300_000}, *user("hi")]}),
+], ids=["chat content", "responses reasoning"])
+def test_a_body_of_a_million_objects_is_refused_by_name_while_others_are_answered(server, path, body):
+    """4 MiB of `{}`: 1.3 million objects, each failing validation in every way a content part
+    can (a minute of pydantic errors), or stored as 93 MB of Python objects. Past 100,000 objects
+    and arrays a body is refused, and it is read off the event loop meanwhile."""
+    (status, reply, _), waited = longest_health_wait(
+        server.url, lambda: post(server.url, json.dumps(body, separators=(",", ":")).encode(), key=None, path=path))
+    assert status == 400 and "100,000 JSON objects and arrays" in reply["error"]["message"], reply
+    assert waited < STALL_GUARD
+
+
+def test_item_references_are_found_without_stalling_the_server(server):
+    """20,000 item_references to the last of 20,000 stored items: a scan of every stored item per
+    reference on the event loop froze /health for minutes; looked up by id, on a worker, it is
+    answered at once."""
+    items = [{"type": "reasoning", "id": f"rs_{i}", "summary": []} for i in range(20_000)]
+    status, stored, _ = post(server.url, {"input": [*items, *user("hi")], "max_output_tokens": 1}, key=None,
+                             path="/v1/responses")
+    assert status == 200, stored
+    refs = [{"type": "item_reference", "id": "rs_19999"}] * 20_000
+    (status, reply, _), waited = longest_health_wait(server.url, lambda: post(
+        server.url, {"input": [*refs, *user("hi")], "max_output_tokens": 1}, key=None, path="/v1/responses"))
+    assert status == 200, reply
+    assert waited < STALL_GUARD
 
 
 def test_health_counts_a_request_in_prefill(gated):

@@ -1,19 +1,26 @@
 """`POST /v1/adapters`: load and unload LoRA adapters while the server runs. Each loaded
 adapter is served as the model `BASE:NAME` (`/v1/models` lists them; a request's `model`
-chooses one: `openai.adapter_of`). The count is bounded (`ServerConfig.max_adapters`), the
-route sits behind the API key with the rest of /v1, and the work runs on the engine thread
-between steps, so no step sees a half-loaded adapter."""
+chooses one: `openai.adapter_of`). The count is bounded (`ServerConfig.max_adapters`), names
+follow `lora.adapter_name`, and the route sits behind the API key with the rest of /v1.
+
+A load's work (reading the files, checking them, computing each layer's update) runs on a
+thread of its own, one load at a time, while the engine keeps stepping: the streams being
+decoded never wait on it. Only attaching the finished updates, which computes nothing, runs
+on the engine thread between steps, as does an unload, so no step sees a half-loaded adapter."""
 
 from __future__ import annotations
 
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Literal
 
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from ..adapters import load_adapter, unload_adapter
-from ..models.lora import adapters_of
-from .common import Context, RequestError, body_of
+from ..adapters import attach_adapter, prepare_adapter, unload_adapter
+from ..errors import MlxinferError
+from ..models.lora import adapter_name, adapters_of
+from .common import Context, RequestError, body_of, server_error
 
 
 class AdapterCommand(BaseModel):
@@ -33,23 +40,42 @@ def loaded(model) -> list[str]:
 def router(ctx: Context) -> APIRouter:
     api = APIRouter()
     config, engine, model = ctx.config, ctx.engine, ctx.model
+    loader = ThreadPoolExecutor(1, thread_name_prefix="mlxinfer-adapters")  # one load at a time
 
     def listing() -> dict[str, Any]:
         return {"object": "list", "data": [{"id": f"{config.model_name}:{n}", "object": "adapter", "name": n}
                                            for n in loaded(model)]}
 
-    def load(command: AdapterCommand) -> None:
+    def room(name: str) -> None:
+        """Refuse a load the loaded adapters leave no room for (on the engine thread: final there)."""
         if len(loaded(model)) >= config.max_adapters:
             raise RequestError(f"{config.max_adapters} adapters are loaded, the most this server keeps "
                                "(--max-adapters); unload one first", "name", status=409)
-        load_adapter(model, command.path, command.name)
+        if name in loaded(model):
+            raise RequestError(f"an adapter named '{name}' is already loaded; unload it or choose another name",
+                               "name", status=409)
+
+    async def load(command: AdapterCommand) -> None:
+        await engine.call(lambda: room(command.name))  # refused before any work (and on a sharded model)
+        try:
+            found = await asyncio.get_running_loop().run_in_executor(loader, prepare_adapter, model, command.path)
+        except MlxinferError as e:  # the folder's fault: a missing file, a bad field, a damaged tensor
+            raise RequestError(str(e), "path") from None
+        except Exception as e:  # noqa: BLE001 - a fault of ours ends this request, not the server
+            raise server_error(f"{type(e).__name__}: {' '.join(str(e).split())[:300]}") from None
+
+        def attach() -> None:
+            room(command.name)  # another load may have finished meanwhile
+            attach_adapter(model, command.name, found)
+
+        await engine.call(attach)
 
     def unload(command: AdapterCommand) -> None:
         if command.name not in loaded(model):
-            raise RequestError(f"no adapter named '{command.name[:100]}' is loaded", "name", status=404,
+            raise RequestError(f"no adapter named '{command.name}' is loaded", "name", status=404,
                                kind="not_found_error")
         if engine.engine.uses_adapter(command.name):
-            raise RequestError(f"adapter '{command.name[:100]}' is in use by requests in flight; unload it "
+            raise RequestError(f"adapter '{command.name}' is in use by requests in flight; unload it "
                                "when they end", "name", status=409)
         unload_adapter(model, command.name)
 
@@ -65,11 +91,16 @@ def router(ctx: Context) -> APIRouter:
             first = e.errors()[0]
             where = ".".join(str(p) for p in first["loc"]) or None
             raise RequestError(f"{where}: {first['msg']}" if where else first["msg"], where) from None
-        if not parsed.name or ":" in parsed.name or "/" in parsed.name:
-            raise RequestError("name must be a non-empty adapter name without ':' or '/'", "name")
-        if parsed.action == "load" and not parsed.path:
-            raise RequestError("loading an adapter needs its folder: path", "path")
-        await engine.call(lambda: (load if parsed.action == "load" else unload)(parsed))
+        try:
+            adapter_name(parsed.name)
+        except MlxinferError as e:
+            raise RequestError(str(e), "name") from None
+        if parsed.action == "load":
+            if not parsed.path:
+                raise RequestError("loading an adapter needs its folder: path", "path")
+            await load(parsed)
+        else:
+            await engine.call(lambda: unload(parsed))
         return listing()
 
     return api

@@ -20,7 +20,7 @@ from ..generate import Chunk, Stats
 from ..reasoning import effort_kwargs
 from ..tools import ToolCall, call_opener
 from .anthropic_schema import Conversation, CountTokens, CreateMessage, parse
-from .common import Context, RequestError, adapter_of, body_of, respond, sse, typed_request
+from .common import Context, RequestError, adapter_of, parsed, respond, sse, typed_request
 from .engine_thread import chunks_of
 
 Event = tuple[str, dict[str, Any]]  # (event name, data)
@@ -38,7 +38,7 @@ def router(ctx: Context) -> APIRouter:
 
     @api.post("/messages")
     async def messages(request: Request):
-        body = parse(await body_of(request, config.max_body), CreateMessage)
+        body = await parsed(request, config.max_body, parse, CreateMessage)
         typed = await typed_request(engine, body.chat(), **body.options(), **thinking(body),
                                     **adapter_of(body.model, config.model_name))
         o = typed.options
@@ -48,7 +48,7 @@ def router(ctx: Context) -> APIRouter:
 
     @api.post("/messages/count_tokens")
     async def count_tokens(request: Request):
-        body = parse(await body_of(request, config.max_body), CountTokens)
+        body = await parsed(request, config.max_body, parse, CountTokens)
         typed = await typed_request(engine, body.chat(), **body.options(), **thinking(body))
         return {"input_tokens": await asyncio.to_thread(engine.engine.count, typed)}
 

@@ -40,6 +40,7 @@ class ServerConfig:
     max_body: int = 4 << 20
     hosts: frozenset[str] | None = allowed_hosts("127.0.0.1", ())  # what a request's Host may name; None: any
     responses_store: int = 256  # Responses API objects kept for retrieval and previous_response_id
+    responses_store_bytes: int = 256 << 20  # ... and the bytes they may hold in all
     max_adapters: int = 8  # LoRA adapters loaded at once (POST /v1/adapters)
     web: bool = True  # the chat page at / (`serve --no-web`: none)
     attention: bool = True  # POST /v1/attention: off on a non-loopback host without an API key
@@ -97,12 +98,12 @@ class RequestError(Exception):
     error it is; each API writes it in its own shape (`body`, `anthropic_body`)."""
 
     def __init__(self, message: str, param: str | None = None, status: int = 400,
-                 kind: str = "invalid_request_error", headers: dict[str, str] | None = None):
+                 kind: str = "invalid_request_error", headers: dict[str, str] | None = None, code: str | None = None):
         super().__init__(message)
-        self.param, self.status, self.kind, self.headers = param, status, kind, headers
+        self.param, self.status, self.kind, self.headers, self.code = param, status, kind, headers, code
 
     def body(self) -> dict[str, Any]:
-        return {"error": {"message": str(self), "type": self.kind, "param": self.param, "code": None}}
+        return {"error": {"message": str(self), "type": self.kind, "param": self.param, "code": self.code}}
 
     def anthropic_body(self) -> dict[str, Any]:
         """Anthropic's error shape; its error type follows the status, as Anthropic's does."""
@@ -122,7 +123,17 @@ def server_error(message: str) -> RequestError:
 
 # Deepest nesting of a request body (a JSON Schema inside response_format included).
 MAX_BODY_DEPTH = 128
+# Most objects and arrays in one body: far above any real request (a conversation of thousands of
+# messages, a schema, a batch of token lists), far below what 4 MiB of `{}` holds (1.3 million), so
+# no validator ever meets a million values that each fail (a million errors take a minute to list).
+MAX_BODY_CONTAINERS = 100_000
+_CONTAINERS = frozenset({dict, list})  # what json.loads makes of objects and arrays (never a subclass)
 _SURROGATE = re.compile("[\ud800-\udfff]")
+# An escape that may decode to an unpaired surrogate: a high one not followed by a low one, or a low
+# one not after a high one (a pair, as clients that escape emoji write them, decodes to one character).
+# It begins with a literal (backslash, u), so the regex engine skips from escape to escape at C speed.
+_LONE_ESCAPE = re.compile(r"\\u[dD](?:[89abAB][0-9a-fA-F]{2}(?!\\u[dD][c-fC-F])"
+                          r"|(?<!\\u[dD][89abAB][0-9a-fA-F]{2}\\u[dD])[c-fC-F][0-9a-fA-F]{2})")
 
 
 def _no_constant(name: str) -> Any:
@@ -137,20 +148,52 @@ def _finite(text: str) -> float:
 
 
 def load_json(raw: bytes) -> Any:
-    """Strict JSON (no NaN or Infinity, no number that overflows), nested at most
-    MAX_BODY_DEPTH deep, every string valid Unicode; anything else a 400 saying what is wrong."""
+    """Strict JSON in UTF-8 (RFC 8259; no NaN or Infinity, no number that overflows), nested at
+    most MAX_BODY_DEPTH deep, at most MAX_BODY_CONTAINERS objects and arrays, every string valid
+    Unicode; anything else a 400 saying what is wrong. Linear in the body, and at C speed for all
+    but a body that breaks a rule (`_fault` then walks it once to name the place)."""
     try:
-        data = json.loads(raw, parse_constant=_no_constant, parse_float=_finite)
+        text = raw.decode("utf-8-sig")  # strict: no surrogate can come from the bytes, only from escapes
+    except UnicodeDecodeError as e:
+        raise RequestError(f"the request body is not valid JSON in UTF-8 ({e.reason} at byte {e.start})") from None
+    try:
+        data = json.loads(text, parse_constant=_no_constant, parse_float=_finite)
     except RecursionError:
         raise RequestError(f"the request body is nested too deeply (the limit is {MAX_BODY_DEPTH})") from None
-    except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError, an integer of too many digits, bad bytes
+    except ValueError as e:  # JSONDecodeError, an integer of too many digits
         raise RequestError(f"the request body is not valid JSON ({' '.join(str(e).split())[:200]})") from None
-    _check_tree(data)
+    if not _within_bounds(data) or _LONE_ESCAPE.search(text):
+        _fault(data)
     return data
 
 
-def _check_tree(data: Any) -> None:
-    """Depth and strings of a parsed body, without recursion (a deep body must not overflow us)."""
+def _within_bounds(data: Any) -> bool:
+    """Whether `data` is at most MAX_BODY_DEPTH deep (one with too many containers is refused
+    here). Walked level by level over its containers only: the values of one are looked at in
+    Python only when C code (`map(type, ...)`) found a container among them, so a list of a
+    million numbers costs one pass at C speed."""
+    level, containers = [data] if type(data) in _CONTAINERS else [], 0
+    for depth in range(MAX_BODY_DEPTH + 1):
+        if not level:
+            return True
+        containers += len(level)
+        if containers > MAX_BODY_CONTAINERS:
+            raise RequestError(f"the request body holds over {MAX_BODY_CONTAINERS:,} JSON objects and arrays (the "
+                               "limit); send fewer items, or split the request")
+        if depth == MAX_BODY_DEPTH:
+            return not any(level)  # anything inside these is too deep
+        below: list = []
+        for value in level:
+            values = value.values() if type(value) is dict else value
+            if not _CONTAINERS.isdisjoint(map(type, values)):
+                below.extend(v for v in values if type(v) in _CONTAINERS)
+        level = below
+    return True
+
+
+def _fault(data: Any) -> None:
+    """Name what is wrong with a body `load_json` found at fault (too deep, or an unpaired
+    surrogate in a key or string), walking it without recursion (a deep body must not overflow us)."""
     stack: list[tuple[Any, tuple, int]] = [(data, (), 0)]
     while stack:
         value, path, depth = stack.pop()
@@ -201,9 +244,11 @@ def json_object(raw: bytes) -> dict[str, Any]:
     return data
 
 
-async def json_body(request: Request, max_body: int) -> dict[str, Any]:
-    """The body as a JSON object (strict: `load_json`)."""
-    return json_object(await body_of(request, max_body))
+async def parsed(request: Request, max_body: int, parse: Callable[[bytes, type[M]], M], kind: type[M]) -> M:
+    """The body as `kind`, read within bounds (`body_of`), then parsed and validated by `parse`
+    (each API's own, which words its refusals) on a worker thread: that work grows with the
+    body, and the event loop must go on answering every other client meanwhile."""
+    return await asyncio.to_thread(parse, await body_of(request, max_body), kind)
 
 
 def model_body(raw: bytes, kind: type[M], refusal: Callable[[ValidationError], RequestError]) -> M:
@@ -318,7 +363,7 @@ async def respond_each(request: Request, streams: list[AsyncIterator[Chunk]], st
     asks), run together: one refused or failed ends the others."""
     gone = asyncio.ensure_future(hung_up(request))
     try:
-        if not streamed:
+        if not streamed:  # the reply's object is built and written on a worker: it grows with the reply
             chunks = await unless_gone(collect_all(streams), gone)
             return await json_reply(lambda: whole(chunks))
         firsts = await unless_gone(first_chunks(streams), gone)

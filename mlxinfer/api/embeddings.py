@@ -22,8 +22,8 @@ from pydantic_core import PydanticCustomError
 from ..checks import is_integer
 from ..embed import check_dimensions, embed_slices, encode_texts
 from ..errors import MlxinferError
-from .common import ClientGone, Context, RequestError, hung_up, json_body, json_reply, unless_gone
-from .openai_schema import Strict, validated
+from .common import ClientGone, Context, RequestError, hung_up, json_reply, parsed, unless_gone
+from .openai_schema import Strict, parse
 
 MAX_INPUTS = 2048  # texts per request, as OpenAI allows
 SHAPES = "a string, a list of strings, a list of token ids, or a list of token-id lists"
@@ -64,7 +64,7 @@ def router(ctx: Context) -> APIRouter:
 
     @api.post("/embeddings")
     async def embeddings(request: Request):
-        body = validated(await json_body(request, config.max_body), Embeddings)
+        body = await parsed(request, config.max_body, parse, Embeddings)
         try:
             check_dimensions(model, body.dimensions)
         except MlxinferError as e:

@@ -24,8 +24,8 @@ from pydantic_core import PydanticCustomError
 
 from ..guard import LOOPBACK_NAMES
 from ..inspection import attention_slices, inspect_slices
-from .common import Context, RequestError, json_body, json_reply
-from .openai_schema import ImagePart, Message, Strict, validated
+from .common import Context, RequestError, json_reply, parsed
+from .openai_schema import ImagePart, Message, Strict, parse
 from .tokens import chat_prompt
 
 MAX_TOKENS = 8192  # context a look inside reruns at most
@@ -72,7 +72,7 @@ def router(ctx: Context) -> APIRouter:
 
     @api.post("/inspect")
     async def inspect(request: Request):
-        body = validated(await json_body(request, ctx.config.max_body), Inspect)
+        body = await parsed(request, ctx.config.max_body, parse, Inspect)
         ids, images = await chat_prompt(ctx, body.messages)
         bounded(ids)
         report = await ctx.engine.run_slices(inspect_slices(ctx.model, ctx.tokenizer, ids, steps=1, images=images,
@@ -84,7 +84,7 @@ def router(ctx: Context) -> APIRouter:
         if not ctx.config.attention:
             raise RequestError("attention weights are offered on a loopback address, or with --api-key; restart "
                                "the server with --api-key KEY to use them here", status=403, kind="permission_error")
-        body = validated(await json_body(request, ctx.config.max_body), Attention)
+        body = await parsed(request, ctx.config.max_body, parse, Attention)
 
         reply = await asyncio.to_thread(ctx.tokenizer.encode, body.reply, False)
         ids = bounded((await chat_prompt(ctx, body.messages))[0] + reply)

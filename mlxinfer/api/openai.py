@@ -15,7 +15,7 @@ from fastapi.responses import Response
 from ..generate import Chunk, Stats
 from ..models.lora import adapters_of
 from ..tools import call_opener
-from .common import Context, RequestError, adapter_of, body_of, merged, respond_each, sse, typed_request
+from .common import Context, RequestError, adapter_of, merged, parsed, respond_each, sse, typed_request
 from .engine_thread import chunks_of
 from .openai_schema import ChatCompletion, Completion, Logprobs, TextCompletion, choice, parse, timings, usage
 
@@ -46,7 +46,7 @@ def router(ctx: Context) -> APIRouter:
         return model_object(name)
 
     async def complete(request: Request, kind: type[Completion]) -> Response:
-        body = parse(await body_of(request, config.max_body), kind)
+        body = await parsed(request, config.max_body, parse, kind)
         options = body.options(config.max_tokens)
         adapter = adapter_of(body.model, config.model_name)
         options.update(adapter)

@@ -393,7 +393,7 @@ def token_keys(bias: dict[str, float]) -> dict[int, float]:
     return {int(k): v for k, v in bias.items()}
 
 
-def parse(raw: bytes, kind: type[Completion]) -> Completion:
+def parse(raw: bytes, kind: type[S]) -> S:
     """A request body as `kind`, or a RequestError naming the first field at fault."""
     data = {k: v for k, v in json_object(raw).items() if not (v is None and k in NOT_YET)}  # null: "not set"
     return validated(data, kind)

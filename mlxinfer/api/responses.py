@@ -6,19 +6,22 @@ chunks become a Response object, or its stream of named events in OpenAI's order
 `response.created`, `response.in_progress`, then per output item `output_item.added`,
 its content (`content_part.added`, text deltas, `..._text.done`, `content_part.done`,
 or a function call's arguments), `output_item.done`, and `response.completed` (or
-`response.incomplete` when max_output_tokens cut it). Responses are kept in a bounded
-in-memory store (least recently used first out) to be retrieved, deleted or continued.
+`response.incomplete` when max_output_tokens cut it). Responses are kept in memory, as JSON,
+in a store bounded in count and in bytes (least recently used first out) to be retrieved,
+deleted, continued or have their items referenced.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
 import uuid
 from collections import OrderedDict
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Callable, NamedTuple
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
@@ -27,57 +30,164 @@ from ..generate import Chunk
 from ..request import Request as TypedRequest
 from ..reasoning import effort_kwargs
 from ..tools import ToolCall, call_opener
-from .common import Context, RequestError, adapter_of, body_of, respond, sse, typed_request
+from .common import Context, RequestError, adapter_of, parsed, respond, sse, typed_request
 from .engine_thread import chunks_of
 from .openai_schema import parse
-from .responses_schema import ITEM, CountInputTokens, CreateResponse, ItemReference, listed, messages
+from .responses_schema import ITEM, UNRENDERED, CountInputTokens, CreateResponse, ItemReference, listed, messages
+
+
+# What the store spends on one item beside its JSON (its bytes object, its record, its places in its
+# entry and in the index of item ids), and on one entry beside its items (measured with tracemalloc:
+# about 400 and 1,000 bytes).
+ITEM_OVERHEAD = 512
+ENTRY_OVERHEAD = 2048
+
+
+def _json(value: Any) -> bytes:
+    """`value` as compact JSON, as the server writes its replies."""
+    return json.dumps(value, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
+
+
+class Kept(NamedTuple):
+    """One item as the store keeps it: its JSON, immutable, so entries share it safely, and
+    its type, so an item the prompt leaves out (`UNRENDERED`) is never parsed again."""
+
+    id: str
+    kind: str
+    json: bytes
+
+
+def kept(item: Any) -> Kept:
+    """An item of a request's input as the store keeps it."""
+    return Kept(item.id, item.type, item.model_dump_json(by_alias=True, exclude_none=True).encode())
+
+
+@dataclass(frozen=True)
+class Turn:
+    """The items one request answers, in order: the response it continues (its items, then its
+    output), then its own input with each item_reference resolved. `kept` holds them all as
+    the store keeps them (those taken from the store shared, not copied); `items`, parsed, those
+    the prompt renders."""
+
+    items: list
+    kept: tuple[Kept, ...]
 
 
 @dataclass(frozen=True)
 class Stored:
-    """A finished response and the items it answered (those of the responses it continues included)."""
+    """A finished response, kept as JSON only (the parsed objects of a hostile body take 20 times
+    its size): the Response object, what GET answers; the items it answered (those of the
+    responses it continues included) and its output items, each alone so that a later request
+    takes one without parsing the rest. `nbytes` is all it holds, counted against the store's bound."""
 
-    response: dict[str, Any]
-    context: list
+    response: bytes
+    context: tuple[Kept, ...]
+    output: tuple[Kept, ...]
+    nbytes: int
+
+    @classmethod
+    def of(cls, response: dict[str, Any], turn: Turn) -> Stored:
+        output = tuple(Kept(o["id"], o["type"], _json(o)) for o in response["output"])
+        whole = _json(response)
+        held = (*turn.kept, *output)
+        return cls(whole, turn.kept, output,
+                   ENTRY_OVERHEAD + len(whole) + sum(len(k.json) + ITEM_OVERHEAD for k in held))
 
 
 class Store:
-    """Responses kept for `GET`, `DELETE` and `previous_response_id`: at most `size`, the
-    least recently used dropped first (0: none kept)."""
+    """Responses kept for `GET`, `DELETE`, `previous_response_id` and `item_reference`: at most
+    `size` of them and `max_bytes` in all (`Stored.nbytes`), the least recently used dropped
+    first (size 0: none kept; a response over `max_bytes` alone is not kept). An entry shares
+    only immutable JSON with the entries it continues, and counts all it refers to, so a dropped
+    entry is freed and the count bounds what the store holds. Items are indexed by id.
+    Thread-safe: the routes call it from worker threads, as its work grows with the entries."""
 
-    def __init__(self, size: int):
-        self.size = size
+    def __init__(self, size: int, max_bytes: int):
+        self.size, self.max_bytes, self.nbytes = size, max_bytes, 0
         self._kept: OrderedDict[str, Stored] = OrderedDict()
+        self._index: dict[str, dict[str, Kept]] = {}  # item id -> {id of a response holding it: the item}, latest last
+        self._lock = threading.Lock()
 
-    def put(self, entry: Stored) -> None:
-        if self.size <= 0:
+    def put(self, rid: str, entry: Stored) -> None:
+        if self.size <= 0 or entry.nbytes > self.max_bytes:
             return
-        self._kept[entry.response["id"]] = entry
-        self._kept.move_to_end(entry.response["id"])
-        while len(self._kept) > self.size:
-            self._kept.popitem(last=False)
+        with self._lock:
+            if rid in self._kept:
+                self._drop(rid)
+            self._kept[rid] = entry
+            self.nbytes += entry.nbytes
+            for item in (*entry.context, *entry.output):
+                self._index.setdefault(item.id, {})[rid] = item
+            while len(self._kept) > self.size or self.nbytes > self.max_bytes:
+                self._drop(next(iter(self._kept)))
+
+    def _drop(self, rid: str) -> None:
+        entry = self._kept.pop(rid)
+        self.nbytes -= entry.nbytes
+        for item in (*entry.context, *entry.output):
+            holders = self._index.get(item.id, {})
+            holders.pop(rid, None)  # an id twice in one entry went the first time
+            if not holders:
+                self._index.pop(item.id, None)
 
     def get(self, rid: str) -> Stored:
-        if rid not in self._kept:
-            raise RequestError(f"Response with id '{rid[:100]}' not found.", status=404)
-        self._kept.move_to_end(rid)
-        return self._kept[rid]
+        with self._lock:
+            if rid not in self._kept:
+                raise RequestError(f"Response with id '{rid[:100]}' not found.", status=404)
+            self._kept.move_to_end(rid)
+            return self._kept[rid]
 
     def delete(self, rid: str) -> None:
-        self.get(rid)
-        del self._kept[rid]
+        with self._lock:
+            if rid not in self._kept:
+                raise RequestError(f"Response with id '{rid[:100]}' not found.", status=404)
+            self._drop(rid)
 
-    def item(self, iid: str) -> Any:
-        """The item with id `iid` among the stored responses' inputs and outputs."""
-        for entry in reversed(self._kept.values()):
-            for item in entry.context:
-                if item.id == iid:
-                    return item
-            for out in entry.response["output"]:
-                if out["id"] == iid:
-                    return ITEM.validate_python(out)
+    def item(self, iid: str) -> Kept:
+        """The item with id `iid` among the stored responses' inputs and outputs (the latest stored)."""
+        with self._lock:
+            holders = self._index.get(iid)
+            if holders:
+                return next(reversed(holders.values()))
         raise RequestError(f"no stored response holds the item '{iid[:100]}' (item_reference); send the item "
                            "itself", "input")
+
+
+def turn_of(store: Store, body: CreateResponse, max_body: int) -> Turn:
+    """The items `body` answers (`Turn`). The items its references name, each counted every
+    time it is named, are bounded by `max_body` as the body itself is: a reference stands for an
+    item the client could have sent, never for more."""
+    if not body.input:
+        raise RequestError("input is empty: give a string or a list of items", "input")
+    earlier: tuple[Kept, ...] = ()
+    if body.previous_response_id is not None:
+        try:
+            prev = store.get(body.previous_response_id)
+        except RequestError:
+            raise RequestError(f"Previous response with id '{body.previous_response_id[:100]}' not found.",
+                               "previous_response_id", code="previous_response_not_found") from None
+        earlier = (*prev.context, *prev.output)
+    items = [ITEM.validate_json(k.json) for k in earlier if k.kind not in UNRENDERED]
+    held, referenced = list(earlier), 0
+    named: dict[str, Any] = {}  # each referenced item parsed once, however often it is named
+    for item in body.input:
+        if isinstance(item, ItemReference):
+            one = store.item(item.id)
+            referenced += len(one.json)
+            if referenced > max_body:
+                raise RequestError(f"the items this request's item_references name come to over {max_body} bytes "
+                                   "(each counted every time it is named), more than a request may send; name "
+                                   "fewer", "input")
+            if one.kind not in UNRENDERED:
+                if one.id not in named:
+                    named[one.id] = ITEM.validate_json(one.json)
+                items.append(named[one.id])
+        else:
+            item = item if item.id is not None else item.model_copy(update={"id": _id("msg")})
+            one = kept(item)
+            items.append(item)
+        held.append(one)
+    return Turn(items, tuple(held))
 
 
 def _id(prefix: str) -> str:
@@ -88,44 +198,34 @@ def router(ctx: Context) -> APIRouter:
     """The routes, under the server's /v1 prefix."""
     api = APIRouter()
     config, tokenizer, engine = ctx.config, ctx.tokenizer, ctx.engine
-    store = Store(config.responses_store)
+    store = Store(config.responses_store, config.responses_store_bytes)
 
-    def context_of(body: CreateResponse) -> list:
-        """The items the reply answers: the continued response's, then this request's
-        (item references resolved, ids given to those without)."""
-        earlier = []
-        if body.previous_response_id is not None:
-            try:
-                prev = store.get(body.previous_response_id)
-            except RequestError:
-                raise RequestError(f"Previous response with id '{body.previous_response_id[:100]}' not found.",
-                                   "previous_response_id") from None
-            earlier = [*prev.context, *(ITEM.validate_python(o) for o in prev.response["output"])]
-        items = [store.item(i.id) if isinstance(i, ItemReference) else i for i in body.input or []]
-        items = [i if i.id is not None else i.model_copy(update={"id": _id("msg")}) for i in items]
-        if not items:
-            raise RequestError("input is empty: give a string or a list of items", "input")
-        return [*earlier, *items]
+    async def typed(body: CreateResponse) -> tuple[TypedRequest, Turn]:
+        """The one typed request `body` makes, and the items it answers. Resolving them and
+        writing them as messages grow with the body and the store: a worker thread does both."""
+        def answered() -> tuple[Turn, list[dict[str, Any]]]:
+            turn = turn_of(store, body, config.max_body)
+            return turn, messages(turn.items, body.instructions)
 
-    async def typed(body: CreateResponse, context: list) -> TypedRequest:
-        """The one typed request `body` makes, answering `context`."""
+        turn, chat = await asyncio.to_thread(answered)
         options = {**body.options(config.max_tokens), **adapter_of(body.model, config.model_name)}
         if body.reasoning is not None and (template := effort_kwargs(tokenizer, body.reasoning.effort)):
             options["chat_template_kwargs"] = template
-        return await typed_request(engine, messages(context, body.instructions), **options)
+        return await typed_request(engine, chat, **options), turn
 
     @api.post("/responses")
     async def create(request: Request) -> Response:
-        body = parse(await body_of(request, config.max_body), CreateResponse)
-        context = context_of(body)
-        typed_request = await typed(body, context)
+        body = await parsed(request, config.max_body, parse, CreateResponse)
+        typed_request, turn = await typed(body)
         o = typed_request.options
         reply = Reply(body, config.model_name, tokenizer,
                       call_opener(tokenizer) if o.tools and o.tool_choice != "none" else None)
 
         def keep(response: dict[str, Any]) -> dict[str, Any]:
+            """Stores the response (on a worker thread: `respond` builds a whole reply there, and a
+            streamed one calls this through `asyncio.to_thread`)."""
             if body.store is not False:
-                store.put(Stored(response, context))
+                store.put(response["id"], Stored.of(response, turn))
             return response
 
         def whole(chunks: list[Chunk]) -> dict[str, Any]:
@@ -139,41 +239,59 @@ def router(ctx: Context) -> APIRouter:
     @api.post("/responses/input_tokens")
     async def input_tokens(request: Request):
         """How many tokens the input is as `create` would render it (tools included)."""
-        body = parse(await body_of(request, config.max_body), CountInputTokens)
-        count = await asyncio.to_thread(engine.engine.count, await typed(body, context_of(body)))
+        body = await parsed(request, config.max_body, parse, CountInputTokens)
+        count = await asyncio.to_thread(engine.engine.count, (await typed(body))[0])
         return {"object": "response.input_tokens", "input_tokens": count}
 
     @api.get("/responses/{rid}")
-    async def retrieve(rid: str, request: Request):
+    async def retrieve(rid: str, request: Request) -> Response:
         if request.query_params.get("stream", "false") != "false":
             raise RequestError("a stored response cannot be streamed again (background responses are not supported)",
                                "stream")
-        return store.get(rid).response
+        return Response((await asyncio.to_thread(store.get, rid)).response, media_type="application/json")
 
     @api.delete("/responses/{rid}")
     async def delete(rid: str):
-        store.delete(rid)
+        await asyncio.to_thread(store.delete, rid)
         return {"id": rid, "object": "response", "deleted": True}
 
     @api.get("/responses/{rid}/input_items")
     async def input_items(rid: str, request: Request):
         """A page of the items a stored response answered (`limit`, `order`, `after`, as OpenAI's)."""
-        query = request.query_params
+        page = Page.of(request.query_params)
+        return await asyncio.to_thread(lambda: page.listing(store.get(rid)))
+
+    return api
+
+
+@dataclass(frozen=True)
+class Page:
+    """A page of `GET /v1/responses/{id}/input_items`: OpenAI's query parameters, checked."""
+
+    limit: int
+    order: str
+    after: str | None
+
+    @classmethod
+    def of(cls, query: Mapping[str, str]) -> Page:
         limit, order, after = query.get("limit", "20"), query.get("order", "desc"), query.get("after")
-        if not (limit.isdigit() and 1 <= int(limit) <= 100):
+        if not (limit.isascii() and limit.isdigit() and 1 <= int(limit) <= 100):
             raise RequestError(f"limit must be an integer from 1 to 100, got {limit[:20]!r}", "limit")
         if order not in ("asc", "desc"):
             raise RequestError(f"order must be 'asc' or 'desc', got {order[:20]!r}", "order")
-        items = [listed(i) for i in store.get(rid).context]
-        items = items if order == "asc" else items[::-1]
-        if after is not None:
-            ids = [i["id"] for i in items]
-            items = items[ids.index(after) + 1:] if after in ids else []
-        page = items[:int(limit)]
+        return cls(int(limit), order, after)
+
+    def listing(self, entry: Stored) -> dict[str, Any]:
+        """The page of `entry`'s input items; only the items on it are parsed."""
+        items = entry.context if self.order == "asc" else entry.context[::-1]
+        if self.after is not None:
+            start = next((k for k, item in enumerate(items) if item.id == self.after), None)
+            if start is None:
+                raise RequestError(f"after names no input item of this response ('{self.after[:100]}')", "after")
+            items = items[start + 1:]
+        page = [listed(ITEM.validate_json(item.json)) for item in items[:self.limit]]
         return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
                 "last_id": page[-1]["id"] if page else None, "has_more": len(items) > len(page)}
-
-    return api
 
 
 def usage(chunks: list[Chunk]) -> dict[str, Any]:
@@ -300,7 +418,7 @@ class Reply:
             events, response = out.finish(chunks)
             for event in events:
                 yield event
-            keep(response)
+            await asyncio.to_thread(keep, response)  # stored before the client hears it is done
             yield out(f"response.{response['status']}", response=response)
         except RequestError as e:
             error = {"code": "server_error", "message": str(e)}

@@ -365,6 +365,10 @@ class CountInputTokens(CreateResponse):
     personality: str | None = None  # a hosted assistant's manner: no effect here (accepted as a no-op)
 
 
+# Item types `messages` leaves out of the prompt (chat templates drop earlier thinking themselves).
+UNRENDERED = ("reasoning",)
+
+
 def messages(items: list, instructions: str | None) -> list[dict[str, Any]]:
     """Items as chat messages, as a chat template takes them: `instructions` as the system
     message, a function call joined to the assistant message before it, its output as a

@@ -23,8 +23,8 @@ from pydantic_core import PydanticCustomError
 
 from ..checks import token_ids
 from ..generate import ImagePrompt, image_prompt, tool_plan
-from .common import Context, RequestError, json_body, json_reply, typed_request
-from .openai_schema import ChatCompletion, Message, Strict, validated
+from .common import Context, RequestError, json_reply, parsed, typed_request
+from .openai_schema import ChatCompletion, Message, Strict, parse
 
 
 class Tokenize(Strict):
@@ -97,7 +97,7 @@ def router(ctx: Context) -> APIRouter:
 
     @api.post("/tokenize")
     async def tokenize_route(request: Request):
-        body = validated(await json_body(request, ctx.config.max_body), Tokenize)
+        body = await parsed(request, ctx.config.max_body, parse, Tokenize)
         if not body.parse_special:
             raise RequestError("parse_special: false (special tokens' text read as plain text) is not supported; "
                                "leave it out", "parse_special")
@@ -113,7 +113,7 @@ def router(ctx: Context) -> APIRouter:
 
     @api.post("/detokenize")
     async def detokenize(request: Request):
-        body = validated(await json_body(request, ctx.config.max_body), Detokenize)
+        body = await parsed(request, ctx.config.max_body, parse, Detokenize)
 
         def detokenized() -> dict[str, str]:
             text = tokenizer.decode(token_ids(body.tokens, tokenizer.vocab_size, "tokens"))

@@ -18,11 +18,27 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
 
 from ..errors import InvalidOptionError
+
+MAX_NAME_CHARS = 128
+
+
+def adapter_name(name: Any) -> str:
+    """`name` if it may name an adapter: 1 to `MAX_NAME_CHARS` printable characters (no newline,
+    NUL or other control character: a name is echoed in model ids, listings, logs and one-line
+    errors), without ':' or '/' (a server's model id `BASE:NAME` must split one way)."""
+    if not (isinstance(name, str) and 0 < len(name) <= MAX_NAME_CHARS and name.isprintable()
+            and ":" not in name and "/" not in name):
+        shown = repr(name[:40]) + (f"... ({len(name):,} characters)" if len(name) > 40 else "") \
+            if isinstance(name, str) else type(name).__name__
+        raise InvalidOptionError(f"adapter name {shown} is refused: a name is 1 to {MAX_NAME_CHARS} printable "
+                                 "characters (no newline, NUL or other control character), without ':' or '/'")
+    return name
 
 
 @dataclass(frozen=True)
@@ -48,9 +64,13 @@ class Adapters:
         self._serial = 0
         self._identity: dict[str, int] = {}
 
-    def add(self, name: str) -> int:
-        if name in self.slots:
+    def check_free(self, name: str) -> None:
+        """Refuse `name` unless a new adapter may take it (`adapter_name`, and not loaded)."""
+        if adapter_name(name) in self.slots:
             raise InvalidOptionError(f"an adapter named '{name}' is already loaded; unload it or choose another name")
+
+    def add(self, name: str) -> int:
+        self.check_free(name)
         slot = next(s for s in range(1, len(self.slots) + 2) if s not in self.slots.values())
         self.slots[name] = slot
         self._serial += 1
