@@ -7,7 +7,8 @@ B came, and with one step's share of a long prompt's prefill (a first case, `pre
 a long prompt and divides its time in the server by the number of `prefill_step`
 chunks it needs). The engine prefills one chunk between decode steps; inspection and
 embeddings run on the engine thread a chunk at a time between steps; rendering, tokenizing,
-parsing and compiling run on other threads without holding the GIL for long. So every
+parsing (bodies are refused past 100,000 objects and arrays) and compiling run on other
+threads without holding the GIL for long. So every
 longest gap should be about one chunk plus one decode step, not B's whole work.
 
 Cases (`--cases`, default all):
@@ -16,6 +17,10 @@ Cases (`--cases`, default all):
 - embed-long, embed-many: B embeds one ~1,000-token text; 8 texts of ~500 tokens.
 - score: B scores 4 prompts of ~500 tokens (echo, logprobs 5, max_tokens 0).
 - tokenize, detokenize: B tokenizes ~4 MB of text with pieces; detokenizes 600,000 ids.
+- chat-objects, reasoning-objects: B sends 3.9 MB of `{}` as a chat message's content, or as a
+  Responses reasoning item (refused: over 100,000 objects and arrays).
+- reasoning-99k: a reasoning item of 99,000 `{}` (answered, and stored).
+- references: 20,000 `item_reference`s to an item of a stored response.
 - choices: B asks for n=16 long choices, then A starts: A's time to its first token (the
   server runs 8 sequences; fair admission gives A a slot within a step or two).
 
@@ -37,6 +42,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
 import urllib.request
 from typing import Any, Callable
 
@@ -59,8 +65,18 @@ def load() -> str:
 
 
 def post(url: str, body: dict, timeout: float = 900):
-    request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
-    return urllib.request.urlopen(request, timeout=timeout)
+    data = json.dumps(body, separators=(",", ":")).encode()
+    return urllib.request.urlopen(urllib.request.Request(url, data, {"Content-Type": "application/json"}),
+                                  timeout=timeout)
+
+
+def send(url: str, body: dict) -> tuple[int, bytes]:
+    """B: one request; its status and answer (a refusal too)."""
+    try:
+        with post(url, body) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
 
 
 def words(n: int) -> str:
@@ -100,6 +116,8 @@ class Stream:
 def cases(tokenizer, prompt_tokens: int) -> dict[str, tuple[str, Callable[[], dict[str, Any]]]]:
     """Each case's (path, body maker)."""
     chat = [{"role": "user", "content": words(1990)}]
+    objects = [{}] * 1_300_000  # 3.9 MB of JSON
+    hi = {"role": "user", "content": "hi"}
     mid = [{"role": "user", "content": words(600)}]
     ids = tokenizer.encode(words(20000), False)
     return {
@@ -112,6 +130,14 @@ def cases(tokenizer, prompt_tokens: int) -> dict[str, tuple[str, Callable[[], di
                                               "logprobs": 5, "max_tokens": 0}),
         "tokenize": ("/tokenize", lambda: {"content": words(700_000)[: 4_000_000], "with_pieces": True}),
         "detokenize": ("/detokenize", lambda: {"tokens": (ids * (600_000 // len(ids) + 1))[:600_000]}),
+        "chat-objects": ("/v1/chat/completions", lambda: {"messages": [{"role": "user", "content": objects}],
+                                                          "max_tokens": 1}),
+        "reasoning-objects": ("/v1/responses", lambda: {"input": [{"type": "reasoning", "summary": objects}, hi],
+                                                        "max_output_tokens": 1}),
+        "reasoning-99k": ("/v1/responses", lambda: {"input": [{"type": "reasoning", "summary": [{}] * 99_000}, hi],
+                                                    "max_output_tokens": 1}),
+        "references": ("/v1/responses", lambda: {"input": [{"type": "item_reference", "id": "rs_19999"}] * 20_000
+                                                 + [hi], "max_output_tokens": 1}),
     }
 
 
@@ -131,16 +157,15 @@ def run_case(base: str, name: str, path: str, body: dict, no_end: dict[str, int]
     stream = Stream(base, no_end)
     stream.wait_tokens(40)
     sent = time.perf_counter()
-    with post(base + path, body) as r:
-        reply = json.load(r)
+    status, reply = send(base + path, body)
     done = time.perf_counter()
     alive = stream.thread.is_alive()
     stream.end()
     if not alive:
         sys.exit(f"{name}: A ended before B was answered: nothing measured (try another --model)")
     median, longest, tokens = gaps(stream, sent, done)
-    return {"case": name, "seconds": done - sent, "median_gap": median, "longest_gap": longest, "tokens": tokens,
-            "reply": reply}
+    return {"case": name, "status": status, "seconds": done - sent, "median_gap": median, "longest_gap": longest,
+            "tokens": tokens, "reply": reply}
 
 
 def choices_case(base: str, no_end: dict[str, int]) -> dict[str, Any]:
@@ -164,7 +189,8 @@ def main() -> None:
     parser.add_argument("--model", help="anything --model accepts (default: the demo model)")
     parser.add_argument("--prompt-tokens", type=int, default=2048, help="the prefill case's prompt")
     parser.add_argument("--cases", default="prefill,inspect,attention,embed-long,embed-many,score,tokenize,"
-                                           "detokenize,choices")
+                                           "detokenize,chat-objects,reasoning-objects,reasoning-99k,references,"
+                                           "choices")
     args = parser.parse_args()
     wanted = args.cases.split(",")
     print(f"load average before: {load()}")
@@ -188,19 +214,23 @@ def main() -> None:
                 time.sleep(0.1)
         tokenizer = load_tokenizer(resolve_model(args.model))
         post(f"{base}/v1/completions", {"prompt": "warm up", "max_tokens": 4}).read()
+        # a stored response with 20,000 items, for the references case
+        post(f"{base}/v1/responses", {"input": [*({"type": "reasoning", "id": f"rs_{i}", "summary": []}
+                                                   for i in range(20_000)), {"role": "user", "content": "hi"}],
+                                      "max_output_tokens": 1}).read()
         no_end = {str(t): -100 for t in tokenizer.eos_token_ids}  # A must outlast B
         every = cases(tokenizer, args.prompt_tokens)
         per_chunk = None
         if "prefill" in wanted:
             path, body = every["prefill"]
             r = run_case(base, "prefill", path, body(), no_end)
-            n = r["reply"]["usage"]["prompt_tokens"]
+            n = json.loads(r["reply"])["usage"]["prompt_tokens"]
             chunks = math.ceil(n / PREFILL_STEP)
             per_chunk = r["seconds"] / chunks
             print(f"prefill: B's {n} prompt tokens in {r['seconds']:.2f} s ({chunks} chunks of {PREFILL_STEP}: "
                   f"{per_chunk * 1000:.0f} ms per chunk and step)")
-        print(f"{'case':<12} {'B s':>8} {'A median gap ms':>16} {'A longest gap ms':>17} {'x one chunk':>12} "
-              f"{'A tokens':>9}")
+        print(f"{'case':<18} {'B':>4} {'B s':>8} {'A median gap ms':>16} {'A longest gap ms':>17} "
+              f"{'x one chunk':>12} {'A tokens':>9}")
         for name in wanted:
             if name == "prefill":
                 continue
@@ -211,8 +241,8 @@ def main() -> None:
             path, body = every[name]
             r = run_case(base, name, path, body(), no_end)
             ratio = f"{r['longest_gap'] / per_chunk:.2f}" if per_chunk else "-"
-            print(f"{name:<12} {r['seconds']:>8.2f} {r['median_gap'] * 1000:>16.1f} {r['longest_gap'] * 1000:>17.0f} "
-                  f"{ratio:>12} {r['tokens']:>9}")
+            print(f"{name:<18} {r['status']:>4} {r['seconds']:>8.2f} {r['median_gap'] * 1000:>16.1f} "
+                  f"{r['longest_gap'] * 1000:>17.0f} {ratio:>12} {r['tokens']:>9}")
     finally:
         server.terminate()
         server.wait(30)
