@@ -625,7 +625,11 @@ def real_tokenizer(name: str) -> Path:
             partial = folder.with_name(f".{name}.partial")
             shutil.rmtree(partial, ignore_errors=True)
             partial.mkdir(parents=True)
-            build(partial)
+            try:
+                build(partial)
+            except BaseException:  # a skip (no registry) or a failed check: nothing half-made stays
+                shutil.rmtree(partial)
+                raise
             partial.rename(folder)
     return folder
 
