@@ -13,7 +13,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import ASSETS, LLAMA_CPP, asset_lock
+from conftest import ASSETS, LLAMA_CPP, asset_lock, fetch_sdist
 from family_checks import (  # noqa: F401  (the test_ functions run here, on this module's `variant`)
     assert_llama_cpp_gguf_matches_transformers,
     real_vocab_checkpoint,
@@ -80,17 +80,15 @@ ASK = [{"role": "user", "content": "What is two plus two?"}]
 
 
 @pytest.fixture(scope="module")
-def smollm3_template(llama_cpp) -> str:
+def smollm3_template() -> str:
     """SmolLM3's chat template as llama.cpp ships it for its tests (Unsloth's edit of the
     original: the same switch, `enable_thinking`, and `/think` or `/no_think` in the system
-    message), read from the llama-cpp-python sdist the `llama_cpp` fixture fetched."""
+    message), read from the llama-cpp-python sdist."""
     name, version = LLAMA_CPP
     cached = ASSETS / f"smollm3-template-{version}.jinja"
     with asset_lock(cached.name):
         if not cached.is_file():
-            sdist = ASSETS / f"{name.replace('-', '_')}-{version}.tar.gz"
-            if not sdist.is_file():
-                pytest.skip(f"{sdist.name} is not in the test assets")
+            sdist = fetch_sdist(f"{name}=={version}")
             with tarfile.open(sdist) as tar:
                 member = tar.extractfile(f"{sdist.name.removesuffix('.tar.gz')}/vendor/llama.cpp/{TEMPLATE}")
                 cached.with_suffix(".partial").write_bytes(member.read())
