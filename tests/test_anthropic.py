@@ -17,13 +17,12 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from conftest import SHARED, build_hf_checkpoint
+from conftest import build_hf_checkpoint
 from serving import KEY, Server, marker, post
 
 anthropic = pytest.importorskip("anthropic")
 pytest.importorskip("fastapi")
 HERE = Path(__file__).parent
-QWEN3 = SHARED / "fixtures" / "tokenizers" / "qwen3"
 FAULTY = "zebrafaultemit"
 
 
@@ -49,16 +48,14 @@ def client(server):
 
 
 @pytest.fixture(scope="module")
-def qwen(tmp_path_factory):
+def qwen(qwen3_tokenizer, tmp_path_factory):
     """A tiny random Qwen3 with Qwen3's real tokenizer and chat template (tools rendered by the
     template, calls in its <tool_call> syntax), served without a key."""
-    if not QWEN3.is_dir():
-        pytest.skip("../shared/fixtures/tokenizers/qwen3 is absent")
     folder = tmp_path_factory.mktemp("qwen3")
     build_hf_checkpoint(folder, "qwen3", dict(vocab_size=151936, hidden_size=32, intermediate_size=64,
                                               num_attention_heads=2, num_key_value_heads=1, head_dim=16,
                                               tie_word_embeddings=True, max_position_embeddings=4096))
-    for file in QWEN3.iterdir():
+    for file in qwen3_tokenizer.iterdir():
         shutil.copy(file, folder / file.name)
     s = Server(["-m", str(folder), "--dtype", "float32"])
     yield folder, s, anthropic.Anthropic(base_url=s.url, api_key="unused")

@@ -4,7 +4,6 @@ greedy generation on the prompt the conversation stands for."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -386,11 +385,6 @@ def test_bad_options(loaded, copy_checkpoint, tiny):
         ChatSession(model, mlxinfer.load_tokenizer(folder))
 
 
-speculative = pytest.mark.skipif(importlib.util.find_spec("mlxinfer.speculative") is None,
-                                 reason="speculative decoding (mlxinfer.speculative) is not available")
-
-
-@speculative
 @pytest.mark.parametrize("drafter", ["model", "prompt_lookup"])
 def test_speculative_chat_equals_plain_greedy(loaded, drafter):
     model, tok = loaded

@@ -22,7 +22,6 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-import mlxinfer
 from mlxinfer.cli import main
 from mlxinfer.demo import MEMBER, NAME, PACKAGE, VERSION
 from mlxinfer.generate import Stats
@@ -165,12 +164,6 @@ def test_verbose_shows_the_traceback():
     assert "Traceback" in loud.stderr and loud.stderr.strip().splitlines()[-1].startswith("error: no model folder")
 
 
-needs_speculative = pytest.mark.skipif(
-    not (Path(mlxinfer.__file__).parent / "speculative.py").is_file(), reason="speculative decoding not available"
-)
-
-
-@needs_speculative
 @pytest.mark.parametrize("flags", [["--prompt-lookup"], ["--draft-model", "DRAFT"]])
 def test_generate_with_speculation_equals_greedy(tiny, loaded, flags):
     model, tok = loaded

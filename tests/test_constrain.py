@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import mlxinfer
-from conftest import SHARED
+from conftest import REAL_TOKENIZERS, real_tokenizer
 from mlxinfer.cache import PromptCache, make_cache
 from mlxinfer.constrain import grammar_tokenizer
 from mlxinfer.errors import InvalidOptionError
@@ -24,7 +24,6 @@ from mlxinfer.tokenizer import load_tokenizer_from_dir
 jsonschema = pytest.importorskip("jsonschema")
 scipy_stats = pytest.importorskip("scipy.stats")
 
-FIXTURES = SHARED / "fixtures" / "tokenizers"
 TEXTS = ["Hello, world!", "  two  spaces\n\ttab", "naïve café 日本語 🤖", "def f(x):\n    return x**2  # ok",
          '{"a": [1, 2.5e-3, null], "b": "\\u00e9"}', "x" * 40, "\n\n\n", "émoji 👋🏽 mix 123456789"]
 
@@ -35,11 +34,10 @@ def schema_format(schema: dict) -> dict:
 
 # --- the tokenizer bridge ---
 
-@pytest.mark.skipif(not FIXTURES.is_dir(), reason="../shared/fixtures/tokenizers is absent")
-@pytest.mark.parametrize("name", sorted(p.name for p in FIXTURES.iterdir()) if FIXTURES.is_dir() else [])
+@pytest.mark.parametrize("name", REAL_TOKENIZERS)
 def test_grammar_tokenizer_sees_our_tokens_bytes(name):
     """Every token our tokenizer produces means the same bytes to the grammar engine."""
-    tok = load_tokenizer_from_dir(FIXTURES / name)
+    tok = load_tokenizer_from_dir(real_tokenizer(name))
     ll = grammar_tokenizer(tok, tok.vocab_size)
     for text in TEXTS:
         ids = tok.encode(text, add_special_tokens=False)

@@ -13,7 +13,6 @@ import mlx.core as mx
 import numpy as np
 import pytest
 import torch
-from conftest import SHARED
 from test_convert_gguf import TEXTS
 from test_parity import ours_incremental
 from tokenizers import Tokenizer
@@ -66,10 +65,9 @@ def test_layers_and_caches_follow_gemma3s_pattern(native):
             assert layer.window is None and type(cache) is KVCache
 
 
-@pytest.mark.skipif(not SHARED.is_dir(), reason="../shared (real tokenizer fixtures) is not available")
-def test_tokenizer_rebuilt_from_gguf_matches_gemma3s(native):
+def test_tokenizer_rebuilt_from_gguf_matches_gemma3s(native, gemma3_tokenizer):
     ours = Tokenizer.from_file(str(native / "tokenizer.json"))
-    ref = Tokenizer.from_file(str(SHARED / "fixtures" / "tokenizers" / "gemma3" / "tokenizer.json"))
+    ref = Tokenizer.from_file(str(gemma3_tokenizer / "tokenizer.json"))
     gemma = ["<start_of_turn>user\nWhat is the capital of France?<end_of_turn>\n<start_of_turn>model\n", "a  b   c"]
     for text in [*TEXTS, *gemma]:
         assert ours.encode(text).ids == ref.encode(text).ids, text

@@ -16,7 +16,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import CHATML, CORPUS, SHARED
+from conftest import CHATML, CORPUS, real_tokenizer
 from tokenizers import Tokenizer
 
 import mlxinfer
@@ -330,7 +330,7 @@ def test_requantizing_a_gguf(hf_checkpoint, tmp_path):
         assert mx.array_equal(ours[name], value).item(), name
 
 
-SHARED_TOKENIZERS = [
+PRE_TOKENIZERS = [  # (real tokenizer, the GGUF pre-tokenizer that names its split)
     ("smollm2", "smollm"),
     ("qwen3", "qwen2"),
     ("llama3.1", "llama-bpe"),
@@ -339,10 +339,9 @@ SHARED_TOKENIZERS = [
 ]
 
 
-@pytest.mark.skipif(not SHARED.is_dir(), reason="../shared (real tokenizer fixtures) is not available")
-@pytest.mark.parametrize("name,pre", SHARED_TOKENIZERS, ids=[n for n, _ in SHARED_TOKENIZERS])
+@pytest.mark.parametrize("name,pre", PRE_TOKENIZERS, ids=[n for n, _ in PRE_TOKENIZERS])
 def test_real_tokenizers_rebuilt_from_metadata(name, pre):
-    file = SHARED / "fixtures" / "tokenizers" / name / "tokenizer.json"
+    file = real_tokenizer(name) / "tokenizer.json"
     ref = Tokenizer.from_file(str(file))
     ours = tokenizer_json(tokenizer_metadata(json.loads(file.read_text()), pre))
     for text in TEXTS:

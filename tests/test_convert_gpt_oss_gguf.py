@@ -11,7 +11,6 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import SHARED
 from test_convert import tensors
 from family_checks import SMOLLM2_VOCAB, llama_cpp_gguf
 from test_models_gpt_oss import PROMPT, build, hf_logits, hf_mxfp4_logits, to_mxfp4
@@ -20,19 +19,16 @@ from test_parity import TOL
 import mlxinfer
 from convert import convert
 
-SMOLLM2 = SHARED / "fixtures" / "tokenizers" / "smollm2"  # a tokenizer llama.cpp's converter recognises
-
 
 @pytest.fixture(scope="module")
-def ggufs(llama_cpp, tmp_path_factory) -> dict[str, tuple[Path, Path]]:
+def ggufs(llama_cpp, smollm2_tokenizer, tmp_path_factory) -> dict[str, tuple[Path, Path]]:
     """{"float": (checkpoint, GGUF), "mxfp4": (its MXFP4 twin, GGUF)}: llama.cpp's
-    `convert_hf_to_gguf.py` on random-weight checkpoints with SmolLM2's vocabulary."""
-    if not SMOLLM2.is_dir():
-        pytest.skip("../shared/fixtures/tokenizers/smollm2 is absent")
+    `convert_hf_to_gguf.py` on random-weight checkpoints with SmolLM2's vocabulary (one the
+    converter recognises)."""
     root = tmp_path_factory.mktemp("gguf")
     src = build(root / "float", {"vocab_size": SMOLLM2_VOCAB, "num_hidden_layers": 2})
     for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copyfile(SMOLLM2 / name, src / name)
+        shutil.copyfile(smollm2_tokenizer / name, src / name)
     made = {}
     for kind, folder in (("float", src), ("mxfp4", to_mxfp4(src, root / "mxfp4"))):
         made[kind] = folder, llama_cpp_gguf(llama_cpp, folder, root / f"{kind}.gguf")

@@ -22,7 +22,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 import torch
-from conftest import SHARED, build_hf_checkpoint, llama_cpp_gguf
+from conftest import build_hf_checkpoint, llama_cpp_gguf, real_tokenizer
 from family_checks import NEAR_TIE, PREFILL_STEP, prompt, real_vocab_checkpoint
 from safetensors.numpy import load_file, save_file
 from test_convert_gguf import TEXTS, tokenizer_metadata
@@ -37,7 +37,6 @@ from mlxinfer.batch import stream_generate
 from mlxinfer.cache import make_cache
 from mlxinfer.errors import MlxinferError
 
-QWEN3 = SHARED / "fixtures" / "tokenizers" / "qwen3"
 QWEN3_IDS = dict(vocab_size=151669, bos_token_id=None, eos_token_id=151645, pad_token_id=151643)
 # name: (model_type, GGUF architecture, config overrides)
 FAMILIES = {
@@ -63,7 +62,7 @@ def checkpoint(folder: Path, name: str) -> Path:
         src = real_vocab_checkpoint(folder, model_type, overrides)
     else:
         src = build_hf_checkpoint(folder, model_type, overrides)
-        for file in QWEN3.iterdir():
+        for file in real_tokenizer("qwen3").iterdir():
             shutil.copyfile(file, src / file.name)
     if model_type == "qwen3_5_moe_text":  # its config has no dense width: llama.cpp writes none
         config = json.loads((src / "config.json").read_text())
@@ -95,8 +94,6 @@ def add_mtp_block(src: Path, layer: int) -> None:
 @pytest.fixture(scope="module")
 def ggufs(llama_cpp, tmp_path_factory) -> dict[str, tuple[Path, Path]]:
     """{name: (checkpoint, its float32 GGUF)}, and {name + "-q8_0": (checkpoint, Q8_0 GGUF)}."""
-    if not (SHARED / "fixtures" / "tokenizers" / "smollm2").is_dir() or not QWEN3.is_dir():
-        pytest.skip("../shared/fixtures/tokenizers (smollm2, qwen3) is absent")
     root = tmp_path_factory.mktemp("hybrid-gguf")
     made = {name: (checkpoint(root / name, name), root / f"{name}.gguf") for name in FAMILIES}
     made |= {f"{name}-q8_0": (made[name][0], root / f"{name}-q8_0.gguf") for name in QUANTIZED}
@@ -191,20 +188,18 @@ def test_q8_0_gguf_weights_are_the_originals(ggufs, tmp_path, name):
 MARKED = ["नमस्ते दुनिया, किताबें पढ़ो", "ภาษาไทย สวัสดีครับ", "e\u0301te\u0301 cafe\u0301 nai\u0308ve", "Привет, мир! 123"]
 
 
-def test_qwen35_and_lfm2_pre_tokenizers_rebuilt():
+def test_qwen35_and_lfm2_pre_tokenizers_rebuilt(qwen3_tokenizer, llama31_tokenizer):
     """`qwen35` (Qwen3.5's GGUFs) splits as transformers' Qwen3.5 tokenizer does, marks inside
     words (here over Qwen3's vocabulary, whose own Qwen2 split tokenizes these texts otherwise);
     `lfm2`, which llama.cpp runs as Llama 3's split, as the Llama 3.1 tokenizer does."""
     from tokenizers import Tokenizer
     from transformers.models.qwen3_5.tokenization_qwen3_5 import Qwen3_5Tokenizer
 
-    llama3 = SHARED / "fixtures" / "tokenizers" / "llama3.1" / "tokenizer.json"
-    if not (QWEN3.is_dir() and llama3.is_file()):
-        pytest.skip("../shared/fixtures/tokenizers (qwen3, llama3.1) is absent")
-    qwen = json.loads((QWEN3 / "tokenizer.json").read_text())
-    ref = Qwen3_5Tokenizer.from_pretrained(QWEN3).backend_tokenizer
+    llama3 = llama31_tokenizer / "tokenizer.json"
+    qwen = json.loads((qwen3_tokenizer / "tokenizer.json").read_text())
+    ref = Qwen3_5Tokenizer.from_pretrained(qwen3_tokenizer).backend_tokenizer
     ours = tokenizer_json(tokenizer_metadata(qwen, "qwen35"))
-    qwen2 = Tokenizer.from_file(str(QWEN3 / "tokenizer.json"))
+    qwen2 = Tokenizer.from_file(str(qwen3_tokenizer / "tokenizer.json"))
     for text in TEXTS + MARKED:
         assert ours.encode(text).ids == ref.encode(text).ids, text
     assert any(qwen2.encode(text).ids != ref.encode(text).ids for text in MARKED)

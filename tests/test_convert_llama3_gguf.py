@@ -20,7 +20,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import SHARED, build_hf_checkpoint, llama_cpp_gguf
+from conftest import build_hf_checkpoint, llama_cpp_gguf
 
 import mlxinfer
 from convert import convert
@@ -31,7 +31,6 @@ from mlxinfer.errors import CorruptCheckpointError
 
 torch = pytest.importorskip("torch")
 
-TOKENIZER = SHARED / "fixtures" / "tokenizers" / "llama3.1"
 VOCAB = 128256
 PROMPT = np.random.default_rng(3).integers(0, 128000, size=(1, 768))
 LAST = 4  # positions whose logits are compared (a full row is 128256 floats)
@@ -58,12 +57,10 @@ CASES = {
 
 
 @pytest.fixture(scope="module")
-def from_llama_cpp(llama_cpp, tmp_path_factory) -> Callable[[str], tuple[Path, Path]]:
+def from_llama_cpp(llama_cpp, llama31_tokenizer, tmp_path_factory) -> Callable[[str], tuple[Path, Path]]:
     """`from_llama_cpp(case)` -> (a random-weight checkpoint of CASES[case], the float32 GGUF
     llama.cpp's converter writes of it), built once per module. The checkpoint has the real
     Llama 3.1 tokenizer, which the converter must recognise."""
-    if not TOKENIZER.is_dir():
-        pytest.skip("../shared (the Llama 3.1 tokenizer fixture) is not available")
     made: dict[str, tuple[Path, Path]] = {}
 
     def make(case: str) -> tuple[Path, Path]:
@@ -71,7 +68,7 @@ def from_llama_cpp(llama_cpp, tmp_path_factory) -> Callable[[str], tuple[Path, P
             folder = tmp_path_factory.mktemp(case)
             src = build_hf_checkpoint(folder / "hf", "llama", {**CASES[case], "vocab_size": VOCAB})
             for name in ("tokenizer.json", "tokenizer_config.json"):
-                shutil.copyfile(TOKENIZER / name, src / name)
+                shutil.copyfile(llama31_tokenizer / name, src / name)
             made[case] = src, llama_cpp_gguf(llama_cpp, src, folder / "model.gguf")
         return made[case]
 

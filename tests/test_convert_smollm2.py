@@ -10,7 +10,6 @@ import json
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import SHARED
 from tokenizers import Tokenizer
 
 import mlxinfer
@@ -97,13 +96,12 @@ def test_mlx_lm_loads_it_with_the_same_logits(smollm2):
     np.testing.assert_allclose(np.array(ours(ids)), np.array(theirs(ids)), atol=5e-4, rtol=0)
 
 
-@pytest.mark.skipif(not SHARED.is_dir(), reason="../shared (real tokenizer fixtures) is not available")
-def test_tokenizer_rebuilt_from_gguf_matches_reference(smollm2):
+def test_tokenizer_rebuilt_from_gguf_matches_reference(smollm2, smollm2_tokenizer):
     from test_convert_gguf import TEXTS
 
     _, out, _ = smollm2
     ours = Tokenizer.from_file(str(out / "tokenizer.json"))
-    ref = Tokenizer.from_file(str(SHARED / "fixtures" / "tokenizers" / "smollm2" / "tokenizer.json"))
+    ref = Tokenizer.from_file(str(smollm2_tokenizer / "tokenizer.json"))
     for text in TEXTS:
         assert ours.encode(text).ids == ref.encode(text).ids, text
     chat = mlxinfer.load_tokenizer(out).apply_chat_template(QUESTION)

@@ -1,6 +1,6 @@
 """Streaming detokenization: the pieces always concatenate to `decode(all ids)`,
 and no piece ends inside a multi-byte character. Property-tested on every real
-tokenizer in ../shared (byte-level BPE and SentencePiece with byte fallback)."""
+tokenizer the tests fetch (byte-level BPE and SentencePiece with byte fallback)."""
 
 from __future__ import annotations
 
@@ -8,14 +8,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import SHARED
+from conftest import REAL_TOKENIZERS, real_tokenizer
 from mlxinfer.tokenizer import load_tokenizer_from_dir
 
-FIXTURES = SHARED / "fixtures" / "tokenizers"
-if not FIXTURES.is_dir():
-    pytest.skip("../shared/fixtures/tokenizers is absent", allow_module_level=True)
-
-NAMES = sorted(p.name for p in FIXTURES.iterdir() if (p / "tokenizer.json").is_file())
 TEXTS = [
     "Hello, world! 👋🏽 Ça va? 你好，世界。こんにちは",
     "e\u0301 a\u0308 n\u0303 — combining marks; ﬁ ligature; 𝔘𝔫𝔦𝔠𝔬𝔡𝔢",
@@ -26,9 +21,9 @@ TEXTS = [
 ]
 
 
-@pytest.fixture(scope="module", params=NAMES)
+@pytest.fixture(scope="module", params=REAL_TOKENIZERS)
 def tok(request):
-    return load_tokenizer_from_dir(FIXTURES / request.param)
+    return load_tokenizer_from_dir(real_tokenizer(request.param))
 
 
 def check(tok, ids: list[int]) -> None:

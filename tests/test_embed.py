@@ -17,12 +17,10 @@ import pytest
 from click.testing import CliRunner
 
 import mlxinfer
-from conftest import SHARED
 from mlxinfer.cli import main
 from mlxinfer.errors import ConfigError, InvalidOptionError, NoLMHeadError
 from serving import KEY, Server, post
 
-QWEN3_TOKENIZER = SHARED / "fixtures" / "tokenizers" / "qwen3"
 TOL = 1e-4
 TEXTS = [
     "The quick brown fox jumps over the lazy dog.",
@@ -80,16 +78,14 @@ def llama_st(hf_checkpoint, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def qwen3_source(tmp_path_factory) -> Path:
+def qwen3_source(qwen3_tokenizer, tmp_path_factory) -> Path:
     """A tiny random Qwen3 causal LM with the real Qwen3 tokenizer, given the post-processor
     Qwen3-Embedding's tokenizer has (EOS after every text) and its left padding."""
-    if not QWEN3_TOKENIZER.is_dir():
-        pytest.skip("../shared/fixtures/tokenizers/qwen3 is absent")
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     folder = tmp_path_factory.mktemp("qwen3src")
-    tokenizer = json.loads((QWEN3_TOKENIZER / "tokenizer.json").read_text())
+    tokenizer = json.loads((qwen3_tokenizer / "tokenizer.json").read_text())
     eos = "<|endoftext|>"
     eos_id = next(t["id"] for t in tokenizer["added_tokens"] if t["content"] == eos)
     tokenizer["post_processor"] = {
@@ -99,7 +95,7 @@ def qwen3_source(tmp_path_factory) -> Path:
                  {"Sequence": {"id": "B", "type_id": 1}}, {"SpecialToken": {"id": eos, "type_id": 1}}],
         "special_tokens": {eos: {"id": eos, "ids": [eos_id], "tokens": [eos]}}}
     (folder / "tokenizer.json").write_text(json.dumps(tokenizer))
-    config = json.loads((QWEN3_TOKENIZER / "tokenizer_config.json").read_text())
+    config = json.loads((qwen3_tokenizer / "tokenizer_config.json").read_text())
     (folder / "tokenizer_config.json").write_text(json.dumps({**config, "padding_side": "left"}))
     torch.manual_seed(0)
     hf_config = AutoConfig.for_model(

@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import real_tokenizer
 from hypothesis import HealthCheck, example, given, settings, strategies as st
 
 import mlxinfer
@@ -382,8 +383,6 @@ def test_fuzz_a_deep_reply_comes_back_as_text_or_a_call(loaded, depth, syntax, b
         assert calls == [] and content == text
 
 
-@pytest.mark.skipif(not (Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "tokenizers").is_dir(),
-                    reason="../shared/fixtures/tokenizers is absent")
 def test_a_tokenizer_the_worker_dropped_is_sent_again(loaded):
     """The worker keeps a few tokenizers; one it dropped for others is sent again, so the
     check still runs with it (an empty pattern is refused only with a tokenizer)."""
@@ -394,9 +393,8 @@ def test_a_tokenizer_the_worker_dropped_is_sent_again(loaded):
     empty = llguidance.LLMatcher.grammar_from_regex("[^\\x00-\\U0010FFFF]")
     try:
         assert compiler.check(empty, "g", tok, tok.vocab_size)["empty"]
-        folder = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "tokenizers"
         for name in ("smollm2", "llama2", "mistral-v0.1"):
-            other = load_tokenizer_from_dir(folder / name)
+            other = load_tokenizer_from_dir(real_tokenizer(name))
             compiler.check('start: "x"', "g", other, other.vocab_size)
         assert compiler.check(empty, "g", tok, tok.vocab_size)["empty"]
     finally:

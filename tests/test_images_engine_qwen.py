@@ -1,5 +1,5 @@
 """Images through the whole request path on a random-weight Qwen2.5-VL built by transformers, with
-the real Qwen3 tokenizer from ../shared (it has the Qwen vision tokens) and an image processor config
+the real Qwen3 tokenizer from npm (it has the Qwen vision tokens) and an image processor config
 saved by transformers' Qwen2-VL image processor with non-default min/max pixels.
 
 transformers' Qwen2.5-VL processor cannot be built here (its video half needs torchvision), so the
@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import SHARED, assert_speculation_equals, encoded_images, perturb
+from conftest import assert_speculation_equals, encoded_images, perturb
 from test_images_engine import data_url, our_greedy
 from test_models_gemma_vision import picture
 from test_models_qwen_vl import TEXT, VISION
@@ -30,8 +30,6 @@ from mlxinfer.pool import PromptCachePool
 
 from PIL import Image  # noqa: E402
 
-QWEN_TOKENIZER = SHARED / "fixtures" / "tokenizers" / "qwen3"
-pytestmark = pytest.mark.skipif(not QWEN_TOKENIZER.is_dir(), reason="needs ../shared/fixtures/tokenizers/qwen3")
 STEPS = 6
 MIN_PIXELS, MAX_PIXELS = 4 * 28 * 28, 20 * 28 * 28
 # Qwen2-VL's chat template (Qwen2.5-VL ships the same), without its video branch.
@@ -46,11 +44,11 @@ TEMPLATE = (
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory) -> Path:
+def checkpoint(qwen3_tokenizer, tmp_path_factory) -> Path:
     from transformers import AutoTokenizer, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, \
         Qwen2VLImageProcessorPil
 
-    tokenizer = AutoTokenizer.from_pretrained(QWEN_TOKENIZER)
+    tokenizer = AutoTokenizer.from_pretrained(qwen3_tokenizer)
     ids = {name: tokenizer.convert_tokens_to_ids(f"<|{name}|>")
            for name in ("image_pad", "video_pad", "vision_start", "vision_end")}
     torch.manual_seed(0)

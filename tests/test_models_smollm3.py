@@ -13,7 +13,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import ASSETS, LLAMA_CPP, SHARED, asset_lock
+from conftest import ASSETS, LLAMA_CPP, asset_lock, fetch_sdist
 from family_checks import (  # noqa: F401  (the test_ functions run here, on this module's `variant`)
     assert_llama_cpp_gguf_matches_transformers,
     real_vocab_checkpoint,
@@ -80,17 +80,15 @@ ASK = [{"role": "user", "content": "What is two plus two?"}]
 
 
 @pytest.fixture(scope="module")
-def smollm3_template(llama_cpp) -> str:
+def smollm3_template() -> str:
     """SmolLM3's chat template as llama.cpp ships it for its tests (Unsloth's edit of the
     original: the same switch, `enable_thinking`, and `/think` or `/no_think` in the system
-    message), read from the llama-cpp-python sdist the `llama_cpp` fixture fetched."""
+    message), read from the llama-cpp-python sdist."""
     name, version = LLAMA_CPP
     cached = ASSETS / f"smollm3-template-{version}.jinja"
     with asset_lock(cached.name):
         if not cached.is_file():
-            sdist = ASSETS / f"{name.replace('-', '_')}-{version}.tar.gz"
-            if not sdist.is_file():
-                pytest.skip(f"{sdist.name} is not in the test assets")
+            sdist = fetch_sdist(f"{name}=={version}")
             with tarfile.open(sdist) as tar:
                 member = tar.extractfile(f"{sdist.name.removesuffix('.tar.gz')}/vendor/llama.cpp/{TEMPLATE}")
                 cached.with_suffix(".partial").write_bytes(member.read())
@@ -99,16 +97,13 @@ def smollm3_template(llama_cpp) -> str:
 
 
 @pytest.fixture(scope="module")
-def thinker(hf_checkpoint, smollm3_template, tmp_path_factory) -> Path:
-    """A random SmolLM3 with the SmolLM2 tokenizer (SmolLM3's own is not in ../shared; its ChatML
-    tokens are the same) under SmolLM3's chat template."""
-    tokenizer = SHARED / "fixtures" / "tokenizers" / "smollm2"
-    if not tokenizer.is_dir():
-        pytest.skip("../shared/fixtures/tokenizers/smollm2 is absent")
+def thinker(hf_checkpoint, smollm3_template, smollm2_tokenizer, tmp_path_factory) -> Path:
+    """A random SmolLM3 with the SmolLM2 tokenizer (no registry package ships SmolLM3's own; its
+    ChatML tokens are the same) under SmolLM3's chat template."""
     src = hf_checkpoint("smollm3", **dict(VARIANTS["default"], vocab_size=49152, max_position_embeddings=1024))
     folder = tmp_path_factory.mktemp("smollm3") / "model"
     shutil.copytree(src, folder)
-    for file in tokenizer.iterdir():
+    for file in smollm2_tokenizer.iterdir():
         shutil.copy(file, folder / file.name)
     config = json.loads((folder / "tokenizer_config.json").read_text())
     (folder / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": smollm3_template}))

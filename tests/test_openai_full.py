@@ -19,7 +19,6 @@ import urllib.request
 import pytest
 
 import mlxinfer
-from conftest import SHARED
 from serving import KEY, Server, post
 from test_server import alone, text_of
 
@@ -318,15 +317,12 @@ def test_a_typed_route_parameter_error_is_a_400_in_openais_shape(loaded):
 # --- /tokenize and /detokenize ---
 
 @pytest.fixture(scope="module")
-def llama31(hf_checkpoint, tmp_path_factory):
+def llama31(hf_checkpoint, llama31_tokenizer, tmp_path_factory):
     """The tiny Llama with Llama 3.1's real tokenizer (a BOS, byte-level BPE, a chat template)."""
-    source = SHARED / "fixtures" / "tokenizers" / "llama3.1"
-    if not source.is_dir():
-        pytest.skip("../shared/fixtures/tokenizers is absent")
     folder = tmp_path_factory.mktemp("llama31") / "model"
     shutil.copytree(hf_checkpoint("llama", head_dim=32, vocab_size=128256, max_position_embeddings=2048), folder)
     for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(source / name, folder / name)
+        shutil.copy(llama31_tokenizer / name, folder / name)
     return folder
 
 

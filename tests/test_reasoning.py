@@ -21,15 +21,12 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import mlxinfer
-from conftest import SHARED
 from mlxinfer.batch import BatchGenerator, stream_generate
 from mlxinfer.chat import ChatSession
 from mlxinfer.errors import InvalidOptionError
 from mlxinfer.reasoning import THINK, Splitter, effort_kwargs, thinking_switch
 from mlxinfer.terminal import DIM
 
-QWEN3 = SHARED / "fixtures" / "tokenizers" / "qwen3"
-needs_qwen3 = pytest.mark.skipif(not QWEN3.is_dir(), reason="../shared/fixtures/tokenizers/qwen3 is absent")
 ROOT = Path(__file__).resolve().parents[1]
 THINK_ID, END_THINK_ID = 151667, 151668  # Qwen3's <think> and </think>
 WORDS = "/[a-z]{3,8}( [a-z]{2,8}){1,3}/"
@@ -70,16 +67,14 @@ def test_streamed_parts_join_to_the_reply_cut_by_hand(pieces, inside, data):
 # --- a thinking Qwen3 ---
 
 @pytest.fixture(scope="module")
-def thinker(hf_checkpoint, tmp_path_factory) -> Path:
+def thinker(hf_checkpoint, qwen3_tokenizer, tmp_path_factory) -> Path:
     """A random-weight Qwen3 with the real Qwen3 tokenizer and chat template."""
-    if not QWEN3.is_dir():
-        pytest.skip("../shared/fixtures/tokenizers/qwen3 is absent")
     src = hf_checkpoint("qwen3", vocab_size=151936, tie_word_embeddings=True, head_dim=32,
                         max_position_embeddings=1024)
     folder = tmp_path_factory.mktemp("thinker") / "model"
     shutil.copytree(src, folder)
     for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(QWEN3 / name, folder / name)
+        shutil.copy(qwen3_tokenizer / name, folder / name)
     return folder
 
 
@@ -196,7 +191,7 @@ def test_chat_session_keeps_the_thinking_apart_and_renders_the_next_turn_as_tran
                                          return_dict=False))
 
 
-def test_thinking_switch_and_effort_follow_the_template(model, r1):
+def test_thinking_switch_and_effort_follow_the_template(model, r1, llama31_tokenizer):
     _, tok = model
     assert thinking_switch(tok, False) == {"enable_thinking": False}
     assert effort_kwargs(tok, "none") == {"enable_thinking": False} == effort_kwargs(tok, "minimal")
@@ -205,7 +200,7 @@ def test_thinking_switch_and_effort_follow_the_template(model, r1):
         effort_kwargs(tok, "extreme")
     r1_tok = mlxinfer.load_tokenizer(r1)
     assert "enable_thinking" in r1_tok.template_variables  # (the copied template still reads it)
-    plain = mlxinfer.load_tokenizer(SHARED / "fixtures" / "tokenizers" / "llama3.1")
+    plain = mlxinfer.load_tokenizer(llama31_tokenizer)
     with pytest.raises(InvalidOptionError, match="does not think"):
         thinking_switch(plain, True)
     assert effort_kwargs(plain, "none") == {}  # no switch: a documented no-op

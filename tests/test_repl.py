@@ -248,7 +248,6 @@ def test_line_editing_multi_line_history_and_ctrl_c_at_the_prompt(tiny, loaded, 
     quit_(child)
 
 
-@pytest.mark.skipif(not (ROOT / "mlxinfer" / "speculative.py").is_file(), reason="speculative decoding not available")
 @pytest.mark.parametrize("color", [True, False])
 def test_drafted_tokens_are_coloured_unless_no_color(tiny, tmp_path, color):
     child = spawn(tiny, tmp_path / "home", "--prompt-lookup", "--max-tokens", "60", color=color)

@@ -1,6 +1,7 @@
 """The shape of the code, read from the source files with `ast` (nothing is imported):
 no import cycles in `mlxinfer/` and `convert/`, counting the imports inside functions too
-(a lazy import that climbs back up is still a cycle), and `mlxinfer.blas` free of MLX."""
+(a lazy import that climbs back up is still a cycle), `mlxinfer.blas` free of MLX, and no
+file that reaches outside the checkout."""
 
 from __future__ import annotations
 
@@ -114,3 +115,26 @@ def test_blas_does_not_import_mlx():
             reached.add(module)
             todo += graph[module]
     assert {m: mlx_imports(modules[m]) for m in reached if modules[m] and mlx_imports(modules[m])} == {}
+
+
+def climbs_out(path: Path) -> list[int]:
+    """The lines of `path` that take an ancestor of its own file above the checkout
+    (`Path(__file__).parents[n]` past the root)."""
+    top = len(path.relative_to(ROOT).parts) - 1  # parents[top] is the checkout's root
+    lines = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if (isinstance(node, ast.Subscript) and isinstance(node.value, ast.Attribute) and node.value.attr == "parents"
+                and isinstance(node.slice, ast.Constant) and isinstance(node.slice.value, int)
+                and node.slice.value > top
+                and any(isinstance(n, ast.Name) and n.id == "__file__" for n in ast.walk(node.value))):
+            lines.append(node.lineno)
+    return lines
+
+
+def test_nothing_reads_beside_the_checkout():
+    """A fresh clone has nothing beside it (the folder the developers' tests once read their real
+    tokenizers from is not there): what tests and benchmarks need comes from package registries
+    into the test-asset cache (tests/conftest.py), never from a path above the checkout."""
+    files = [*ROOT.glob("*.py"), *(p for folder in (*PACKAGES, "tests", "benchmarks", "examples", "_build")
+                                   for p in (ROOT / folder).rglob("*.py"))]
+    assert [f"{p.relative_to(ROOT)}:{line}" for p in files for line in climbs_out(p)] == []

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import SHARED, train_tokenizer
+from conftest import real_tokenizer, train_tokenizer
 
 HOSTILE = {
     "nested loops": "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
@@ -86,7 +86,6 @@ def test_time_limit_names_itself(outcomes):
     assert "ran for over" in outcomes["nested loops"][0]
 
 
-@pytest.mark.skipif(not SHARED.exists(), reason="../shared is absent")
 @pytest.mark.parametrize("name", ["qwen3", "gemma3", "smollm2", "llama3.1", "mistral-instruct-v0.3"])
 def test_real_templates_render_as_jinja_does(name):
     """The bounded renderer gives exactly what jinja2's plain sandbox gives on a long conversation."""
@@ -95,7 +94,7 @@ def test_real_templates_render_as_jinja_does(name):
     import mlxinfer
     from mlxinfer import tokenizer as T
 
-    tok = mlxinfer.load_tokenizer(SHARED / "fixtures" / "tokenizers" / name)
+    tok = mlxinfer.load_tokenizer(real_tokenizer(name))
     messages = [{"role": ("user", "assistant")[i % 2], "content": f"message {i} " * 40} for i in range(200)]
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
     env.filters["tojson"] = T._tojson

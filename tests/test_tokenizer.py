@@ -1,7 +1,7 @@
 """Tokenizer parity with transformers' AutoTokenizer (the oracle) on real tokenizer folders.
 
-Fixtures live in ../shared/fixtures/tokenizers/<name>/; each is loaded once per module by both
-mlxinfer and transformers, because the large vocabularies take a second or two to parse.
+The tokenizers come from package registries (`conftest.real_tokenizer`); each is loaded once per
+module by both mlxinfer and transformers, because the large vocabularies take a second or two to parse.
 """
 
 from __future__ import annotations
@@ -13,27 +13,18 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+import jinja2
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from transformers import AutoTokenizer
 
-FIXTURES = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "tokenizers"
-if not FIXTURES.is_dir():
-    pytest.skip(f"tokenizer fixtures not found at {FIXTURES}", allow_module_level=True)
+from conftest import REAL_TOKENIZERS, real_tokenizer
+from mlxinfer.errors import ConfigError, ModelNotFoundError, TokenizerError
+from mlxinfer.tokenizer import Tokenizer, load_tokenizer_from_dir
 
-import jinja2  # noqa: E402
-from hypothesis import given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
-from transformers import AutoTokenizer  # noqa: E402
-
-from mlxinfer.errors import ConfigError, ModelNotFoundError, TokenizerError  # noqa: E402
-from mlxinfer.tokenizer import Tokenizer, load_tokenizer_from_dir  # noqa: E402
-
-NAMES = sorted(p.name for p in FIXTURES.iterdir() if (p / "tokenizer.json").is_file())
-TEMPLATED = [
-    name
-    for name in NAMES
-    if (FIXTURES / name / "chat_template.jinja").is_file()
-    or json.loads((FIXTURES / name / "tokenizer_config.json").read_text()).get("chat_template")
-]
+NAMES = REAL_TOKENIZERS
+TEMPLATED = [name for name in NAMES if name != "llama2"]  # Llama 2's base tokenizer has no chat template
 
 CORPUS = [
     "",
@@ -96,7 +87,8 @@ def pair() -> Callable[[str], Pair]:
 
     def get(name: str) -> Pair:
         if name not in cache:
-            cache[name] = (load_tokenizer_from_dir(FIXTURES / name), hf_load(FIXTURES / name))
+            folder = real_tokenizer(name)
+            cache[name] = (load_tokenizer_from_dir(folder), hf_load(folder))
         return cache[name]
 
     return get
@@ -110,7 +102,7 @@ def variant(tmp_path: Path, name: str, config_changes: dict[str, Any] | None = N
     """
     folder = tmp_path / f"{name}-variant"
     folder.mkdir()
-    for src in (FIXTURES / name).iterdir():
+    for src in real_tokenizer(name).iterdir():
         shutil.copy(src, folder / src.name)
     config = json.loads((folder / "tokenizer_config.json").read_text())
     config.update(config_changes or {})

@@ -11,7 +11,7 @@ import json
 import pytest
 
 import mlxinfer
-from conftest import SHARED
+from conftest import real_tokenizer
 from mlxinfer.cache import PromptCache, make_cache
 from mlxinfer.constrain import Constraint
 from mlxinfer.errors import InvalidOptionError
@@ -20,8 +20,6 @@ from mlxinfer.tokenizer import load_tokenizer_from_dir
 from mlxinfer.tools import HERMES, JSON_CALL, MISTRAL, call_grammar, plan
 
 jsonschema = pytest.importorskip("jsonschema")
-FIXTURES = SHARED / "fixtures" / "tokenizers"
-needs_fixtures = pytest.mark.skipif(not FIXTURES.is_dir(), reason="../shared/fixtures/tokenizers is absent")
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 24},
                                             "unit": {"enum": ["celsius", "fahrenheit"]}},
@@ -37,12 +35,11 @@ ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
 def tokenizer(name: str):
-    return load_tokenizer_from_dir(FIXTURES / name)
+    return load_tokenizer_from_dir(real_tokenizer(name))
 
 
 # --- rendering ---
 
-@needs_fixtures
 def test_qwen3_renders_tools_through_its_own_template():
     tok = tokenizer("qwen3")
     p = plan(tok, TOOLS)
@@ -52,7 +49,6 @@ def test_qwen3_renders_tools_through_its_own_template():
     assert "You can call these functions" not in text
 
 
-@needs_fixtures
 @pytest.mark.parametrize("name", ["llama3.1", "mistral-instruct-v0.3", "smollm2"])
 def test_templates_without_tools_get_the_documented_fallback(name):
     tok = tokenizer(name)
@@ -63,7 +59,6 @@ def test_templates_without_tools_get_the_documented_fallback(name):
     assert "What is the weather in Paris?" in text
 
 
-@needs_fixtures
 def test_a_conversation_with_a_tool_result_renders():
     tok = tokenizer("qwen3")
     call = {"id": "call_1", "type": "function",
@@ -91,7 +86,6 @@ def written(syntax, calls: list[dict]) -> str:
     return body[0]
 
 
-@needs_fixtures
 @pytest.mark.parametrize("name, syntax", [("qwen3", HERMES), ("mistral-instruct-v0.3", MISTRAL),
                                           ("llama3.1", JSON_CALL)])
 def test_call_grammar_accepts_valid_calls_and_refuses_invalid_ones(name, syntax):
@@ -124,7 +118,6 @@ def test_call_grammar_accepts_valid_calls_and_refuses_invalid_ones(name, syntax)
     assert content is None and all(c.id.startswith("call_") for c in read)
 
 
-@needs_fixtures
 @pytest.mark.parametrize("name, syntax", [("qwen3", HERMES), ("mistral-instruct-v0.3", MISTRAL)])
 def test_without_parallel_calls_the_grammar_admits_exactly_one(name, syntax):
     """OpenAI's parallel_tool_calls=false: one call completes the reply, a second cannot start."""
@@ -149,7 +142,6 @@ FORECAST = {"type": "object", "properties": {"days": {"type": "integer", "minimu
             "required": ["days"], "additionalProperties": False}
 
 
-@needs_fixtures
 @pytest.mark.parametrize("name, syntax", [("qwen3", HERMES), ("mistral-instruct-v0.3", MISTRAL),
                                           ("llama3.1", JSON_CALL)])
 def test_with_a_json_format_a_reply_is_a_call_or_that_json(name, syntax):
