@@ -246,7 +246,7 @@ class Parser {
       if (s.charCodeAt(after) !== CLOSE_PAREN) return null;
       end = after + 1;
     }
-    const href = s.slice(from, to).replace(ESCAPES, "$1");
+    const href = unescape(s.slice(from, to));
     return SAFE_LINK.test(href) ? { href, end } : null;
   }
 
@@ -391,6 +391,12 @@ function draw(root, into) {
     item = item.next;
   }
   if (text) parent.append(text);
+}
+
+// `text` with its backslash escapes resolved (where no other inline rule applies: a link's address, a
+// code fence's language).
+export function unescape(text) {
+  return text.replace(ESCAPES, "$1");
 }
 
 // The inline content of `text` (a paragraph's or a heading's) as a fragment of DOM nodes.
