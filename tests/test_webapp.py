@@ -353,8 +353,8 @@ SHAPE = """(root, oracle) => {
       } else out.push(element(child));
       afterBreak = child.nodeName === "BR";
     }
-    const trimmed = BLOCKS.has(node.nodeName) ? out.map((x) => typeof x === "string" ? x.replace(/^\\n+|\\n+$/g, "") : x) : out;
-    return trimmed.filter((x) => x !== "");
+    const trim = (x) => typeof x === "string" && BLOCKS.has(node.nodeName) ? x.replace(/^\\n+|\\n+$/g, "") : x;
+    return out.map(trim).filter((x) => x !== "");
   };
   const element = (e) => {
     const tag = e.nodeName.toLowerCase();
@@ -362,7 +362,9 @@ SHAPE = """(root, oracle) => {
       const pre = e.querySelector("pre");
       return ["pre", pre.dataset.lang ?? "", pre.textContent];
     }
-    if (oracle && tag === "pre") return ["pre", e.firstChild.className.replace(/^language-/, ""), e.textContent.replace(/\\n$/, "")];
+    if (oracle && tag === "pre") {
+      return ["pre", e.firstChild.className.replace(/^language-/, ""), e.textContent.replace(/\\n$/, "")];
+    }
     if (/^h[1-6]$/.test(tag)) return [oracle ? `h${Math.min(Number(tag[1]) + 2, 6)}` : tag, ...children(e)];
     if (tag === "a") return ["a", e.getAttribute("href"), ...children(e)];
     if (tag === "ol") return ["ol", e.getAttribute("start") ?? "1", ...children(e)];
@@ -417,7 +419,11 @@ def shapes(tab: Page, sources: list[str]) -> list:
     """Our rendering of each source (markdown.js in the page), as SHAPE trees."""
     return tab.page.evaluate(f"""async (sources) => {{
         const {{ markdown }} = await import("/web/markdown.js");
-        return sources.map((s) => {{ const box = document.createElement("div"); box.append(markdown(s)); return ({SHAPE})(box, false); }});
+        return sources.map((s) => {{
+            const box = document.createElement("div");
+            box.append(markdown(s));
+            return ({SHAPE})(box, false);
+        }});
     }}""", sources)
 
 
