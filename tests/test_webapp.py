@@ -7,12 +7,13 @@ weights, real chat template).
 The oracle for what the page shows is the server's own API called directly with the same
 request (temperature 0: the same reply, the same logprobs, token ids and drafts), for token
 ids transformers' tokenizer, and for the attention weights transformers' eager attention on
-the same tokens. The browser may reach 127.0.0.1 only; every request it makes is logged and
-checked."""
+the same tokens, for the Markdown renderer markdown-it-py (CommonMark). The browser may reach
+127.0.0.1 only; every request it makes is logged and checked."""
 
 from __future__ import annotations
 
 import json
+import random
 import re
 import shutil
 import sys
@@ -333,6 +334,301 @@ def test_conversations_rename_delete_export(tab):
     tab.page.get_by_role("button", name="Delete story time").click()
     expect(names).to_have_count(1)
     assert len(tab.page.evaluate("JSON.parse(localStorage.getItem('mlxinfer.conversations'))")) == 1
+
+
+# --- the Markdown renderer (markdown.js, inline.js): untrusted text, linear time, drawn incrementally ---
+
+# A rendering as a comparable tree, in the page: [tag, attributes..., children], adjacent text joined,
+# the line endings around blocks dropped; ours and markdown-it's HTML in one vocabulary (our headings
+# sit two levels down under the page's own, our code blocks carry a copy button and data-lang).
+SHAPE = """(root, oracle) => {
+  const BLOCKS = new Set(["DIV", "LI", "BLOCKQUOTE", "UL", "OL"]);
+  const children = (node) => {
+    const out = [];
+    let afterBreak = false;
+    for (const child of node.childNodes) {
+      if (child.nodeType === Node.TEXT_NODE) {
+        const text = afterBreak ? child.data.replace(/^\\n/, "") : child.data;
+        if (typeof out.at(-1) === "string") out[out.length - 1] += text; else out.push(text);
+      } else out.push(element(child));
+      afterBreak = child.nodeName === "BR";
+    }
+    const trim = (x) => typeof x === "string" && BLOCKS.has(node.nodeName) ? x.replace(/^\\n+|\\n+$/g, "") : x;
+    return out.map(trim).filter((x) => x !== "");
+  };
+  const element = (e) => {
+    const tag = e.nodeName.toLowerCase();
+    if (!oracle && tag === "div" && e.className === "code") {
+      const pre = e.querySelector("pre");
+      return ["pre", pre.dataset.lang ?? "", pre.textContent];
+    }
+    if (oracle && tag === "pre") {
+      return ["pre", e.firstChild.className.replace(/^language-/, ""), e.textContent.replace(/\\n$/, "")];
+    }
+    if (/^h[1-6]$/.test(tag)) return [oracle ? `h${Math.min(Number(tag[1]) + 2, 6)}` : tag, ...children(e)];
+    if (tag === "a") return ["a", e.getAttribute("href"), ...children(e)];
+    if (tag === "ol") return ["ol", e.getAttribute("start") ?? "1", ...children(e)];
+    if (tag === "code") return ["code", e.textContent];
+    return [tag, ...children(e)];
+  };
+  return children(root);
+}"""
+
+# What chat replies hold, and CommonMark's corners of it.
+ORDINARY = [
+    "Hello! Here is **bold**, *italic*, `code`, and a [link](https://example.com/docs).",
+    "# One\n## Two\n### Three\n#### Four\n##### Five\n###### Six\n\nText under them.",
+    "Steps:\n\n1. Install it\n2. Run `mlxinfer serve`\n3. Open the page\n",
+    "- apples\n- pears\n  - green\n  - red\n- plums\n",
+    "A loose list:\n\n- one\n\n- two\n\n- three\n",
+    "```python\ndef add(a, b):\n    return a + b\n```\n\nAnd in a shell:\n\n~~~bash\necho \"hi\" | wc -c\n~~~\n",
+    "> A quote with *emphasis*\n> over two lines\n>\n> - and a list\n",
+    "Before\n\n---\n\nAfter\n\n***\n\n___\n",
+    "Setext heading\n==============\n\nSmaller\n-------\n",
+    "snake_case_name and __init__ stay as they are, 2*3*4 = 24, and a_b_c too.",
+    "Line one  \nline two (a hard break)\\\nline three\n",
+    "Escaped \\*stars\\* and \\`ticks\\` and \\[brackets\\].",
+    "3. starts at three\n4. four\n\n10) another list\n",
+    "1. **Install**:\n\n   ```bash\n   pip install mlxinfer\n   ```\n\n2. **Serve**: run it.\n",
+    "Backticks inside code: `` a `b` c `` and ``` ` ```.",
+    "A [link with *emphasis*](http://example.org/a_(b)) and [another](https://x.y/?q=1#frag).",
+    "Unsafe links stay text: [click](javascript:alert(1)) and [file](file:///etc/passwd).",
+    "HTML stays text: <img src=x onerror=alert(1)> <script>alert(1)</script> <b>bold?</b>",
+    "    indented code\n    second line\n\nafter\n",
+    "***strong emphasis*** then **bold *nested* bold** and *em **strong** em*; *a *b* c*, **a**b, foo*bar*",
+    "- item with `code`\n\n  a second paragraph in the item\n- next\n",
+    "Tabs:\n\n\tcode after a tab\n\n-\tlist item after a tab\n",
+    "A paragraph\n> a quote interrupting it\ncontinued lazily\n",
+    "# Title #\n\nText #not a heading\n\n#5 not a heading either\n",
+    "Empty fenced block:\n\n```\n```\n\nUnclosed at the end:\n\n```js\nlet a = 1;\n",
+    "Unicode: *très* bien — 中文 **粗体** 🙂 *ok*",
+    "1. a\n   1. nested ordered\n   2. two\n2. b\n",
+    "- a\n- b\n\n\n- c after two blank lines\n",
+    "> quote\n\n> another quote\n> > nested\n",
+]
+
+
+def markdown_it(sources: list[str]) -> list[str]:
+    """CommonMark's HTML for each source, from markdown-it-py (raw HTML off: it stays text, as in ours)."""
+    mdit = pytest.importorskip("markdown_it", reason="markdown-it-py is the oracle (the test extra)")
+    md = mdit.MarkdownIt("commonmark", {"html": False})
+    return [md.render(s) for s in sources]
+
+
+def shapes(tab: Page, sources: list[str]) -> list:
+    """Our rendering of each source (markdown.js in the page), as SHAPE trees."""
+    return tab.page.evaluate(f"""async (sources) => {{
+        const {{ markdown }} = await import("/web/markdown.js");
+        return sources.map((s) => {{
+            const box = document.createElement("div");
+            box.append(markdown(s));
+            return ({SHAPE})(box, false);
+        }});
+    }}""", sources)
+
+
+def oracle_shapes(tab: Page, html: list[str]) -> list:
+    """markdown-it's HTML parsed by the page (its own, escaped output: the test's, not a reply's), as SHAPE trees."""
+    return tab.page.evaluate(f"""(html) => html.map((h) => {{
+        const box = document.createElement("div"); box.innerHTML = h; return ({SHAPE})(box, true); }})""", html)
+
+
+def test_markdown_renders_what_commonmark_says(tab):
+    """Ordinary replies render as CommonMark says (markdown-it-py's rendering, mapped to our headings and
+    code blocks); links other than http(s) and mailto, and raw HTML, stay text."""
+    got = shapes(tab, ORDINARY)
+    want = oracle_shapes(tab, markdown_it(ORDINARY))
+    for source, ours, theirs in zip(ORDINARY, got, want):
+        assert ours == theirs, source
+    unsafe = tab.page.evaluate("""async (sources) => {
+        const { markdown } = await import("/web/markdown.js");
+        const box = document.createElement("div");
+        for (const s of sources) box.append(markdown(s));
+        return box.querySelectorAll("img, script, a:not([href^='http'])").length;
+    }""", ORDINARY)
+    assert unsafe == 0
+
+
+def soup(size: int, seed: int = 0) -> str:
+    """`size` characters of Markdown's special characters and fragments, shuffled (seeded)."""
+    rng = random.Random(seed)
+    pieces = list("ab *_`[]()\\\n>-#1.+~=!<&\t") + ["http://", "](", "**", "``", "\n\n", "    ", "- ", "> ", "1. "]
+    out, n = [], 0
+    while n < size:
+        out.append(rng.choice(pieces))
+        n += len(out[-1])
+    return "".join(out)
+
+
+# Replies written to make a renderer slow, ~100k characters each: the old renderer's regular expressions
+# took 2.2 s on the first at 2,000 backticks (cubic: hours at 50,000), and 16 s on the second at 20,000
+# characters; the nested quotes overflowed its stack (a recursion per `>`). CommonMark's pathological
+# cases (cmark's test/pathological_tests.py) for the rest.
+HOSTILE = {
+    "a backtick run after text": "a " + "`" * 50_000,
+    "backtick runs of every length": "".join("e" + "`" * i for i in range(450)),
+    "nested quotes": "> " * 50_000 + "a",
+    "stars": "*" * 100_000,
+    "emphasis openers without closers": "_a " * 33_000,
+    "emphasis closers without openers": "a_ " * 33_000,
+    "mismatched openers and closers": "*a_ " * 25_000,
+    "openers and closers in multiples of 3": "a**b" + "c* " * 33_000,
+    "nested emphasis": "*" * 50_000 + "a" + "*" * 50_000,
+    "link openers": "[a" * 50_000,
+    "link closers": "a]" * 50_000,
+    "link openers and emphasis closers": "[ a_" * 25_000,
+    "brackets and parentheses": "[ (](" * 20_000,
+    "nested brackets": "[" * 50_000 + "a" + "]" * 50_000,
+    "unclosed destinations": "[a](" * 25_000,
+    "an unbalanced destination": "[a](http://x" + "(" * 100_000,
+    "nested lists on one line": "1. " * 33_000 + "a",
+    "deeply indented lists": "".join("  " * i + "* a\n" for i in range(300)),
+    "an unclosed fence": "```\n" + "a\n" * 50_000,
+    "fences": "```\n" * 25_000,
+    "indented code then blank lines": "    a\n" + "\n" * 100_000,
+    "escapes": "\\*" * 50_000,
+    "hard breaks": "a  \n" * 25_000,
+    "a soup of markers": soup(200_000),
+}
+HOSTILE_BOUND_MS = 20_000  # each takes well under 0.2 s here on an idle 2-core box; the old renderer, minutes or more
+
+
+def test_hostile_markdown_renders_in_linear_time_and_stays_shallow(tab):
+    """Each hostile reply renders within a bound that is ~100x what it takes (a hang guard that a quadratic
+    renderer fails by orders of magnitude), keeps its text, and nests its DOM no deeper than the renderer's
+    caps (16 quotes or list items, 16 emphasis or links) however deep the text nests. The page says it is
+    done on the console: a wait for that times out on the test's side even while a runaway render holds
+    the page, which is then stopped (CDP's Runtime.terminateExecution) so the tab can close."""
+    tab.page.evaluate("async () => { window.md = await import('/web/markdown.js'); }")
+    cdp = tab.context.new_cdp_session(tab.page)
+    for name, source in HOSTILE.items():
+        try:
+            with tab.page.expect_console_message(lambda m, name=name: m.text == f"rendered {name}",
+                                                 timeout=HOSTILE_BOUND_MS):
+                tab.page.evaluate("""([name, source]) => setTimeout(() => {
+                    const box = document.createElement("div");
+                    box.append(md.markdown(source));
+                    let depth = 0;
+                    for (const walk = document.createTreeWalker(box, NodeFilter.SHOW_ELEMENT); walk.nextNode();) {
+                        let d = 0;
+                        for (let n = walk.currentNode; n !== box; n = n.parentNode) d++;
+                        depth = Math.max(depth, d);
+                    }
+                    window.result = { depth, quotes: box.querySelectorAll("blockquote").length, text: box.textContent };
+                    console.log(`rendered ${name}`);
+                })""", [name, source])
+        except sync_api.TimeoutError:
+            cdp.send("Runtime.terminateExecution")
+            pytest.fail(f"{name}: not rendered within {HOSTILE_BOUND_MS} ms")
+        result = tab.page.evaluate("window.result")
+        assert result["depth"] <= 40, (name, result["depth"])
+        if name == "a backtick run after text":  # no closing run: the backticks are text (CommonMark)
+            assert result["text"] == source
+        if name == "nested quotes":
+            assert result["quotes"] == 16 and result["text"].endswith("> " * 3 + "a"), name
+        if name == "nested emphasis":
+            assert result["text"] == "a", name  # every star pairs up; past 16 levels, without an element
+
+
+def test_markdown_streamed_character_by_character_equals_the_whole(tab):
+    """Each ordinary reply (and some with CRLF line endings) drawn as it grows, one character per frame,
+    equals at every frame the rendering of the whole text so far (itself CommonMark's, above)."""
+    sources = ORDINARY + [s.replace("\n", "\r\n") for s in ORDINARY[:8]]
+    differ = tab.page.evaluate("""async (sources) => {
+        const { MarkdownView, markdown } = await import("/web/markdown.js");
+        const differ = [];
+        for (const source of sources) {
+            const box = document.createElement("div");
+            const view = new MarkdownView(box);
+            for (let i = 0; i < source.length; i++) {
+                view.append(source[i]);
+                view.render();
+                const whole = document.createElement("div");
+                whole.append(markdown(source.slice(0, i + 1)));
+                if (box.innerHTML !== whole.innerHTML) { differ.push([source, i]); break; }
+            }
+        }
+        return differ;
+    }""", sources)
+    assert differ == []
+
+
+# A reply the test streams to the page, a piece per paint; every block but the last is finished at each
+# paint (a later one starts on a complete line), and so are a list's items but its last.
+STREAMED = [
+    "## Streaming\n\nThe first para",
+    "graph goes on, *with emphasis*.\n\nThe sec",
+    "ond paragraph.\n\n- item one\n- item t",
+    "wo\n- item three\n\n",
+    "```python\nprint(1)\n",
+    "print(2)\n```\n\n> a quote\n",
+    "> goes on\n\nThe end.",
+]
+
+# The page's chat completions answered by the test instead of the server: window.reply.push(text) sends
+# one streamed chunk, window.reply.end() ends the stream.
+FAKE_STREAM = """(() => {
+  const fetch = window.fetch;
+  window.fetch = (url, init) => {
+    if (!String(url).endsWith("/v1/chat/completions")) return fetch(url, init);
+    const bytes = new TextEncoder();
+    const body = new ReadableStream({ start(out) {
+      const send = (data) => out.enqueue(bytes.encode(`data: ${JSON.stringify(data)}\\n\\n`));
+      window.reply = {
+        push: (text) => send({ choices: [{ index: 0, delta: { content: text }, finish_reason: null }] }),
+        end: () => {
+          send({ choices: [{ index: 0, delta: {}, finish_reason: "stop" }] });
+          out.enqueue(bytes.encode("data: [DONE]\\n\\n"));
+          out.close();
+        },
+      };
+    } });
+    return Promise.resolve(new Response(body, { status: 200, headers: { "Content-Type": "text/event-stream" } }));
+  };
+})()"""
+
+# After a paint: the finished blocks noted at the last paint that are no longer the same node in the same
+# place; then notes this paint's (every child but the last, of the reply and of its last block when that
+# is a list or a quote).
+MOVED = """() => {
+  const content = document.querySelector("article[aria-label=Assistant] .content");
+  const moved = (window.kept ?? []).filter(([node, parent, i]) => parent.children[i] !== node).map(([n]) => n.outerHTML);
+  window.kept = [];
+  const keep = (parent) => {
+    const children = [...parent.children];
+    children.slice(0, -1).forEach((node, i) => window.kept.push([node, parent, i]));
+    return children.at(-1);
+  };
+  const last = keep(content);
+  if (last?.matches("ul, ol, blockquote")) keep(last);
+  return moved;
+}"""
+
+
+def test_a_streamed_reply_redraws_only_its_open_block(tab):
+    """The page draws a streamed reply as it comes: after each piece the reply shows what the whole text so
+    far renders to, and the blocks finished before are the very same DOM nodes (not rebuilt each paint)."""
+    tab.context.add_init_script(FAKE_STREAM)
+    tab.page.reload()
+    expect(tab.page.locator("body[data-ready=true]")).to_have_count(1)
+    tab.send("write something long")
+    tab.page.wait_for_function("window.reply !== undefined")
+    tab.page.evaluate("async () => { window.md = await import('/web/markdown.js'); }")
+    shown = """(text) => {
+        const whole = document.createElement("div");
+        whole.append(md.markdown(text));
+        return document.querySelector("article[aria-label=Assistant] .content").innerHTML === whole.innerHTML;
+    }"""
+    text = ""
+    for piece in STREAMED:
+        text += piece
+        tab.page.evaluate("(piece) => window.reply.push(piece)", piece)
+        tab.page.wait_for_function(shown, arg=text)  # painted
+        assert tab.page.evaluate(MOVED) == [], text
+    tab.page.evaluate("window.reply.end()")
+    tab.wait_done()
+    assert tab.conversation()[-1]["content"] == text
+    assert tab.page.evaluate(shown, text)
 
 
 # --- the endpoints behind "Look inside" ---

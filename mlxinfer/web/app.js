@@ -3,7 +3,7 @@
 
 import { ApiError, getJSON, onKeyNeeded, ready, stream } from "./api.js";
 import { lookInside } from "./inspect.js";
-import { markdown } from "./markdown.js";
+import { MarkdownView, markdown } from "./markdown.js";
 import { el } from "./dom.js";
 import { exportConversations, loadConversations, loadSettings, newConversation, saveConversations, saveSettings } from "./store.js";
 
@@ -86,7 +86,7 @@ function article(message, index, last) {
   const node = el("article", { className: `msg ${message.role}` });
   node.setAttribute("aria-label", message.role === "user" ? "You" : "Assistant");
   if (message.role === "user") {
-    const content = el("div", { className: "content" }, ...markdown(message.content));
+    const content = el("div", { className: "content" }, markdown(message.content));
     const edit = el("button", { type: "button", textContent: "Edit", className: "small" });
     edit.addEventListener("click", () => editMessage(node, content, index));
     node.append(content, el("div", { className: "actions" }, edit));
@@ -121,14 +121,43 @@ function article(message, index, last) {
 // The reasoning (folded), the answer, and the stats line of a reply.
 function replyParts(message) {
   const parts = [];
-  if (message.reasoning) {
-    parts.push(el("details", { className: "reasoning" }, el("summary", { textContent: "Reasoning" }),
-      el("div", {}, ...markdown(message.reasoning))));
-  }
-  parts.push(el("div", { className: "content" }, ...markdown(message.content)));
+  if (message.reasoning) parts.push(reasoningBox(markdown(message.reasoning)));
+  parts.push(el("div", { className: "content" }, markdown(message.content)));
   const stats = statsLine(message.look);
   if (stats) parts.push(el("p", { className: "stats", textContent: stats }));
   return parts;
+}
+
+function reasoningBox(...children) {
+  return el("details", { className: "reasoning" }, el("summary", { textContent: "Reasoning" }), el("div", {}, ...children));
+}
+
+// A reply's parts drawn while it streams (`node`: its article, as article() made it): the text is
+// appended piece by piece and each paint redraws only what changed (markdown.js keeps the blocks that
+// are finished), so a long reply costs each frame about its last block, not its whole length.
+function streamingReply(node, message) {
+  const content = node.querySelector(".content");
+  const answer = new MarkdownView(content);
+  const stats = el("p", { className: "stats", hidden: true });
+  content.after(stats);
+  let thinking = null; // the reasoning's view, from its first piece
+  return {
+    append(text, reasoning) {
+      if (reasoning && !thinking) {
+        const box = reasoningBox();
+        content.before(box);
+        thinking = new MarkdownView(box.lastChild);
+      }
+      if (reasoning) thinking.append(reasoning);
+      if (text) answer.append(text);
+    },
+    paint() {
+      answer.render();
+      thinking?.render();
+      stats.textContent = statsLine(message.look);
+      stats.hidden = !stats.textContent;
+    },
+  };
 }
 
 function statsLine(look) {
@@ -216,22 +245,24 @@ async function reply() {
   current.messages.push(message);
   save();
   renderMessages();
-  const node = $("messages").lastElementChild;
+  const view = streamingReply($("messages").lastElementChild, message);
   const controller = new AbortController();
   setRunning({ controller, message });
   const start = performance.now();
   let queued = false;
   const paint = () => {
     queued = false;
-    const actions = node.querySelector(".actions");
-    node.replaceChildren(...replyParts(message), ...(actions ? [actions] : []));
+    view.paint();
   };
   try {
     await stream(body, (event) => {
       const choice = event.choices?.[0];
       if (choice) {
-        message.content += choice.delta?.content ?? "";
-        message.reasoning += choice.delta?.reasoning_content ?? "";
+        const text = choice.delta?.content ?? "";
+        const reasoning = choice.delta?.reasoning_content ?? "";
+        message.content += text;
+        message.reasoning += reasoning;
+        view.append(text, reasoning);
         const details = choice.token_details ?? [];
         for (const [i, token] of (choice.logprobs?.content ?? []).entries()) {
           message.look.tokens.push({ ...token, id: details[i]?.id, drafted: details[i]?.drafted });

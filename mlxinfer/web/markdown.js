@@ -1,31 +1,19 @@
-// Markdown to DOM nodes, small and safe: every piece of text becomes a text node (never HTML),
-// links keep only http(s) and mailto addresses. Covers what chat replies use: fenced code
-// blocks (with a copy button), headings, lists, quotes, rules, paragraphs, and inline code,
-// bold, italic and links.
+// Markdown to DOM nodes, small and safe: every piece of text becomes a text node (never HTML), links
+// keep only http(s) and mailto addresses. The blocks come from blocks.js (CommonMark's), their text
+// from inline.js; code blocks get a copy button, and headings sit two levels down (the page has its own).
+//
+// A reply arrives in pieces: MarkdownView draws a growing text incrementally. Each complete line is
+// parsed once; a block that is finished keeps its DOM nodes; a frame redraws only the blocks still open
+// and the last, unfinished line (parsed provisionally, then undone). A reply of N characters streamed in
+// K frames costs O(N) plus the open block's size per frame, not O(N·K).
 
+import { BlockParser } from "./blocks.js";
 import { el } from "./dom.js";
+import { inline } from "./inline.js";
 
-const INLINE = /(`+)([\s\S]*?[^`])\1(?!`)|\*\*([^*]+)\*\*|__([^_]+)__|\*([^*\s][^*]*)\*|_([^_\s][^_]*)_|\[([^\]]+)\]\(([^)\s]+)\)/;
-
-function inline(text) {
-  const out = [];
-  while (text) {
-    const m = INLINE.exec(text);
-    if (!m) { out.push(document.createTextNode(text)); break; }
-    if (m.index) out.push(document.createTextNode(text.slice(0, m.index)));
-    if (m[1]) out.push(el("code", { textContent: m[2] }));
-    else if (m[3] || m[4]) out.push(el("strong", {}, ...inline(m[3] || m[4])));
-    else if (m[5] || m[6]) out.push(el("em", {}, ...inline(m[5] || m[6])));
-    else out.push(link(m[7], m[8]));
-    text = text.slice(m.index + m[0].length);
-  }
-  return out;
-}
-
-function link(label, href) {
-  if (!/^(https?:|mailto:)/i.test(href)) return document.createTextNode(`[${label}](${href})`);
-  return el("a", { href, target: "_blank", rel: "noopener noreferrer" }, ...inline(label));
-}
+// The DOM kept for a container block while it is drawn: its element, and how many of its leading
+// children are settled (final, drawn, never drawn again) in the tightness they were drawn in.
+const drawn = new WeakMap();
 
 function codeBlock(lang, code) {
   const copy = el("button", { type: "button", className: "copy", textContent: "Copy" });
@@ -35,53 +23,110 @@ function codeBlock(lang, code) {
   return el("div", { className: "code" }, copy, pre);
 }
 
-const LIST_ITEM = /^(\s*)([-*+]|\d+[.)])\s+(.*)$/;
-
-// The node list for `source` (rendered as it streams: an unclosed code fence runs to the end).
-export function markdown(source) {
-  const lines = source.replace(/\r\n?/g, "\n").split("\n");
-  const out = [];
-  let para = [];
-  const flush = () => { if (para.length) out.push(el("p", {}, ...inline(para.join("\n")))); para = []; };
-  for (let i = 0; i < lines.length; i++) {
-    const line = lines[i];
-    const fence = /^\s*(```+|~~~+)\s*([\w+-]*)/.exec(line);
-    if (fence) {
-      flush();
-      const body = [];
-      for (i++; i < lines.length && !lines[i].trimStart().startsWith(fence[1]); i++) body.push(lines[i]);
-      out.push(codeBlock(fence[2], body.join("\n")));
-      continue;
+// The DOM of `block`: a new node for a leaf (a fragment of inline nodes for a paragraph in a tight list
+// item), the kept element of a container, its children brought up to date.
+function draw(block, tight) {
+  switch (block.type) {
+    case "paragraph": {
+      const content = inline(block.lines.join("\n").trim());
+      return tight ? content : el("p", {}, content);
     }
-    const heading = /^(#{1,6})\s+(.*)$/.exec(line);
-    if (heading) { flush(); out.push(el(`h${Math.min(heading[1].length + 2, 6)}`, {}, ...inline(heading[2]))); continue; }
-    if (/^\s*([-*_])(\s*\1){2,}\s*$/.test(line)) { flush(); out.push(el("hr")); continue; }
-    if (/^\s*>/.test(line)) {
-      flush();
-      const quoted = [];
-      for (; i < lines.length && /^\s*>/.test(lines[i]); i++) quoted.push(lines[i].replace(/^\s*>\s?/, ""));
-      i--;
-      out.push(el("blockquote", {}, ...markdown(quoted.join("\n"))));
-      continue;
-    }
-    const item = LIST_ITEM.exec(line);
-    if (item) {
-      flush();
-      const ordered = /\d/.test(item[2]);
-      const list = el(ordered ? "ol" : "ul");
-      for (; i < lines.length; i++) {
-        const m = LIST_ITEM.exec(lines[i]);
-        if (m) list.append(el("li", {}, ...inline(m[3])));
-        else if (lines[i].trim() && /^\s+/.test(lines[i]) && list.lastChild) list.lastChild.append(" ", ...inline(lines[i].trim()));
-        else break;
-      }
-      i--;
-      out.push(list);
-      continue;
-    }
-    if (!line.trim()) { flush(); continue; }
-    para.push(line);
+    case "heading":
+      return el(`h${Math.min(block.level + 2, 6)}`, {}, inline(block.lines.join("\n").trim()));
+    case "hr":
+      return el("hr");
+    case "code":
+      return codeBlock(block.lang, block.lines.join("\n"));
+    case "quote":
+      return drawContainer(block, () => el("blockquote"), false);
+    case "list":
+      return drawContainer(block, () => (block.ordered ? el("ol", block.start === 1 ? {} : { start: block.start }) : el("ul")),
+        !block.loose);
+    default: // item
+      return drawContainer(block, () => el("li"), tight);
   }
-  flush();
-  return out;
+}
+
+// A container's element (made by `make` the first time), its children brought up to date: the leading children
+// that are final and were drawn in the same tightness are kept as they are (never redrawn); the rest are
+// drawn again, an open container among them keeping its element where it is.
+function drawContainer(block, make, tight) {
+  let view = drawn.get(block);
+  if (!view) drawn.set(block, (view = { element: make(), tight, settled: 0, last: null }));
+  const element = view.element;
+  if (view.tight !== tight) {
+    element.replaceChildren();
+    Object.assign(view, { tight, settled: 0, last: null });
+  }
+  let at = view.last ? view.last.nextSibling : element.firstChild; // the first node not settled
+  let settling = true;
+  for (let i = view.settled; i < block.children.length; i++) {
+    const child = block.children[i];
+    const node = draw(child, tight);
+    let last = node;
+    if (node === at) at = at.nextSibling;
+    else {
+      removeFrom(at);
+      at = null;
+      if (node.nodeType === Node.DOCUMENT_FRAGMENT_NODE) last = node.lastChild;
+      element.append(node);
+    }
+    if (settling && child.final) {
+      view.settled = i + 1;
+      view.last = last ?? view.last;
+    } else settling = false;
+  }
+  removeFrom(at);
+  return element;
+}
+
+function removeFrom(node) {
+  while (node) {
+    const next = node.nextSibling;
+    node.remove();
+    node = next;
+  }
+}
+
+// The DOM of a whole Markdown text, as a fragment.
+export function markdown(source) {
+  const parser = new BlockParser();
+  const lines = source.split(/\r\n|\r|\n/);
+  if (lines.at(-1) === "") lines.pop(); // the final line ending ends the last line, it starts none
+  for (const line of lines) parser.line(line);
+  parser.finish();
+  return drawContainer(parser.doc, () => document.createDocumentFragment(), false);
+}
+
+// A growing Markdown text drawn into `element` as it grows: append(text) as pieces arrive (cheap: it
+// parses the lines they complete), render() when the page paints (redraws the open blocks and the last,
+// unfinished line, parsed provisionally).
+export class MarkdownView {
+  constructor(element) {
+    this.element = element;
+    this.parser = new BlockParser();
+    this.partial = ""; // the last line, not yet ended
+    this.cr = false; // the last piece ended in "\r" (a "\n" next is the same line ending)
+  }
+
+  append(text) {
+    if (this.cr && text.startsWith("\n")) text = text.slice(1);
+    this.cr = text.endsWith("\r");
+    text = text.replace(/\r\n?/g, "\n");
+    let from = 0;
+    for (let end = text.indexOf("\n"); end >= 0; from = end + 1, end = text.indexOf("\n", from)) {
+      this.parser.line(this.partial + text.slice(from, end));
+      this.partial = "";
+    }
+    this.partial += text.slice(from);
+  }
+
+  render() {
+    const parser = this.parser;
+    parser.provisional();
+    if (this.partial) parser.line(this.partial);
+    parser.finish();
+    drawContainer(parser.doc, () => this.element, false);
+    parser.rollback();
+  }
 }
