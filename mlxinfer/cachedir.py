@@ -1,6 +1,6 @@
-"""mlxinfer's own cache, `$MLXINFER_HOME` (default `~/.cache/mlxinfer`): where it is,
-which folders in it hold models, and how a checkpoint is converted into it. Below both
-the store (what `--model` means) and the demo model, which each write into it.
+"""mlxinfer's own cache, `$MLXINFER_HOME` (default `~/.cache/mlxinfer`): where it is, and
+which folders in it hold models. Below the loader (which takes their names), the store (what
+`--model` means) and the demo model, which write into it (`demo.convert_into`).
 """
 
 from __future__ import annotations
@@ -9,8 +9,6 @@ import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
-
-from .errors import ConversionError
 
 HOME_ENV = "MLXINFER_HOME"
 Notify = Callable[[str], None]
@@ -40,14 +38,3 @@ def named_model(name: str) -> Path | None:
     folder = models_dir() / name
     return folder if is_model_folder(folder) else None
 
-
-def convert_into(source: Path, out: Path, progress: bool | None = None) -> None:
-    """Convert `source` into `out` (written atomically by the converter); a concurrent run
-    that finished first is as good as ours."""
-    from convert import convert
-
-    try:
-        convert(source, out, progress=progress)
-    except ConversionError:
-        if not is_model_folder(out):
-            raise

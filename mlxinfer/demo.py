@@ -20,10 +20,11 @@ import tempfile
 import zipfile
 from pathlib import Path
 
+from convert import convert
 from convert.sources import is_gguf
 
-from .cachedir import HOME_ENV, Notify, convert_into, home, is_model_folder, models_dir
-from .errors import CorruptCheckpointError, ModelNotFoundError
+from .cachedir import HOME_ENV, Notify, home, is_model_folder, models_dir
+from .errors import ConversionError, CorruptCheckpointError, ModelNotFoundError
 from .files import disk_full, write_problem
 from .terminal import spinner
 
@@ -119,3 +120,13 @@ def _recorded_hash(z: zipfile.ZipFile, member: str) -> str:
         if name == member:
             return rest.split(",")[0]
     raise KeyError(f"{member} is not listed in RECORD")
+
+
+def convert_into(source: Path, out: Path, progress: bool | None = None) -> None:
+    """Convert `source` into `out` in our cache (written atomically by the converter); a
+    concurrent run that finished first is as good as ours."""
+    try:
+        convert(source, out, progress=progress)
+    except ConversionError:
+        if not is_model_folder(out):
+            raise

@@ -17,8 +17,8 @@ from typing import Any
 
 from convert.sources import is_gguf
 
-from .cachedir import Notify, convert_into, is_model_folder, models_dir, named_model, stderr_line
-from .demo import demo_model
+from .cachedir import Notify, is_model_folder, models_dir, named_model, stderr_line
+from .demo import convert_into, demo_model
 from .errors import MlxinferError, ModelNotFoundError
 from .adapters import load
 from .loading import read_config, safetensors_header, weight_files
