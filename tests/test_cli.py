@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
+import mlxinfer
 from mlxinfer.cli import main
 from mlxinfer.demo import MEMBER, NAME, PACKAGE, VERSION
 from mlxinfer.generate import Stats
