@@ -167,9 +167,10 @@ def attention_weights(model, prompt: list[int], layer: int, head: int) -> list[f
 
 def attention_slices(model, prompt: list[int], layer: int, head: int, chunk: int = 512) -> Slices[list[float]]:
     """`attention_weights` in slices (`slices`): the prompt but its last token is prefilled
-    `chunk` tokens at a time; the last token then runs up to that layer's attention, whose input
-    is taken there, and the weights the fused kernel never forms are spelled out by the layer
-    itself over what its cache keeps (`Attention.last_weights`)."""
+    `chunk` tokens at a time through the layers up to the chosen one (those above it are never
+    run); the last token then runs up to that layer's attention, whose input is taken there, and
+    the weights the fused kernel never forms are spelled out by the layer itself over what its
+    cache keeps (`Attention.last_weights`)."""
     layers = model.layers
     if not 0 <= layer < len(layers):
         raise InvalidOptionError(f"layer {layer} does not exist; this model has layers 0 to {len(layers) - 1}")
@@ -181,7 +182,11 @@ def attention_slices(model, prompt: list[int], layer: int, head: int, chunk: int
     if not 0 <= head < mixer.n_heads:
         raise InvalidOptionError(f"head {head} does not exist; layer {layer} has heads 0 to {mixer.n_heads - 1}")
     cache = PromptCache.for_model(model)
-    yield from cache.prefill_slices(model, prompt[:-1], chunk)
+    below = cache.caches[: layer + 1]  # what the chosen layer's input comes through: the layers above never run
+    for i in range(0, len(prompt) - 1, chunk):
+        cache.run(model, prompt[i : min(i + chunk, len(prompt) - 1)])  # built through every layer, run up to it
+        mx.eval([c.arrays() for c in below])
+        yield
     block[block.mixer_name] = tap = _Tap()
     try:
         cache.run(model, prompt[-1:])
