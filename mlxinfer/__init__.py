@@ -10,7 +10,8 @@ from .cache import PromptCache, load_prompt_cache, make_cache, save_prompt_cache
 from .chat import ChatSession
 from .embed import embed
 from .errors import MlxinferError
-from .generate import Chunk, Stats
+from .decode import Stats
+from .text_stream import Chunk
 from .loading import load_tokenizer
 from .pool import PromptCachePool
 from .sample import SamplingConfig

@@ -19,7 +19,6 @@ pipeline rank takes the layers it holds.
 
 from __future__ import annotations
 
-import math
 import os
 import re
 from collections import defaultdict

@@ -35,9 +35,11 @@ from .constrain import Constraint, masked
 from .decode import Score, Stats, Token, chosen_logprobs, drawn, scored_prefill
 from .errors import ImageError, InvalidOptionError
 from .images import LIMITS, LOCAL, NO_IMAGES, ImageLimits, has_images
-from .generate import (Chunk, GenerationOptions, ImagePrompt, Prompt, TextStream, check_context, context_limit,
-                       constraint_for, generation_stream, image_prompt, predicted_tokens, read_tool_calls,
-                       reasoning_of, speculative_source, tool_plan, wired_limit)
+from .decoders import constraint_for, speculative_source
+from .runtime import check_context, context_limit, generation_stream, wired_limit
+from .prompt import ImagePrompt, image_prompt, predicted_tokens, reasoning_of, tool_plan
+from .text_stream import Chunk, TextStream, read_tool_calls
+from .options import GenerationOptions, Prompt
 from .models.lora import identity
 from .models.vision import Embedded
 from .pool import PromptCachePool, prefix_copy

@@ -33,7 +33,9 @@ from .errors import ImageError, InvalidOptionError, MlxinferError, SessionFileEr
 from .files import replacing, write_problem
 from .batch import BatchGenerator, stream_request
 from .request import Request
-from .generate import Chunk, Stats, with_tools
+from .decode import Stats
+from .prompt import with_tools
+from .text_stream import Chunk
 from .images import NO_IMAGES, load_image
 from .reasoning import reasoning_for
 from .tokenizer import Tokenizer

@@ -16,7 +16,7 @@ import numpy as np
 
 from .cache import PromptCache, StateCache
 from .errors import InvalidOptionError
-from .generate import ImagePrompt
+from .prompt import ImagePrompt
 from .models.config import SLIDING
 from .models.layers import Attention
 from .models.moe import SwitchGLU

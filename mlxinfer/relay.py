@@ -27,7 +27,7 @@ import mlx.core as mx
 import numpy as np
 
 from .errors import InvalidOptionError
-from .generate import generation_stream
+from .runtime import generation_stream
 
 HEAD = 4096  # bytes shared in the first all_sum: a length, then the start of the message
 DEFAULT_PEER_TIMEOUT = 300.0

@@ -25,7 +25,7 @@ from typing import Any, Iterator, Sequence
 from .batch import BatchGenerator, Prepared
 from .cache import PromptCache
 from .errors import InvalidOptionError
-from .generate import Chunk
+from .text_stream import Chunk
 from .relay import Relay
 from .request import Request
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .errors import InvalidOptionError
-from .generate import GenerationOptions, Prompt, split_options
+from .options import GenerationOptions, Prompt, split_options
 from .images import DATA, LIMITS, LOCAL, ImageLimits, LazyImage, has_images, open_image, take_images
 from .sample import SamplingConfig
 

@@ -31,7 +31,7 @@ from mlxinfer import adapters, server
 from mlxinfer.batch import BatchGenerator
 from mlxinfer.cache import PromptCache
 from mlxinfer.cli import main
-from mlxinfer.generate import TextStream
+from mlxinfer.text_stream import TextStream
 
 
 def ids(name: str) -> list[int]:

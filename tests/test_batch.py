@@ -22,7 +22,7 @@ from test_parity import VARIANTS as PARITY
 import mlxinfer
 from mlxinfer.batch import BatchGenerator
 from mlxinfer.errors import InvalidOptionError
-from mlxinfer.generate import Chunk
+from mlxinfer.text_stream import Chunk
 
 LENGTHS = (3, 17, 64, 200)
 MAX_TOKENS = 8
@@ -493,7 +493,7 @@ def test_sampled_speculative_sequence_in_the_engine_finishes(loaded):
 def planted(where: str, fails_for) -> Any:
     """A replacement for PromptCache.prefill or TextStream.emit that raises for the sequences `fails_for` picks."""
     from mlxinfer.cache import PromptCache
-    from mlxinfer.generate import TextStream
+    from mlxinfer.text_stream import TextStream
 
     if where == "prefill":
         original = PromptCache.prefill
@@ -515,7 +515,7 @@ def planted(where: str, fails_for) -> Any:
 @pytest.mark.parametrize("where", ["prefill", "emit"])
 def test_a_failing_sequence_ends_alone(loaded, monkeypatch, where):
     from mlxinfer.cache import PromptCache
-    from mlxinfer.generate import TextStream
+    from mlxinfer.text_stream import TextStream
 
     model, tok = loaded
     opts = dict(GREEDY, max_tokens=12)

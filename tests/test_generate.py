@@ -19,7 +19,7 @@ from mlxinfer.batch import BatchGenerator
 from mlxinfer.cache import PromptCache, load_prompt_cache, save_prompt_cache
 from mlxinfer.decode import chosen_logprobs
 from mlxinfer.errors import InvalidOptionError, SamplingError
-from mlxinfer.generate import StopMatcher, top_logprobs
+from mlxinfer.text_stream import StopMatcher, top_logprobs
 from mlxinfer.batch import stream_generate
 
 from conftest import VOCAB

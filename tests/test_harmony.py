@@ -423,7 +423,7 @@ def test_text_before_a_call_streams_once(model):
 
     from mlxinfer.api.openai import Reply
     from mlxinfer.decode import Stats
-    from mlxinfer.generate import Chunk
+    from mlxinfer.text_stream import Chunk
     from mlxinfer.tools import ToolCall, call_opener
 
     _, tok = model

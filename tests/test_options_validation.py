@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 from mlxinfer.chat import ChatSession
 from mlxinfer.errors import InvalidOptionError
-from mlxinfer.generate import split_options
+from mlxinfer.options import split_options
 from mlxinfer.batch import stream_generate
 from mlxinfer.sample import SamplingConfig
 

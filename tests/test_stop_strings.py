@@ -16,7 +16,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mlxinfer.errors import InvalidOptionError
-from mlxinfer.generate import MAX_STOP_CHARS, MAX_STOPS, GenerationOptions, StopMatcher
+from mlxinfer.text_stream import StopMatcher
+from mlxinfer.options import MAX_STOP_CHARS, MAX_STOPS, GenerationOptions
 
 
 def by_definition(stops: list[str], pieces: list[str]) -> tuple[list[tuple[str, bool]], str]:

@@ -16,7 +16,8 @@ from typing import Any, AsyncIterator
 
 from fastapi import APIRouter, Request
 
-from ..generate import Chunk, Stats
+from ..decode import Stats
+from ..text_stream import Chunk
 from ..reasoning import effort_kwargs
 from ..tools import ToolCall, call_opener
 from .anthropic_schema import Conversation, CountTokens, CreateMessage, parse

@@ -17,10 +17,10 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator, Awaitable, Callable, Sequence, TypeVar
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
-from ..generate import Chunk
+from ..text_stream import Chunk
 from ..guard import allowed_hosts
 from ..images import downloads, has_images
 

@@ -24,7 +24,7 @@ import mlx.core as mx
 
 from ..batch import BatchGenerator, Prepared
 from ..errors import MlxinferError
-from ..generate import Chunk
+from ..text_stream import Chunk
 from ..replica import Replica
 from ..request import Request
 from ..slices import Slices

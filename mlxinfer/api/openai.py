@@ -12,7 +12,8 @@ from typing import Any, AsyncIterator
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from ..generate import Chunk, Stats
+from ..decode import Stats
+from ..text_stream import Chunk
 from ..models.lora import adapters_of
 from ..tools import call_opener
 from .common import Context, RequestError, adapter_of, merged, parsed, respond_each, sse, typed_request

@@ -13,7 +13,9 @@ from typing import Any, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from ..generate import MAX_CHOICES, Chunk, Stats
+from ..decode import Stats
+from ..text_stream import Chunk
+from ..options import MAX_CHOICES
 from ..reasoning import EFFORTS, effort_kwargs
 from ..tokenizer import Tokenizer
 from .common import RequestError, image_part, json_object, template_content

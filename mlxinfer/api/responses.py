@@ -26,7 +26,7 @@ from typing import Any, AsyncIterator, Callable, NamedTuple
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from ..generate import Chunk
+from ..text_stream import Chunk
 from ..request import Request as TypedRequest
 from ..reasoning import effort_kwargs
 from ..tools import ToolCall, call_opener
