@@ -59,7 +59,7 @@ def worker(folder: Path, max_tokens: int, repeat: int) -> None:
 
 def collective_payload(model, prompt: list[int]) -> int:
     """Bytes handed to all_sum / all_gather during one decode step, counted by wrapping them."""
-    from mlxinfer.cache import PromptCache
+    from mlxinfer.prompt_cache import PromptCache
 
     counted = [0]
     originals = mx.distributed.all_sum, mx.distributed.all_gather

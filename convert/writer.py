@@ -26,7 +26,7 @@ import mlx.core as mx
 
 from mlxinfer.errors import ConversionError, CorruptCheckpointError
 from mlxinfer.files import disk_full, write_problem
-from mlxinfer.loading import check_safetensors
+from mlxinfer.safetensors import check_safetensors
 
 from .plan import Job, run, shards
 

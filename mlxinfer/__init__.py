@@ -6,7 +6,9 @@ blas.preload()  # before anything imports mlx.core: a BLAS chosen later would no
 
 from .adapters import load, load_adapter, unload_adapter
 from .batch import BatchGenerator, batch_generate, generate, stream_generate
-from .cache import PromptCache, load_prompt_cache, make_cache, save_prompt_cache
+from .cache import make_cache
+from .prompt_cache import PromptCache
+from .prompt_file import load_prompt_cache, save_prompt_cache
 from .chat import ChatSession
 from .embed import embed
 from .errors import MlxinferError

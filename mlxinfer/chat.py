@@ -27,7 +27,8 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
-from .cache import PromptCache, load_prompt_cache, save_prompt_cache
+from .prompt_cache import PromptCache
+from .prompt_file import load_prompt_cache, save_prompt_cache
 from .checks import is_integer
 from .errors import ImageError, InvalidOptionError, MlxinferError, SessionFileError, TokenizerError
 from .files import replacing, write_problem

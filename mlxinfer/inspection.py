@@ -14,7 +14,8 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from .cache import PromptCache, StateCache
+from .cache import StateCache
+from .prompt_cache import PromptCache
 from .errors import InvalidOptionError
 from .prompt import ImagePrompt
 from .models.config import SLIDING

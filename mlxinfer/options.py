@@ -6,7 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any, Sequence
 
-from .cache import KV_BITS, KV_GROUP_SIZES, PromptCache
+from .cache import KV_BITS, KV_GROUP_SIZES
+from .prompt_cache import PromptCache
 from .checks import flag, integer, is_integer
 from .constrain import response_format
 from .errors import InvalidOptionError

@@ -29,7 +29,8 @@ from typing import Any, Callable, Sequence
 import mlx.core as mx
 import numpy as np
 
-from .cache import KV_GROUP_SIZES, KVCache, Parts, PromptCache, RotatingKVCache, StateCache, common_prefix
+from .cache import KV_GROUP_SIZES, KVCache, Parts, RotatingKVCache, StateCache
+from .prompt_cache import PromptCache, common_prefix
 from .checks import integer
 from .errors import InvalidOptionError
 from .models.lora import identity

@@ -23,7 +23,7 @@ import threading
 from typing import Any, Iterator, Sequence
 
 from .batch import BatchGenerator, Prepared
-from .cache import PromptCache
+from .prompt_cache import PromptCache
 from .errors import InvalidOptionError
 from .text_stream import Chunk
 from .relay import Relay

@@ -10,7 +10,7 @@ import warnings
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from .cache import PromptCache
+from .prompt_cache import PromptCache
 from .errors import InvalidOptionError
 
 

@@ -21,7 +21,8 @@ from .cachedir import Notify, is_model_folder, models_dir, named_model, stderr_l
 from .demo import convert_into, demo_model
 from .errors import MlxinferError, ModelNotFoundError
 from .adapters import load
-from .loading import read_config, safetensors_header, weight_files
+from .loading import read_config, weight_files
+from .safetensors import safetensors_header
 from .models import FAMILIES
 from .shard import launched
 from .terminal import spinner

@@ -16,7 +16,8 @@ import pytest
 
 import mlxinfer
 from conftest import REAL_TOKENIZERS, real_tokenizer
-from mlxinfer.cache import PromptCache, make_cache
+from mlxinfer.cache import make_cache
+from mlxinfer.prompt_cache import PromptCache
 from mlxinfer.constrain import grammar_tokenizer
 from mlxinfer.errors import InvalidOptionError
 from mlxinfer.tokenizer import load_tokenizer_from_dir

@@ -16,7 +16,8 @@ from scipy.special import logsumexp
 
 import mlxinfer
 from mlxinfer.batch import BatchGenerator
-from mlxinfer.cache import PromptCache, load_prompt_cache, save_prompt_cache
+from mlxinfer.prompt_cache import PromptCache
+from mlxinfer.prompt_file import load_prompt_cache, save_prompt_cache
 from mlxinfer.decode import chosen_logprobs
 from mlxinfer.errors import InvalidOptionError, SamplingError
 from mlxinfer.text_stream import StopMatcher, top_logprobs

@@ -22,7 +22,8 @@ from test_models_gemma_vision import picture
 from test_models_qwen_vl import TEXT, VISION
 
 from mlxinfer.batch import BatchGenerator, stream_generate
-from mlxinfer.cache import PromptCache, save_prompt_cache
+from mlxinfer.prompt_cache import PromptCache
+from mlxinfer.prompt_file import save_prompt_cache
 from mlxinfer.chat import ChatSession
 from mlxinfer.errors import InvalidOptionError
 from mlxinfer.loading import load

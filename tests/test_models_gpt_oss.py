@@ -27,7 +27,8 @@ from test_parity import TOL
 
 import mlxinfer
 from convert import convert
-from mlxinfer.cache import KVCache, PromptCache, RotatingKVCache
+from mlxinfer.cache import KVCache, RotatingKVCache
+from mlxinfer.prompt_cache import PromptCache
 from mlxinfer.models.moe import QuantizedSwitchLinear
 
 torch = pytest.importorskip("torch")

@@ -27,7 +27,9 @@ from test_parity import TOL
 
 import mlxinfer
 from mlxinfer.batch import stream_generate
-from mlxinfer.cache import PromptCache, StateCache, load_prompt_cache, make_cache, save_prompt_cache
+from mlxinfer.cache import StateCache, make_cache
+from mlxinfer.prompt_cache import PromptCache
+from mlxinfer.prompt_file import load_prompt_cache, save_prompt_cache
 from mlxinfer.chat import ChatSession
 from mlxinfer.errors import ConfigError
 from mlxinfer.pool import PromptCachePool

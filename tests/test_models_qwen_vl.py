@@ -20,7 +20,9 @@ from conftest import perturb, train_tokenizer
 from test_parity import TOL
 
 import mlxinfer
-from mlxinfer.cache import PromptCache, load_prompt_cache, make_cache, save_prompt_cache
+from mlxinfer.cache import make_cache
+from mlxinfer.prompt_cache import PromptCache
+from mlxinfer.prompt_file import load_prompt_cache, save_prompt_cache
 from mlxinfer.errors import InvalidOptionError
 from mlxinfer.kernels import decode_layer
 from mlxinfer.models.vision import Pixels

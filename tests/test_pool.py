@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import mlxinfer
-from mlxinfer.cache import PromptCache
+from mlxinfer.prompt_cache import PromptCache
 from mlxinfer.errors import InvalidOptionError
 from mlxinfer.batch import stream_generate
 from mlxinfer.pool import PromptCachePool, prefix_copy

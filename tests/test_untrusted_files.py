@@ -25,7 +25,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import mlxinfer
-from mlxinfer.cache import load_prompt_cache
+from mlxinfer.prompt_file import load_prompt_cache
 from mlxinfer.chat import ChatSession
 from mlxinfer.errors import (
     ConfigError,
