@@ -507,7 +507,8 @@ def inspect_command(prompt, model, dtype, steps, top, temp, top_p, system, raw, 
     --image), tokens, embedding, layers, KV cache, prefill and decode time, and each step's
     next-token distribution."""
     from .batch import BatchGenerator
-    from .inspection import inspect_pipeline, render
+    from .inspection import inspect_pipeline
+    from .inspect_report import render
     from .store import open_model
     from .terminal import typed_text
 

@@ -326,7 +326,8 @@ def test_inspect_shows_the_recurrent_state(hybrid):
     """`mlxinfer inspect` counts the recurrent layers and their state: per sequence, from the config
     (a convolution keeps K-1 inputs of its channels, a Gated DeltaNet also a key x value matrix per
     value head), float32 here."""
-    from mlxinfer.inspection import inspect_pipeline, render
+    from mlxinfer.inspection import inspect_pipeline
+    from mlxinfer.inspect_report import render
 
     model, tok = hybrid
     report = inspect_pipeline(model, tok, [1, 2, 3], steps=2)
