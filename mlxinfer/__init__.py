@@ -5,7 +5,8 @@ from . import blas
 blas.preload()  # before anything imports mlx.core: a BLAS chosen later would not be used
 
 from .adapters import load, load_adapter, unload_adapter
-from .batch import BatchGenerator, batch_generate, generate, stream_generate
+from .batch import BatchGenerator
+from .generation import batch_generate, generate, stream_generate
 from .cache import make_cache
 from .prompt_cache import PromptCache
 from .prompt_file import load_prompt_cache, save_prompt_cache

@@ -32,7 +32,8 @@ from .prompt_file import load_prompt_cache, save_prompt_cache
 from .checks import is_integer
 from .errors import ImageError, InvalidOptionError, MlxinferError, SessionFileError, TokenizerError
 from .files import replacing, write_problem
-from .batch import BatchGenerator, stream_request
+from .batch import BatchGenerator
+from .generation import stream_request
 from .request import Request
 from .decode import Stats
 from .prompt import with_tools

@@ -342,7 +342,7 @@ def chat_prompt(tokenizer, text: str, system: str | None, raw: bool, images: tup
 def generate(prompt: str, raw: bool, as_json: bool, no_stream: bool, pipeline: bool, images: tuple[str, ...],
              **params) -> None:
     """Complete one prompt: text on stdout (streamed), stats on stderr."""
-    from .batch import stream_generate
+    from .generation import stream_generate
     from .terminal import stats_line, typed_text, use_color
     from .shard import summary as shard_summary
     from .tools import describe_call

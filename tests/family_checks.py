@@ -30,7 +30,7 @@ from test_pool import BIG, assert_same_as_fresh, served
 import mlxinfer
 from convert import convert
 from convert.gguf_file import GGUFFile
-from mlxinfer.batch import stream_generate
+from mlxinfer.generation import stream_generate
 from mlxinfer.cache import make_cache
 from mlxinfer.pool import PromptCachePool
 

@@ -12,7 +12,7 @@ import pytest
 import mlxinfer
 from mlxinfer import ChatSession
 from mlxinfer.errors import InvalidOptionError, SessionFileError, TokenizerError
-from mlxinfer.batch import stream_generate
+from mlxinfer.generation import stream_generate
 from mlxinfer.request import Request
 
 GREEDY = {"temperature": 0.0, "max_tokens": 6}

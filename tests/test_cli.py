@@ -26,7 +26,7 @@ import mlxinfer
 from mlxinfer.cli import main
 from mlxinfer.demo import MEMBER, NAME, PACKAGE, VERSION
 from mlxinfer.decode import Stats
-from mlxinfer.batch import stream_generate
+from mlxinfer.generation import stream_generate
 
 QUESTION = "hello there"
 

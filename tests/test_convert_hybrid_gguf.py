@@ -33,7 +33,7 @@ import mlxinfer
 from convert import convert
 from convert.gguf_file import GGUFFile
 from convert.gguf_tokenizer import tokenizer_json
-from mlxinfer.batch import stream_generate
+from mlxinfer.generation import stream_generate
 from mlxinfer.cache import make_cache
 from mlxinfer.errors import MlxinferError
 

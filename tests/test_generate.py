@@ -21,7 +21,7 @@ from mlxinfer.prompt_file import load_prompt_cache, save_prompt_cache
 from mlxinfer.decode import chosen_logprobs
 from mlxinfer.errors import InvalidOptionError, SamplingError
 from mlxinfer.text_stream import StopMatcher, top_logprobs
-from mlxinfer.batch import stream_generate
+from mlxinfer.generation import stream_generate
 
 from conftest import VOCAB
 from test_cache import SinkWindowOracle

@@ -28,7 +28,8 @@ from test_models_gpt_oss import CONFIG
 from test_reasoning import parts, raw_reply
 
 import mlxinfer
-from mlxinfer.batch import BatchGenerator, stream_generate
+from mlxinfer.batch import BatchGenerator
+from mlxinfer.generation import stream_generate
 from mlxinfer.reasoning import HARMONY, effort_kwargs
 
 LLAMA_CPP = "llama-cpp-python==0.3.36"

@@ -21,7 +21,8 @@ from conftest import assert_speculation_equals, encoded_images
 from test_cli import one_line_error
 from test_models_gemma_vision import TEXT, VISION, perturb, picture
 
-from mlxinfer.batch import BatchGenerator, stream_generate
+from mlxinfer.batch import BatchGenerator
+from mlxinfer.generation import stream_generate
 from mlxinfer.errors import ImageError, SessionFileError
 from mlxinfer.loading import load
 from mlxinfer.pool import PromptCachePool

@@ -21,7 +21,8 @@ from test_images_engine import data_url, our_greedy
 from test_models_gemma_vision import picture
 from test_models_qwen_vl import TEXT, VISION
 
-from mlxinfer.batch import BatchGenerator, stream_generate
+from mlxinfer.batch import BatchGenerator
+from mlxinfer.generation import stream_generate
 from mlxinfer.prompt_cache import PromptCache
 from mlxinfer.prompt_file import save_prompt_cache
 from mlxinfer.chat import ChatSession

@@ -26,7 +26,7 @@ from test_batch import GREEDY, assert_batch_equals_solo, prompt
 from test_parity import TOL
 
 import mlxinfer
-from mlxinfer.batch import stream_generate
+from mlxinfer.generation import stream_generate
 from mlxinfer.cache import StateCache, make_cache
 from mlxinfer.prompt_cache import PromptCache
 from mlxinfer.prompt_file import load_prompt_cache, save_prompt_cache

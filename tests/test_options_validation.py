@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from mlxinfer.chat import ChatSession
 from mlxinfer.errors import InvalidOptionError
 from mlxinfer.options import split_options
-from mlxinfer.batch import stream_generate
+from mlxinfer.generation import stream_generate
 from mlxinfer.sample import SamplingConfig
 
 from conftest import VOCAB

@@ -12,7 +12,7 @@ import pytest
 import mlxinfer
 from mlxinfer.prompt_cache import PromptCache
 from mlxinfer.errors import InvalidOptionError
-from mlxinfer.batch import stream_generate
+from mlxinfer.generation import stream_generate
 from mlxinfer.pool import PromptCachePool, prefix_copy
 
 PROMPT = [5, 17, 99, 250, 3, 42, 7, 300, 12, 8]

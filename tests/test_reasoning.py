@@ -21,7 +21,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import mlxinfer
-from mlxinfer.batch import BatchGenerator, stream_generate
+from mlxinfer.batch import BatchGenerator
+from mlxinfer.generation import stream_generate
 from mlxinfer.chat import ChatSession
 from mlxinfer.errors import InvalidOptionError
 from mlxinfer.reasoning import THINK, Splitter, effort_kwargs, thinking_switch

@@ -16,7 +16,7 @@ from mlxinfer.prompt_cache import PromptCache
 from mlxinfer.errors import InvalidOptionError
 from mlxinfer.sample import Sampler, SamplingConfig
 from mlxinfer.speculative import DraftLength, PromptLookup, verify
-from mlxinfer.batch import stream_generate
+from mlxinfer.generation import stream_generate
 
 from test_sample import np_filtered
 
