@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Iterator
 
-import mlxinfer  # first: it binds a fast BLAS before mlx.core loads (see mlxinfer.blas)
+import mlxinfer  # first: it binds a fast BLAS before mlx.core loads (see mlxinfer.base.blas)
 import mlx.core as mx  # noqa: E402, I001
 from compare_mlx_lm import build_llama_50m  # noqa: E402
 from mlxinfer.bench import Quiet, random_prompt  # noqa: E402

@@ -26,7 +26,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 
-import mlxinfer  # first: it binds a fast BLAS before mlx.core loads (see mlxinfer.blas)
+import mlxinfer  # first: it binds a fast BLAS before mlx.core loads (see mlxinfer.base.blas)
 from convert import convert
 from mlxinfer.bench import Quiet, memory_bandwidth, ratios, weight_bytes
 from mlxinfer.demo import demo_gguf

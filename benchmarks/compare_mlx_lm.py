@@ -19,7 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
-import mlxinfer  # first: it binds a fast BLAS before mlx.core loads (see mlxinfer.blas)
+import mlxinfer  # first: it binds a fast BLAS before mlx.core loads (see mlxinfer.base.blas)
 import mlx.core as mx  # noqa: E402, I001
 from mlx.utils import tree_flatten  # noqa: E402
 from mlxinfer.models.config import RECURRENT  # noqa: E402

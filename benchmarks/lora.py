@@ -29,7 +29,7 @@ import statistics
 import tempfile
 from pathlib import Path
 
-import mlxinfer  # first: it binds a fast BLAS before mlx.core loads (see mlxinfer.blas)
+import mlxinfer  # first: it binds a fast BLAS before mlx.core loads (see mlxinfer.base.blas)
 import mlx.core as mx  # noqa: E402, I001
 import numpy as np  # noqa: E402
 from batch import mlx_lm_steps, ours, timed  # noqa: E402

@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 
 import mlxinfer  # noqa: F401  (first: it picks MLX's BLAS)
-from mlxinfer.cachedir import is_model_folder, models_dir
+from mlxinfer.base.cachedir import is_model_folder, models_dir
 from mlxinfer.demo import NAME
 from mlxinfer.generation import stream_generate
 from mlxinfer.store import open_model

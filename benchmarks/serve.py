@@ -65,10 +65,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
-import mlxinfer  # first: it binds a fast BLAS before mlx.core loads (see mlxinfer.blas)
+import mlxinfer  # first: it binds a fast BLAS before mlx.core loads (see mlxinfer.base.blas)
 from batch import convert_smollm2, smollm2_source  # noqa: E402, I001
 from compare_mlx_lm import build_llama_50m  # noqa: E402
-from mlxinfer import blas  # noqa: E402
+from mlxinfer.base import blas  # noqa: E402
 from mlxinfer.bench import random_prompt  # noqa: E402
 from mlxinfer.tokenizer import load_tokenizer_from_dir  # noqa: E402
 
@@ -163,7 +163,7 @@ class Server:
 
 def server_env() -> dict[str, str]:
     """This process's environment with the BLAS `import mlxinfer` bound preloaded: mlx-lm
-    would otherwise run its prefill matmuls on MLX's reference BLAS (see mlxinfer.blas)."""
+    would otherwise run its prefill matmuls on MLX's reference BLAS (see mlxinfer.base.blas)."""
     env = dict(os.environ)
     if blas.STATE.library:
         env["LD_PRELOAD"] = " ".join(filter(None, [blas.STATE.library, env.get("LD_PRELOAD")]))

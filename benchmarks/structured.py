@@ -30,7 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
-import mlxinfer  # first: it binds a fast BLAS before mlx.core loads (see mlxinfer.blas)
+import mlxinfer  # first: it binds a fast BLAS before mlx.core loads (see mlxinfer.base.blas)
 from batch import convert_smollm2, smollm2_source  # noqa: E402, I001
 from mlxinfer import constrain  # noqa: E402
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from mlxinfer.adapters import fused_weights
-from mlxinfer.errors import ConversionError, MlxinferError, ModelNotFoundError
+from mlxinfer.base.errors import ConversionError, MlxinferError, ModelNotFoundError
 from mlxinfer.loading import check_weights, resolve
 from mlxinfer.models import build_model
 from mlxinfer.tokenizer import load_tokenizer_from_dir

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from mlxinfer.errors import InvalidOptionError
+from mlxinfer.base.errors import InvalidOptionError
 
 from .api import convert
 from .quantize import BITS, DTYPES, GROUP_SIZES, MODES, RECIPES

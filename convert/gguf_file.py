@@ -21,7 +21,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from mlxinfer.errors import ConversionError, CorruptCheckpointError
+from mlxinfer.base.errors import ConversionError, CorruptCheckpointError
 
 from .quantize import QuantSpec
 

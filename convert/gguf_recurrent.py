@@ -21,7 +21,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from mlxinfer.errors import CorruptCheckpointError
+from mlxinfer.base.errors import CorruptCheckpointError
 
 from .gguf_file import Packed
 

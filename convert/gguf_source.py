@@ -15,7 +15,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from mlxinfer.errors import ConfigError, ConversionError, CorruptCheckpointError, UnsupportedArchitectureError
+from mlxinfer.base.errors import ConfigError, ConversionError, CorruptCheckpointError, UnsupportedArchitectureError
 from mlxinfer.models.layers import inv_freq, llama3_inv_freq
 
 from .gguf_file import BF16, BLOCK_TYPES, F32, FLOAT_TYPES, MXFP4, Q8_0, GGUFFile, Packed, TensorInfo, gguf_type

@@ -13,7 +13,7 @@ from typing import Any
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
-from mlxinfer.errors import TokenizerError
+from mlxinfer.base.errors import TokenizerError
 
 # llama.cpp token types (tokenizer.ggml.token_type)
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = range(1, 7)

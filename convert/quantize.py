@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from mlxinfer.errors import InvalidOptionError
+from mlxinfer.base.errors import InvalidOptionError
 from mlxinfer.loading import FLOAT_MODES, parse_dtype
 
 BITS = (2, 3, 4, 5, 6, 8)

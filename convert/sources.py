@@ -16,8 +16,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from mlxinfer.errors import ConversionError
-from mlxinfer.files import checkpoint_file
+from mlxinfer.base.errors import ConversionError
+from mlxinfer.base.files import checkpoint_file
 from mlxinfer.loading import (
     TOKENIZER_FILES,
     _quant_params,

@@ -24,9 +24,9 @@ from typing import Any
 
 import mlx.core as mx
 
-from mlxinfer.errors import ConversionError, CorruptCheckpointError
-from mlxinfer.files import disk_full, write_problem
-from mlxinfer.safetensors import check_safetensors
+from mlxinfer.base.errors import ConversionError, CorruptCheckpointError
+from mlxinfer.base.files import disk_full, write_problem
+from mlxinfer.base.safetensors import check_safetensors
 
 from .plan import Job, run, shards
 

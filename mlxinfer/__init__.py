@@ -1,6 +1,6 @@
 """mlxinfer: on-device LLM inference on Apple Silicon, built on MLX."""
 
-from . import blas
+from .base import blas
 
 blas.preload()  # before anything imports mlx.core: a BLAS chosen later would not be used
 
@@ -12,7 +12,7 @@ from .prompt_cache import PromptCache
 from .prompt_file import load_prompt_cache, save_prompt_cache
 from .chat import ChatSession
 from .embed import embed
-from .errors import MlxinferError
+from .base.errors import MlxinferError
 from .decode import Stats
 from .text_stream import Chunk
 from .loading import load_tokenizer

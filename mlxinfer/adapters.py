@@ -31,7 +31,7 @@ import mlx.nn as nn
 from mlx.utils import tree_unflatten
 
 from .adapter_config import MlxLora, PeftLora, mlx_lora, peft_lora
-from .errors import AdapterError, CorruptCheckpointError, ModelNotFoundError
+from .base.errors import AdapterError, CorruptCheckpointError, ModelNotFoundError
 from .loading import PICKLE_SUFFIXES, checkpoint_json, read_weights
 from .loading import load as load_base
 from .models import CausalLM

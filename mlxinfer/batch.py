@@ -30,10 +30,10 @@ from typing import Any, Iterator, Sequence
 import mlx.core as mx
 
 from .prompt_cache import PromptCache, chunk_end, run_rows
-from .checks import integer
+from .base.checks import integer
 from .constrain import Constraint, masked
 from .decode import Score, Stats, Token, chosen_logprobs, drawn, scored_prefill
-from .errors import ImageError, InvalidOptionError
+from .base.errors import ImageError, InvalidOptionError
 from .images import LIMITS, LOCAL, NO_IMAGES, ImageLimits, has_images
 from .decoders import constraint_for, speculative_source
 from .runtime import check_context, context_limit, generation_stream, wired_limit

@@ -25,7 +25,7 @@ from typing import Any, Callable, Sequence
 import mlx.core as mx
 import numpy as np
 
-from .errors import InvalidOptionError
+from .base.errors import InvalidOptionError
 from .models.attention import attention_mask
 
 Parts = tuple[mx.array, ...]

@@ -29,9 +29,9 @@ from mlx.utils import tree_flatten
 
 from .prompt_cache import PromptCache
 from .prompt_file import load_prompt_cache, save_prompt_cache
-from .checks import is_integer
-from .errors import ImageError, InvalidOptionError, MlxinferError, SessionFileError, TokenizerError
-from .files import replacing, write_problem
+from .base.checks import is_integer
+from .base.errors import ImageError, InvalidOptionError, MlxinferError, SessionFileError, TokenizerError
+from .base.files import replacing, write_problem
 from .batch import BatchGenerator
 from .generation import stream_request
 from .request import Request

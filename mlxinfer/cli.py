@@ -14,7 +14,7 @@ from typing import Any
 import click
 
 from . import __version__
-from .errors import InvalidOptionError, MlxinferError
+from .base.errors import InvalidOptionError, MlxinferError
 
 
 class Group(click.Group):
@@ -116,8 +116,8 @@ def hints_once() -> None:
     """On a machine where MLX runs a slow path (the reference BLAS; MLX's CPU quantized matmul
     for want of the extension), say once each (a marker in MLXINFER_HOME) how to get the fast
     one; `mlxinfer doctor` says it every time."""
-    from .blas import hint as blas_hint
-    from .cachedir import home
+    from .base.blas import hint as blas_hint
+    from .base.cachedir import home
     from .kernels.quantized_matmul import hint as extension_hint
 
     for name, hint in (("blas-hint-shown", blas_hint), ("cpu-extension-hint-shown", extension_hint)):
@@ -291,7 +291,7 @@ IMAGE_OPTION = click.option("--image", "images", multiple=True, type=click.Path(
 @click.pass_obj
 def chat(verbose: bool, pipeline: bool, images: tuple[str, ...], **params) -> None:
     """Chat with a model in the terminal (multi-turn, streaming, /help for commands)."""
-    from .cachedir import home
+    from .base.cachedir import home
     from .chat import ChatSession
     from .repl import run_repl
     from .shard import summary as shard_summary

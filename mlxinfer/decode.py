@@ -20,7 +20,7 @@ import mlx.core as mx
 
 from .prompt_cache import PromptCache
 from .constrain import Constraint, masked
-from .errors import SamplingError
+from .base.errors import SamplingError
 from .kernels.cpu_logsumexp import logsumexp
 from .sample import NO_TOKEN, Sampler, finite
 

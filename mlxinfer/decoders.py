@@ -8,14 +8,7 @@ from .constrain import Constraint, response_format
 from .decode import Stats
 from .options import GenerationOptions
 from .sample import Sampler
-from .speculative import (
-    LOOKUP_DRAFT,
-    MODEL_DRAFT,
-    PREDICTION_DRAFT,
-    PredictedOutput,
-    SpeculativeDecoder,
-    make_drafter,
-)
+from .speculative import LOOKUP_DRAFT, MODEL_DRAFT, PREDICTION_DRAFT, PredictedOutput, SpeculativeDecoder, make_drafter
 from .tokenizer import Tokenizer
 from .tools import ToolPlan
 

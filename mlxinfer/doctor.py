@@ -11,7 +11,8 @@ from collections.abc import Callable
 
 import mlx.core as mx
 
-from . import blas, kernels
+from . import kernels
+from .base import blas
 from .kernels import quantized_matmul
 from .kernels.selfcheck import CASES, SMALL, Check, Sizes  # noqa: F401  (SMALL: doctor.SMALL, the quick sizes)
 

@@ -18,11 +18,11 @@ import mlx.core as mx
 import numpy as np
 
 from .cache import make_cache
-from .checks import integer, is_integer, token_ids
-from .errors import ConfigError, InvalidOptionError
+from .base.checks import integer, is_integer, token_ids
+from .base.errors import ConfigError, InvalidOptionError
 from .models import CausalLM
 from .models.pooling import Pooling
-from .slices import Slices, run_whole
+from .base.slices import Slices, run_whole
 from .tokenizer import Tokenizer
 
 Text = str | Sequence[int]

@@ -9,7 +9,7 @@ from typing import Any, Iterator, Sequence
 import mlx.core as mx
 
 from .batch import BatchGenerator
-from .errors import InvalidOptionError
+from .base.errors import InvalidOptionError
 from .options import Prompt
 from .prompt_cache import PromptCache
 from .request import Request

@@ -44,8 +44,8 @@ from typing import Any
 import numpy as np
 from PIL import Image, ImageOps
 
-from .checks import integer
-from .errors import ConfigError, ImageError
+from .base.checks import integer
+from .base.errors import ConfigError, ImageError
 from .fetch import NotFetched, fetch, host_keys
 from .models.vision import Pixels
 

@@ -16,14 +16,14 @@ import numpy as np
 
 from .cache import StateCache
 from .prompt_cache import PromptCache
-from .errors import InvalidOptionError
+from .base.errors import InvalidOptionError
 from .prompt import ImagePrompt
 from .models.config import SLIDING
 from .models.layers import Attention
 from .models.moe import SwitchGLU
 from .sample import SamplingConfig, filtered_probs
 from .shard import layout
-from .slices import Slices, run_whole
+from .base.slices import Slices, run_whole
 from .tokenizer import Tokenizer
 
 

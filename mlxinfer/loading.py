@@ -13,14 +13,9 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from .cachedir import named_model
-from .errors import (
-    ConfigError,
-    CorruptCheckpointError,
-    InvalidOptionError,
-    ModelNotFoundError,
-)
-from .files import checkpoint_file, read_checkpoint_file
+from .base.cachedir import named_model
+from .base.errors import ConfigError, CorruptCheckpointError, InvalidOptionError, ModelNotFoundError
+from .base.files import checkpoint_file, read_checkpoint_file
 from .images import read_image_processor
 from .kernels import quantized_matmul
 from .models import CausalLM, build_model
@@ -28,7 +23,7 @@ from .models.config import check_config
 from .models.layers import QuantizedEmbedding, QuantizedLinear, fuse_projections
 from .models.pooling import MODES as POOLING_MODES
 from .models.pooling import EmbeddingConfig
-from .safetensors import check_safetensors
+from .base.safetensors import check_safetensors
 from .shard import (
     Shard,
     Stage,

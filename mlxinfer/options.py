@@ -8,9 +8,9 @@ from typing import Any, Sequence
 
 from .cache import KV_BITS, KV_GROUP_SIZES
 from .prompt_cache import PromptCache
-from .checks import flag, integer, is_integer
+from .base.checks import flag, integer, is_integer
 from .constrain import response_format
-from .errors import InvalidOptionError
+from .base.errors import InvalidOptionError
 from .sample import SamplingConfig
 from .tools import check_tools
 

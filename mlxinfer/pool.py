@@ -31,8 +31,8 @@ import numpy as np
 
 from .cache import KV_GROUP_SIZES, KVCache, Parts, RotatingKVCache, StateCache
 from .prompt_cache import PromptCache, common_prefix
-from .checks import integer
-from .errors import InvalidOptionError
+from .base.checks import integer
+from .base.errors import InvalidOptionError
 from .models.lora import identity
 
 CACHE_OPTIONS = ("max_kv_size", "kv_bits", "kv_group_size", "keep")

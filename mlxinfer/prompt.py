@@ -7,9 +7,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from .checks import token_ids
+from .base.checks import token_ids
 from .constrain import json_answer
-from .errors import ImageError, InvalidOptionError
+from .base.errors import ImageError, InvalidOptionError
 from .images import NO_IMAGES, expand_placeholders
 from .models.vision import Pixels
 from .options import GenerationOptions, Prompt

@@ -9,10 +9,10 @@ from typing import Any, Sequence
 import mlx.core as mx
 
 from .cache import KVCache, LayerRows, Parts, RotatingKVCache, StateCache, make_cache
-from .errors import CorruptCheckpointError
+from .base.errors import CorruptCheckpointError
 from .models.lora import selecting
 from .models.vision import Embedded
-from .slices import Slices, run_whole
+from .base.slices import Slices, run_whole
 
 
 class PromptCache:

@@ -12,10 +12,10 @@ import mlx.core as mx
 import numpy as np
 
 from .cache import KV_BITS, KV_GROUP_SIZES, KVCache, Parts, RotatingKVCache, StateCache
-from .checks import INDEX_MAX, is_integer
-from .errors import CorruptCheckpointError, InvalidOptionError, MlxinferError
-from .files import replacing
-from .safetensors import safetensors_header
+from .base.checks import INDEX_MAX, is_integer
+from .base.errors import CorruptCheckpointError, InvalidOptionError, MlxinferError
+from .base.files import replacing
+from .base.safetensors import safetensors_header
 from .prompt_cache import PromptCache
 
 

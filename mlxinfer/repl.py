@@ -22,7 +22,7 @@ from .chat import ChatSession
 from .constrain import typed_format
 from .tools import describe_call
 from .reasoning import SWITCH, tags_for, thinking_switch
-from .errors import ImageError, InvalidOptionError, MlxinferError
+from .base.errors import ImageError, InvalidOptionError, MlxinferError
 from .images import NO_IMAGES, load_image
 from .terminal import CYAN, DIM, paint, size, stats_line, typed_text
 

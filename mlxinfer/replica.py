@@ -24,7 +24,7 @@ from typing import Any, Iterator, Sequence
 
 from .batch import BatchGenerator, Prepared
 from .prompt_cache import PromptCache
-from .errors import InvalidOptionError
+from .base.errors import InvalidOptionError
 from .text_stream import Chunk
 from .relay import Relay
 from .request import Request

@@ -20,7 +20,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import InvalidOptionError
+from .base.errors import InvalidOptionError
 from .options import GenerationOptions, Prompt, split_options
 from .images import DATA, LIMITS, LOCAL, ImageLimits, LazyImage, has_images, open_image, take_images
 from .sample import SamplingConfig

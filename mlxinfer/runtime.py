@@ -11,7 +11,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from .prompt_cache import PromptCache
-from .errors import InvalidOptionError
+from .base.errors import InvalidOptionError
 
 
 def check_context(model, cache: PromptCache, n_prompt: int) -> None:

@@ -19,8 +19,8 @@ from dataclasses import dataclass, field, replace
 import mlx.core as mx
 
 from . import kernels
-from .checks import integer, number, token_ids
-from .errors import InvalidOptionError
+from .base.checks import integer, number, token_ids
+from .base.errors import InvalidOptionError
 from .kernels.sampling import NEG_INF, NO_TOKEN, Filter, SamplingParams, empty_rows, finite, warp_chain
 
 SEED_MAX = 2**64 - 1  # mx.random.key takes an unsigned 64-bit seed

@@ -22,7 +22,7 @@ from starlette.exceptions import HTTPException
 from .api import adapters, anthropic, embeddings, inspect, metrics, openai, responses, tokens, web
 from .api.common import Context, RequestError, ServerConfig
 from .api.engine_thread import EngineThread
-from .errors import MlxinferError
+from .base.errors import MlxinferError
 from .guard import LocalOnly, guarded_protocol
 
 MAX_CONNECTIONS = 128  # under macOS's default of 256 descriptors a process

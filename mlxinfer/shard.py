@@ -40,7 +40,7 @@ from typing import Any, Callable
 import mlx.core as mx
 import mlx.nn as nn
 
-from .errors import ConfigError
+from .base.errors import ConfigError
 from .models import canonical_config
 
 COLUMN = re.compile(r"\.(q_proj|q_b_proj|kv_b_proj|gate_proj|up_proj|in_proj_z|in_proj_b|in_proj_a)\."

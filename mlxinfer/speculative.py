@@ -23,7 +23,7 @@ from . import kernels
 from .prompt_cache import PromptCache
 from .constrain import Constraint, masked
 from .decode import NO_TOKEN, ConstrainedDecoder, PlainDecoder, Stats, Token, chosen_logprobs, drawn
-from .errors import InvalidOptionError
+from .base.errors import InvalidOptionError
 from .sample import Sampler
 
 

@@ -17,12 +17,12 @@ from typing import Any
 
 from convert.sources import is_gguf
 
-from .cachedir import Notify, is_model_folder, models_dir, named_model, stderr_line
+from .base.cachedir import Notify, is_model_folder, models_dir, named_model, stderr_line
 from .demo import convert_into, demo_model
-from .errors import MlxinferError, ModelNotFoundError
+from .base.errors import MlxinferError, ModelNotFoundError
 from .adapters import load
 from .loading import read_config, weight_files
-from .safetensors import safetensors_header
+from .base.safetensors import safetensors_header
 from .models import FAMILIES
 from .shard import launched
 from .terminal import spinner

@@ -21,7 +21,7 @@ from test_parity import VARIANTS as PARITY
 
 import mlxinfer
 from mlxinfer.batch import BatchGenerator
-from mlxinfer.errors import InvalidOptionError
+from mlxinfer.base.errors import InvalidOptionError
 from mlxinfer.text_stream import Chunk
 
 LENGTHS = (3, 17, 64, 200)

@@ -62,7 +62,7 @@ def test_opting_out_keeps_the_wheels_blas_and_says_how_to_get_a_fast_one():
 
 
 def test_mlx_imported_first_is_too_late_and_the_advice_says_so():
-    code = "import mlx.core, mlxinfer.blas as b; print(b.hint())"
+    code = "import mlx.core, mlxinfer.base.blas as b; print(b.hint())"
     bound = sgemm_binding(code)
     assert "openblas" not in bound
     assert "import mlxinfer first" in run(code).stdout
@@ -82,7 +82,7 @@ def test_mlx_imported_first_warns_once_saying_what_to_do():
 
 
 def test_a_blas_that_cannot_be_loaded_is_named_in_the_advice(tmp_path):
-    out = run("import mlxinfer.blas as b; print(b.hint())", MLXINFER_BLAS=str(tmp_path / "missing.so")).stdout
+    out = run("import mlxinfer.base.blas as b; print(b.hint())", MLXINFER_BLAS=str(tmp_path / "missing.so")).stdout
     assert "could not be loaded" in out and "missing.so" in out
 
 

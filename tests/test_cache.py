@@ -149,7 +149,7 @@ def test_trim_equals_never_seen(model, kind):
 
 
 def test_bad_cache_options():
-    from mlxinfer.errors import InvalidOptionError
+    from mlxinfer.base.errors import InvalidOptionError
 
     with pytest.raises(InvalidOptionError):
         QuantizedKVCache(bits=3)

@@ -11,7 +11,7 @@ import pytest
 
 import mlxinfer
 from mlxinfer import ChatSession
-from mlxinfer.errors import InvalidOptionError, SessionFileError, TokenizerError
+from mlxinfer.base.errors import InvalidOptionError, SessionFileError, TokenizerError
 from mlxinfer.generation import stream_generate
 from mlxinfer.request import Request
 

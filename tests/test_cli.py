@@ -556,7 +556,7 @@ def test_python_api_takes_the_names_models_lists(tiny_gguf, isolated_home, tmp_p
     `--model` does. Before the demo model is fetched its name is a one-line error that points to
     `mlxinfer models`, and fetches nothing (the CLI given no model is what fetches it); after, it
     loads the folder listed under it. A .gguf file is refused in one line saying to convert it."""
-    from mlxinfer.errors import ModelNotFoundError
+    from mlxinfer.base.errors import ModelNotFoundError
 
     monkeypatch.setenv("MLXINFER_DEMO_SOURCE", str(demo_wheel(tmp_path, tiny_gguf)))
     for load in (mlxinfer.load, mlxinfer.load_tokenizer):

@@ -19,7 +19,7 @@ from conftest import REAL_TOKENIZERS, real_tokenizer
 from mlxinfer.cache import make_cache
 from mlxinfer.prompt_cache import PromptCache
 from mlxinfer.constrain import grammar_tokenizer
-from mlxinfer.errors import InvalidOptionError
+from mlxinfer.base.errors import InvalidOptionError
 from mlxinfer.tokenizer import load_tokenizer_from_dir
 
 jsonschema = pytest.importorskip("jsonschema")

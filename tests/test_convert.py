@@ -21,7 +21,7 @@ from mlx.utils import tree_flatten
 import mlxinfer
 from convert import convert
 from mlxinfer.cli import main
-from mlxinfer.errors import ConversionError, ModelNotFoundError, UnsupportedArchitectureError
+from mlxinfer.base.errors import ConversionError, ModelNotFoundError, UnsupportedArchitectureError
 
 IDS = np.random.default_rng(0).integers(0, 500, size=(2, 16))
 TOL = 1e-5
@@ -528,7 +528,7 @@ def test_eval_ppl_matches_transformers(hf_checkpoint, tmp_path):
 @pytest.mark.parametrize("entry", [{"group_size": 32}, {"bits": "4", "group_size": 32}, "four"])
 def test_per_layer_quantization_entry_without_integer_bits_is_one_line(hf_checkpoint, tmp_path, entry):
     """A mixed-precision folder whose config.json lost a layer's bits: one line naming the layer."""
-    from mlxinfer.errors import MlxinferError
+    from mlxinfer.base.errors import MlxinferError
 
     src = tmp_path / "src"
     convert(hf_checkpoint("llama", num_hidden_layers=4), src, recipe="mixed-4-6", group_size=32)

@@ -22,7 +22,7 @@ from tokenizers import Tokenizer
 import mlxinfer
 from convert import convert
 from convert.gguf_tokenizer import tokenizer_json
-from mlxinfer.errors import ConversionError, CorruptCheckpointError, TokenizerError, UnsupportedArchitectureError
+from mlxinfer.base.errors import ConversionError, CorruptCheckpointError, TokenizerError, UnsupportedArchitectureError
 
 gguf = pytest.importorskip("gguf")
 from gguf import GGMLQuantizationType as Q  # noqa: E402

@@ -27,7 +27,7 @@ from convert import convert
 from convert.gguf_file import GGUFFile
 from convert.gguf_source import llama3_scaling
 from mlxinfer.cache import make_cache
-from mlxinfer.errors import CorruptCheckpointError
+from mlxinfer.base.errors import CorruptCheckpointError
 
 torch = pytest.importorskip("torch")
 

@@ -21,7 +21,7 @@ import pytest
 
 import mlxinfer
 from convert import convert
-from mlxinfer.errors import InvalidOptionError
+from mlxinfer.base.errors import InvalidOptionError
 from mlxinfer.kernels import quantized_matmul as qmm
 
 ext = qmm.extension()
@@ -237,7 +237,7 @@ def test_why_it_was_not_built_is_said_once_at_the_first_run(monkeypatch, tmp_pat
     monkeypatch.setattr(qmm, "REASON_FILE", tmp_path / "why")
     monkeypatch.setattr(qmm, "_loaded", [None])
     monkeypatch.setattr(qmm, "_why_not", [qmm._not_built()])
-    monkeypatch.setattr("mlxinfer.blas.hint", lambda: None)
+    monkeypatch.setattr("mlxinfer.base.blas.hint", lambda: None)
     monkeypatch.setenv("MLXINFER_HOME", str(tmp_path / "home"))
     monkeypatch.delenv("MLXINFER_CPU_QMM", raising=False)
     cli.hints_once()

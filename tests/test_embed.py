@@ -18,7 +18,7 @@ from click.testing import CliRunner
 
 import mlxinfer
 from mlxinfer.cli import main
-from mlxinfer.errors import ConfigError, InvalidOptionError, NoLMHeadError
+from mlxinfer.base.errors import ConfigError, InvalidOptionError, NoLMHeadError
 from serving import KEY, Server, post
 
 TOL = 1e-4
@@ -272,7 +272,7 @@ def test_module_we_do_not_run_is_refused_on_embedding_only(llama_st, tmp_path):
 
 def test_pooling_config_outside_the_folder_is_refused(llama_st, tmp_path):
     """The sentence-transformers files are checkpoint files: read through `files.checkpoint_file`."""
-    from mlxinfer.errors import CorruptCheckpointError
+    from mlxinfer.base.errors import CorruptCheckpointError
 
     folder = tmp_path / "linked"
     shutil.copytree(llama_st, folder)

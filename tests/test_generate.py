@@ -19,7 +19,7 @@ from mlxinfer.batch import BatchGenerator
 from mlxinfer.prompt_cache import PromptCache
 from mlxinfer.prompt_file import load_prompt_cache, save_prompt_cache
 from mlxinfer.decode import chosen_logprobs
-from mlxinfer.errors import InvalidOptionError, SamplingError
+from mlxinfer.base.errors import InvalidOptionError, SamplingError
 from mlxinfer.text_stream import StopMatcher, top_logprobs
 from mlxinfer.generation import stream_generate
 

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from test_convert_gguf import matrices_as, write_gguf
 
 from convert import convert
-from mlxinfer.errors import CorruptCheckpointError, MlxinferError
+from mlxinfer.base.errors import CorruptCheckpointError, MlxinferError
 
 gguf = pytest.importorskip("gguf")
 from gguf import GGMLQuantizationType as Q  # noqa: E402

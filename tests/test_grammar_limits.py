@@ -30,7 +30,7 @@ from hypothesis import HealthCheck, example, given, settings, strategies as st
 
 import mlxinfer
 from mlxinfer.constrain import Constraint, _CompilerProcess, grammar_tokenizer, response_format
-from mlxinfer.errors import InvalidOptionError
+from mlxinfer.base.errors import InvalidOptionError
 from mlxinfer.grammar_checks import MAX_BYTES, MAX_DEPTH, MAX_RULES, check_lark, check_schema
 from mlxinfer.tools import CALL_DEPTH, HERMES, JSON_CALL, MISTRAL, check_tools, plan
 

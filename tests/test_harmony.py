@@ -260,7 +260,7 @@ def test_auto_lets_the_model_answer_instead(model):
 def accepts(tok, grammar, text: str) -> bool:
     """Whether `grammar` takes `text` (as the model's tokens) whole."""
     from mlxinfer.constrain import Constraint
-    from mlxinfer.errors import InvalidOptionError
+    from mlxinfer.base.errors import InvalidOptionError
 
     constraint = Constraint(grammar, tok, tok.vocab_size)
     try:

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from mlxinfer.errors import ConfigError, ImageError
+from mlxinfer.base.errors import ConfigError, ImageError
 from mlxinfer.images import ImageLimits, decode_image, load_image, read_image_processor
 
 transformers = pytest.importorskip("transformers")

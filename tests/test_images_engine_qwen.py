@@ -26,7 +26,7 @@ from mlxinfer.generation import stream_generate
 from mlxinfer.prompt_cache import PromptCache
 from mlxinfer.prompt_file import save_prompt_cache
 from mlxinfer.chat import ChatSession
-from mlxinfer.errors import InvalidOptionError
+from mlxinfer.base.errors import InvalidOptionError
 from mlxinfer.loading import load
 from mlxinfer.pool import PromptCachePool
 

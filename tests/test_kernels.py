@@ -16,7 +16,7 @@ from test_sample import np_filtered
 
 from mlxinfer import doctor, kernels
 from mlxinfer.cli import main
-from mlxinfer.errors import InvalidOptionError
+from mlxinfer.base.errors import InvalidOptionError
 from mlxinfer.kernels import attention, sampling, verification
 from mlxinfer.kernels.common import inverse_cdf
 from mlxinfer.kernels.emulate import build, compiler

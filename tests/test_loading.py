@@ -8,7 +8,7 @@ import mlx.core as mx
 import pytest
 
 import mlxinfer
-from mlxinfer.errors import (
+from mlxinfer.base.errors import (
     ConfigError,
     CorruptCheckpointError,
     InvalidOptionError,

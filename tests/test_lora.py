@@ -16,7 +16,7 @@ from test_parity import TOL, tokens
 from test_shard import can_launch  # noqa: F401  (the fixture: two ranks can start here)
 
 import mlxinfer
-from mlxinfer.errors import AdapterError, CorruptCheckpointError, ModelNotFoundError
+from mlxinfer.base.errors import AdapterError, CorruptCheckpointError, ModelNotFoundError
 
 MOE = dict(num_experts=4, moe_intermediate_size=48, num_experts_per_tok=2, head_dim=16, norm_topk_prob=True)
 ATTN_MLP = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]

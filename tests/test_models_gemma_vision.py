@@ -268,7 +268,7 @@ def test_other_tower_layouts_load(checkpoint, ours, tmp_path, layout):
 
 
 def test_bad_image_inputs_are_refused(ours):
-    from mlxinfer.errors import InvalidOptionError
+    from mlxinfer.base.errors import InvalidOptionError
 
     px = as_pixels(pixels(picture(8, (56, 56))))
     with pytest.raises(InvalidOptionError, match="image tokens for 1 image"):
@@ -280,7 +280,7 @@ def test_bad_image_inputs_are_refused(ours):
 
 
 def test_config_without_a_square_token_grid_is_refused(checkpoint, tmp_path):
-    from mlxinfer.errors import ConfigError
+    from mlxinfer.base.errors import ConfigError
     from mlxinfer.models import build_model
 
     config = json.loads((checkpoint / "config.json").read_text())

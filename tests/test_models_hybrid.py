@@ -31,7 +31,7 @@ from mlxinfer.cache import StateCache, make_cache
 from mlxinfer.prompt_cache import PromptCache
 from mlxinfer.prompt_file import load_prompt_cache, save_prompt_cache
 from mlxinfer.chat import ChatSession
-from mlxinfer.errors import ConfigError
+from mlxinfer.base.errors import ConfigError
 from mlxinfer.pool import PromptCachePool
 from mlxinfer.shard import shard_config
 
@@ -237,7 +237,7 @@ def test_a_state_file_of_another_shape_does_not_fit(hybrid, tmp_path):
     cache.caches[layer].state = tuple(a[..., :-1] for a in cache.caches[layer].state)
     save_prompt_cache(tmp_path / "c.safetensors", cache)
     loaded = load_prompt_cache(tmp_path / "c.safetensors")
-    with pytest.raises(mlxinfer.errors.CorruptCheckpointError, match=f"layer {layer}'s state is"):
+    with pytest.raises(mlxinfer.base.errors.CorruptCheckpointError, match=f"layer {layer}'s state is"):
         loaded.check_fits(model)
 
 

@@ -23,7 +23,7 @@ import mlxinfer
 from mlxinfer.cache import make_cache
 from mlxinfer.prompt_cache import PromptCache
 from mlxinfer.prompt_file import load_prompt_cache, save_prompt_cache
-from mlxinfer.errors import InvalidOptionError
+from mlxinfer.base.errors import InvalidOptionError
 from mlxinfer.kernels import decode_layer
 from mlxinfer.models.vision import Pixels
 from mlxinfer.pool import prefix_copy

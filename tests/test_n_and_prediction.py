@@ -27,7 +27,7 @@ import torch
 
 import mlxinfer
 from mlxinfer.batch import BatchGenerator
-from mlxinfer.errors import InvalidOptionError
+from mlxinfer.base.errors import InvalidOptionError
 from mlxinfer.sample import SamplingConfig
 from mlxinfer.speculative import PredictedOutput
 from serving import KEY, Server

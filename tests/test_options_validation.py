@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from mlxinfer.chat import ChatSession
-from mlxinfer.errors import InvalidOptionError
+from mlxinfer.base.errors import InvalidOptionError
 from mlxinfer.options import split_options
 from mlxinfer.generation import stream_generate
 from mlxinfer.sample import SamplingConfig
@@ -195,7 +195,7 @@ def test_former_crashes_are_one_line_errors_in_a_fresh_process(tiny, call):
     done = run_python(f"""
         import mlxinfer
         from mlxinfer.chat import ChatSession
-        from mlxinfer.errors import InvalidOptionError
+        from mlxinfer.base.errors import InvalidOptionError
         model, tok = mlxinfer.load({str(tiny)!r}, dtype="float32")
         try:
             {call}

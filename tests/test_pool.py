@@ -11,7 +11,7 @@ import pytest
 
 import mlxinfer
 from mlxinfer.prompt_cache import PromptCache
-from mlxinfer.errors import InvalidOptionError
+from mlxinfer.base.errors import InvalidOptionError
 from mlxinfer.generation import stream_generate
 from mlxinfer.pool import PromptCachePool, prefix_copy
 

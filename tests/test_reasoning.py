@@ -24,7 +24,7 @@ import mlxinfer
 from mlxinfer.batch import BatchGenerator
 from mlxinfer.generation import stream_generate
 from mlxinfer.chat import ChatSession
-from mlxinfer.errors import InvalidOptionError
+from mlxinfer.base.errors import InvalidOptionError
 from mlxinfer.reasoning import THINK, Splitter, effort_kwargs, thinking_switch
 from mlxinfer.terminal import DIM
 

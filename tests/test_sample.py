@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from mlxinfer.errors import InvalidOptionError
+from mlxinfer.base.errors import InvalidOptionError
 from mlxinfer.kernels import sampling
 from mlxinfer.kernels.emulate import build, compiler
 from mlxinfer.sample import NO_TOKEN, Sampler, SamplingConfig, filtered_probs

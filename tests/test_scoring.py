@@ -14,7 +14,7 @@ import pytest
 import mlxinfer
 from mlxinfer.batch import BatchGenerator
 from mlxinfer.prompt_cache import PromptCache
-from mlxinfer.errors import InvalidOptionError
+from mlxinfer.base.errors import InvalidOptionError
 from mlxinfer.pool import PromptCachePool
 from serving import Server, post
 

@@ -31,7 +31,7 @@ from test_models_smollm3 import VARIANTS as SMOLLM3
 from test_parity import VARIANTS as PARITY
 
 import mlxinfer
-from mlxinfer.errors import ConfigError, InvalidOptionError
+from mlxinfer.base.errors import ConfigError, InvalidOptionError
 from mlxinfer.inspect_report import render
 from mlxinfer.shard import resident_bytes, shard_config
 

@@ -13,7 +13,7 @@ from scipy import stats as scipy_stats
 
 import mlxinfer
 from mlxinfer.prompt_cache import PromptCache
-from mlxinfer.errors import InvalidOptionError
+from mlxinfer.base.errors import InvalidOptionError
 from mlxinfer.sample import Sampler, SamplingConfig
 from mlxinfer.speculative import DraftLength, PromptLookup, verify
 from mlxinfer.generation import stream_generate

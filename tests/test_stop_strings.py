@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mlxinfer.errors import InvalidOptionError
+from mlxinfer.base.errors import InvalidOptionError
 from mlxinfer.text_stream import StopMatcher
 from mlxinfer.options import MAX_STOP_CHARS, MAX_STOPS, GenerationOptions
 

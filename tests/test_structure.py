@@ -1,6 +1,6 @@
 """The shape of the code, read from the source files with `ast` (nothing is imported):
 no import cycles in `mlxinfer/` and `convert/`, counting the imports inside functions too
-(a lazy import that climbs back up is still a cycle), `mlxinfer.blas` free of MLX, and no
+(a lazy import that climbs back up is still a cycle), `mlxinfer.base.blas` free of MLX, and no
 file that reaches outside the checkout."""
 
 from __future__ import annotations
@@ -105,10 +105,10 @@ def mlx_imports(path: Path) -> list[str]:
 
 
 def test_blas_does_not_import_mlx():
-    """`mlxinfer.blas` chooses MLX's BLAS before mlx.core loads, so neither it nor anything
+    """`mlxinfer.base.blas` chooses MLX's BLAS before mlx.core loads, so neither it nor anything
     of ours it imports may import MLX."""
     graph, modules = import_graph(), source_modules()
-    reached, todo = set(), ["mlxinfer.blas"]
+    reached, todo = set(), ["mlxinfer.base.blas"]
     while todo:
         module = todo.pop()
         if module not in reached:

@@ -36,7 +36,7 @@ HOSTILE = {
 }
 CHILD = textwrap.dedent("""
     import json, sys, time
-    from mlxinfer.errors import MlxinferError
+    from mlxinfer.base.errors import MlxinferError
     from mlxinfer.tokenizer import load_tokenizer_from_dir
     for name, folder in json.loads(sys.argv[1]).items():
         start = time.monotonic()

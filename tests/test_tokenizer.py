@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
 from conftest import REAL_TOKENIZERS, real_tokenizer
-from mlxinfer.errors import ConfigError, ModelNotFoundError, TokenizerError
+from mlxinfer.base.errors import ConfigError, ModelNotFoundError, TokenizerError
 from mlxinfer.tokenizer import Tokenizer, load_tokenizer_from_dir
 
 NAMES = REAL_TOKENIZERS

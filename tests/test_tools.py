@@ -15,7 +15,7 @@ from conftest import real_tokenizer
 from mlxinfer.cache import make_cache
 from mlxinfer.prompt_cache import PromptCache
 from mlxinfer.constrain import Constraint
-from mlxinfer.errors import InvalidOptionError
+from mlxinfer.base.errors import InvalidOptionError
 from mlxinfer.prompt import request_tokens
 from mlxinfer.tokenizer import load_tokenizer_from_dir
 from mlxinfer.tools import HERMES, JSON_CALL, MISTRAL, call_grammar, plan

@@ -27,7 +27,7 @@ from hypothesis import strategies as st
 import mlxinfer
 from mlxinfer.prompt_file import load_prompt_cache
 from mlxinfer.chat import ChatSession
-from mlxinfer.errors import (
+from mlxinfer.base.errors import (
     ConfigError,
     CorruptCheckpointError,
     MlxinferError,

@@ -659,7 +659,7 @@ def test_attention_weights_in_chunks_equal_transformers_past_the_window(hf_check
 
     import mlxinfer
     from mlxinfer.inspection import attention_slices
-    from mlxinfer.slices import run_whole
+    from mlxinfer.base.slices import run_whole
 
     folder = hf_checkpoint("gemma3_text", head_dim=32, num_hidden_layers=3, sliding_window=8,
                            query_pre_attn_scalar=24,

@@ -18,7 +18,7 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from ..adapters import attach_adapter, prepare_adapter, unload_adapter
-from ..errors import MlxinferError
+from ..base.errors import MlxinferError
 from ..models.lora import adapter_name, adapters_of
 from .common import Context, RequestError, body_of, server_error
 

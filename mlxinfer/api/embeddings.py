@@ -19,9 +19,9 @@ from fastapi.responses import Response
 from pydantic import Field, field_validator
 from pydantic_core import PydanticCustomError
 
-from ..checks import is_integer
+from ..base.checks import is_integer
 from ..embed import check_dimensions, embed_slices, encode_texts
-from ..errors import MlxinferError
+from ..base.errors import MlxinferError
 from .common import ClientGone, Context, RequestError, hung_up, json_reply, parsed, unless_gone
 from .openai_schema import Strict, parse
 

@@ -23,11 +23,11 @@ from typing import Any, AsyncIterator, Callable, TypeVar
 import mlx.core as mx
 
 from ..batch import BatchGenerator, Prepared
-from ..errors import MlxinferError
+from ..base.errors import MlxinferError
 from ..text_stream import Chunk
 from ..replica import Replica
 from ..request import Request
-from ..slices import Slices
+from ..base.slices import Slices
 from .common import RequestError, server_error
 from .metrics import Metrics
 

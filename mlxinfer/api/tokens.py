@@ -21,7 +21,7 @@ from fastapi import APIRouter, Request
 from pydantic import model_validator
 from pydantic_core import PydanticCustomError
 
-from ..checks import token_ids
+from ..base.checks import token_ids
 from ..prompt import ImagePrompt, image_prompt, tool_plan
 from .common import Context, RequestError, json_reply, parsed, typed_request
 from .openai_schema import ChatCompletion, Message, Strict, parse

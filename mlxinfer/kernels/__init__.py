@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 import mlx.core as mx
 
-from ..errors import InvalidOptionError
+from ..base.errors import InvalidOptionError
 from . import attention, sampling, selfcheck, verification
 from .sampling import SamplingParams
 from .selfcheck import Check, Sizes

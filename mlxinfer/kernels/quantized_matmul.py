@@ -33,7 +33,7 @@ from types import ModuleType
 
 import mlx.core as mx
 
-from ..errors import InvalidOptionError
+from ..base.errors import InvalidOptionError
 
 EXTENSION_ROWS = 256
 DEQUANTIZE_ROWS = 8

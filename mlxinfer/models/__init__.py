@@ -6,7 +6,7 @@ import importlib
 from types import ModuleType
 from typing import Any
 
-from ..errors import UnsupportedArchitectureError
+from ..base.errors import UnsupportedArchitectureError
 from .config import ModelConfig, check_config
 from .layers import CausalLM
 

@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from ..errors import ConfigError
+from ..base.errors import ConfigError
 
 FULL = "full_attention"
 SLIDING = "sliding_attention"

@@ -10,7 +10,7 @@ from typing import Any
 import mlx.core as mx
 from mlx import nn
 
-from ..errors import ConfigError
+from ..base.errors import ConfigError
 from .config import ModelConfig, parse_config
 from .layers import Block as _Block
 from .layers import CausalLM, SwiGLU

@@ -13,7 +13,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from ..errors import ConfigError, InvalidOptionError
+from ..base.errors import ConfigError, InvalidOptionError
 from . import gemma3_text
 from .config import Field, ModelConfig, _check_fields
 from .layers import CausalLM, OffsetRMSNorm

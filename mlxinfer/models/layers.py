@@ -14,7 +14,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from ..errors import ConfigError, NoLMHeadError
+from ..base.errors import ConfigError, NoLMHeadError
 from ..kernels import decode_layer
 from ..kernels.quantized_matmul import BITS, GROUP_SIZES, quantized_matmul
 from .attention import Mask, attention, attention_mask, offsets, position, with_spans

@@ -23,7 +23,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..errors import InvalidOptionError
+from ..base.errors import InvalidOptionError
 
 MAX_NAME_CHARS = 128
 

@@ -24,7 +24,7 @@ from typing import Any
 import mlx.core as mx
 from mlx import nn
 
-from ..errors import ConfigError
+from ..base.errors import ConfigError
 from .config import ModelConfig
 from .attention import Mask, offsets, per_row, stored_kv
 from .layers import Linear, RoPE, yarn_mscale

@@ -16,7 +16,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from ..errors import ConfigError, CorruptCheckpointError
+from ..base.errors import ConfigError, CorruptCheckpointError
 from ..kernels.quantized_matmul import gather_quantized_matmul, quantized_matmul
 from .config import ModelConfig
 from .layers import Block, CausalLM, Linear, SwiGLU

@@ -19,7 +19,7 @@ from typing import Sequence
 import mlx.core as mx
 import numpy as np
 
-from ..errors import ConfigError
+from ..base.errors import ConfigError
 from .config import ModelConfig
 from .layers import RoPE
 

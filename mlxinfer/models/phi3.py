@@ -5,7 +5,7 @@ and, like Mistral, a sliding window on every layer when one is set."""
 from dataclasses import replace
 from typing import Any
 
-from ..errors import ConfigError
+from ..base.errors import ConfigError
 from .config import ModelConfig
 from .layers import CausalLM as Model
 from .mistral import config as mistral_config

@@ -13,7 +13,7 @@ from typing import Any, Sequence
 import mlx.core as mx
 import numpy as np
 
-from ..errors import InvalidOptionError
+from ..base.errors import InvalidOptionError
 from . import qwen2
 from .config import ModelConfig
 from .layers import Block as TextBlock

@@ -12,7 +12,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..errors import ConfigError
+from ..base.errors import ConfigError
 from . import qwen_vision
 from .qwen_vision import GATE_ACTIVATIONS, VisionConfig, VisionTransformer
 from .qwen_vision import PatchMerger as RMSPatchMerger

@@ -14,7 +14,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from ..errors import ConfigError
+from ..base.errors import ConfigError
 from . import qwen_vision
 from .qwen_vision import GATE_ACTIVATIONS, Grid, Segments, VisionConfig, VisionTransformer, patch_rows_cols
 

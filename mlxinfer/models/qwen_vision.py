@@ -18,7 +18,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from ..errors import ConfigError
+from ..base.errors import ConfigError
 from .layers import inv_freq
 
 Grid = tuple[int, int, int]

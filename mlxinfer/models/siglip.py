@@ -14,7 +14,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..errors import ConfigError, InvalidOptionError
+from ..base.errors import ConfigError, InvalidOptionError
 from .config import COUNT, WIDTH, Field, POSITIVE_SET, _check_fields
 
 ACTIVATIONS = {"gelu_pytorch_tanh": nn.gelu_approx, "gelu": nn.gelu}

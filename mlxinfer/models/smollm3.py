@@ -3,7 +3,7 @@
 
 from typing import Any
 
-from ..errors import ConfigError
+from ..base.errors import ConfigError
 from .config import FULL, SLIDING, ModelConfig, _require, parse_config
 from .layers import CausalLM as Model
 
