@@ -8,7 +8,7 @@ Here the ranks share one machine's two cores, so this measures the communication
 synchronisation overhead of sharding, not a speed-up: every rank does 1/N of the
 arithmetic, but all of them run on the same cores and each block half waits for an
 all_sum over loopback TCP. Bytes per token are what one rank sends per decoded token
-(`mlxinfer.shard.bytes_per_token`: an all_sum of the hidden state per block half and
+(`mlxinfer.models.shard.bytes_per_token`: an all_sum of the hidden state per block half and
 after the embedding, and the logits all_gather); beside it, the measured bytes handed to
 the collectives in one decode step (the two agree once the ring's 2(N-1)/N for all_sum and
 (N-1)/N for all_gather are applied).
@@ -32,7 +32,7 @@ import mlxinfer  # first: it binds a fast BLAS before mlx.core loads (see mlxinf
 import mlx.core as mx  # noqa: E402, I001
 from compare_mlx_lm import build_llama_50m  # noqa: E402
 from mlxinfer.bench import random_prompt  # noqa: E402
-from mlxinfer.shard import bytes_per_token, launched, resident_bytes  # noqa: E402
+from mlxinfer.models.shard import bytes_per_token, launched, resident_bytes  # noqa: E402
 
 
 def worker(folder: Path, max_tokens: int, repeat: int) -> None:
@@ -59,7 +59,7 @@ def worker(folder: Path, max_tokens: int, repeat: int) -> None:
 
 def collective_payload(model, prompt: list[int]) -> int:
     """Bytes handed to all_sum / all_gather during one decode step, counted by wrapping them."""
-    from mlxinfer.prompt_cache import PromptCache
+    from mlxinfer.models.prompt_cache import PromptCache
 
     counted = [0]
     originals = mx.distributed.all_sum, mx.distributed.all_gather

@@ -7,8 +7,8 @@ blas.preload()  # before anything imports mlx.core: a BLAS chosen later would no
 from .adapters import load, load_adapter, unload_adapter
 from .batch import BatchGenerator
 from .generation import batch_generate, generate, stream_generate
-from .cache import make_cache
-from .prompt_cache import PromptCache
+from .models.cache import make_cache
+from .models.prompt_cache import PromptCache
 from .prompt_file import load_prompt_cache, save_prompt_cache
 from .chat import ChatSession
 from .embed import embed

@@ -29,7 +29,7 @@ from typing import Any, Iterator, Sequence
 
 import mlx.core as mx
 
-from .prompt_cache import PromptCache, chunk_end, run_rows
+from .models.prompt_cache import PromptCache, chunk_end, run_rows
 from .base.checks import integer
 from .constrain import Constraint, masked
 from .decode import Score, Stats, Token, chosen_logprobs, drawn, scored_prefill

@@ -27,7 +27,7 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
-from .prompt_cache import PromptCache
+from .models.prompt_cache import PromptCache
 from .prompt_file import load_prompt_cache, save_prompt_cache
 from .base.checks import is_integer
 from .base.errors import ImageError, InvalidOptionError, MlxinferError, SessionFileError, TokenizerError

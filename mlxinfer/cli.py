@@ -30,7 +30,7 @@ class Group(click.Group):
             click.echo(f"error: {e}", err=True)
             sys.exit(1)
         except RuntimeError as e:
-            from .shard import lost_peer
+            from .models.shard import lost_peer
 
             if not lost_peer(e):
                 raise
@@ -52,7 +52,7 @@ def main(ctx: click.Context, verbose: bool) -> None:
 def no_drafting_across_ranks(drafting: bool) -> None:
     """Ranks must take the same steps, and a speculative decoder picks its steps from its own
     machine's timings."""
-    from .shard import launched
+    from .models.shard import launched
 
     if drafting and launched():
         raise InvalidOptionError("speculative decoding (--draft-model, --prompt-lookup) does not run across ranks "
@@ -70,7 +70,7 @@ def replica_for(model, tokenizer, **engine_options):
 
     from .relay import Relay
     from .replica import Replica
-    from .shard import agreed_seed
+    from .models.shard import agreed_seed
 
     place = getattr(model, "shard", None)
     if place is None:
@@ -106,7 +106,7 @@ def as_one_rank_of_several() -> None:
     others print nothing."""
     import os
 
-    from .shard import launched, world
+    from .models.shard import launched, world
 
     if launched() and world() is not None and world().rank() != 0:
         sys.stdout = sys.stderr = open(os.devnull, "w")
@@ -294,7 +294,7 @@ def chat(verbose: bool, pipeline: bool, images: tuple[str, ...], **params) -> No
     from .base.cachedir import home
     from .chat import ChatSession
     from .repl import run_repl
-    from .shard import summary as shard_summary
+    from .models.shard import summary as shard_summary
     from .terminal import use_color
 
     run = Run.from_params(params)
@@ -344,7 +344,7 @@ def generate(prompt: str, raw: bool, as_json: bool, no_stream: bool, pipeline: b
     """Complete one prompt: text on stdout (streamed), stats on stderr."""
     from .generation import stream_generate
     from .terminal import stats_line, typed_text, use_color
-    from .shard import summary as shard_summary
+    from .models.shard import summary as shard_summary
     from .tools import describe_call
 
     if params["logprobs"] is not None and not as_json:
@@ -617,8 +617,8 @@ def serve(model, dtype, host, port, max_concurrency, max_queue, max_kv_size, kv_
     from .guard import allowed_hosts
     from .api.inspect import attention_offered
     from .server import EngineThread, ServerConfig, create_app, run
-    from .shard import launched, summed, world
-    from .shard import summary as shard_summary
+    from .models.shard import launched, summed, world
+    from .models.shard import summary as shard_summary
     from .adapters import load_adapter
     from .images import DATA, HTTP, LIMITS
     from .store import open_model

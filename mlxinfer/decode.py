@@ -18,7 +18,7 @@ from typing import Iterator, Sequence
 
 import mlx.core as mx
 
-from .prompt_cache import PromptCache
+from .models.prompt_cache import PromptCache
 from .constrain import Constraint, masked
 from .base.errors import SamplingError
 from .kernels.cpu_logsumexp import logsumexp

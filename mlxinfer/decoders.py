@@ -3,7 +3,7 @@ format or tool-call grammar, and, when it drafts, its speculative decoder."""
 
 from __future__ import annotations
 
-from .prompt_cache import PromptCache
+from .models.prompt_cache import PromptCache
 from .constrain import Constraint, response_format
 from .decode import Stats
 from .options import GenerationOptions

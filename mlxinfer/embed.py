@@ -17,7 +17,7 @@ from collections.abc import Sequence
 import mlx.core as mx
 import numpy as np
 
-from .cache import make_cache
+from .models.cache import make_cache
 from .base.checks import integer, is_integer, token_ids
 from .base.errors import ConfigError, InvalidOptionError
 from .models import CausalLM

@@ -11,7 +11,7 @@ import mlx.core as mx
 from .batch import BatchGenerator
 from .base.errors import InvalidOptionError
 from .options import Prompt
-from .prompt_cache import PromptCache
+from .models.prompt_cache import PromptCache
 from .request import Request
 from .text_stream import Chunk
 from .tokenizer import Tokenizer

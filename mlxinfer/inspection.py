@@ -14,15 +14,15 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from .cache import StateCache
-from .prompt_cache import PromptCache
+from .models.cache import StateCache
+from .models.prompt_cache import PromptCache
 from .base.errors import InvalidOptionError
 from .prompt import ImagePrompt
 from .models.config import SLIDING
 from .models.layers import Attention
 from .models.moe import SwitchGLU
 from .sample import SamplingConfig, filtered_probs
-from .shard import layout
+from .models.shard import layout
 from .base.slices import Slices, run_whole
 from .tokenizer import Tokenizer
 

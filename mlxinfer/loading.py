@@ -24,7 +24,7 @@ from .models.layers import QuantizedEmbedding, QuantizedLinear, fuse_projections
 from .models.pooling import MODES as POOLING_MODES
 from .models.pooling import EmbeddingConfig
 from .base.safetensors import check_safetensors
-from .shard import (
+from .models.shard import (
     Shard,
     Stage,
     check_same_model,

@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any, Sequence
 
-from .cache import KV_BITS, KV_GROUP_SIZES
-from .prompt_cache import PromptCache
+from .models.cache import KV_BITS, KV_GROUP_SIZES
+from .models.prompt_cache import PromptCache
 from .base.checks import flag, integer, is_integer
 from .constrain import response_format
 from .base.errors import InvalidOptionError

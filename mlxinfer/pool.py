@@ -29,8 +29,8 @@ from typing import Any, Callable, Sequence
 import mlx.core as mx
 import numpy as np
 
-from .cache import KV_GROUP_SIZES, KVCache, Parts, RotatingKVCache, StateCache
-from .prompt_cache import PromptCache, common_prefix
+from .models.cache import KV_GROUP_SIZES, KVCache, Parts, RotatingKVCache, StateCache
+from .models.prompt_cache import PromptCache, common_prefix
 from .base.checks import integer
 from .base.errors import InvalidOptionError
 from .models.lora import identity

@@ -23,7 +23,7 @@ import threading
 from typing import Any, Iterator, Sequence
 
 from .batch import BatchGenerator, Prepared
-from .prompt_cache import PromptCache
+from .models.prompt_cache import PromptCache
 from .base.errors import InvalidOptionError
 from .text_stream import Chunk
 from .relay import Relay

@@ -10,7 +10,7 @@ import warnings
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from .prompt_cache import PromptCache
+from .models.prompt_cache import PromptCache
 from .base.errors import InvalidOptionError
 
 

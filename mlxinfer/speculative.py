@@ -20,7 +20,7 @@ import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
 from . import kernels
-from .prompt_cache import PromptCache
+from .models.prompt_cache import PromptCache
 from .constrain import Constraint, masked
 from .decode import NO_TOKEN, ConstrainedDecoder, PlainDecoder, Stats, Token, chosen_logprobs, drawn
 from .base.errors import InvalidOptionError

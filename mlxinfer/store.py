@@ -24,7 +24,7 @@ from .adapters import load
 from .loading import read_config, weight_files
 from .base.safetensors import safetensors_header
 from .models import FAMILIES
-from .shard import launched
+from .models.shard import launched
 from .terminal import spinner
 
 

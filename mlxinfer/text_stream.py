@@ -13,7 +13,7 @@ from typing import Sequence
 
 import mlx.core as mx
 
-from .prompt_cache import PromptCache
+from .models.prompt_cache import PromptCache
 from .decode import Score, Stats, Token
 from .options import GenerationOptions
 from .reasoning import ChannelSplitter, Reasoning

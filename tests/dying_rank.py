@@ -11,7 +11,7 @@ import time
 import mlxinfer  # noqa: F401  (first: it binds MLX's BLAS)
 import mlx.core as mx  # noqa: E402, I001
 
-from mlxinfer.prompt_cache import PromptCache  # noqa: E402
+from mlxinfer.models.prompt_cache import PromptCache  # noqa: E402
 from mlxinfer.cli import main  # noqa: E402
 
 run, calls = PromptCache.run, [0]

@@ -31,7 +31,7 @@ import mlxinfer
 from convert import convert
 from convert.gguf_file import GGUFFile
 from mlxinfer.generation import stream_generate
-from mlxinfer.cache import make_cache
+from mlxinfer.models.cache import make_cache
 from mlxinfer.pool import PromptCachePool
 
 PREFILL_STEP = 16  # a prompt of PROMPT_LENGTH tokens is prefilled in three chunks

@@ -29,7 +29,7 @@ import time
 
 from mlxinfer import adapters, server
 from mlxinfer.batch import BatchGenerator
-from mlxinfer.prompt_cache import PromptCache
+from mlxinfer.models.prompt_cache import PromptCache
 from mlxinfer.cli import main
 from mlxinfer.text_stream import TextStream
 

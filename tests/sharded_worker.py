@@ -24,8 +24,8 @@ from pathlib import Path
 import mlxinfer  # noqa: F401  (first: it binds MLX's BLAS)
 import mlx.core as mx  # noqa: E402, I001
 
-from mlxinfer.cache import make_cache  # noqa: E402
-from mlxinfer.shard import layout, resident_bytes  # noqa: E402
+from mlxinfer.models.cache import make_cache  # noqa: E402
+from mlxinfer.models.shard import layout, resident_bytes  # noqa: E402
 
 
 def run(job: dict, group) -> None:

@@ -492,7 +492,7 @@ def test_sampled_speculative_sequence_in_the_engine_finishes(loaded):
 
 def planted(where: str, fails_for) -> Any:
     """A replacement for PromptCache.prefill or TextStream.emit that raises for the sequences `fails_for` picks."""
-    from mlxinfer.prompt_cache import PromptCache
+    from mlxinfer.models.prompt_cache import PromptCache
     from mlxinfer.text_stream import TextStream
 
     if where == "prefill":
@@ -514,7 +514,7 @@ def planted(where: str, fails_for) -> Any:
 
 @pytest.mark.parametrize("where", ["prefill", "emit"])
 def test_a_failing_sequence_ends_alone(loaded, monkeypatch, where):
-    from mlxinfer.prompt_cache import PromptCache
+    from mlxinfer.models.prompt_cache import PromptCache
     from mlxinfer.text_stream import TextStream
 
     model, tok = loaded

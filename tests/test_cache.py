@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import mlxinfer
-from mlxinfer.cache import KVCache, QuantizedKVCache, RotatingKVCache, make_cache
+from mlxinfer.models.cache import KVCache, QuantizedKVCache, RotatingKVCache, make_cache
 
 
 class SinkWindowOracle(KVCache):

@@ -249,7 +249,7 @@ def test_a_failed_save_leaves_no_stray_files(loaded, tmp_path, monkeypatch):
 def test_a_failed_prompt_cache_save_leaves_the_old_file(loaded, tmp_path, monkeypatch):
     import errno
 
-    import mlxinfer.cache as cache_module
+    import mlxinfer.models.cache as cache_module
 
     model, tok = loaded
     session = ChatSession(model, tok, **GREEDY)

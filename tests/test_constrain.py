@@ -16,8 +16,8 @@ import pytest
 
 import mlxinfer
 from conftest import REAL_TOKENIZERS, real_tokenizer
-from mlxinfer.cache import make_cache
-from mlxinfer.prompt_cache import PromptCache
+from mlxinfer.models.cache import make_cache
+from mlxinfer.models.prompt_cache import PromptCache
 from mlxinfer.constrain import grammar_tokenizer
 from mlxinfer.base.errors import InvalidOptionError
 from mlxinfer.tokenizer import load_tokenizer_from_dir

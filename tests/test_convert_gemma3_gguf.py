@@ -19,7 +19,7 @@ from tokenizers import Tokenizer
 
 import mlxinfer
 from convert import convert
-from mlxinfer.cache import KVCache, RotatingKVCache, make_cache
+from mlxinfer.models.cache import KVCache, RotatingKVCache, make_cache
 
 pytest.importorskip("gguf")
 

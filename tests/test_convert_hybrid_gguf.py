@@ -34,7 +34,7 @@ from convert import convert
 from convert.gguf_file import GGUFFile
 from convert.gguf_tokenizer import tokenizer_json
 from mlxinfer.generation import stream_generate
-from mlxinfer.cache import make_cache
+from mlxinfer.models.cache import make_cache
 from mlxinfer.base.errors import MlxinferError
 
 QWEN3_IDS = dict(vocab_size=151669, bos_token_id=None, eos_token_id=151645, pad_token_id=151643)

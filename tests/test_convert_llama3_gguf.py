@@ -26,7 +26,7 @@ import mlxinfer
 from convert import convert
 from convert.gguf_file import GGUFFile
 from convert.gguf_source import llama3_scaling
-from mlxinfer.cache import make_cache
+from mlxinfer.models.cache import make_cache
 from mlxinfer.base.errors import CorruptCheckpointError
 
 torch = pytest.importorskip("torch")

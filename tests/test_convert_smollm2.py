@@ -14,7 +14,7 @@ from tokenizers import Tokenizer
 
 import mlxinfer
 from convert import convert
-from mlxinfer.cache import make_cache
+from mlxinfer.models.cache import make_cache
 
 gguf = pytest.importorskip("gguf")
 

@@ -15,8 +15,8 @@ from test_parity import TOL, hf_logits
 
 import mlxinfer
 from convert import convert
-from mlxinfer.cache import LayerRows, make_cache
-from mlxinfer.prompt_cache import PromptCache
+from mlxinfer.models.cache import LayerRows, make_cache
+from mlxinfer.models.prompt_cache import PromptCache
 from mlxinfer.kernels import decode_layer
 from mlxinfer.kernels import quantized_matmul as qmm
 

@@ -16,7 +16,7 @@ from scipy.special import logsumexp
 
 import mlxinfer
 from mlxinfer.batch import BatchGenerator
-from mlxinfer.prompt_cache import PromptCache
+from mlxinfer.models.prompt_cache import PromptCache
 from mlxinfer.prompt_file import load_prompt_cache, save_prompt_cache
 from mlxinfer.decode import chosen_logprobs
 from mlxinfer.base.errors import InvalidOptionError, SamplingError

@@ -23,7 +23,7 @@ from test_models_qwen_vl import TEXT, VISION
 
 from mlxinfer.batch import BatchGenerator
 from mlxinfer.generation import stream_generate
-from mlxinfer.prompt_cache import PromptCache
+from mlxinfer.models.prompt_cache import PromptCache
 from mlxinfer.prompt_file import save_prompt_cache
 from mlxinfer.chat import ChatSession
 from mlxinfer.base.errors import InvalidOptionError

@@ -19,8 +19,8 @@ from test_parity import (
 )
 
 import mlxinfer
-from mlxinfer.cache import make_cache
-from mlxinfer.prompt_cache import PromptCache
+from mlxinfer.models.cache import make_cache
+from mlxinfer.models.prompt_cache import PromptCache
 from mlxinfer.prompt_file import load_prompt_cache, save_prompt_cache
 
 MLA = {

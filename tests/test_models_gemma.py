@@ -21,7 +21,7 @@ from test_parity import (
 )
 
 import mlxinfer
-from mlxinfer.cache import KVCache, RotatingKVCache, make_cache
+from mlxinfer.models.cache import KVCache, RotatingKVCache, make_cache
 
 GEMMA = {"head_dim": 16, "sliding_window": 8, "query_pre_attn_scalar": 24}
 LOCAL_BASE = 100.0

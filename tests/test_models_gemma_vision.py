@@ -18,7 +18,7 @@ import torch
 from PIL import Image
 from test_parity import TOL
 
-from mlxinfer.prompt_cache import PromptCache
+from mlxinfer.models.prompt_cache import PromptCache
 from mlxinfer.loading import load_model
 from mlxinfer.models.vision import Embedded, Pixels
 

@@ -27,8 +27,8 @@ from test_parity import TOL
 
 import mlxinfer
 from convert import convert
-from mlxinfer.cache import KVCache, RotatingKVCache
-from mlxinfer.prompt_cache import PromptCache
+from mlxinfer.models.cache import KVCache, RotatingKVCache
+from mlxinfer.models.prompt_cache import PromptCache
 from mlxinfer.models.moe import QuantizedSwitchLinear
 
 torch = pytest.importorskip("torch")

@@ -27,13 +27,13 @@ from test_parity import TOL
 
 import mlxinfer
 from mlxinfer.generation import stream_generate
-from mlxinfer.cache import StateCache, make_cache
-from mlxinfer.prompt_cache import PromptCache
+from mlxinfer.models.cache import StateCache, make_cache
+from mlxinfer.models.prompt_cache import PromptCache
 from mlxinfer.prompt_file import load_prompt_cache, save_prompt_cache
 from mlxinfer.chat import ChatSession
 from mlxinfer.base.errors import ConfigError
 from mlxinfer.pool import PromptCachePool
-from mlxinfer.shard import shard_config
+from mlxinfer.models.shard import shard_config
 
 LINEAR = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
               head_dim=32, num_hidden_layers=4, full_attention_interval=2)

@@ -25,7 +25,7 @@ from test_shard import can_launch, check, sharded  # noqa: F401  (can_launch: a 
 from test_parity import TOL, assert_matches_mlx_lm, assert_matches_transformers, hf_logits, tokens
 
 import mlxinfer
-from mlxinfer.cache import KVCache, RotatingKVCache, make_cache
+from mlxinfer.models.cache import KVCache, RotatingKVCache, make_cache
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "rope_theta": 10000.0}

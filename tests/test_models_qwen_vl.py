@@ -20,8 +20,8 @@ from conftest import perturb, train_tokenizer
 from test_parity import TOL
 
 import mlxinfer
-from mlxinfer.cache import make_cache
-from mlxinfer.prompt_cache import PromptCache
+from mlxinfer.models.cache import make_cache
+from mlxinfer.models.prompt_cache import PromptCache
 from mlxinfer.prompt_file import load_prompt_cache, save_prompt_cache
 from mlxinfer.base.errors import InvalidOptionError
 from mlxinfer.kernels import decode_layer

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import mlxinfer
-from mlxinfer.cache import make_cache
+from mlxinfer.models.cache import make_cache
 
 TOL = 1e-4
 T = 32

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import mlxinfer
-from mlxinfer.prompt_cache import PromptCache
+from mlxinfer.models.prompt_cache import PromptCache
 from mlxinfer.base.errors import InvalidOptionError
 from mlxinfer.generation import stream_generate
 from mlxinfer.pool import PromptCachePool, prefix_copy

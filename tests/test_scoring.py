@@ -13,7 +13,7 @@ import pytest
 
 import mlxinfer
 from mlxinfer.batch import BatchGenerator
-from mlxinfer.prompt_cache import PromptCache
+from mlxinfer.models.prompt_cache import PromptCache
 from mlxinfer.base.errors import InvalidOptionError
 from mlxinfer.pool import PromptCachePool
 from serving import Server, post

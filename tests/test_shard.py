@@ -33,7 +33,7 @@ from test_parity import VARIANTS as PARITY
 import mlxinfer
 from mlxinfer.base.errors import ConfigError, InvalidOptionError
 from mlxinfer.inspect_report import render
-from mlxinfer.shard import resident_bytes, shard_config
+from mlxinfer.models.shard import resident_bytes, shard_config
 
 HERE = Path(__file__).parent
 FAMILIES = {"llama": PARITY["llama"], "qwen3": PARITY["qwen3"], "gemma3_text": GEMMA["gemma3_text"],
@@ -593,7 +593,7 @@ def test_pipeline_4bit(ran):
 
 
 def test_layer_ranges_balance_bytes_and_refuse_too_many_ranks():
-    from mlxinfer.shard import layer_ranges
+    from mlxinfer.models.shard import layer_ranges
 
     assert layer_ranges([10] * 8, 2) == [range(0, 4), range(4, 8)]
     assert layer_ranges([10] * 7, 3) == [range(0, 2), range(2, 5), range(5, 7)] or \

@@ -12,7 +12,7 @@ import pytest
 from scipy import stats as scipy_stats
 
 import mlxinfer
-from mlxinfer.prompt_cache import PromptCache
+from mlxinfer.models.prompt_cache import PromptCache
 from mlxinfer.base.errors import InvalidOptionError
 from mlxinfer.sample import Sampler, SamplingConfig
 from mlxinfer.speculative import DraftLength, PromptLookup, verify

@@ -12,8 +12,8 @@ import pytest
 
 import mlxinfer
 from conftest import real_tokenizer
-from mlxinfer.cache import make_cache
-from mlxinfer.prompt_cache import PromptCache
+from mlxinfer.models.cache import make_cache
+from mlxinfer.models.prompt_cache import PromptCache
 from mlxinfer.constrain import Constraint
 from mlxinfer.base.errors import InvalidOptionError
 from mlxinfer.prompt import request_tokens

@@ -1,4 +1,7 @@
-"""Model families, looked up by config.json's `model_type`."""
+"""The model: families (looked up by config.json's `model_type`) written as differences on shared
+layers, each new layer kind in one module; the caches they read back (`cache`), a sequence's caches
+and the one place that runs a model over tokens (`prompt_cache`), and how weights split across the
+ranks of a sharded model (`shard`)."""
 
 from __future__ import annotations
 

@@ -25,8 +25,8 @@ from typing import Any, Callable, Sequence
 import mlx.core as mx
 import numpy as np
 
-from .base.errors import InvalidOptionError
-from .models.attention import attention_mask
+from ..base.errors import InvalidOptionError
+from .attention import attention_mask
 
 Parts = tuple[mx.array, ...]
 KV_BITS = (4, 8)

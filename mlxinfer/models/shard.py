@@ -40,8 +40,8 @@ from typing import Any, Callable
 import mlx.core as mx
 import mlx.nn as nn
 
-from .base.errors import ConfigError
-from .models import canonical_config
+from ..base.errors import ConfigError
+from . import canonical_config
 
 COLUMN = re.compile(r"\.(q_proj|q_b_proj|kv_b_proj|gate_proj|up_proj|in_proj_z|in_proj_b|in_proj_a)\."
                     r"(weight|scales|biases|bias)$")
@@ -305,7 +305,7 @@ def vocab_split(model, shard: Shard) -> bool:
 
 def shrink_vocab(model, shard: Shard) -> None:
     """Before loading: an embedding (and untied head) of this rank's vocabulary rows."""
-    from .models.layers import Embedding, Linear
+    from .layers import Embedding, Linear
 
     if not vocab_split(model, shard):
         return
@@ -319,7 +319,7 @@ def wrap_reductions(model, shard: Shard) -> None:
     """After loading: every block's attention and feed-forward complete their partial
     sums across ranks, norms over a whole projection sum their squares across them, and the
     embedding and head join their vocabulary slices."""
-    from .models.layers import ProjectionNorm
+    from .layers import ProjectionNorm
 
     for block in model.layers:
         mixer = block[block.mixer_name]

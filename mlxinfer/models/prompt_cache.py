@@ -9,10 +9,10 @@ from typing import Any, Sequence
 import mlx.core as mx
 
 from .cache import KVCache, LayerRows, Parts, RotatingKVCache, StateCache, make_cache
-from .base.errors import CorruptCheckpointError
-from .models.lora import selecting
-from .models.vision import Embedded
-from .base.slices import Slices, run_whole
+from ..base.errors import CorruptCheckpointError
+from .lora import selecting
+from .vision import Embedded
+from ..base.slices import Slices, run_whole
 
 
 class PromptCache:
