@@ -70,7 +70,7 @@ from batch import convert_smollm2, smollm2_source  # noqa: E402, I001
 from compare_mlx_lm import build_llama_50m  # noqa: E402
 from mlxinfer.base import blas  # noqa: E402
 from mlxinfer.bench import random_prompt  # noqa: E402
-from mlxinfer.tokenizer import load_tokenizer_from_dir  # noqa: E402
+from mlxinfer.text.tokenizer import load_tokenizer_from_dir  # noqa: E402
 
 TARGET_HTTP_VS_IN_PROCESS = 0.95  # ours at 1 client, decode tok/s
 TARGET_SCALING = 3.0  # ours at 8 clients / ours at 1, aggregate

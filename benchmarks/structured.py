@@ -32,7 +32,7 @@ from pathlib import Path
 
 import mlxinfer  # first: it binds a fast BLAS before mlx.core loads (see mlxinfer.base.blas)
 from batch import convert_smollm2, smollm2_source  # noqa: E402, I001
-from mlxinfer import constrain  # noqa: E402
+from mlxinfer.text import constrain  # noqa: E402
 
 TARGET_SLOWDOWN = 0.10
 SCHEMA = {"type": "object", "properties": {"title": {"type": "string", "maxLength": 40},

@@ -16,7 +16,7 @@ from mlxinfer.adapters import fused_weights
 from mlxinfer.base.errors import ConversionError, MlxinferError, ModelNotFoundError
 from mlxinfer.loading import check_weights, resolve
 from mlxinfer.models import build_model
-from mlxinfer.tokenizer import load_tokenizer_from_dir
+from mlxinfer.text.tokenizer import load_tokenizer_from_dir
 
 from . import perplexity
 from .gguf_file import Packed

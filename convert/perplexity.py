@@ -11,7 +11,7 @@ import mlx.core as mx
 from mlxinfer.base.errors import InvalidOptionError
 from mlxinfer.loading import load_model, quantize_like_checkpoint
 from mlxinfer.models import CausalLM, build_model
-from mlxinfer.tokenizer import load_tokenizer_from_dir
+from mlxinfer.text.tokenizer import load_tokenizer_from_dir
 
 from .gguf_file import Packed
 from .sources import Source

@@ -39,7 +39,7 @@ from .models.layers import Attention, Linear, QuantizedLinear, SwiGLU
 from .models.lora import LoRALinear, LoRASwitchLinear, Update, adapter_name, registry
 from .models.moe import QuantizedSwitchLinear, SwitchGLU, SwitchLinear
 from .models.shard import COLUMN, KV, LAYER, ROW, Shard, Stage, _kv_part, _part
-from .tokenizer import Tokenizer
+from .text.tokenizer import Tokenizer
 
 PEFT_FILE, MLX_FILE = "adapter_model.safetensors", "adapters.safetensors"
 PEFT_PREFIX = "base_model.model."

@@ -38,10 +38,10 @@ from .request import Request
 from .decode import Stats
 from .prompt import with_tools
 from .text_stream import Chunk
-from .images import NO_IMAGES, load_image
-from .reasoning import reasoning_for
-from .tokenizer import Tokenizer
-from .tools import plan as plan_tools
+from .text.images import NO_IMAGES, load_image
+from .text.reasoning import reasoning_for
+from .text.tokenizer import Tokenizer
+from .text.tools import plan as plan_tools
 
 CACHE_OPTIONS = ("max_kv_size", "kv_bits", "kv_group_size")
 FORMAT = "mlxinfer-chat"

@@ -230,8 +230,8 @@ class Run:
 
     @classmethod
     def from_params(cls, params: dict[str, Any]) -> Run:
-        from .constrain import typed_format
-        from .tools import read_tools
+        from .text.constrain import typed_format
+        from .text.tools import read_tools
         from .request import Request
         from .terminal import typed_text
 
@@ -273,7 +273,7 @@ class Run:
 
     def options_for(self, tokenizer) -> dict[str, Any]:
         """The options, with --think / --no-think as the template's switch (refused by a model without one)."""
-        from .reasoning import thinking_switch
+        from .text.reasoning import thinking_switch
 
         if self.think is None:
             return self.options
@@ -345,7 +345,7 @@ def generate(prompt: str, raw: bool, as_json: bool, no_stream: bool, pipeline: b
     from .generation import stream_generate
     from .terminal import stats_line, typed_text, use_color
     from .models.shard import summary as shard_summary
-    from .tools import describe_call
+    from .text.tools import describe_call
 
     if params["logprobs"] is not None and not as_json:
         raise InvalidOptionError("--logprobs needs --json, which prints each token with its log-probabilities")
@@ -620,7 +620,7 @@ def serve(model, dtype, host, port, max_concurrency, max_queue, max_kv_size, kv_
     from .models.shard import launched, summed, world
     from .models.shard import summary as shard_summary
     from .adapters import load_adapter
-    from .images import DATA, HTTP, LIMITS
+    from .text.images import DATA, HTTP, LIMITS
     from .store import open_model
 
     if image_hosts and not allow_image_urls:

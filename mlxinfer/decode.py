@@ -19,7 +19,7 @@ from typing import Iterator, Sequence
 import mlx.core as mx
 
 from .models.prompt_cache import PromptCache
-from .constrain import Constraint, masked
+from .text.constrain import Constraint, masked
 from .base.errors import SamplingError
 from .kernels.cpu_logsumexp import logsumexp
 from .sample import NO_TOKEN, Sampler, finite

@@ -4,13 +4,13 @@ format or tool-call grammar, and, when it drafts, its speculative decoder."""
 from __future__ import annotations
 
 from .models.prompt_cache import PromptCache
-from .constrain import Constraint, response_format
+from .text.constrain import Constraint, response_format
 from .decode import Stats
 from .options import GenerationOptions
 from .sample import Sampler
 from .speculative import LOOKUP_DRAFT, MODEL_DRAFT, PREDICTION_DRAFT, PredictedOutput, SpeculativeDecoder, make_drafter
-from .tokenizer import Tokenizer
-from .tools import ToolPlan
+from .text.tokenizer import Tokenizer
+from .text.tools import ToolPlan
 
 
 def constraint_for(options: GenerationOptions, tokenizer: Tokenizer, vocab_size: int,

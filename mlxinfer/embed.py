@@ -23,7 +23,7 @@ from .base.errors import ConfigError, InvalidOptionError
 from .models import CausalLM
 from .models.pooling import Pooling
 from .base.slices import Slices, run_whole
-from .tokenizer import Tokenizer
+from .text.tokenizer import Tokenizer
 
 Text = str | Sequence[int]
 BATCH_SIZE = 32

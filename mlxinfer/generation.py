@@ -14,7 +14,7 @@ from .options import Prompt
 from .models.prompt_cache import PromptCache
 from .request import Request
 from .text_stream import Chunk
-from .tokenizer import Tokenizer
+from .text.tokenizer import Tokenizer
 
 
 def stream_generate(model, tokenizer: Tokenizer, prompt: Prompt, prompt_cache: PromptCache | None = None,

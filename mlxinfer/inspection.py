@@ -24,7 +24,7 @@ from .models.moe import SwitchGLU
 from .sample import SamplingConfig, filtered_probs
 from .models.shard import layout
 from .base.slices import Slices, run_whole
-from .tokenizer import Tokenizer
+from .text.tokenizer import Tokenizer
 
 
 def inspect_pipeline(

@@ -16,7 +16,7 @@ from mlx.utils import tree_flatten
 from .base.cachedir import named_model
 from .base.errors import ConfigError, CorruptCheckpointError, InvalidOptionError, ModelNotFoundError
 from .base.files import checkpoint_file, read_checkpoint_file
-from .images import read_image_processor
+from .text.images import read_image_processor
 from .kernels import quantized_matmul
 from .models import CausalLM, build_model
 from .models.config import check_config
@@ -38,7 +38,7 @@ from .models.shard import (
     world,
     wrap_reductions,
 )
-from .tokenizer import Tokenizer, load_tokenizer_from_dir
+from .text.tokenizer import Tokenizer, load_tokenizer_from_dir
 
 TOKENIZER_FILES = [
     "config.json",

@@ -9,10 +9,10 @@ from typing import Any, Sequence
 from .models.cache import KV_BITS, KV_GROUP_SIZES
 from .models.prompt_cache import PromptCache
 from .base.checks import flag, integer, is_integer
-from .constrain import response_format
+from .text.constrain import response_format
 from .base.errors import InvalidOptionError
 from .sample import SamplingConfig
-from .tools import check_tools
+from .text.tools import check_tools
 
 Prompt = str | Sequence[int] | Sequence[dict]
 

@@ -19,11 +19,11 @@ from pathlib import Path
 from typing import Any, Protocol, TextIO
 
 from .chat import ChatSession
-from .constrain import typed_format
-from .tools import describe_call
-from .reasoning import SWITCH, tags_for, thinking_switch
+from .text.constrain import typed_format
+from .text.tools import describe_call
+from .text.reasoning import SWITCH, tags_for, thinking_switch
 from .base.errors import ImageError, InvalidOptionError, MlxinferError
-from .images import NO_IMAGES, load_image
+from .text.images import NO_IMAGES, load_image
 from .terminal import CYAN, DIM, paint, size, stats_line, typed_text
 
 PROMPT = ">>> "

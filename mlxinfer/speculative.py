@@ -21,7 +21,7 @@ from numpy.lib.stride_tricks import sliding_window_view
 
 from . import kernels
 from .models.prompt_cache import PromptCache
-from .constrain import Constraint, masked
+from .text.constrain import Constraint, masked
 from .decode import NO_TOKEN, ConstrainedDecoder, PlainDecoder, Stats, Token, chosen_logprobs, drawn
 from .base.errors import InvalidOptionError
 from .sample import Sampler

@@ -16,9 +16,9 @@ import mlx.core as mx
 from .models.prompt_cache import PromptCache
 from .decode import Score, Stats, Token
 from .options import GenerationOptions
-from .reasoning import ChannelSplitter, Reasoning
-from .tokenizer import Tokenizer
-from .tools import ToolCall, ToolPlan
+from .text.reasoning import ChannelSplitter, Reasoning
+from .text.tokenizer import Tokenizer
+from .text.tools import ToolCall, ToolPlan
 
 
 @dataclass(frozen=True)

@@ -190,7 +190,7 @@ def frames(raw: bytes) -> list[dict]:
 
 
 def call(name: str, **arguments):
-    from mlxinfer.tools import ToolCall
+    from mlxinfer.text.tools import ToolCall
 
     return ToolCall(name, arguments, f"call_{name}")
 

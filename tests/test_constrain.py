@@ -18,9 +18,9 @@ import mlxinfer
 from conftest import REAL_TOKENIZERS, real_tokenizer
 from mlxinfer.models.cache import make_cache
 from mlxinfer.models.prompt_cache import PromptCache
-from mlxinfer.constrain import grammar_tokenizer
+from mlxinfer.text.constrain import grammar_tokenizer
 from mlxinfer.base.errors import InvalidOptionError
-from mlxinfer.tokenizer import load_tokenizer_from_dir
+from mlxinfer.text.tokenizer import load_tokenizer_from_dir
 
 jsonschema = pytest.importorskip("jsonschema")
 scipy_stats = pytest.importorskip("scipy.stats")

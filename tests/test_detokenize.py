@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conftest import REAL_TOKENIZERS, real_tokenizer
-from mlxinfer.tokenizer import load_tokenizer_from_dir
+from mlxinfer.text.tokenizer import load_tokenizer_from_dir
 
 TEXTS = [
     "Hello, world! 👋🏽 Ça va? 你好，世界。こんにちは",

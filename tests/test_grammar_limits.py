@@ -29,15 +29,15 @@ from conftest import real_tokenizer
 from hypothesis import HealthCheck, example, given, settings, strategies as st
 
 import mlxinfer
-from mlxinfer.constrain import Constraint, _CompilerProcess, grammar_tokenizer, response_format
+from mlxinfer.text.constrain import Constraint, _CompilerProcess, grammar_tokenizer, response_format
 from mlxinfer.base.errors import InvalidOptionError
-from mlxinfer.grammar_checks import MAX_BYTES, MAX_DEPTH, MAX_RULES, check_lark, check_schema
-from mlxinfer.tools import CALL_DEPTH, HERMES, JSON_CALL, MISTRAL, check_tools, plan
+from mlxinfer.text.grammar_checks import MAX_BYTES, MAX_DEPTH, MAX_RULES, check_lark, check_schema
+from mlxinfer.text.tools import CALL_DEPTH, HERMES, JSON_CALL, MISTRAL, check_tools, plan
 
 jsonschema = pytest.importorskip("jsonschema")
 llguidance = pytest.importorskip("llguidance")
 HANG_GUARD = 30.0  # seconds: only a guard against a hang, the machine may be shared
-WORKER = Path(mlxinfer.__file__).with_name("grammar_worker.py")
+WORKER = Path(mlxinfer.__file__).parent / "text" / "grammar_worker.py"
 
 
 # --- hostile inputs, one builder per class ---
@@ -386,7 +386,7 @@ def test_fuzz_a_deep_reply_comes_back_as_text_or_a_call(loaded, depth, syntax, b
 def test_a_tokenizer_the_worker_dropped_is_sent_again(loaded):
     """The worker keeps a few tokenizers; one it dropped for others is sent again, so the
     check still runs with it (an empty pattern is refused only with a tokenizer)."""
-    from mlxinfer.tokenizer import load_tokenizer_from_dir
+    from mlxinfer.text.tokenizer import load_tokenizer_from_dir
 
     _, tok = loaded
     compiler = _CompilerProcess()

@@ -30,7 +30,7 @@ from test_reasoning import parts, raw_reply
 import mlxinfer
 from mlxinfer.batch import BatchGenerator
 from mlxinfer.generation import stream_generate
-from mlxinfer.reasoning import HARMONY, effort_kwargs
+from mlxinfer.text.reasoning import HARMONY, effort_kwargs
 
 LLAMA_CPP = "llama-cpp-python==0.3.36"
 TEMPLATE = "vendor/llama.cpp/models/templates/openai-gpt-oss-120b.jinja"
@@ -259,7 +259,7 @@ def test_auto_lets_the_model_answer_instead(model):
 
 def accepts(tok, grammar, text: str) -> bool:
     """Whether `grammar` takes `text` (as the model's tokens) whole."""
-    from mlxinfer.constrain import Constraint
+    from mlxinfer.text.constrain import Constraint
     from mlxinfer.base.errors import InvalidOptionError
 
     constraint = Constraint(grammar, tok, tok.vocab_size)
@@ -273,7 +273,7 @@ def accepts(tok, grammar, text: str) -> bool:
 
 def test_the_call_grammar_holds_each_function_to_its_schema(model):
     jsonschema = pytest.importorskip("jsonschema")
-    from mlxinfer.tools import plan
+    from mlxinfer.text.tools import plan
 
     _, tok = model
 
@@ -425,7 +425,7 @@ def test_text_before_a_call_streams_once(model):
     from mlxinfer.api.openai import Reply
     from mlxinfer.decode import Stats
     from mlxinfer.text_stream import Chunk
-    from mlxinfer.tools import ToolCall, call_opener
+    from mlxinfer.text.tools import ToolCall, call_opener
 
     _, tok = model
     stats = Stats(prompt_tokens=3, prefill_tokens=3, generated_tokens=3)

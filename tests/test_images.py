@@ -18,7 +18,7 @@ import pytest
 from PIL import Image
 
 from mlxinfer.base.errors import ConfigError, ImageError
-from mlxinfer.images import ImageLimits, decode_image, load_image, read_image_processor
+from mlxinfer.text.images import ImageLimits, decode_image, load_image, read_image_processor
 
 transformers = pytest.importorskip("transformers")
 from transformers import Gemma3ImageProcessorPil, Qwen2VLImageProcessorPil  # noqa: E402
@@ -201,7 +201,7 @@ def test_http_urls_only_where_allowed_and_bounded(tmp_path):
     import http.server
     import threading
 
-    from mlxinfer.images import DATA, HTTP
+    from mlxinfer.text.images import DATA, HTTP
 
     raw = encoded(picture(33, 22, seed=9))
     (tmp_path / "a.png").write_bytes(raw)
@@ -317,7 +317,7 @@ def pictures():
 
 def fetched(url: str, limits: ImageLimits):
     """`load_image(url)` with http allowed: the image, or the ImageError it raised."""
-    from mlxinfer.images import HTTP
+    from mlxinfer.text.images import HTTP
 
     try:
         return load_image(url, limits, frozenset({HTTP}))
@@ -357,7 +357,7 @@ def test_addresses_that_are_not_public(address):
     IPv4 address (mapped, 6to4, NAT64) are not public (RFC 6890's special-purpose registries)."""
     import ipaddress
 
-    from mlxinfer.fetch import public_address
+    from mlxinfer.text.fetch import public_address
 
     assert not public_address(ipaddress.ip_address(address))
 
@@ -367,7 +367,7 @@ def test_addresses_that_are_not_public(address):
 def test_public_addresses(address):
     import ipaddress
 
-    from mlxinfer.fetch import public_address
+    from mlxinfer.text.fetch import public_address
 
     assert public_address(ipaddress.ip_address(address))
 
@@ -390,7 +390,7 @@ def test_image_urls_to_local_addresses_are_not_fetched(pictures, monkeypatch, ca
             f"http://images.example:{p}/a.png", f"http://localhost:{free_port()}/a.png",
             f"http://public.example:{p}/to?url=http://127.0.0.1:{p}/a.png",
             f"http://public.example:{p}/to?url=http://localhost:{p}/a.png"]
-    with caplog.at_level("WARNING", logger="mlxinfer.images"):
+    with caplog.at_level("WARNING", logger="mlxinfer.text.images"):
         errors = [fetched(url, limits) for url in urls]
     assert all(isinstance(e, ImageError) for e in errors), errors
     assert len({str(e) for e in errors}) == 1 and "not fetched" in str(errors[0])

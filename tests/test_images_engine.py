@@ -374,7 +374,7 @@ def test_an_engines_image_limits_bound_a_slow_url(ours):
     import threading
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-    from mlxinfer.images import DATA, HTTP, ImageLimits
+    from mlxinfer.text.images import DATA, HTTP, ImageLimits
 
     release = threading.Event()
 

@@ -27,7 +27,7 @@ from test_parity import assert_matches_mlx_lm, assert_matches_transformers, toke
 
 import mlxinfer
 from mlxinfer.generation import stream_generate
-from mlxinfer.reasoning import effort_kwargs, thinking_switch
+from mlxinfer.text.reasoning import effort_kwargs, thinking_switch
 
 IDS = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)  # SmolLM3Config's defaults lie beyond our vocabulary
 VARIANTS = {

@@ -25,7 +25,7 @@ from mlxinfer.batch import BatchGenerator
 from mlxinfer.generation import stream_generate
 from mlxinfer.chat import ChatSession
 from mlxinfer.base.errors import InvalidOptionError
-from mlxinfer.reasoning import THINK, Splitter, effort_kwargs, thinking_switch
+from mlxinfer.text.reasoning import THINK, Splitter, effort_kwargs, thinking_switch
 from mlxinfer.terminal import DIM
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -8,7 +8,7 @@ import base64
 import numpy as np
 from PIL import Image
 
-from mlxinfer.images import LIMITS
+from mlxinfer.text.images import LIMITS
 from mlxinfer.request import Request
 
 

@@ -37,7 +37,7 @@ HOSTILE = {
 CHILD = textwrap.dedent("""
     import json, sys, time
     from mlxinfer.base.errors import MlxinferError
-    from mlxinfer.tokenizer import load_tokenizer_from_dir
+    from mlxinfer.text.tokenizer import load_tokenizer_from_dir
     for name, folder in json.loads(sys.argv[1]).items():
         start = time.monotonic()
         try:
@@ -92,7 +92,7 @@ def test_real_templates_render_as_jinja_does(name):
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     import mlxinfer
-    from mlxinfer import tokenizer as T
+    from mlxinfer.text import tokenizer as T
 
     tok = mlxinfer.load_tokenizer(real_tokenizer(name))
     messages = [{"role": ("user", "assistant")[i % 2], "content": f"message {i} " * 40} for i in range(200)]

@@ -21,7 +21,7 @@ from transformers import AutoTokenizer
 
 from conftest import REAL_TOKENIZERS, real_tokenizer
 from mlxinfer.base.errors import ConfigError, ModelNotFoundError, TokenizerError
-from mlxinfer.tokenizer import Tokenizer, load_tokenizer_from_dir
+from mlxinfer.text.tokenizer import Tokenizer, load_tokenizer_from_dir
 
 NAMES = REAL_TOKENIZERS
 TEMPLATED = [name for name in NAMES if name != "llama2"]  # Llama 2's base tokenizer has no chat template
@@ -261,7 +261,7 @@ def test_pipeline_choice_matches_transformers(tmp_path, case):
 def test_model_type_table_matches_transformers():
     from transformers.models.auto import tokenization_auto as auto
 
-    from mlxinfer import tokenizer as module
+    from mlxinfer.text import tokenizer as module
 
     backend = {"TokenizersBackend", "MistralCommonBackend"}  # the latter only with mistral-common installed
     for model_type, class_name in module._CLASS_BY_MODEL_TYPE.items():

@@ -14,11 +14,11 @@ import mlxinfer
 from conftest import real_tokenizer
 from mlxinfer.models.cache import make_cache
 from mlxinfer.models.prompt_cache import PromptCache
-from mlxinfer.constrain import Constraint
+from mlxinfer.text.constrain import Constraint
 from mlxinfer.base.errors import InvalidOptionError
 from mlxinfer.prompt import request_tokens
-from mlxinfer.tokenizer import load_tokenizer_from_dir
-from mlxinfer.tools import HERMES, JSON_CALL, MISTRAL, call_grammar, plan
+from mlxinfer.text.tokenizer import load_tokenizer_from_dir
+from mlxinfer.text.tools import HERMES, JSON_CALL, MISTRAL, call_grammar, plan
 
 jsonschema = pytest.importorskip("jsonschema")
 
@@ -92,7 +92,7 @@ def written(syntax, calls: list[dict]) -> str:
 def test_call_grammar_accepts_valid_calls_and_refuses_invalid_ones(name, syntax):
     tok = tokenizer(name)
     functions = [t["function"] for t in TOOLS]
-    from mlxinfer.constrain import compiled_lark
+    from mlxinfer.text.constrain import compiled_lark
 
     fmt = compiled_lark(call_grammar(tok, syntax, functions), "tool call")
 
@@ -124,7 +124,7 @@ def test_without_parallel_calls_the_grammar_admits_exactly_one(name, syntax):
     """OpenAI's parallel_tool_calls=false: one call completes the reply, a second cannot start."""
     tok = tokenizer(name)
     functions = [t["function"] for t in TOOLS]
-    from mlxinfer.constrain import compiled_lark
+    from mlxinfer.text.constrain import compiled_lark
 
     calls = [CALL, {"name": "add", "arguments": {"a": 2, "b": 40}}]
     for parallel, two_allowed in ((True, True), (False, False)):
@@ -149,7 +149,7 @@ def test_with_a_json_format_a_reply_is_a_call_or_that_json(name, syntax):
     """tool_choice "auto" with a response format (OpenAI: an app with tools and a structured
     answer): the grammar admits calls, or one JSON value following the format, nothing else."""
     tok = tokenizer(name)
-    from mlxinfer.constrain import compiled_lark
+    from mlxinfer.text.constrain import compiled_lark
 
     fmt = compiled_lark(call_grammar(tok, syntax, [t["function"] for t in TOOLS], answer=FORECAST), "tool call")
 

@@ -36,7 +36,7 @@ from mlxinfer.base.errors import (
 from mlxinfer.loading import read_weights, weight_files
 from mlxinfer.models import model_config
 from mlxinfer.store import describe
-from mlxinfer.tokenizer import load_tokenizer_from_dir
+from mlxinfer.text.tokenizer import load_tokenizer_from_dir
 
 FUZZ = settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
 

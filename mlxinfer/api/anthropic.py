@@ -18,8 +18,8 @@ from fastapi import APIRouter, Request
 
 from ..decode import Stats
 from ..text_stream import Chunk
-from ..reasoning import effort_kwargs
-from ..tools import ToolCall, call_opener
+from ..text.reasoning import effort_kwargs
+from ..text.tools import ToolCall, call_opener
 from .anthropic_schema import Conversation, CountTokens, CreateMessage, parse
 from .common import Context, RequestError, adapter_of, parsed, respond, sse, typed_request
 from .engine_thread import chunks_of

@@ -22,7 +22,7 @@ from pydantic import BaseModel, ValidationError
 
 from ..text_stream import Chunk
 from ..guard import allowed_hosts
-from ..images import downloads, has_images
+from ..text.images import downloads, has_images
 
 BODY_SECONDS = 30  # from the headers to the body's last byte
 T = TypeVar("T")

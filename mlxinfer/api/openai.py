@@ -15,7 +15,7 @@ from fastapi.responses import Response
 from ..decode import Stats
 from ..text_stream import Chunk
 from ..models.lora import adapters_of
-from ..tools import call_opener
+from ..text.tools import call_opener
 from .common import Context, RequestError, adapter_of, merged, parsed, respond_each, sse, typed_request
 from .engine_thread import chunks_of
 from .openai_schema import ChatCompletion, Completion, Logprobs, TextCompletion, choice, parse, timings, usage

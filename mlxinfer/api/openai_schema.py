@@ -16,8 +16,8 @@ from pydantic_core import PydanticCustomError
 from ..decode import Stats
 from ..text_stream import Chunk
 from ..options import MAX_CHOICES
-from ..reasoning import EFFORTS, effort_kwargs
-from ..tokenizer import Tokenizer
+from ..text.reasoning import EFFORTS, effort_kwargs
+from ..text.tokenizer import Tokenizer
 from .common import RequestError, image_part, json_object, template_content
 
 # Fields of OpenAI's API that change the output and that this server does not implement

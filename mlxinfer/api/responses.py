@@ -28,8 +28,8 @@ from fastapi.responses import Response
 
 from ..text_stream import Chunk
 from ..request import Request as TypedRequest
-from ..reasoning import effort_kwargs
-from ..tools import ToolCall, call_opener
+from ..text.reasoning import effort_kwargs
+from ..text.tools import ToolCall, call_opener
 from .common import Context, RequestError, adapter_of, parsed, respond, sse, typed_request
 from .engine_thread import chunks_of
 from .openai_schema import parse

@@ -1,7 +1,7 @@
 """The types between image preprocessing, a vision-language model and the engine: one
 preprocessed image (`Pixels`) and a prompt's inputs with its images in (`Embedded`).
 
-They live apart from any family so the preprocessing (`mlxinfer/images.py`), every
+They live apart from any family so the preprocessing (`mlxinfer/text/images.py`), every
 vision-language family and the engine agree on one shape without importing each other."""
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from jinja2.utils import Namespace
 
-from .base.errors import TokenizerError
+from ..base.errors import TokenizerError
 
 TIME_LIMIT = 2.0  # seconds; real templates render a long conversation in milliseconds
 MAX_CHARS = 16 * 2**20  # a rendered prompt far beyond any context window

@@ -44,10 +44,10 @@ from typing import Any
 import numpy as np
 from PIL import Image, ImageOps
 
-from .base.checks import integer
-from .base.errors import ConfigError, ImageError
+from ..base.checks import integer
+from ..base.errors import ConfigError, ImageError
 from .fetch import NotFetched, fetch, host_keys
-from .models.vision import Pixels
+from ..models.vision import Pixels
 
 log = logging.getLogger(__name__)
 

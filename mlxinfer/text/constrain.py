@@ -38,7 +38,7 @@ from typing import Any, Mapping, Sequence
 import mlx.core as mx
 import numpy as np
 
-from .base.errors import InvalidOptionError, MlxinferError
+from ..base.errors import InvalidOptionError, MlxinferError
 from .grammar_checks import MAX_DEPTH, check_depth, check_lark, check_schema, check_size
 from .tokenizer import Tokenizer
 

@@ -32,7 +32,7 @@ import mlx.core as mx
 import numpy as np
 
 from .constrain import JSON_LAYOUT, Constraint, Format, compiled_lark
-from .base.errors import InvalidOptionError
+from ..base.errors import InvalidOptionError
 from .grammar_checks import MAX_TOOLS_BYTES, check_schema
 from .reasoning import HARMONY as CHANNELS
 from .tokenizer import Tokenizer

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .base.errors import InvalidOptionError
+from ..base.errors import InvalidOptionError
 from .tokenizer import Tokenizer
 
 

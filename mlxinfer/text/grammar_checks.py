@@ -22,7 +22,7 @@ from collections import deque
 from typing import Any, Callable, Iterable
 from urllib.parse import unquote
 
-from .base.errors import InvalidOptionError
+from ..base.errors import InvalidOptionError
 
 MAX_BYTES = 64 * 1024  # a schema, regex or Lark grammar as sent
 MAX_DEPTH = 64  # JSON nesting (through $refs), or Lark rules referring to rules (and groups)

@@ -31,8 +31,8 @@ import tokenizers
 from tokenizers import AddedToken, Regex, decoders, normalizers, pre_tokenizers
 
 from . import sandbox
-from .base.errors import ConfigError, ModelNotFoundError, TokenizerError
-from .base.files import read_checkpoint_file
+from ..base.errors import ConfigError, ModelNotFoundError, TokenizerError
+from ..base.files import read_checkpoint_file
 
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
