@@ -13,11 +13,11 @@ from .prompt_file import load_prompt_cache, save_prompt_cache
 from .chat import ChatSession
 from .embed import embed
 from .base.errors import MlxinferError
-from .decode import Stats
+from .decode.sources import Stats
 from .text_stream import Chunk
 from .loading import load_tokenizer
 from .pool import PromptCachePool
-from .sample import SamplingConfig
+from .decode.sample import SamplingConfig
 
 __version__ = "0.1.0"
 __all__ = [

@@ -32,7 +32,7 @@ import mlx.core as mx
 from .models.prompt_cache import PromptCache, chunk_end, run_rows
 from .base.checks import integer
 from .text.constrain import Constraint, masked
-from .decode import Score, Stats, Token, chosen_logprobs, drawn, scored_prefill
+from .decode.sources import Score, Stats, Token, chosen_logprobs, drawn, scored_prefill
 from .base.errors import ImageError, InvalidOptionError
 from .text.images import LIMITS, LOCAL, NO_IMAGES, ImageLimits, has_images
 from .decoders import constraint_for, speculative_source
@@ -45,8 +45,8 @@ from .models.vision import Embedded
 from .pool import PromptCachePool, prefix_copy
 from .text.reasoning import Reasoning
 from .request import Request
-from .sample import Sampler, SamplingConfig, greedy
-from .speculative import PredictedOutput, SpeculativeDecoder
+from .decode.sample import Sampler, SamplingConfig, greedy
+from .decode.speculative import PredictedOutput, SpeculativeDecoder
 from .text.tools import ToolPlan
 from .text.tools import plan as plan_tools
 from .text.tokenizer import Tokenizer

@@ -35,7 +35,7 @@ from .base.files import replacing, write_problem
 from .batch import BatchGenerator
 from .generation import stream_request
 from .request import Request
-from .decode import Stats
+from .decode.sources import Stats
 from .prompt import with_tools
 from .text_stream import Chunk
 from .text.images import NO_IMAGES, load_image

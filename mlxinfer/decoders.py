@@ -5,10 +5,17 @@ from __future__ import annotations
 
 from .models.prompt_cache import PromptCache
 from .text.constrain import Constraint, response_format
-from .decode import Stats
+from .decode.sources import Stats
 from .options import GenerationOptions
-from .sample import Sampler
-from .speculative import LOOKUP_DRAFT, MODEL_DRAFT, PREDICTION_DRAFT, PredictedOutput, SpeculativeDecoder, make_drafter
+from .decode.sample import Sampler
+from .decode.speculative import (
+    LOOKUP_DRAFT,
+    MODEL_DRAFT,
+    PREDICTION_DRAFT,
+    PredictedOutput,
+    SpeculativeDecoder,
+    make_drafter,
+)
 from .text.tokenizer import Tokenizer
 from .text.tools import ToolPlan
 

@@ -21,7 +21,7 @@ from .prompt import ImagePrompt
 from .models.config import SLIDING
 from .models.layers import Attention
 from .models.moe import SwitchGLU
-from .sample import SamplingConfig, filtered_probs
+from .decode.sample import SamplingConfig, filtered_probs
 from .models.shard import layout
 from .base.slices import Slices, run_whole
 from .text.tokenizer import Tokenizer

@@ -11,7 +11,7 @@ from .models.prompt_cache import PromptCache
 from .base.checks import flag, integer, is_integer
 from .text.constrain import response_format
 from .base.errors import InvalidOptionError
-from .sample import SamplingConfig
+from .decode.sample import SamplingConfig
 from .text.tools import check_tools
 
 Prompt = str | Sequence[int] | Sequence[dict]

@@ -23,7 +23,7 @@ from typing import Any
 from .base.errors import InvalidOptionError
 from .options import GenerationOptions, Prompt, split_options
 from .text.images import DATA, LIMITS, LOCAL, ImageLimits, LazyImage, has_images, open_image, take_images
-from .sample import SamplingConfig
+from .decode.sample import SamplingConfig
 
 # Options that hold runtime objects (a loaded draft model, its cache): they configure this
 # process only, so a request carrying them cannot be written out.

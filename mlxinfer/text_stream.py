@@ -14,7 +14,7 @@ from typing import Sequence
 import mlx.core as mx
 
 from .models.prompt_cache import PromptCache
-from .decode import Score, Stats, Token
+from .decode.sources import Score, Stats, Token
 from .options import GenerationOptions
 from .text.reasoning import ChannelSplitter, Reasoning
 from .text.tokenizer import Tokenizer

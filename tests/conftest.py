@@ -248,7 +248,7 @@ def draft_models_are_tried(request, monkeypatch) -> None:
     needs to draft. So every test drafts with the drafter it gives, except those marked
     `timed_draft_judgement`, which test the judgement itself."""
     if request.node.get_closest_marker("timed_draft_judgement") is None:
-        monkeypatch.setattr("mlxinfer.speculative.draft_can_win", lambda draft, target: True)
+        monkeypatch.setattr("mlxinfer.decode.speculative.draft_can_win", lambda draft, target: True)
 
 
 @pytest.fixture(scope="session")

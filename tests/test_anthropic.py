@@ -177,7 +177,7 @@ def test_a_failure_mid_stream_is_an_error_event(client):
 # --- the content blocks of chunks a tiny random model cannot be made to produce ---
 
 def chunk(text="", finish=None, reasoning="", calls=None, content=None, stop=None):
-    from mlxinfer.decode import Stats
+    from mlxinfer.decode.sources import Stats
     from mlxinfer.text_stream import Chunk
 
     return Chunk(text, 1, None, finish, Stats(prompt_tokens=9, prefill_tokens=4, generated_tokens=5),

@@ -451,7 +451,7 @@ def test_a_lone_speculative_sequence_drafts_and_equals_solo(loaded, other_draft,
 def test_speculation_pauses_while_others_share_the_batch(loaded, other_draft, spec, monkeypatch):
     """Drafting alone, then batched with a plain sequence, then alone again: both equal solo.
     The mode chooser is pinned to drafting (it otherwise follows measured speeds, which vary)."""
-    from mlxinfer.speculative import ModeChooser
+    from mlxinfer.decode.speculative import ModeChooser
 
     monkeypatch.setattr(ModeChooser, "next_phase", lambda self: ("speculate", 6))
     model, tok = loaded

@@ -25,7 +25,7 @@ from click.testing import CliRunner
 import mlxinfer
 from mlxinfer.cli import main
 from mlxinfer.demo import MEMBER, NAME, PACKAGE, VERSION
-from mlxinfer.decode import Stats
+from mlxinfer.decode.sources import Stats
 from mlxinfer.generation import stream_generate
 
 QUESTION = "hello there"

@@ -18,7 +18,7 @@ import mlxinfer
 from mlxinfer.batch import BatchGenerator
 from mlxinfer.models.prompt_cache import PromptCache
 from mlxinfer.prompt_file import load_prompt_cache, save_prompt_cache
-from mlxinfer.decode import chosen_logprobs
+from mlxinfer.decode.sources import chosen_logprobs
 from mlxinfer.base.errors import InvalidOptionError, SamplingError
 from mlxinfer.text_stream import StopMatcher, top_logprobs
 from mlxinfer.generation import stream_generate

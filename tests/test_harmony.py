@@ -423,7 +423,7 @@ def test_text_before_a_call_streams_once(model):
     import asyncio
 
     from mlxinfer.api.openai import Reply
-    from mlxinfer.decode import Stats
+    from mlxinfer.decode.sources import Stats
     from mlxinfer.text_stream import Chunk
     from mlxinfer.text.tools import ToolCall, call_opener
 

@@ -21,7 +21,7 @@ from mlxinfer.kernels import attention, sampling, verification
 from mlxinfer.kernels.common import inverse_cdf
 from mlxinfer.kernels.emulate import build, compiler
 from mlxinfer.kernels.metal import Launch, MetalKernel
-from mlxinfer.sample import SamplingConfig
+from mlxinfer.decode.sample import SamplingConfig
 
 needs_cxx = pytest.mark.skipif(compiler() is None, reason="no C++ compiler (g++) to build the Metal emulation")
 

@@ -28,8 +28,8 @@ import torch
 import mlxinfer
 from mlxinfer.batch import BatchGenerator
 from mlxinfer.base.errors import InvalidOptionError
-from mlxinfer.sample import SamplingConfig
-from mlxinfer.speculative import PredictedOutput
+from mlxinfer.decode.sample import SamplingConfig
+from mlxinfer.decode.speculative import PredictedOutput
 from serving import KEY, Server
 from test_sample import np_filtered
 from test_speculative import chi2_p, joint_counts
@@ -263,7 +263,7 @@ def test_a_right_prediction_is_mostly_accepted(loaded, torch_model, word_bias, m
     """The greedy output itself as the prediction (with the chooser pinned to drafting, which
     otherwise follows measured speeds): the same tokens, most of them accepted drafts; an
     edited prediction (two words changed) still gives the same tokens, with some rejected."""
-    from mlxinfer.speculative import ModeChooser
+    from mlxinfer.decode.speculative import ModeChooser
 
     monkeypatch.setattr(ModeChooser, "next_phase", lambda self: ("speculate", 16))
     model, tok = loaded

@@ -23,7 +23,7 @@ from mlxinfer.chat import ChatSession
 from mlxinfer.base.errors import InvalidOptionError
 from mlxinfer.options import split_options
 from mlxinfer.generation import stream_generate
-from mlxinfer.sample import SamplingConfig
+from mlxinfer.decode.sample import SamplingConfig
 
 from conftest import VOCAB
 

@@ -13,7 +13,7 @@ from scipy import stats
 from mlxinfer.base.errors import InvalidOptionError
 from mlxinfer.kernels import sampling
 from mlxinfer.kernels.emulate import build, compiler
-from mlxinfer.sample import NO_TOKEN, Sampler, SamplingConfig, filtered_probs
+from mlxinfer.decode.sample import NO_TOKEN, Sampler, SamplingConfig, filtered_probs
 
 
 def softmax(x: np.ndarray) -> np.ndarray:

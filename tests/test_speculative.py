@@ -14,8 +14,8 @@ from scipy import stats as scipy_stats
 import mlxinfer
 from mlxinfer.models.prompt_cache import PromptCache
 from mlxinfer.base.errors import InvalidOptionError
-from mlxinfer.sample import Sampler, SamplingConfig
-from mlxinfer.speculative import DraftLength, PromptLookup, verify
+from mlxinfer.decode.sample import Sampler, SamplingConfig
+from mlxinfer.decode.speculative import DraftLength, PromptLookup, verify
 from mlxinfer.generation import stream_generate
 
 from test_sample import np_filtered
@@ -197,7 +197,7 @@ def test_bad_input(target, hf_checkpoint):
 
 
 def test_mode_chooser_runs_the_faster_mode_and_reprobes():
-    from mlxinfer.speculative import ModeChooser
+    from mlxinfer.decode.speculative import ModeChooser
 
     chooser = ModeChooser(probe=8, period=32, overhead=0.25)
     assert chooser.next_phase() == ("speculate", 8)
@@ -243,7 +243,7 @@ def instant(x: mx.array) -> mx.array:
 
 @pytest.mark.timed_draft_judgement
 def test_a_draft_no_cheaper_than_the_target_is_not_used(target, other_draft):
-    from mlxinfer.speculative import draft_can_win
+    from mlxinfer.decode.speculative import draft_can_win
 
     model, tok = target
     slow_target, slow_draft = Slowed(model, 0.01), Slowed(other_draft, 0.1)

@@ -24,7 +24,7 @@ from typing import Any, Iterable
 from fastapi import APIRouter
 from fastapi.responses import Response
 
-from ..decode import Stats
+from ..decode.sources import Stats
 from .common import Context
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"

@@ -12,7 +12,7 @@ from typing import Any, AsyncIterator
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from ..decode import Stats
+from ..decode.sources import Stats
 from ..text_stream import Chunk
 from ..models.lora import adapters_of
 from ..text.tools import call_opener

@@ -13,7 +13,7 @@ from typing import Any, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from ..decode import Stats
+from ..decode.sources import Stats
 from ..text_stream import Chunk
 from ..options import MAX_CHOICES
 from ..text.reasoning import EFFORTS, effort_kwargs

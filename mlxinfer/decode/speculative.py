@@ -19,11 +19,11 @@ import mlx.core as mx
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
-from . import kernels
-from .models.prompt_cache import PromptCache
-from .text.constrain import Constraint, masked
-from .decode import NO_TOKEN, ConstrainedDecoder, PlainDecoder, Stats, Token, chosen_logprobs, drawn
-from .base.errors import InvalidOptionError
+from .. import kernels
+from ..models.prompt_cache import PromptCache
+from ..text.constrain import Constraint, masked
+from .sources import NO_TOKEN, ConstrainedDecoder, PlainDecoder, Stats, Token, chosen_logprobs, drawn
+from ..base.errors import InvalidOptionError
 from .sample import Sampler
 
 

@@ -18,10 +18,10 @@ from dataclasses import dataclass, field, replace
 
 import mlx.core as mx
 
-from . import kernels
-from .base.checks import integer, number, token_ids
-from .base.errors import InvalidOptionError
-from .kernels.sampling import NEG_INF, NO_TOKEN, Filter, SamplingParams, empty_rows, finite, warp_chain
+from .. import kernels
+from ..base.checks import integer, number, token_ids
+from ..base.errors import InvalidOptionError
+from ..kernels.sampling import NEG_INF, NO_TOKEN, Filter, SamplingParams, empty_rows, finite, warp_chain
 
 SEED_MAX = 2**64 - 1  # mx.random.key takes an unsigned 64-bit seed
 # The step between the seeds of a request's choices: 2^64 over the golden ratio (splitmix64's

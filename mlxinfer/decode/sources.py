@@ -18,10 +18,10 @@ from typing import Iterator, Sequence
 
 import mlx.core as mx
 
-from .models.prompt_cache import PromptCache
-from .text.constrain import Constraint, masked
-from .base.errors import SamplingError
-from .kernels.cpu_logsumexp import logsumexp
+from ..models.prompt_cache import PromptCache
+from ..text.constrain import Constraint, masked
+from ..base.errors import SamplingError
+from ..kernels.cpu_logsumexp import logsumexp
 from .sample import NO_TOKEN, Sampler, finite
 
 
