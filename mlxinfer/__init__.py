@@ -4,7 +4,7 @@ from .base import blas
 
 blas.preload()  # before anything imports mlx.core: a BLAS chosen later would not be used
 
-from .adapters import load, load_adapter, unload_adapter
+from .load.adapters import load, load_adapter, unload_adapter
 from .batch import BatchGenerator
 from .generation import batch_generate, generate, stream_generate
 from .models.cache import make_cache
@@ -15,7 +15,7 @@ from .embed import embed
 from .base.errors import MlxinferError
 from .decode.sources import Stats
 from .text_stream import Chunk
-from .loading import load_tokenizer
+from .load.checkpoint import load_tokenizer
 from .pool import PromptCachePool
 from .decode.sample import SamplingConfig
 

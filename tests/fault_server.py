@@ -27,7 +27,8 @@ from __future__ import annotations
 import os
 import time
 
-from mlxinfer import adapters, server
+from mlxinfer import server
+from mlxinfer.load import adapters
 from mlxinfer.batch import BatchGenerator
 from mlxinfer.models.prompt_cache import PromptCache
 from mlxinfer.cli import main

@@ -24,7 +24,7 @@ from test_models_gemma_vision import TEXT, VISION, perturb, picture
 from mlxinfer.batch import BatchGenerator
 from mlxinfer.generation import stream_generate
 from mlxinfer.base.errors import ImageError, SessionFileError
-from mlxinfer.loading import load
+from mlxinfer.load.checkpoint import load
 from mlxinfer.pool import PromptCachePool
 
 from PIL import Image  # noqa: E402

@@ -27,7 +27,7 @@ from mlxinfer.models.prompt_cache import PromptCache
 from mlxinfer.prompt_file import save_prompt_cache
 from mlxinfer.chat import ChatSession
 from mlxinfer.base.errors import InvalidOptionError
-from mlxinfer.loading import load
+from mlxinfer.load.checkpoint import load
 from mlxinfer.pool import PromptCachePool
 
 from PIL import Image  # noqa: E402

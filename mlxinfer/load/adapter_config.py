@@ -25,7 +25,7 @@ from typing import Any
 
 import re2
 
-from .base.errors import AdapterError
+from ..base.errors import AdapterError
 
 FILE = "adapter_config.json"
 # PEFT options that change what the adapter computes in ways we do not run: refused when set.

@@ -13,18 +13,18 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from .base.cachedir import named_model
-from .base.errors import ConfigError, CorruptCheckpointError, InvalidOptionError, ModelNotFoundError
-from .base.files import checkpoint_file, read_checkpoint_file
-from .text.images import read_image_processor
-from .kernels import quantized_matmul
-from .models import CausalLM, build_model
-from .models.config import check_config
-from .models.layers import QuantizedEmbedding, QuantizedLinear, fuse_projections
-from .models.pooling import MODES as POOLING_MODES
-from .models.pooling import EmbeddingConfig
-from .base.safetensors import check_safetensors
-from .models.shard import (
+from ..base.cachedir import named_model
+from ..base.errors import ConfigError, CorruptCheckpointError, InvalidOptionError, ModelNotFoundError
+from ..base.files import checkpoint_file, read_checkpoint_file
+from ..text.images import read_image_processor
+from ..kernels import quantized_matmul
+from ..models import CausalLM, build_model
+from ..models.config import check_config
+from ..models.layers import QuantizedEmbedding, QuantizedLinear, fuse_projections
+from ..models.pooling import MODES as POOLING_MODES
+from ..models.pooling import EmbeddingConfig
+from ..base.safetensors import check_safetensors
+from ..models.shard import (
     Shard,
     Stage,
     check_same_model,
@@ -38,7 +38,7 @@ from .models.shard import (
     world,
     wrap_reductions,
 )
-from .text.tokenizer import Tokenizer, load_tokenizer_from_dir
+from ..text.tokenizer import Tokenizer, load_tokenizer_from_dir
 
 TOKENIZER_FILES = [
     "config.json",

@@ -31,15 +31,15 @@ import mlx.nn as nn
 from mlx.utils import tree_unflatten
 
 from .adapter_config import MlxLora, PeftLora, mlx_lora, peft_lora
-from .base.errors import AdapterError, CorruptCheckpointError, ModelNotFoundError
-from .loading import PICKLE_SUFFIXES, checkpoint_json, read_weights
-from .loading import load as load_base
-from .models import CausalLM
-from .models.layers import Attention, Linear, QuantizedLinear, SwiGLU
-from .models.lora import LoRALinear, LoRASwitchLinear, Update, adapter_name, registry
-from .models.moe import QuantizedSwitchLinear, SwitchGLU, SwitchLinear
-from .models.shard import COLUMN, KV, LAYER, ROW, Shard, Stage, _kv_part, _part
-from .text.tokenizer import Tokenizer
+from ..base.errors import AdapterError, CorruptCheckpointError, ModelNotFoundError
+from .checkpoint import PICKLE_SUFFIXES, checkpoint_json, read_weights
+from .checkpoint import load as load_base
+from ..models import CausalLM
+from ..models.layers import Attention, Linear, QuantizedLinear, SwiGLU
+from ..models.lora import LoRALinear, LoRASwitchLinear, Update, adapter_name, registry
+from ..models.moe import QuantizedSwitchLinear, SwitchGLU, SwitchLinear
+from ..models.shard import COLUMN, KV, LAYER, ROW, Shard, Stage, _kv_part, _part
+from ..text.tokenizer import Tokenizer
 
 PEFT_FILE, MLX_FILE = "adapter_model.safetensors", "adapters.safetensors"
 PEFT_PREFIX = "base_model.model."
