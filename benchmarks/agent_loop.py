@@ -24,8 +24,8 @@ from pathlib import Path
 
 import mlxinfer  # noqa: F401  (first: it picks MLX's BLAS)
 import numpy as np  # noqa: E402, I001
-from mlxinfer.batch import BatchGenerator  # noqa: E402
-from mlxinfer.pool import PromptCachePool  # noqa: E402
+from mlxinfer.engine.batch import BatchGenerator  # noqa: E402
+from mlxinfer.engine.pool import PromptCachePool  # noqa: E402
 
 HYBRID_58M = dict(
     hidden_size=512, intermediate_size=1408, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2,

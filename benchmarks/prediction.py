@@ -23,7 +23,7 @@ from pathlib import Path
 import mlxinfer  # noqa: F401  (first: it picks MLX's BLAS)
 from mlxinfer.base.cachedir import is_model_folder, models_dir
 from mlxinfer.demo import NAME
-from mlxinfer.generation import stream_generate
+from mlxinfer.engine.generate import stream_generate
 from mlxinfer.store import open_model
 
 TEST_ASSET = Path(os.environ.get("MLXINFER_TEST_ASSETS", Path.home() / ".cache" / "mlxinfer-test-assets")) \

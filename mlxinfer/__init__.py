@@ -5,18 +5,18 @@ from .base import blas
 blas.preload()  # before anything imports mlx.core: a BLAS chosen later would not be used
 
 from .load.adapters import load, load_adapter, unload_adapter
-from .batch import BatchGenerator
-from .generation import batch_generate, generate, stream_generate
+from .engine.batch import BatchGenerator
+from .engine.generate import batch_generate, generate, stream_generate
 from .models.cache import make_cache
 from .models.prompt_cache import PromptCache
-from .prompt_file import load_prompt_cache, save_prompt_cache
-from .chat import ChatSession
-from .embed import embed
+from .engine.prompt_file import load_prompt_cache, save_prompt_cache
+from .engine.chat import ChatSession
+from .engine.embed import embed
 from .base.errors import MlxinferError
 from .decode.sources import Stats
-from .text_stream import Chunk
+from .engine.text_stream import Chunk
 from .load.checkpoint import load_tokenizer
-from .pool import PromptCachePool
+from .engine.pool import PromptCachePool
 from .decode.sample import SamplingConfig
 
 __version__ = "0.1.0"

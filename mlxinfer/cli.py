@@ -68,8 +68,8 @@ def replica_for(model, tokenizer, **engine_options):
 
     import mlx.core as mx
 
-    from .relay import Relay
-    from .replica import Replica
+    from .engine.relay import Relay
+    from .engine.replica import Replica
     from .models.shard import agreed_seed
 
     place = getattr(model, "shard", None)
@@ -232,7 +232,7 @@ class Run:
     def from_params(cls, params: dict[str, Any]) -> Run:
         from .text.constrain import typed_format
         from .text.tools import read_tools
-        from .request import Request
+        from .engine.request import Request
         from .terminal import typed_text
 
         options = {name: params[key] for key, name in OPTION_NAMES.items() if params.get(key) is not None}
@@ -292,7 +292,7 @@ IMAGE_OPTION = click.option("--image", "images", multiple=True, type=click.Path(
 def chat(verbose: bool, pipeline: bool, images: tuple[str, ...], **params) -> None:
     """Chat with a model in the terminal (multi-turn, streaming, /help for commands)."""
     from .base.cachedir import home
-    from .chat import ChatSession
+    from .engine.chat import ChatSession
     from .repl import run_repl
     from .models.shard import summary as shard_summary
     from .terminal import use_color
@@ -342,7 +342,7 @@ def chat_prompt(tokenizer, text: str, system: str | None, raw: bool, images: tup
 def generate(prompt: str, raw: bool, as_json: bool, no_stream: bool, pipeline: bool, images: tuple[str, ...],
              **params) -> None:
     """Complete one prompt: text on stdout (streamed), stats on stderr."""
-    from .generation import stream_generate
+    from .engine.generate import stream_generate
     from .terminal import stats_line, typed_text, use_color
     from .models.shard import summary as shard_summary
     from .text.tools import describe_call
@@ -417,7 +417,7 @@ def show_thinking(text: str, color: bool) -> bool:
 def embed_command(texts: tuple[str, ...], model, dtype, dimensions, as_json) -> None:
     """Embed each TEXT (- reads one from stdin): one unit-length vector per text, a line of
     numbers each, pooled as the checkpoint's sentence-transformers config says (mean otherwise)."""
-    from .embed import embed_tokens, encode_texts
+    from .engine.embed import embed_tokens, encode_texts
     from .store import open_model
     from .terminal import typed_text
 
@@ -506,8 +506,8 @@ def inspect_command(prompt, model, dtype, steps, top, temp, top_p, system, raw, 
     """Show the pipeline for PROMPT stage by stage: the images' patches, tokens and positions (with
     --image), tokens, embedding, layers, KV cache, prefill and decode time, and each step's
     next-token distribution."""
-    from .batch import BatchGenerator
-    from .inspection import inspect_pipeline
+    from .engine.batch import BatchGenerator
+    from .engine.inspection import inspect_pipeline
     from .inspect_report import render
     from .store import open_model
     from .terminal import typed_text
@@ -612,8 +612,8 @@ def serve(model, dtype, host, port, max_concurrency, max_queue, max_kv_size, kv_
     """Serve the model over OpenAI's HTTP API (chat and text completions, streaming), with a
     chat page at / (unless --no-web). Concurrent requests are decoded together; Ctrl-C stops
     after the requests in flight."""
-    from .batch import BatchGenerator
-    from .pool import PromptCachePool, cache_nbytes
+    from .engine.batch import BatchGenerator
+    from .engine.pool import PromptCachePool, cache_nbytes
     from .guard import allowed_hosts
     from .api.inspect import attention_offered
     from .server import EngineThread, ServerConfig, create_app, run

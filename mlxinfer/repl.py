@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Protocol, TextIO
 
-from .chat import ChatSession
+from .engine.chat import ChatSession
 from .text.constrain import typed_format
 from .text.tools import describe_call
 from .text.reasoning import SWITCH, tags_for, thinking_switch

@@ -179,7 +179,7 @@ def assert_speculation_equals(want: list[int], drafter: str, model, tokenizer, m
     """`model`'s greedy stream of `messages` gives `want`, plainly and with a drafter: a draft model
     (saved with `hf_tokenizer`) proposing `want` but its third token (`last`: the prompt's last id),
     so drafts are both accepted and rejected, or prompt lookup, whose drafts must at least be made."""
-    from mlxinfer.generation import stream_generate
+    from mlxinfer.engine.generate import stream_generate
     from mlxinfer.load.checkpoint import load
 
     def run(**options):

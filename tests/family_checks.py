@@ -30,9 +30,9 @@ from test_pool import BIG, assert_same_as_fresh, served
 import mlxinfer
 from convert import convert
 from convert.gguf_file import GGUFFile
-from mlxinfer.generation import stream_generate
+from mlxinfer.engine.generate import stream_generate
 from mlxinfer.models.cache import make_cache
-from mlxinfer.pool import PromptCachePool
+from mlxinfer.engine.pool import PromptCachePool
 
 PREFILL_STEP = 16  # a prompt of PROMPT_LENGTH tokens is prefilled in three chunks
 PROMPT_LENGTH = 40

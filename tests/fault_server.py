@@ -29,10 +29,10 @@ import time
 
 from mlxinfer import server
 from mlxinfer.load import adapters
-from mlxinfer.batch import BatchGenerator
+from mlxinfer.engine.batch import BatchGenerator
 from mlxinfer.models.prompt_cache import PromptCache
 from mlxinfer.cli import main
-from mlxinfer.text_stream import TextStream
+from mlxinfer.engine.text_stream import TextStream
 
 
 def ids(name: str) -> list[int]:

@@ -11,7 +11,7 @@ import signal
 import mlxinfer  # noqa: F401  (first: it binds MLX's BLAS)
 
 from mlxinfer.cli import main  # noqa: E402
-from mlxinfer.replica import Replica  # noqa: E402
+from mlxinfer.engine.replica import Replica  # noqa: E402
 
 step, steps = Replica.step, [0]
 AT = int(os.environ["MLXINFER_TEST_INTERRUPT_AT"])

@@ -178,7 +178,7 @@ def test_a_failure_mid_stream_is_an_error_event(client):
 
 def chunk(text="", finish=None, reasoning="", calls=None, content=None, stop=None):
     from mlxinfer.decode.sources import Stats
-    from mlxinfer.text_stream import Chunk
+    from mlxinfer.engine.text_stream import Chunk
 
     return Chunk(text, 1, None, finish, Stats(prompt_tokens=9, prefill_tokens=4, generated_tokens=5),
                  reasoning=reasoning, tool_calls=calls, content=content, stop_sequence=stop)

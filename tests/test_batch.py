@@ -20,9 +20,9 @@ from test_models_phi3 import VARIANTS as PHI3
 from test_parity import VARIANTS as PARITY
 
 import mlxinfer
-from mlxinfer.batch import BatchGenerator
+from mlxinfer.engine.batch import BatchGenerator
 from mlxinfer.base.errors import InvalidOptionError
-from mlxinfer.text_stream import Chunk
+from mlxinfer.engine.text_stream import Chunk
 
 LENGTHS = (3, 17, 64, 200)
 MAX_TOKENS = 8
@@ -493,7 +493,7 @@ def test_sampled_speculative_sequence_in_the_engine_finishes(loaded):
 def planted(where: str, fails_for) -> Any:
     """A replacement for PromptCache.prefill or TextStream.emit that raises for the sequences `fails_for` picks."""
     from mlxinfer.models.prompt_cache import PromptCache
-    from mlxinfer.text_stream import TextStream
+    from mlxinfer.engine.text_stream import TextStream
 
     if where == "prefill":
         original = PromptCache.prefill
@@ -515,7 +515,7 @@ def planted(where: str, fails_for) -> Any:
 @pytest.mark.parametrize("where", ["prefill", "emit"])
 def test_a_failing_sequence_ends_alone(loaded, monkeypatch, where):
     from mlxinfer.models.prompt_cache import PromptCache
-    from mlxinfer.text_stream import TextStream
+    from mlxinfer.engine.text_stream import TextStream
 
     model, tok = loaded
     opts = dict(GREEDY, max_tokens=12)
@@ -553,7 +553,7 @@ class _Unreadable:
 @pytest.mark.parametrize("where", ["graph", "read"])
 def test_a_failing_batched_step_ends_its_members_and_the_engine_goes_on(loaded, monkeypatch, where):
     """A fault while building a step (`run_rows`), or while reading a queued step's tokens."""
-    from mlxinfer import batch
+    from mlxinfer.engine import batch
 
     model, tok = loaded
     opts = dict(GREEDY, max_tokens=6)

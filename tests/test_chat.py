@@ -12,8 +12,8 @@ import pytest
 import mlxinfer
 from mlxinfer import ChatSession
 from mlxinfer.base.errors import InvalidOptionError, SessionFileError, TokenizerError
-from mlxinfer.generation import stream_generate
-from mlxinfer.request import Request
+from mlxinfer.engine.generate import stream_generate
+from mlxinfer.engine.request import Request
 
 GREEDY = {"temperature": 0.0, "max_tokens": 6}
 
@@ -249,7 +249,7 @@ def test_a_failed_save_leaves_no_stray_files(loaded, tmp_path, monkeypatch):
 def test_a_failed_prompt_cache_save_leaves_the_old_file(loaded, tmp_path, monkeypatch):
     import errno
 
-    import mlxinfer.models.cache as cache_module
+    import mlxinfer.engine.prompt_file as cache_module
 
     model, tok = loaded
     session = ChatSession(model, tok, **GREEDY)

@@ -26,7 +26,7 @@ import mlxinfer
 from mlxinfer.cli import main
 from mlxinfer.demo import MEMBER, NAME, PACKAGE, VERSION
 from mlxinfer.decode.sources import Stats
-from mlxinfer.generation import stream_generate
+from mlxinfer.engine.generate import stream_generate
 
 QUESTION = "hello there"
 

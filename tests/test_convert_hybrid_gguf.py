@@ -33,7 +33,7 @@ import mlxinfer
 from convert import convert
 from convert.gguf_file import GGUFFile
 from convert.gguf_tokenizer import tokenizer_json
-from mlxinfer.generation import stream_generate
+from mlxinfer.engine.generate import stream_generate
 from mlxinfer.models.cache import make_cache
 from mlxinfer.base.errors import MlxinferError
 

@@ -182,7 +182,7 @@ def test_texts_run_in_pieces_equal_sentence_transformers(hf_checkpoint, tmp_path
     """Forward passes of at most 12 tokens (a server's prefill chunk, small): texts longer than that
     run alone in pieces through a KV cache, the short ones batched; every mode's vectors are
     sentence-transformers' of the whole texts."""
-    from mlxinfer.embed import embed_slices, encode_texts
+    from mlxinfer.engine.embed import embed_slices, encode_texts
 
     folder = sentence_transformer(hf_checkpoint("llama"), tmp_path / "st", modes, False)
     model, tokenizer = mlxinfer.load(folder)

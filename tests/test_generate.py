@@ -15,13 +15,13 @@ import regex
 from scipy.special import logsumexp
 
 import mlxinfer
-from mlxinfer.batch import BatchGenerator
+from mlxinfer.engine.batch import BatchGenerator
 from mlxinfer.models.prompt_cache import PromptCache
-from mlxinfer.prompt_file import load_prompt_cache, save_prompt_cache
+from mlxinfer.engine.prompt_file import load_prompt_cache, save_prompt_cache
 from mlxinfer.decode.sources import chosen_logprobs
 from mlxinfer.base.errors import InvalidOptionError, SamplingError
-from mlxinfer.text_stream import StopMatcher, top_logprobs
-from mlxinfer.generation import stream_generate
+from mlxinfer.engine.text_stream import StopMatcher, top_logprobs
+from mlxinfer.engine.generate import stream_generate
 
 from conftest import VOCAB
 from test_cache import SinkWindowOracle

@@ -28,8 +28,8 @@ from test_models_gpt_oss import CONFIG
 from test_reasoning import parts, raw_reply
 
 import mlxinfer
-from mlxinfer.batch import BatchGenerator
-from mlxinfer.generation import stream_generate
+from mlxinfer.engine.batch import BatchGenerator
+from mlxinfer.engine.generate import stream_generate
 from mlxinfer.text.reasoning import HARMONY, effort_kwargs
 
 LLAMA_CPP = "llama-cpp-python==0.3.36"
@@ -424,7 +424,7 @@ def test_text_before_a_call_streams_once(model):
 
     from mlxinfer.api.openai import Reply
     from mlxinfer.decode.sources import Stats
-    from mlxinfer.text_stream import Chunk
+    from mlxinfer.engine.text_stream import Chunk
     from mlxinfer.text.tools import ToolCall, call_opener
 
     _, tok = model

@@ -474,7 +474,7 @@ def test_a_requests_images_are_bounded_before_any_is_decoded():
     colour nearly are) are refused from their headers by the request's pixel bound, not decoded
     (they hold no pixels: decoding one fails otherwise); 17 images, by the count. A request within
     both bounds reads its images without decoding them."""
-    from mlxinfer.request import Request
+    from mlxinfer.engine.request import Request
 
     with pytest.raises(ImageError, match="over 128,000,000 pixels together") as e:
         Request.of(chat_with([png_header(8000, 8000)] * 8))

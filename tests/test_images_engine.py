@@ -21,11 +21,11 @@ from conftest import assert_speculation_equals, encoded_images
 from test_cli import one_line_error
 from test_models_gemma_vision import TEXT, VISION, perturb, picture
 
-from mlxinfer.batch import BatchGenerator
-from mlxinfer.generation import stream_generate
+from mlxinfer.engine.batch import BatchGenerator
+from mlxinfer.engine.generate import stream_generate
 from mlxinfer.base.errors import ImageError, SessionFileError
 from mlxinfer.load.checkpoint import load
-from mlxinfer.pool import PromptCachePool
+from mlxinfer.engine.pool import PromptCachePool
 
 from PIL import Image  # noqa: E402
 
@@ -191,7 +191,7 @@ def hf_text(hf, messages: list[dict]) -> str:
 def test_chat_session_and_repl_with_images(ours, hf, tmp_path):
     """A conversation with two images, one per turn, through the chat session; the REPL's /image
     attaches a file to the next message."""
-    from mlxinfer.chat import ChatSession
+    from mlxinfer.engine.chat import ChatSession
     from mlxinfer.repl import Repl, StreamReader
 
     model, tokenizer = ours

@@ -21,14 +21,14 @@ from test_images_engine import data_url, our_greedy
 from test_models_gemma_vision import picture
 from test_models_qwen_vl import TEXT, VISION
 
-from mlxinfer.batch import BatchGenerator
-from mlxinfer.generation import stream_generate
+from mlxinfer.engine.batch import BatchGenerator
+from mlxinfer.engine.generate import stream_generate
 from mlxinfer.models.prompt_cache import PromptCache
-from mlxinfer.prompt_file import save_prompt_cache
-from mlxinfer.chat import ChatSession
+from mlxinfer.engine.prompt_file import save_prompt_cache
+from mlxinfer.engine.chat import ChatSession
 from mlxinfer.base.errors import InvalidOptionError
 from mlxinfer.load.checkpoint import load
-from mlxinfer.pool import PromptCachePool
+from mlxinfer.engine.pool import PromptCachePool
 
 from PIL import Image  # noqa: E402
 

@@ -200,7 +200,7 @@ def test_a_requests_images_are_decoded_one_at_a_time(vlm, monkeypatch):
     is one image's decode. Checked on the decoded images the processor is handed: when it is
     handed one, none handed before is still alive."""
     import mlxinfer
-    from mlxinfer.batch import BatchGenerator
+    from mlxinfer.engine.batch import BatchGenerator
 
     model, tokenizer = mlxinfer.load(vlm, dtype="float32")
     processor, alive, handed = model.image_processor, [], []

@@ -339,8 +339,8 @@ def test_batch_of_base_a_and_b_equals_each_alone(family, two_adapters):
 def test_the_pool_keeps_kv_apart_by_adapter(two_adapters):
     """A prompt served with adapter A leaves K/V that a request with B (or the base) must not
     reuse; a request with A again reuses them, and each equals its fresh run."""
-    from mlxinfer.batch import BatchGenerator
-    from mlxinfer.pool import PromptCachePool
+    from mlxinfer.engine.batch import BatchGenerator
+    from mlxinfer.engine.pool import PromptCachePool
     from test_pool import BIG
 
     model, tok = with_adapters(*two_adapters["llama"])

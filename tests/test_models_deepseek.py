@@ -21,7 +21,7 @@ from test_parity import (
 import mlxinfer
 from mlxinfer.models.cache import make_cache
 from mlxinfer.models.prompt_cache import PromptCache
-from mlxinfer.prompt_file import load_prompt_cache, save_prompt_cache
+from mlxinfer.engine.prompt_file import load_prompt_cache, save_prompt_cache
 
 MLA = {
     "num_key_value_heads": 4,  # transformers repeats MLA keys by heads // kv_heads, so real configs set them equal

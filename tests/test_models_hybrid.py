@@ -26,13 +26,13 @@ from test_batch import GREEDY, assert_batch_equals_solo, prompt
 from test_parity import TOL
 
 import mlxinfer
-from mlxinfer.generation import stream_generate
+from mlxinfer.engine.generate import stream_generate
 from mlxinfer.models.cache import StateCache, make_cache
 from mlxinfer.models.prompt_cache import PromptCache
-from mlxinfer.prompt_file import load_prompt_cache, save_prompt_cache
-from mlxinfer.chat import ChatSession
+from mlxinfer.engine.prompt_file import load_prompt_cache, save_prompt_cache
+from mlxinfer.engine.chat import ChatSession
 from mlxinfer.base.errors import ConfigError
-from mlxinfer.pool import PromptCachePool
+from mlxinfer.engine.pool import PromptCachePool
 from mlxinfer.models.shard import shard_config
 
 LINEAR = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
@@ -326,7 +326,7 @@ def test_inspect_shows_the_recurrent_state(hybrid):
     """`mlxinfer inspect` counts the recurrent layers and their state: per sequence, from the config
     (a convolution keeps K-1 inputs of its channels, a Gated DeltaNet also a key x value matrix per
     value head), float32 here."""
-    from mlxinfer.inspection import inspect_pipeline
+    from mlxinfer.engine.inspection import inspect_pipeline
     from mlxinfer.inspect_report import render
 
     model, tok = hybrid

@@ -22,11 +22,11 @@ from test_parity import TOL
 import mlxinfer
 from mlxinfer.models.cache import make_cache
 from mlxinfer.models.prompt_cache import PromptCache
-from mlxinfer.prompt_file import load_prompt_cache, save_prompt_cache
+from mlxinfer.engine.prompt_file import load_prompt_cache, save_prompt_cache
 from mlxinfer.base.errors import InvalidOptionError
 from mlxinfer.kernels import decode_layer
 from mlxinfer.models.vision import Pixels
-from mlxinfer.pool import prefix_copy
+from mlxinfer.engine.pool import prefix_copy
 
 IMAGE, VIDEO, START, END = 500, 501, 502, 503  # above the trained tokenizer's ids
 MERGE = 2

@@ -26,7 +26,7 @@ from family_checks import (  # noqa: F401  (the test_ functions run here, on thi
 from test_parity import assert_matches_mlx_lm, assert_matches_transformers, tokens
 
 import mlxinfer
-from mlxinfer.generation import stream_generate
+from mlxinfer.engine.generate import stream_generate
 from mlxinfer.text.reasoning import effort_kwargs, thinking_switch
 
 IDS = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)  # SmolLM3Config's defaults lie beyond our vocabulary

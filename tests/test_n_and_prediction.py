@@ -26,7 +26,7 @@ import pytest
 import torch
 
 import mlxinfer
-from mlxinfer.batch import BatchGenerator
+from mlxinfer.engine.batch import BatchGenerator
 from mlxinfer.base.errors import InvalidOptionError
 from mlxinfer.decode.sample import SamplingConfig
 from mlxinfer.decode.speculative import PredictedOutput

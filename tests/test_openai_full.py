@@ -294,7 +294,7 @@ def test_a_typed_route_parameter_error_is_a_400_in_openais_shape(loaded):
     from fastapi.testclient import TestClient
 
     from mlxinfer.api.engine_thread import EngineThread
-    from mlxinfer.batch import BatchGenerator
+    from mlxinfer.engine.batch import BatchGenerator
     from mlxinfer.server import ServerConfig, create_app
 
     engine = EngineThread(BatchGenerator(*loaded))

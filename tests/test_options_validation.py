@@ -19,10 +19,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from mlxinfer.chat import ChatSession
+from mlxinfer.engine.chat import ChatSession
 from mlxinfer.base.errors import InvalidOptionError
-from mlxinfer.options import split_options
-from mlxinfer.generation import stream_generate
+from mlxinfer.engine.options import split_options
+from mlxinfer.engine.generate import stream_generate
 from mlxinfer.decode.sample import SamplingConfig
 
 from conftest import VOCAB
@@ -194,7 +194,7 @@ CRASHED_BEFORE = [
 def test_former_crashes_are_one_line_errors_in_a_fresh_process(tiny, call):
     done = run_python(f"""
         import mlxinfer
-        from mlxinfer.chat import ChatSession
+        from mlxinfer.engine.chat import ChatSession
         from mlxinfer.base.errors import InvalidOptionError
         model, tok = mlxinfer.load({str(tiny)!r}, dtype="float32")
         try:

@@ -12,8 +12,8 @@ import pytest
 import mlxinfer
 from mlxinfer.models.prompt_cache import PromptCache
 from mlxinfer.base.errors import InvalidOptionError
-from mlxinfer.generation import stream_generate
-from mlxinfer.pool import PromptCachePool, prefix_copy
+from mlxinfer.engine.generate import stream_generate
+from mlxinfer.engine.pool import PromptCachePool, prefix_copy
 
 PROMPT = [5, 17, 99, 250, 3, 42, 7, 300, 12, 8]
 BIG = 1 << 30

@@ -21,9 +21,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import mlxinfer
-from mlxinfer.batch import BatchGenerator
-from mlxinfer.generation import stream_generate
-from mlxinfer.chat import ChatSession
+from mlxinfer.engine.batch import BatchGenerator
+from mlxinfer.engine.generate import stream_generate
+from mlxinfer.engine.chat import ChatSession
 from mlxinfer.base.errors import InvalidOptionError
 from mlxinfer.text.reasoning import THINK, Splitter, effort_kwargs, thinking_switch
 from mlxinfer.terminal import DIM

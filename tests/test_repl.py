@@ -19,7 +19,7 @@ import mlx.core as mx
 import pytest
 
 import mlxinfer
-from mlxinfer.generation import stream_generate
+from mlxinfer.engine.generate import stream_generate
 from mlxinfer.terminal import CYAN, DIM, spinner
 
 pexpect = pytest.importorskip("pexpect")

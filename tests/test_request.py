@@ -9,7 +9,7 @@ import numpy as np
 from PIL import Image
 
 from mlxinfer.text.images import LIMITS
-from mlxinfer.request import Request
+from mlxinfer.engine.request import Request
 
 
 def test_an_image_larger_as_png_than_the_byte_limit_reads_back_with_equal_pixels():

@@ -666,7 +666,7 @@ def test_thinking_streams_as_a_reasoning_item_before_the_message():
     from mlxinfer.api.responses import Reply
     from mlxinfer.api.responses_schema import CreateResponse
     from mlxinfer.decode.sources import Stats
-    from mlxinfer.text_stream import Chunk
+    from mlxinfer.engine.text_stream import Chunk
 
     stats = Stats(prompt_tokens=5, prefill_tokens=5, generated_tokens=6)
     parts = [("", "Let me"), ("", " think."), ("", ""), ("Hi", ""), ("", ""), ("!", "")]

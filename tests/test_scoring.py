@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 
 import mlxinfer
-from mlxinfer.batch import BatchGenerator
+from mlxinfer.engine.batch import BatchGenerator
 from mlxinfer.models.prompt_cache import PromptCache
 from mlxinfer.base.errors import InvalidOptionError
-from mlxinfer.pool import PromptCachePool
+from mlxinfer.engine.pool import PromptCachePool
 from serving import Server, post
 
 pytest.importorskip("fastapi")

@@ -16,7 +16,7 @@ from mlxinfer.models.prompt_cache import PromptCache
 from mlxinfer.base.errors import InvalidOptionError
 from mlxinfer.decode.sample import Sampler, SamplingConfig
 from mlxinfer.decode.speculative import DraftLength, PromptLookup, verify
-from mlxinfer.generation import stream_generate
+from mlxinfer.engine.generate import stream_generate
 
 from test_sample import np_filtered
 

@@ -16,8 +16,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mlxinfer.base.errors import InvalidOptionError
-from mlxinfer.text_stream import StopMatcher
-from mlxinfer.options import MAX_STOP_CHARS, MAX_STOPS, GenerationOptions
+from mlxinfer.engine.text_stream import StopMatcher
+from mlxinfer.engine.options import MAX_STOP_CHARS, MAX_STOPS, GenerationOptions
 
 
 def by_definition(stops: list[str], pieces: list[str]) -> tuple[list[tuple[str, bool]], str]:

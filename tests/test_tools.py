@@ -16,7 +16,7 @@ from mlxinfer.models.cache import make_cache
 from mlxinfer.models.prompt_cache import PromptCache
 from mlxinfer.text.constrain import Constraint
 from mlxinfer.base.errors import InvalidOptionError
-from mlxinfer.prompt import request_tokens
+from mlxinfer.engine.prompt import request_tokens
 from mlxinfer.text.tokenizer import load_tokenizer_from_dir
 from mlxinfer.text.tools import HERMES, JSON_CALL, MISTRAL, call_grammar, plan
 

@@ -25,8 +25,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import mlxinfer
-from mlxinfer.prompt_file import load_prompt_cache
-from mlxinfer.chat import ChatSession
+from mlxinfer.engine.prompt_file import load_prompt_cache
+from mlxinfer.engine.chat import ChatSession
 from mlxinfer.base.errors import (
     ConfigError,
     CorruptCheckpointError,

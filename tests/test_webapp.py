@@ -658,7 +658,7 @@ def test_attention_weights_in_chunks_equal_transformers_past_the_window(hf_check
     from transformers import AutoModelForCausalLM
 
     import mlxinfer
-    from mlxinfer.inspection import attention_slices
+    from mlxinfer.engine.inspection import attention_slices
     from mlxinfer.base.slices import run_whole
 
     folder = hf_checkpoint("gemma3_text", head_dim=32, num_hidden_layers=3, sliding_window=8,
@@ -686,7 +686,7 @@ def test_attention_is_off_on_a_network_address_without_a_key(loaded):
 
     from mlxinfer.api.engine_thread import EngineThread
     from mlxinfer.api.inspect import attention_offered
-    from mlxinfer.batch import BatchGenerator
+    from mlxinfer.engine.batch import BatchGenerator
     from mlxinfer.server import ServerConfig, create_app
 
     assert [attention_offered(h, k) for h, k in (("127.0.0.1", None), ("0.0.0.0", None), ("0.0.0.0", "k"))] == \

@@ -17,7 +17,7 @@ from typing import Any, AsyncIterator
 from fastapi import APIRouter, Request
 
 from ..decode.sources import Stats
-from ..text_stream import Chunk
+from ..engine.text_stream import Chunk
 from ..text.reasoning import effort_kwargs
 from ..text.tools import ToolCall, call_opener
 from .anthropic_schema import Conversation, CountTokens, CreateMessage, parse

@@ -21,7 +21,7 @@ from typing import Annotated, Any, Literal, Union
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from ..options import MAX_STOPS
+from ..engine.options import MAX_STOPS
 from .common import RequestError, image_part, model_body, template_content
 
 # Block types Anthropic defines that no model here reads (images, in a message, go to a vision-language model).

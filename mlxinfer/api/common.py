@@ -20,7 +20,7 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
-from ..text_stream import Chunk
+from ..engine.text_stream import Chunk
 from ..guard import allowed_hosts
 from ..text.images import downloads, has_images
 

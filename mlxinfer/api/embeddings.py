@@ -20,7 +20,7 @@ from pydantic import Field, field_validator
 from pydantic_core import PydanticCustomError
 
 from ..base.checks import is_integer
-from ..embed import check_dimensions, embed_slices, encode_texts
+from ..engine.embed import check_dimensions, embed_slices, encode_texts
 from ..base.errors import MlxinferError
 from .common import ClientGone, Context, RequestError, hung_up, json_reply, parsed, unless_gone
 from .openai_schema import Strict, parse

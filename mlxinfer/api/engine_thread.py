@@ -22,11 +22,11 @@ from typing import Any, AsyncIterator, Callable, TypeVar
 
 import mlx.core as mx
 
-from ..batch import BatchGenerator, Prepared
+from ..engine.batch import BatchGenerator, Prepared
 from ..base.errors import MlxinferError
-from ..text_stream import Chunk
-from ..replica import Replica
-from ..request import Request
+from ..engine.text_stream import Chunk
+from ..engine.replica import Replica
+from ..engine.request import Request
 from ..base.slices import Slices
 from .common import RequestError, server_error
 from .metrics import Metrics

@@ -23,7 +23,7 @@ from pydantic import Field, field_validator
 from pydantic_core import PydanticCustomError
 
 from ..guard import LOOPBACK_NAMES
-from ..inspection import attention_slices, inspect_slices
+from ..engine.inspection import attention_slices, inspect_slices
 from .common import Context, RequestError, json_reply, parsed
 from .openai_schema import ImagePart, Message, Strict, parse
 from .tokens import chat_prompt

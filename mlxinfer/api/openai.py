@@ -13,7 +13,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from ..decode.sources import Stats
-from ..text_stream import Chunk
+from ..engine.text_stream import Chunk
 from ..models.lora import adapters_of
 from ..text.tools import call_opener
 from .common import Context, RequestError, adapter_of, merged, parsed, respond_each, sse, typed_request

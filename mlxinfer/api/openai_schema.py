@@ -14,8 +14,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 from pydantic_core import PydanticCustomError
 
 from ..decode.sources import Stats
-from ..text_stream import Chunk
-from ..options import MAX_CHOICES
+from ..engine.text_stream import Chunk
+from ..engine.options import MAX_CHOICES
 from ..text.reasoning import EFFORTS, effort_kwargs
 from ..text.tokenizer import Tokenizer
 from .common import RequestError, image_part, json_object, template_content

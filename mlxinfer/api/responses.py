@@ -26,8 +26,8 @@ from typing import Any, AsyncIterator, Callable, NamedTuple
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from ..text_stream import Chunk
-from ..request import Request as TypedRequest
+from ..engine.text_stream import Chunk
+from ..engine.request import Request as TypedRequest
 from ..text.reasoning import effort_kwargs
 from ..text.tools import ToolCall, call_opener
 from .common import Context, RequestError, adapter_of, parsed, respond, sse, typed_request

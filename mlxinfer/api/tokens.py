@@ -22,7 +22,7 @@ from pydantic import model_validator
 from pydantic_core import PydanticCustomError
 
 from ..base.checks import token_ids
-from ..prompt import ImagePrompt, image_prompt, tool_plan
+from ..engine.prompt import ImagePrompt, image_prompt, tool_plan
 from .common import Context, RequestError, json_reply, parsed, typed_request
 from .openai_schema import ChatCompletion, Message, Strict, parse
 

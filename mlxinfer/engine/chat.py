@@ -27,21 +27,21 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
-from .models.prompt_cache import PromptCache
+from ..models.prompt_cache import PromptCache
 from .prompt_file import load_prompt_cache, save_prompt_cache
-from .base.checks import is_integer
-from .base.errors import ImageError, InvalidOptionError, MlxinferError, SessionFileError, TokenizerError
-from .base.files import replacing, write_problem
+from ..base.checks import is_integer
+from ..base.errors import ImageError, InvalidOptionError, MlxinferError, SessionFileError, TokenizerError
+from ..base.files import replacing, write_problem
 from .batch import BatchGenerator
-from .generation import stream_request
+from .generate import stream_request
 from .request import Request
-from .decode.sources import Stats
+from ..decode.sources import Stats
 from .prompt import with_tools
 from .text_stream import Chunk
-from .text.images import NO_IMAGES, load_image
-from .text.reasoning import reasoning_for
-from .text.tokenizer import Tokenizer
-from .text.tools import plan as plan_tools
+from ..text.images import NO_IMAGES, load_image
+from ..text.reasoning import reasoning_for
+from ..text.tokenizer import Tokenizer
+from ..text.tools import plan as plan_tools
 
 CACHE_OPTIONS = ("max_kv_size", "kv_bits", "kv_group_size")
 FORMAT = "mlxinfer-chat"

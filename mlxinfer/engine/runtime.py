@@ -10,8 +10,8 @@ import warnings
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from .models.prompt_cache import PromptCache
-from .base.errors import InvalidOptionError
+from ..models.prompt_cache import PromptCache
+from ..base.errors import InvalidOptionError
 
 
 def check_context(model, cache: PromptCache, n_prompt: int) -> None:

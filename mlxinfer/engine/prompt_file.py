@@ -11,12 +11,12 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from .models.cache import KV_BITS, KV_GROUP_SIZES, KVCache, Parts, RotatingKVCache, StateCache
-from .base.checks import INDEX_MAX, is_integer
-from .base.errors import CorruptCheckpointError, InvalidOptionError, MlxinferError
-from .base.files import replacing
-from .base.safetensors import safetensors_header
-from .models.prompt_cache import PromptCache
+from ..models.cache import KV_BITS, KV_GROUP_SIZES, KVCache, Parts, RotatingKVCache, StateCache
+from ..base.checks import INDEX_MAX, is_integer
+from ..base.errors import CorruptCheckpointError, InvalidOptionError, MlxinferError
+from ..base.files import replacing
+from ..base.safetensors import safetensors_header
+from ..models.prompt_cache import PromptCache
 
 
 def save_prompt_cache(path: str | Path, cache: PromptCache, metadata: dict[str, str] | None = None) -> None:

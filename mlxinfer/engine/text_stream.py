@@ -13,12 +13,12 @@ from typing import Sequence
 
 import mlx.core as mx
 
-from .models.prompt_cache import PromptCache
-from .decode.sources import Score, Stats, Token
+from ..models.prompt_cache import PromptCache
+from ..decode.sources import Score, Stats, Token
 from .options import GenerationOptions
-from .text.reasoning import ChannelSplitter, Reasoning
-from .text.tokenizer import Tokenizer
-from .text.tools import ToolCall, ToolPlan
+from ..text.reasoning import ChannelSplitter, Reasoning
+from ..text.tokenizer import Tokenizer
+from ..text.tools import ToolCall, ToolPlan
 
 
 @dataclass(frozen=True)

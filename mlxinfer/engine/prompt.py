@@ -7,16 +7,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from .base.checks import token_ids
-from .text.constrain import json_answer
-from .base.errors import ImageError, InvalidOptionError
-from .text.images import NO_IMAGES, expand_placeholders
-from .models.vision import Pixels
+from ..base.checks import token_ids
+from ..text.constrain import json_answer
+from ..base.errors import ImageError, InvalidOptionError
+from ..text.images import NO_IMAGES, expand_placeholders
+from ..models.vision import Pixels
 from .options import GenerationOptions, Prompt
-from .text.reasoning import Reasoning, reasoning_for, tags_for
-from .text.tokenizer import Tokenizer
-from .text.tools import ToolPlan
-from .text.tools import plan as plan_tools
+from ..text.reasoning import Reasoning, reasoning_for, tags_for
+from ..text.tokenizer import Tokenizer
+from ..text.tools import ToolPlan
+from ..text.tools import plan as plan_tools
 
 
 def prompt_tokens(tokenizer: Tokenizer, prompt: Prompt, vocab_size: int,

@@ -29,11 +29,11 @@ from typing import Any, Callable, Sequence
 import mlx.core as mx
 import numpy as np
 
-from .models.cache import KV_GROUP_SIZES, KVCache, Parts, RotatingKVCache, StateCache
-from .models.prompt_cache import PromptCache, common_prefix
-from .base.checks import integer
-from .base.errors import InvalidOptionError
-from .models.lora import identity
+from ..models.cache import KV_GROUP_SIZES, KVCache, Parts, RotatingKVCache, StateCache
+from ..models.prompt_cache import PromptCache, common_prefix
+from ..base.checks import integer
+from ..base.errors import InvalidOptionError
+from ..models.lora import identity
 
 CACHE_OPTIONS = ("max_kv_size", "kv_bits", "kv_group_size", "keep")
 

@@ -9,12 +9,12 @@ from typing import Any, Iterator, Sequence
 import mlx.core as mx
 
 from .batch import BatchGenerator
-from .base.errors import InvalidOptionError
+from ..base.errors import InvalidOptionError
 from .options import Prompt
-from .models.prompt_cache import PromptCache
+from ..models.prompt_cache import PromptCache
 from .request import Request
 from .text_stream import Chunk
-from .text.tokenizer import Tokenizer
+from ..text.tokenizer import Tokenizer
 
 
 def stream_generate(model, tokenizer: Tokenizer, prompt: Prompt, prompt_cache: PromptCache | None = None,

@@ -17,13 +17,13 @@ from collections.abc import Sequence
 import mlx.core as mx
 import numpy as np
 
-from .models.cache import make_cache
-from .base.checks import integer, is_integer, token_ids
-from .base.errors import ConfigError, InvalidOptionError
-from .models import CausalLM
-from .models.pooling import Pooling
-from .base.slices import Slices, run_whole
-from .text.tokenizer import Tokenizer
+from ..models.cache import make_cache
+from ..base.checks import integer, is_integer, token_ids
+from ..base.errors import ConfigError, InvalidOptionError
+from ..models import CausalLM
+from ..models.pooling import Pooling
+from ..base.slices import Slices, run_whole
+from ..text.tokenizer import Tokenizer
 
 Text = str | Sequence[int]
 BATCH_SIZE = 32

@@ -3,12 +3,12 @@ format or tool-call grammar, and, when it drafts, its speculative decoder."""
 
 from __future__ import annotations
 
-from .models.prompt_cache import PromptCache
-from .text.constrain import Constraint, response_format
-from .decode.sources import Stats
+from ..models.prompt_cache import PromptCache
+from ..text.constrain import Constraint, response_format
+from ..decode.sources import Stats
 from .options import GenerationOptions
-from .decode.sample import Sampler
-from .decode.speculative import (
+from ..decode.sample import Sampler
+from ..decode.speculative import (
     LOOKUP_DRAFT,
     MODEL_DRAFT,
     PREDICTION_DRAFT,
@@ -16,8 +16,8 @@ from .decode.speculative import (
     SpeculativeDecoder,
     make_drafter,
 )
-from .text.tokenizer import Tokenizer
-from .text.tools import ToolPlan
+from ..text.tokenizer import Tokenizer
+from ..text.tools import ToolPlan
 
 
 def constraint_for(options: GenerationOptions, tokenizer: Tokenizer, vocab_size: int,

@@ -20,10 +20,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .base.errors import InvalidOptionError
+from ..base.errors import InvalidOptionError
 from .options import GenerationOptions, Prompt, split_options
-from .text.images import DATA, LIMITS, LOCAL, ImageLimits, LazyImage, has_images, open_image, take_images
-from .decode.sample import SamplingConfig
+from ..text.images import DATA, LIMITS, LOCAL, ImageLimits, LazyImage, has_images, open_image, take_images
+from ..decode.sample import SamplingConfig
 
 # Options that hold runtime objects (a loaded draft model, its cache): they configure this
 # process only, so a request carrying them cannot be written out.

@@ -23,8 +23,8 @@ import threading
 from typing import Any, Iterator, Sequence
 
 from .batch import BatchGenerator, Prepared
-from .models.prompt_cache import PromptCache
-from .base.errors import InvalidOptionError
+from ..models.prompt_cache import PromptCache
+from ..base.errors import InvalidOptionError
 from .text_stream import Chunk
 from .relay import Relay
 from .request import Request

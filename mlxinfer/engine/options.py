@@ -6,13 +6,13 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any, Sequence
 
-from .models.cache import KV_BITS, KV_GROUP_SIZES
-from .models.prompt_cache import PromptCache
-from .base.checks import flag, integer, is_integer
-from .text.constrain import response_format
-from .base.errors import InvalidOptionError
-from .decode.sample import SamplingConfig
-from .text.tools import check_tools
+from ..models.cache import KV_BITS, KV_GROUP_SIZES
+from ..models.prompt_cache import PromptCache
+from ..base.checks import flag, integer, is_integer
+from ..text.constrain import response_format
+from ..base.errors import InvalidOptionError
+from ..decode.sample import SamplingConfig
+from ..text.tools import check_tools
 
 Prompt = str | Sequence[int] | Sequence[dict]
 

@@ -29,27 +29,27 @@ from typing import Any, Iterator, Sequence
 
 import mlx.core as mx
 
-from .models.prompt_cache import PromptCache, chunk_end, run_rows
-from .base.checks import integer
-from .text.constrain import Constraint, masked
-from .decode.sources import Score, Stats, Token, chosen_logprobs, drawn, scored_prefill
-from .base.errors import ImageError, InvalidOptionError
-from .text.images import LIMITS, LOCAL, NO_IMAGES, ImageLimits, has_images
+from ..models.prompt_cache import PromptCache, chunk_end, run_rows
+from ..base.checks import integer
+from ..text.constrain import Constraint, masked
+from ..decode.sources import Score, Stats, Token, chosen_logprobs, drawn, scored_prefill
+from ..base.errors import ImageError, InvalidOptionError
+from ..text.images import LIMITS, LOCAL, NO_IMAGES, ImageLimits, has_images
 from .decoders import constraint_for, speculative_source
 from .runtime import check_context, context_limit, generation_stream, wired_limit
 from .prompt import ImagePrompt, image_prompt, predicted_tokens, reasoning_of, tool_plan
 from .text_stream import Chunk, TextStream, read_tool_calls
 from .options import GenerationOptions, Prompt
-from .models.lora import identity
-from .models.vision import Embedded
+from ..models.lora import identity
+from ..models.vision import Embedded
 from .pool import PromptCachePool, prefix_copy
-from .text.reasoning import Reasoning
+from ..text.reasoning import Reasoning
 from .request import Request
-from .decode.sample import Sampler, SamplingConfig, greedy
-from .decode.speculative import PredictedOutput, SpeculativeDecoder
-from .text.tools import ToolPlan
-from .text.tools import plan as plan_tools
-from .text.tokenizer import Tokenizer
+from ..decode.sample import Sampler, SamplingConfig, greedy
+from ..decode.speculative import PredictedOutput, SpeculativeDecoder
+from ..text.tools import ToolPlan
+from ..text.tools import plan as plan_tools
+from ..text.tokenizer import Tokenizer
 
 CACHE_OPTIONS = ("max_kv_size", "kv_bits", "kv_group_size")
 # Most tokens one engine step decodes speculatively, so a new request waits at most this long to be admitted.

@@ -26,7 +26,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from .base.errors import InvalidOptionError
+from ..base.errors import InvalidOptionError
 from .runtime import generation_stream
 
 HEAD = 4096  # bytes shared in the first all_sum: a length, then the start of the message

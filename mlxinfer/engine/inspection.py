@@ -14,17 +14,17 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from .models.cache import StateCache
-from .models.prompt_cache import PromptCache
-from .base.errors import InvalidOptionError
+from ..models.cache import StateCache
+from ..models.prompt_cache import PromptCache
+from ..base.errors import InvalidOptionError
 from .prompt import ImagePrompt
-from .models.config import SLIDING
-from .models.layers import Attention
-from .models.moe import SwitchGLU
-from .decode.sample import SamplingConfig, filtered_probs
-from .models.shard import layout
-from .base.slices import Slices, run_whole
-from .text.tokenizer import Tokenizer
+from ..models.config import SLIDING
+from ..models.layers import Attention
+from ..models.moe import SwitchGLU
+from ..decode.sample import SamplingConfig, filtered_probs
+from ..models.shard import layout
+from ..base.slices import Slices, run_whole
+from ..text.tokenizer import Tokenizer
 
 
 def inspect_pipeline(
