@@ -12,9 +12,9 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from mlxinfer.load.adapters import fused_weights
+from mlxinfer.loading.adapters import fused_weights
 from mlxinfer.base.errors import ConversionError, MlxinferError, ModelNotFoundError
-from mlxinfer.load.checkpoint import check_weights, resolve
+from mlxinfer.loading.checkpoint import check_weights, resolve
 from mlxinfer.models import build_model
 from mlxinfer.text.tokenizer import load_tokenizer_from_dir
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from mlxinfer.base.errors import InvalidOptionError
-from mlxinfer.load.checkpoint import load_model, quantize_like_checkpoint
+from mlxinfer.loading.checkpoint import load_model, quantize_like_checkpoint
 from mlxinfer.models import CausalLM, build_model
 from mlxinfer.text.tokenizer import load_tokenizer_from_dir
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from mlxinfer.base.errors import InvalidOptionError
-from mlxinfer.load.checkpoint import FLOAT_MODES, parse_dtype
+from mlxinfer.loading.checkpoint import FLOAT_MODES, parse_dtype
 
 BITS = (2, 3, 4, 5, 6, 8)
 GROUP_SIZES = (32, 64, 128)

@@ -18,7 +18,7 @@ from mlx.utils import tree_flatten
 
 from mlxinfer.base.errors import ConversionError
 from mlxinfer.base.files import checkpoint_file
-from mlxinfer.load.checkpoint import (
+from mlxinfer.loading.checkpoint import (
     TOKENIZER_FILES,
     _quant_params,
     hf_quant_method,

@@ -4,7 +4,7 @@ from .base import blas
 
 blas.preload()  # before anything imports mlx.core: a BLAS chosen later would not be used
 
-from .load.adapters import load, load_adapter, unload_adapter
+from .loading.adapters import load, load_adapter, unload_adapter
 from .engine.batch import BatchGenerator
 from .engine.generate import batch_generate, generate, stream_generate
 from .models.cache import make_cache
@@ -15,7 +15,7 @@ from .engine.embed import embed
 from .base.errors import MlxinferError
 from .decode.sources import Stats
 from .engine.text_stream import Chunk
-from .load.checkpoint import load_tokenizer
+from .loading.checkpoint import load_tokenizer
 from .engine.pool import PromptCachePool
 from .decode.sample import SamplingConfig
 

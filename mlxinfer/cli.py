@@ -619,7 +619,7 @@ def serve(model, dtype, host, port, max_concurrency, max_queue, max_kv_size, kv_
     from .server import EngineThread, ServerConfig, create_app, run
     from .models.shard import launched, summed, world
     from .models.shard import summary as shard_summary
-    from .load.adapters import load_adapter
+    from .loading.adapters import load_adapter
     from .text.images import DATA, HTTP, LIMITS
     from .store import open_model
 

@@ -28,7 +28,7 @@ import os
 import time
 
 from mlxinfer import server
-from mlxinfer.load import adapters
+from mlxinfer.loading import adapters
 from mlxinfer.engine.batch import BatchGenerator
 from mlxinfer.models.prompt_cache import PromptCache
 from mlxinfer.cli import main

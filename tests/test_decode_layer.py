@@ -257,7 +257,7 @@ def test_half_scales_are_kept_and_read_exactly(hf_checkpoint, tmp_path, monkeypa
     """A checkpoint whose quantization scales are float16 (as a GGUF's are) keeps them so beside
     float32 activations where the extension reads them: logits (a prompt past the extension's rows
     too, which dequantizes) equal those of the same model with float32 scales, bit for bit."""
-    from mlxinfer.load import checkpoint
+    from mlxinfer.loading import checkpoint
 
     src = hf_checkpoint("llama", tie_word_embeddings=True, max_position_embeddings=512)
     convert(src, tmp_path / "q", quantize=True, bits=4, group_size=32, dtype="float16")

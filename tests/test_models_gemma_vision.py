@@ -19,7 +19,7 @@ from PIL import Image
 from test_parity import TOL
 
 from mlxinfer.models.prompt_cache import PromptCache
-from mlxinfer.load.checkpoint import load_model
+from mlxinfer.loading.checkpoint import load_model
 from mlxinfer.models.vision import Embedded, Pixels
 
 VOCAB, BOI, EOI, IMAGE = 300, 290, 291, 292

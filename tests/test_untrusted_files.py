@@ -33,7 +33,7 @@ from mlxinfer.base.errors import (
     MlxinferError,
     SessionFileError,
 )
-from mlxinfer.load.checkpoint import read_weights, weight_files
+from mlxinfer.loading.checkpoint import read_weights, weight_files
 from mlxinfer.models import model_config
 from mlxinfer.store import describe
 from mlxinfer.text.tokenizer import load_tokenizer_from_dir

@@ -17,7 +17,7 @@ from typing import Any, Literal
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from ..load.adapters import attach_adapter, prepare_adapter, unload_adapter
+from ..loading.adapters import attach_adapter, prepare_adapter, unload_adapter
 from ..base.errors import MlxinferError
 from ..models.lora import adapter_name, adapters_of
 from .common import Context, RequestError, body_of, server_error
