@@ -614,9 +614,9 @@ def serve(model, dtype, host, port, max_concurrency, max_queue, max_kv_size, kv_
     after the requests in flight."""
     from .engine.batch import BatchGenerator
     from .engine.pool import PromptCachePool, cache_nbytes
-    from .guard import allowed_hosts
-    from .api.inspect import attention_offered
-    from .server import EngineThread, ServerConfig, create_app, run
+    from .serve.guard import allowed_hosts
+    from .serve.inspect import attention_offered
+    from .serve.app import EngineThread, ServerConfig, create_app, run
     from .models.shard import launched, summed, world
     from .models.shard import summary as shard_summary
     from .loading.adapters import load_adapter

@@ -27,7 +27,7 @@ from __future__ import annotations
 import os
 import time
 
-from mlxinfer import server
+from mlxinfer.serve import app
 from mlxinfer.loading import adapters
 from mlxinfer.engine.batch import BatchGenerator
 from mlxinfer.models.prompt_cache import PromptCache
@@ -103,7 +103,7 @@ adapters.read_adapter = gated_read_adapter
 PromptCache.prefill = faulty_prefill
 TextStream.emit = faulty_emit
 BatchGenerator.prepare = gated_prepare
-server.HEADER_SECONDS = float(os.environ.get("MLXINFER_TEST_HEADER_SECONDS", server.HEADER_SECONDS))
+app.HEADER_SECONDS = float(os.environ.get("MLXINFER_TEST_HEADER_SECONDS", app.HEADER_SECONDS))
 
 if __name__ == "__main__":
     main()

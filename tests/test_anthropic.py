@@ -213,7 +213,7 @@ def test_what_the_stream_builds_is_the_whole_message(chunks, blocks, reason):
     import asyncio
 
     from anthropic.lib.streaming._messages import accumulate_event
-    from mlxinfer.api.anthropic import Reply
+    from mlxinfer.serve.anthropic import Reply
 
     async def rest():
         for c in chunks[1:]:

@@ -422,7 +422,7 @@ def test_text_before_a_call_streams_once(model):
     (the stream adds up to the whole response)."""
     import asyncio
 
-    from mlxinfer.api.openai import Reply
+    from mlxinfer.serve.openai import Reply
     from mlxinfer.decode.sources import Stats
     from mlxinfer.engine.text_stream import Chunk
     from mlxinfer.text.tools import ToolCall, call_opener

@@ -293,9 +293,9 @@ def test_a_typed_route_parameter_error_is_a_400_in_openais_shape(loaded):
     errors do, naming the parameter."""
     from fastapi.testclient import TestClient
 
-    from mlxinfer.api.engine_thread import EngineThread
+    from mlxinfer.serve.engine_thread import EngineThread
     from mlxinfer.engine.batch import BatchGenerator
-    from mlxinfer.server import ServerConfig, create_app
+    from mlxinfer.serve.app import ServerConfig, create_app
 
     engine = EngineThread(BatchGenerator(*loaded))
     try:

@@ -478,9 +478,9 @@ def test_the_store_counts_at_least_what_it_holds():
     import gc
     import tracemalloc
 
-    from mlxinfer.api.openai_schema import parse
-    from mlxinfer.api.responses import Store, Stored, turn_of
-    from mlxinfer.api.responses_schema import CreateResponse
+    from mlxinfer.serve.openai_schema import parse
+    from mlxinfer.serve.responses import Store, Stored, turn_of
+    from mlxinfer.serve.responses_schema import CreateResponse
 
     shapes = {"many empty objects": [{"type": "reasoning", "summary": [{}] * 90_000}, *user("x")],
               "many small messages": user("hi") * 20_000, "one long text": "x " * 1_000_000}
@@ -662,9 +662,9 @@ def test_thinking_streams_as_a_reasoning_item_before_the_message():
     from openai.lib.streaming.responses._responses import ResponseStreamState
     from openai.types.responses import ResponseStreamEvent
 
-    from mlxinfer.api.openai_schema import parse
-    from mlxinfer.api.responses import Reply
-    from mlxinfer.api.responses_schema import CreateResponse
+    from mlxinfer.serve.openai_schema import parse
+    from mlxinfer.serve.responses import Reply
+    from mlxinfer.serve.responses_schema import CreateResponse
     from mlxinfer.decode.sources import Stats
     from mlxinfer.engine.text_stream import Chunk
 

@@ -684,10 +684,10 @@ def test_attention_is_bounded_and_needs_the_key(server):
 def test_attention_is_off_on_a_network_address_without_a_key(loaded):
     from fastapi.testclient import TestClient
 
-    from mlxinfer.api.engine_thread import EngineThread
-    from mlxinfer.api.inspect import attention_offered
+    from mlxinfer.serve.engine_thread import EngineThread
+    from mlxinfer.serve.inspect import attention_offered
     from mlxinfer.engine.batch import BatchGenerator
-    from mlxinfer.server import ServerConfig, create_app
+    from mlxinfer.serve.app import ServerConfig, create_app
 
     assert [attention_offered(h, k) for h, k in (("127.0.0.1", None), ("0.0.0.0", None), ("0.0.0.0", "k"))] == \
         [True, False, True]

@@ -21,7 +21,7 @@ from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
 from ..engine.text_stream import Chunk
-from ..guard import allowed_hosts
+from .guard import allowed_hosts
 from ..text.images import downloads, has_images
 
 BODY_SECONDS = 30  # from the headers to the body's last byte

@@ -19,10 +19,10 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from .api import adapters, anthropic, embeddings, inspect, metrics, openai, responses, tokens, web
-from .api.common import Context, RequestError, ServerConfig
-from .api.engine_thread import EngineThread
-from .base.errors import MlxinferError
+from . import adapters, anthropic, embeddings, inspect, metrics, openai, page, responses, tokens
+from .common import Context, RequestError, ServerConfig
+from .engine_thread import EngineThread
+from ..base.errors import MlxinferError
 from .guard import LocalOnly, guarded_protocol
 
 MAX_CONNECTIONS = 128  # under macOS's default of 256 descriptors a process
@@ -139,5 +139,5 @@ def create_app(engine: EngineThread, model, tokenizer, config: ServerConfig) -> 
     app.include_router(v1)
     app.include_router(root)
     if config.web:
-        app.include_router(web.router())  # the page and its assets: open to all, as the page asks for the key
+        app.include_router(page.router())  # the page and its assets: open to all, as the page asks for the key
     return app

@@ -25,7 +25,7 @@ POLICY = ("default-src 'none'; script-src 'self'; style-src 'self'; img-src 'sel
 
 def assets() -> dict[str, tuple[bytes, str]]:
     """Every file of the web app by name, with its content type (read once: a few kilobytes)."""
-    folder = files("mlxinfer") / "web"
+    folder = files(__package__) / "web"
     return {f.name: (f.read_bytes(), TYPES[f.name[f.name.rindex("."):]]) for f in folder.iterdir()
             if "." in f.name and f.name[f.name.rindex("."):] in TYPES}
 

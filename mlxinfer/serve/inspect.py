@@ -22,7 +22,7 @@ from fastapi import APIRouter, Request
 from pydantic import Field, field_validator
 from pydantic_core import PydanticCustomError
 
-from ..guard import LOOPBACK_NAMES
+from .guard import LOOPBACK_NAMES
 from ..engine.inspection import attention_slices, inspect_slices
 from .common import Context, RequestError, json_reply, parsed
 from .openai_schema import ImagePart, Message, Strict, parse
