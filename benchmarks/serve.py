@@ -69,7 +69,7 @@ import mlxinfer  # first: it binds a fast BLAS before mlx.core loads (see mlxinf
 from batch import convert_smollm2, smollm2_source  # noqa: E402, I001
 from compare_mlx_lm import build_llama_50m  # noqa: E402
 from mlxinfer.base import blas  # noqa: E402
-from mlxinfer.bench import random_prompt  # noqa: E402
+from mlxinfer.cli.bench import random_prompt  # noqa: E402
 from mlxinfer.text.tokenizer import load_tokenizer_from_dir  # noqa: E402
 
 TARGET_HTTP_VS_IN_PROCESS = 0.95  # ours at 1 client, decode tok/s
@@ -173,7 +173,7 @@ def server_env() -> dict[str, str]:
 def start(name: str, path: Path, max_batch: int, log: IO[str]) -> Server:
     python = sys.executable
     if name == OURS:
-        return Server(name, [python, "-m", "mlxinfer.cli", "serve", "-m", str(path),
+        return Server(name, [python, "-m", "mlxinfer", "serve", "-m", str(path),
                              "--max-concurrency", str(max_batch)], "/health", log)
     return Server(name, [python, "-m", "mlx_lm", "server", "--model", str(path), "--decode-concurrency",
                          str(max_batch), "--log-level", "WARNING"], "/health", log)

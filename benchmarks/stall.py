@@ -48,7 +48,7 @@ from typing import Any, Callable
 
 import mlxinfer  # noqa: F401  (first: it picks MLX's BLAS)
 from mlxinfer.loading.checkpoint import load_tokenizer
-from mlxinfer.store import resolve_model
+from mlxinfer.cli.store import resolve_model
 
 PREFILL_STEP = 512  # the engine's default chunk
 WORDS = "river stone light cloud garden paper window music silver forest "
@@ -196,7 +196,7 @@ def main() -> None:
     print(f"load average before: {load()}")
     port = free_port()
     base = f"http://127.0.0.1:{port}"
-    cmd = [sys.executable, "-m", "mlxinfer.cli", "serve", "--port", str(port)]
+    cmd = [sys.executable, "-m", "mlxinfer", "serve", "--port", str(port)]
     server = subprocess.Popen(cmd + (["-m", args.model] if args.model else []), stderr=subprocess.PIPE, text=True)
     try:
         for line in server.stderr:  # ready when it says where it serves

@@ -12,7 +12,7 @@ import mlxinfer  # noqa: F401  (first: it binds MLX's BLAS)
 import mlx.core as mx  # noqa: E402, I001
 
 from mlxinfer.models.prompt_cache import PromptCache  # noqa: E402
-from mlxinfer.cli import main  # noqa: E402
+from mlxinfer.cli.main import main  # noqa: E402
 
 run, calls = PromptCache.run, [0]
 HANG = os.environ.get("MLXINFER_TEST_FAULT") == "hang"

@@ -31,7 +31,7 @@ from mlxinfer.serve import app
 from mlxinfer.loading import adapters
 from mlxinfer.engine.batch import BatchGenerator
 from mlxinfer.models.prompt_cache import PromptCache
-from mlxinfer.cli import main
+from mlxinfer.cli.main import main
 from mlxinfer.engine.text_stream import TextStream
 
 

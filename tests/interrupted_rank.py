@@ -10,7 +10,7 @@ import signal
 
 import mlxinfer  # noqa: F401  (first: it binds MLX's BLAS)
 
-from mlxinfer.cli import main  # noqa: E402
+from mlxinfer.cli.main import main  # noqa: E402
 from mlxinfer.engine.replica import Replica  # noqa: E402
 
 step, steps = Replica.step, [0]

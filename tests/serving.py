@@ -66,7 +66,7 @@ class Server:
                  descriptors: int | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        command = script or [sys.executable, "-m", "mlxinfer.cli"]
+        command = script or [sys.executable, "-m", "mlxinfer"]
 
         def limit() -> None:  # in the child: at most `descriptors` open files, as `ulimit -n` sets
             resource.setrlimit(resource.RLIMIT_NOFILE, (descriptors, descriptors))

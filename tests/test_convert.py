@@ -20,7 +20,7 @@ from mlx.utils import tree_flatten
 
 import mlxinfer
 from convert import convert
-from mlxinfer.cli import main
+from mlxinfer.cli.main import main
 from mlxinfer.base.errors import ConversionError, ModelNotFoundError, UnsupportedArchitectureError
 
 IDS = np.random.default_rng(0).integers(0, 500, size=(2, 16))
@@ -437,7 +437,7 @@ def test_ctrl_c_during_eval_ppl_keeps_the_written_output(hf_checkpoint, tmp_path
 PAUSED_CONVERT = """
 import sys
 import convert.writer as writer
-from mlxinfer.cli import main
+from mlxinfer.cli.main import main
 save, saved = writer._save, []
 def save_then_wait(file, arrays):
     save(file, arrays)

@@ -231,7 +231,7 @@ def test_a_missing_extension_is_called_not_built(monkeypatch, tmp_path):
 
 def test_why_it_was_not_built_is_said_once_at_the_first_run(monkeypatch, tmp_path, capsys):
     """setup.py leaves its reason beside the package; the first command says it with the fix, once."""
-    from mlxinfer import cli
+    from mlxinfer.cli import main
 
     (tmp_path / "why").write_text("cmake not found\n")
     monkeypatch.setattr(qmm, "REASON_FILE", tmp_path / "why")
@@ -289,7 +289,7 @@ def test_smollm2_greedy_tokens_equal_the_pure_mlx_path(smollm2_gguf, tmp_path, m
 def test_doctor_reports_the_active_path():
     from click.testing import CliRunner
 
-    from mlxinfer.cli import main
+    from mlxinfer.cli.main import main
 
     result = CliRunner().invoke(main, ["doctor"])
     assert result.exit_code == 0, result.output

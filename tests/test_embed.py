@@ -17,7 +17,7 @@ import pytest
 from click.testing import CliRunner
 
 import mlxinfer
-from mlxinfer.cli import main
+from mlxinfer.cli.main import main
 from mlxinfer.base.errors import ConfigError, InvalidOptionError, NoLMHeadError
 from serving import KEY, Server, post
 

@@ -41,7 +41,7 @@ def test_examples_import_mlxinfer_before_mlx(where, code):
 
 
 def test_cli_help():
-    out = subprocess.run([sys.executable, "-m", "mlxinfer.cli", "--help"], capture_output=True, text=True, check=True)
+    out = subprocess.run([sys.executable, "-m", "mlxinfer", "--help"], capture_output=True, text=True, check=True)
     assert "On-device LLM inference" in out.stdout
 
 
@@ -59,7 +59,7 @@ def test_bench_command_json(hf_checkpoint):
 
     from click.testing import CliRunner
 
-    from mlxinfer.cli import main
+    from mlxinfer.cli.main import main
 
     result = CliRunner().invoke(main, ["bench", str(hf_checkpoint("llama")), "--prompt-tokens", "16",
                                        "--gen-tokens", "4", "--repeat", "2", "--json"])
@@ -74,7 +74,7 @@ def test_bench_command_json(hf_checkpoint):
 def test_cli_error_is_one_line(tmp_path):
     from click.testing import CliRunner
 
-    from mlxinfer.cli import main
+    from mlxinfer.cli.main import main
 
     result = CliRunner().invoke(main, ["bench", str(tmp_path)])
     assert result.exit_code == 1

@@ -192,7 +192,7 @@ def test_chat_session_and_repl_with_images(ours, hf, tmp_path):
     """A conversation with two images, one per turn, through the chat session; the REPL's /image
     attaches a file to the next message."""
     from mlxinfer.engine.chat import ChatSession
-    from mlxinfer.repl import Repl, StreamReader
+    from mlxinfer.cli.repl import Repl, StreamReader
 
     model, tokenizer = ours
     a, b = picture(8, (50, 50)), picture(9, (70, 40))
@@ -224,7 +224,7 @@ def test_chat_session_and_repl_with_images(ours, hf, tmp_path):
 def test_cli_generate_with_image(checkpoint, hf, tmp_path):
     from click.testing import CliRunner
 
-    from mlxinfer.cli import main
+    from mlxinfer.cli.main import main
 
     image = picture(10, (64, 40))
     path = tmp_path / "photo.png"

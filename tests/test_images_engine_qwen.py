@@ -188,7 +188,7 @@ def test_inspect_shows_the_image_stage(checkpoint, hf, tmp_path):
 
     from click.testing import CliRunner
 
-    from mlxinfer.cli import main
+    from mlxinfer.cli.main import main
 
     image = picture(4, (60, 150))
     path = tmp_path / "wide.png"

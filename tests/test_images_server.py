@@ -229,7 +229,7 @@ def test_allowed_image_hosts_need_image_urls(tmp_path):
     nothing, so it is a usage error naming the flag it needs, before any model is loaded."""
     from click.testing import CliRunner
 
-    from mlxinfer.cli import main
+    from mlxinfer.cli.main import main
 
     result = CliRunner().invoke(main, ["serve", "--allow-image-hosts", "localhost", "-m", str(tmp_path / "none")])
     assert result.exit_code == 2 and "pass --allow-image-urls too" in result.output and "Traceback" not in result.output

@@ -14,8 +14,9 @@ from click.testing import CliRunner
 from scipy import stats
 from test_sample import np_filtered
 
-from mlxinfer import doctor, kernels
-from mlxinfer.cli import main
+from mlxinfer import kernels
+from mlxinfer.cli import doctor
+from mlxinfer.cli.main import main
 from mlxinfer.base.errors import InvalidOptionError
 from mlxinfer.kernels import attention, sampling, verification
 from mlxinfer.kernels.common import inverse_cdf

@@ -23,7 +23,7 @@ from serving import KEY, Server
 from test_lora import ATTN_MLP, peft_adapter
 
 import mlxinfer
-from mlxinfer.cli import main
+from mlxinfer.cli.main import main
 
 openai = pytest.importorskip("openai")
 ROOT = Path(__file__).resolve().parent.parent

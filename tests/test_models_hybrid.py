@@ -327,7 +327,7 @@ def test_inspect_shows_the_recurrent_state(hybrid):
     (a convolution keeps K-1 inputs of its channels, a Gated DeltaNet also a key x value matrix per
     value head), float32 here."""
     from mlxinfer.engine.inspection import inspect_pipeline
-    from mlxinfer.inspect_report import render
+    from mlxinfer.cli.inspect_report import render
 
     model, tok = hybrid
     report = inspect_pipeline(model, tok, [1, 2, 3], steps=2)

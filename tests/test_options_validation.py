@@ -217,7 +217,7 @@ def test_repl_survives_loading_a_chat_with_a_bad_bias(tiny, loaded, tmp_path):
     data["request"]["sampling"]["logit_bias"] = {str(10**7): 5.0}
     (tmp_path / "bad.json").write_text(json.dumps(data))
     script = f"/load {tmp_path / 'bad.json'}\nhello\n/exit\n"
-    done = subprocess.run([sys.executable, "-m", "mlxinfer.cli", "chat", "-m", str(tiny), "--temp", "0",
+    done = subprocess.run([sys.executable, "-m", "mlxinfer", "chat", "-m", str(tiny), "--temp", "0",
                            "--max-tokens", "3"], input=script, capture_output=True, text=True, timeout=300,
                           cwd=tmp_path, env={**os.environ, "MLXINFER_HOME": str(tmp_path / "home")})
     assert done.returncode == 0, f"exit {done.returncode}: {done.stderr[-2000:]}"

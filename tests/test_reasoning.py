@@ -26,7 +26,7 @@ from mlxinfer.engine.generate import stream_generate
 from mlxinfer.engine.chat import ChatSession
 from mlxinfer.base.errors import InvalidOptionError
 from mlxinfer.text.reasoning import THINK, Splitter, effort_kwargs, thinking_switch
-from mlxinfer.terminal import DIM
+from mlxinfer.cli.terminal import DIM
 
 ROOT = Path(__file__).resolve().parents[1]
 THINK_ID, END_THINK_ID = 151667, 151668  # Qwen3's <think> and </think>
@@ -218,7 +218,7 @@ def test_bad_template_kwargs_are_refused(model, kwargs):
 # --- the command line and the REPL ---
 
 def cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "mlxinfer.cli", *args], cwd=str(ROOT), capture_output=True,
+    return subprocess.run([sys.executable, "-m", "mlxinfer", *args], cwd=str(ROOT), capture_output=True,
                           text=True, timeout=300, env={**os.environ, "NO_COLOR": "1", **(env or {})})
 
 

@@ -1,4 +1,4 @@
-"""The chat REPL in a real pseudo-terminal (pexpect drives `python -m mlxinfer.cli chat`).
+"""The chat REPL in a real pseudo-terminal (pexpect drives `python -m mlxinfer chat`).
 
 Prefill counts shown on screen are checked against a conversation replayed here
 independently: the template rendered with the tokenizer, greedy replies from fresh
@@ -20,7 +20,7 @@ import pytest
 
 import mlxinfer
 from mlxinfer.engine.generate import stream_generate
-from mlxinfer.terminal import CYAN, DIM, spinner
+from mlxinfer.cli.terminal import CYAN, DIM, spinner
 
 pexpect = pytest.importorskip("pexpect")
 
@@ -54,7 +54,7 @@ def spawn(model: Path, home: Path, *args: str, color: bool = False) -> pexpect.s
     env.pop("NO_COLOR", None)
     if not color:
         env["NO_COLOR"] = "1"
-    child = pexpect.spawn(sys.executable, ["-m", "mlxinfer.cli", "chat", "-m", str(model), "--temp", "0", *args],
+    child = pexpect.spawn(sys.executable, ["-m", "mlxinfer", "chat", "-m", str(model), "--temp", "0", *args],
                           env=env, cwd=str(ROOT), encoding="utf-8", timeout=60, dimensions=(50, 250))
     child.expect_exact(">>>")
     return child
@@ -299,7 +299,7 @@ def test_piped_chat_survives_bad_files_and_bytes_that_are_not_utf8(tiny, tmp_pat
     lines = [f"/load {bad}".encode(), f"/load {tmp_path}".encode(), not_utf8, b"/set top_k -1", b"hello there"]
     env = {**os.environ, "MLXINFER_HOME": str(tmp_path / "home"), "HF_HUB_OFFLINE": "1", "NO_COLOR": "1",
            "PYTHONIOENCODING": f"utf-8:{stdin_errors}"}
-    done = subprocess.run([sys.executable, "-m", "mlxinfer.cli", "chat", "-m", str(tiny), "--temp", "0",
+    done = subprocess.run([sys.executable, "-m", "mlxinfer", "chat", "-m", str(tiny), "--temp", "0",
                            "--max-tokens", "4"], input=b"\n".join(lines) + b"\n", env=env, cwd=str(ROOT),
                           capture_output=True, timeout=120)
     out = done.stdout.decode("utf-8", "replace") + done.stderr.decode("utf-8", "replace")
@@ -331,7 +331,7 @@ def test_format_command_holds_replies_to_a_regex_then_lets_go(tiny, tmp_path):
     lines = [b"/format regex [0-9]{4}", b"give me digits", b"/format json {oops", b"/format", b"/format off",
              b"hello there"]
     env = {**os.environ, "MLXINFER_HOME": str(tmp_path / "home"), "HF_HUB_OFFLINE": "1", "NO_COLOR": "1"}
-    done = subprocess.run([sys.executable, "-m", "mlxinfer.cli", "chat", "-m", str(tiny), "--temp", "0",
+    done = subprocess.run([sys.executable, "-m", "mlxinfer", "chat", "-m", str(tiny), "--temp", "0",
                            "--max-tokens", "8"], input=b"\n".join(lines) + b"\n", env=env, cwd=str(ROOT),
                           capture_output=True, timeout=120)
     out = done.stdout.decode() + done.stderr.decode()
@@ -353,7 +353,7 @@ def test_a_tool_call_is_shown_readably(hf_checkpoint, tmp_path):
         "type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["n"],
         "additionalProperties": False}}}]))
     env = {**os.environ, "MLXINFER_HOME": str(tmp_path / "home"), "HF_HUB_OFFLINE": "1", "NO_COLOR": "1"}
-    done = subprocess.run([sys.executable, "-m", "mlxinfer.cli", "chat", "-m", str(roomy), "--temp", "0",
+    done = subprocess.run([sys.executable, "-m", "mlxinfer", "chat", "-m", str(roomy), "--temp", "0",
                            "--max-tokens", "40", "--tools", str(tools), "--tool-choice", "required"],
                           input=b"pick a number\n", env=env, cwd=str(ROOT), capture_output=True, timeout=120)
     out = done.stdout.decode() + done.stderr.decode()

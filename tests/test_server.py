@@ -23,7 +23,7 @@ from click.testing import CliRunner
 
 import mlxinfer
 from convert import convert
-from mlxinfer.cli import main
+from mlxinfer.cli.main import main
 from serving import KEY, Server, answers_health, free_port, marker, post  # noqa: F401 (test_shard imports two)
 
 openai = pytest.importorskip("openai")

@@ -32,7 +32,7 @@ from test_parity import VARIANTS as PARITY
 
 import mlxinfer
 from mlxinfer.base.errors import ConfigError, InvalidOptionError
-from mlxinfer.inspect_report import render
+from mlxinfer.cli.inspect_report import render
 from mlxinfer.models.shard import resident_bytes, shard_config
 
 HERE = Path(__file__).parent

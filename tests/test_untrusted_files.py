@@ -35,7 +35,7 @@ from mlxinfer.base.errors import (
 )
 from mlxinfer.loading.checkpoint import read_weights, weight_files
 from mlxinfer.models import model_config
-from mlxinfer.store import describe
+from mlxinfer.cli.store import describe
 from mlxinfer.text.tokenizer import load_tokenizer_from_dir
 
 FUZZ = settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
@@ -303,7 +303,7 @@ def test_a_file_linked_from_outside_is_refused_by_load_and_convert(llama, copy_c
     naming the file, for loading, for the tokenizer alone, for listing and for `convert`, which
     writes nothing."""
     from convert import convert
-    from mlxinfer.store import describe
+    from mlxinfer.cli.store import describe
 
     folder = copy_checkpoint(llama)
     outside = tmp_path / "private" / name
@@ -367,7 +367,7 @@ def test_a_hugging_face_cache_snapshot_links_into_its_blobs(llama, tmp_path):
 def test_a_malformed_tokenizer_fails_the_conversion_not_the_first_load(llama, copy_checkpoint, tmp_path, content):
     from click.testing import CliRunner
 
-    from mlxinfer.cli import main
+    from mlxinfer.cli.main import main
 
     folder = copy_checkpoint(llama)
     (folder / "tokenizer.json").write_bytes(content)
@@ -432,7 +432,7 @@ def test_fuzzed_tokenizer_files_only_raise_mlxinfer_errors(llama, data):
 
 
 def test_models_lists_a_broken_folder_as_broken(llama, tmp_path):
-    from mlxinfer.store import local_models
+    from mlxinfer.cli.store import local_models
 
     shutil.copytree(llama, tmp_path / "good")
     shutil.copytree(llama, tmp_path / "bad-config")

@@ -12,7 +12,7 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
-from .engine.generate import stream_generate
+from ..engine.generate import stream_generate
 
 
 @dataclass(frozen=True)

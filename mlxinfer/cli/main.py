@@ -13,8 +13,8 @@ from typing import Any
 
 import click
 
-from . import __version__
-from .base.errors import InvalidOptionError, MlxinferError
+from .. import __version__
+from ..base.errors import InvalidOptionError, MlxinferError
 
 
 class Group(click.Group):
@@ -30,7 +30,7 @@ class Group(click.Group):
             click.echo(f"error: {e}", err=True)
             sys.exit(1)
         except RuntimeError as e:
-            from .models.shard import lost_peer
+            from ..models.shard import lost_peer
 
             if not lost_peer(e):
                 raise
@@ -52,7 +52,7 @@ def main(ctx: click.Context, verbose: bool) -> None:
 def no_drafting_across_ranks(drafting: bool) -> None:
     """Ranks must take the same steps, and a speculative decoder picks its steps from its own
     machine's timings."""
-    from .models.shard import launched
+    from ..models.shard import launched
 
     if drafting and launched():
         raise InvalidOptionError("speculative decoding (--draft-model, --prompt-lookup) does not run across ranks "
@@ -68,9 +68,9 @@ def replica_for(model, tokenizer, **engine_options):
 
     import mlx.core as mx
 
-    from .engine.relay import Relay
-    from .engine.replica import Replica
-    from .models.shard import agreed_seed
+    from ..engine.relay import Relay
+    from ..engine.replica import Replica
+    from ..models.shard import agreed_seed
 
     place = getattr(model, "shard", None)
     if place is None:
@@ -106,7 +106,7 @@ def as_one_rank_of_several() -> None:
     others print nothing."""
     import os
 
-    from .models.shard import launched, world
+    from ..models.shard import launched, world
 
     if launched() and world() is not None and world().rank() != 0:
         sys.stdout = sys.stderr = open(os.devnull, "w")
@@ -116,9 +116,9 @@ def hints_once() -> None:
     """On a machine where MLX runs a slow path (the reference BLAS; MLX's CPU quantized matmul
     for want of the extension), say once each (a marker in MLXINFER_HOME) how to get the fast
     one; `mlxinfer doctor` says it every time."""
-    from .base.blas import hint as blas_hint
-    from .base.cachedir import home
-    from .kernels.quantized_matmul import hint as extension_hint
+    from ..base.blas import hint as blas_hint
+    from ..base.cachedir import home
+    from ..kernels.quantized_matmul import hint as extension_hint
 
     for name, hint in (("blas-hint-shown", blas_hint), ("cpu-extension-hint-shown", extension_hint)):
         marker = home() / name
@@ -230,9 +230,9 @@ class Run:
 
     @classmethod
     def from_params(cls, params: dict[str, Any]) -> Run:
-        from .text.constrain import typed_format
-        from .text.tools import read_tools
-        from .engine.request import Request
+        from ..text.constrain import typed_format
+        from ..text.tools import read_tools
+        from ..engine.request import Request
         from .terminal import typed_text
 
         options = {name: params[key] for key, name in OPTION_NAMES.items() if params.get(key) is not None}
@@ -273,7 +273,7 @@ class Run:
 
     def options_for(self, tokenizer) -> dict[str, Any]:
         """The options, with --think / --no-think as the template's switch (refused by a model without one)."""
-        from .text.reasoning import thinking_switch
+        from ..text.reasoning import thinking_switch
 
         if self.think is None:
             return self.options
@@ -291,10 +291,10 @@ IMAGE_OPTION = click.option("--image", "images", multiple=True, type=click.Path(
 @click.pass_obj
 def chat(verbose: bool, pipeline: bool, images: tuple[str, ...], **params) -> None:
     """Chat with a model in the terminal (multi-turn, streaming, /help for commands)."""
-    from .base.cachedir import home
-    from .engine.chat import ChatSession
+    from ..base.cachedir import home
+    from ..engine.chat import ChatSession
     from .repl import run_repl
-    from .models.shard import summary as shard_summary
+    from ..models.shard import summary as shard_summary
     from .terminal import use_color
 
     run = Run.from_params(params)
@@ -342,10 +342,10 @@ def chat_prompt(tokenizer, text: str, system: str | None, raw: bool, images: tup
 def generate(prompt: str, raw: bool, as_json: bool, no_stream: bool, pipeline: bool, images: tuple[str, ...],
              **params) -> None:
     """Complete one prompt: text on stdout (streamed), stats on stderr."""
-    from .engine.generate import stream_generate
+    from ..engine.generate import stream_generate
     from .terminal import stats_line, typed_text, use_color
-    from .models.shard import summary as shard_summary
-    from .text.tools import describe_call
+    from ..models.shard import summary as shard_summary
+    from ..text.tools import describe_call
 
     if params["logprobs"] is not None and not as_json:
         raise InvalidOptionError("--logprobs needs --json, which prints each token with its log-probabilities")
@@ -417,7 +417,7 @@ def show_thinking(text: str, color: bool) -> bool:
 def embed_command(texts: tuple[str, ...], model, dtype, dimensions, as_json) -> None:
     """Embed each TEXT (- reads one from stdin): one unit-length vector per text, a line of
     numbers each, pooled as the checkpoint's sentence-transformers config says (mean otherwise)."""
-    from .engine.embed import embed_tokens, encode_texts
+    from ..engine.embed import embed_tokens, encode_texts
     from .store import open_model
     from .terminal import typed_text
 
@@ -455,7 +455,7 @@ def models_command(folders: tuple[Path, ...], supported: bool, as_json: bool) ->
     from .terminal import size
 
     if supported:
-        from .models import supported as families
+        from ..models import supported as families
 
         table = families()
         if as_json:
@@ -506,8 +506,8 @@ def inspect_command(prompt, model, dtype, steps, top, temp, top_p, system, raw, 
     """Show the pipeline for PROMPT stage by stage: the images' patches, tokens and positions (with
     --image), tokens, embedding, layers, KV cache, prefill and decode time, and each step's
     next-token distribution."""
-    from .engine.batch import BatchGenerator
-    from .engine.inspection import inspect_pipeline
+    from ..engine.batch import BatchGenerator
+    from ..engine.inspection import inspect_pipeline
     from .inspect_report import render
     from .store import open_model
     from .terminal import typed_text
@@ -612,15 +612,15 @@ def serve(model, dtype, host, port, max_concurrency, max_queue, max_kv_size, kv_
     """Serve the model over OpenAI's HTTP API (chat and text completions, streaming), with a
     chat page at / (unless --no-web). Concurrent requests are decoded together; Ctrl-C stops
     after the requests in flight."""
-    from .engine.batch import BatchGenerator
-    from .engine.pool import PromptCachePool, cache_nbytes
-    from .serve.guard import allowed_hosts
-    from .serve.inspect import attention_offered
-    from .serve.app import EngineThread, ServerConfig, create_app, run
-    from .models.shard import launched, summed, world
-    from .models.shard import summary as shard_summary
-    from .loading.adapters import load_adapter
-    from .text.images import DATA, HTTP, LIMITS
+    from ..engine.batch import BatchGenerator
+    from ..engine.pool import PromptCachePool, cache_nbytes
+    from ..serve.guard import allowed_hosts
+    from ..serve.inspect import attention_offered
+    from ..serve.app import EngineThread, ServerConfig, create_app, run
+    from ..models.shard import launched, summed, world
+    from ..models.shard import summary as shard_summary
+    from ..loading.adapters import load_adapter
+    from ..text.images import DATA, HTTP, LIMITS
     from .store import open_model
 
     if image_hosts and not allow_image_urls:
@@ -694,7 +694,7 @@ def doctor(as_json: bool) -> None:
     """The environment (MLX, device, memory) and, on Metal, every custom kernel checked against its reference;
     a kernel that disagrees is disabled for the session and the reference runs instead."""
     from . import doctor as checks
-    from . import kernels
+    from .. import kernels
 
     if not as_json:
         for line in checks.report():
@@ -710,6 +710,3 @@ from convert.cli import convert_command  # noqa: E402  (top-level package beside
 
 main.add_command(convert_command, "convert")
 
-
-if __name__ == "__main__":
-    main()

@@ -12,7 +12,7 @@ import time
 from collections.abc import Iterator
 from typing import TextIO
 
-from .decode.sources import Stats
+from ..decode.sources import Stats
 
 DIM, CYAN, RESET = "\x1b[2m", "\x1b[36m", "\x1b[0m"
 

@@ -23,9 +23,9 @@ from pathlib import Path
 from convert import convert
 from convert.sources import is_gguf
 
-from .base.cachedir import HOME_ENV, Notify, home, is_model_folder, models_dir
-from .base.errors import ConversionError, CorruptCheckpointError, ModelNotFoundError
-from .base.files import disk_full, write_problem
+from ..base.cachedir import HOME_ENV, Notify, home, is_model_folder, models_dir
+from ..base.errors import ConversionError, CorruptCheckpointError, ModelNotFoundError
+from ..base.files import disk_full, write_problem
 from .terminal import spinner
 
 NAME = "SmolLM2-135M-Instruct"

@@ -11,10 +11,10 @@ from collections.abc import Callable
 
 import mlx.core as mx
 
-from . import kernels
-from .base import blas
-from .kernels import quantized_matmul
-from .kernels.selfcheck import CASES, SMALL, Check, Sizes  # noqa: F401  (SMALL: doctor.SMALL, the quick sizes)
+from .. import kernels
+from ..base import blas
+from ..kernels import quantized_matmul
+from ..kernels.selfcheck import CASES, SMALL, Check, Sizes  # noqa: F401  (SMALL: doctor.SMALL, the quick sizes)
 
 
 def run_checks(sizes: Sizes = Sizes(), repeat: int = 5) -> list[Check]:

@@ -18,12 +18,12 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Protocol, TextIO
 
-from .engine.chat import ChatSession
-from .text.constrain import typed_format
-from .text.tools import describe_call
-from .text.reasoning import SWITCH, tags_for, thinking_switch
-from .base.errors import ImageError, InvalidOptionError, MlxinferError
-from .text.images import NO_IMAGES, load_image
+from ..engine.chat import ChatSession
+from ..text.constrain import typed_format
+from ..text.tools import describe_call
+from ..text.reasoning import SWITCH, tags_for, thinking_switch
+from ..base.errors import ImageError, InvalidOptionError, MlxinferError
+from ..text.images import NO_IMAGES, load_image
 from .terminal import CYAN, DIM, paint, size, stats_line, typed_text
 
 PROMPT = ">>> "

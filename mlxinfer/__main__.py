@@ -1,0 +1,5 @@
+"""`python -m mlxinfer ...`: the `mlxinfer` command."""
+
+from .cli.main import main
+
+main()
