@@ -1,4 +1,4 @@
-"""Builds the optional CPU quantized-matmul extension (mlxinfer._cpu_qmm) with CMake.
+"""Builds the optional CPU quantized-matmul extension (mlxinfer.kernels._cpu_qmm) with CMake.
 
 Optional on purpose: without a C++ compiler (or with MLXINFER_BUILD_CPU_QMM=0) the build
 is skipped with a warning and the package installs anyway; mlxinfer then uses MLX's own
@@ -21,7 +21,7 @@ from pathlib import Path
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
-SOURCES = Path(__file__).resolve().parent / "mlxinfer" / "_cpu"
+SOURCES = Path(__file__).resolve().parent / "mlxinfer" / "kernels" / "_cpu"
 REASON_FILE = "_cpu_qmm.not-built"  # beside the extension: why it was not built, for the first run's hint
 
 
@@ -61,7 +61,7 @@ class OptionalCMakeBuild(build_ext):
             raise RuntimeError(f"{Path(cmd[0]).name} failed: {lines[-1] if lines else result.returncode}")
 
     def _reason_file(self) -> Path:
-        return Path(self.get_ext_fullpath("mlxinfer._cpu_qmm")).with_name(REASON_FILE)
+        return Path(self.get_ext_fullpath("mlxinfer.kernels._cpu_qmm")).with_name(REASON_FILE)
 
     def _skip(self, reason: str) -> None:
         print(f"mlxinfer: the CPU quantized-matmul extension was not built ({reason}); "
@@ -72,4 +72,4 @@ class OptionalCMakeBuild(build_ext):
         path.write_text(reason + "\n", encoding="utf-8")
 
 
-setup(ext_modules=[Extension("mlxinfer._cpu_qmm", sources=[])], cmdclass={"build_ext": OptionalCMakeBuild})
+setup(ext_modules=[Extension("mlxinfer.kernels._cpu_qmm", sources=[])], cmdclass={"build_ext": OptionalCMakeBuild})

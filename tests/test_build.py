@@ -54,6 +54,6 @@ def test_a_machine_without_cmake_builds_the_extension(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     (wheel,) = (tmp_path / "wheels").glob("mlxinfer-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
-    assert any(n.startswith("mlxinfer/_cpu_qmm") and n.endswith(".so") for n in names), \
+    assert any(n.startswith("mlxinfer/kernels/_cpu_qmm") and n.endswith(".so") for n in names), \
         (names, done.stderr[-2000:])
     assert "not built" not in done.stderr

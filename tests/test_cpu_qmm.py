@@ -1,4 +1,4 @@
-"""The compiled CPU quantized matmul (mlxinfer._cpu_qmm) against two independent oracles:
+"""The compiled CPU quantized matmul (mlxinfer.kernels._cpu_qmm) against two independent oracles:
 MLX's own `mx.quantized_matmul`, and numpy unpacking MLX's affine format (a little-endian
 bit stream of `bits`-bit integers q per row, weight = q * scale + bias per group) and
 multiplying in float64. Then the engine: greedy tokens with the fast path equal those of
@@ -219,10 +219,10 @@ def test_a_missing_extension_is_called_not_built(monkeypatch, tmp_path):
     """An install without a compiler has no module file at all: 'not built', not 'built but unloadable'."""
     import importlib.machinery
 
-    monkeypatch.setattr(mlxinfer, "__path__", [str(tmp_path)])  # a package folder without the .so,
+    monkeypatch.setattr(mlxinfer.kernels, "__path__", [str(tmp_path)])  # a package folder without the .so,
     monkeypatch.setattr(sys, "meta_path", [importlib.machinery.PathFinder])  # and no editable-install finder
-    monkeypatch.delitem(sys.modules, "mlxinfer._cpu_qmm", raising=False)
-    monkeypatch.delattr(mlxinfer, "_cpu_qmm", raising=False)
+    monkeypatch.delitem(sys.modules, "mlxinfer.kernels._cpu_qmm", raising=False)
+    monkeypatch.delattr(mlxinfer.kernels, "_cpu_qmm", raising=False)
     monkeypatch.setattr(qmm, "_loaded", [])
     monkeypatch.setattr(qmm, "_why_not", [])
     monkeypatch.setattr(qmm, "REASON_FILE", tmp_path / "missing")
@@ -231,7 +231,7 @@ def test_a_missing_extension_is_called_not_built(monkeypatch, tmp_path):
 
 def test_why_it_was_not_built_is_said_once_at_the_first_run(monkeypatch, tmp_path, capsys):
     """setup.py leaves its reason beside the package; the first command says it with the fix, once."""
-    from mlxinfer.cli import main
+    import mlxinfer.cli.main as cli
 
     (tmp_path / "why").write_text("cmake not found\n")
     monkeypatch.setattr(qmm, "REASON_FILE", tmp_path / "why")

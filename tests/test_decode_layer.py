@@ -245,8 +245,8 @@ def test_an_extension_built_from_older_sources_is_not_used(monkeypatch):
     old = SimpleNamespace(mlx_version=mx.__version__, affine_quantized_matmul=None)
     monkeypatch.setattr(qmm, "_loaded", [])
     monkeypatch.setattr(qmm, "_why_not", [])
-    monkeypatch.setitem(__import__("sys").modules, "mlxinfer._cpu_qmm", old)
-    monkeypatch.setattr(mlxinfer, "_cpu_qmm", old, raising=False)
+    monkeypatch.setitem(__import__("sys").modules, "mlxinfer.kernels._cpu_qmm", old)
+    monkeypatch.setattr(mlxinfer.kernels, "_cpu_qmm", old, raising=False)
     assert qmm.extension() is None
     assert "older sources" in qmm.reason() and "pip install -e ." in qmm.reason()
     assert not decode_layer.available(mx.zeros((1, 1, 8)))

@@ -5,7 +5,7 @@ On MLX's CPU backend `mx.quantized_matmul` is slow (a 4-bit matrix-vector produc
 reads ~0.5 GB/s), and costs as much per extra row as for the first. So off Metal:
 
 - up to `EXTENSION_ROWS` rows (decode, speculative verification, batches, and prompts
-  up to that long) run the compiled primitive `mlxinfer._cpu_qmm` (built by setup.py
+  up to that long) run the compiled primitive `mlxinfer.kernels._cpu_qmm` (built by setup.py
   where a C++ compiler is found): AVX2 and all cores, every row accumulated in float32
   in the same order whatever the number of rows, so a sequence's result never depends
   on its batch. On SmolLM2-135M (2 cores) it prefills 41 tokens 3.5x faster than
@@ -46,7 +46,7 @@ ENTRY_POINTS = ("affine_quantized_matmul", "affine_gather_quantized_matmul", "de
 _loaded: list[ModuleType | None] = []
 _why_not: list[str] = []
 # Beside the package: why setup.py did not build the extension (no C++ compiler, ...), for the first run's hint.
-REASON_FILE = Path(__file__).resolve().parent.parent / "_cpu_qmm.not-built"
+REASON_FILE = Path(__file__).resolve().parent / "_cpu_qmm.not-built"
 
 
 def mode() -> str:
@@ -83,9 +83,9 @@ def extension() -> ModuleType | None:
     if not _loaded:
         ext, why = None, None
         try:
-            from .. import _cpu_qmm as ext
+            from . import _cpu_qmm as ext
         except ImportError as e:  # `from` says "cannot import name" whether the file is missing or broken
-            missing = importlib.util.find_spec(f"{__package__.rpartition('.')[0]}._cpu_qmm") is None
+            missing = importlib.util.find_spec(f"{__package__}._cpu_qmm") is None
             why = _not_built() if missing else f"built but unloadable ({e})"
         if ext is not None and _release(ext.mlx_version) != _release(mx.__version__):
             why = f"built for MLX {ext.mlx_version}, but MLX {mx.__version__} is installed"

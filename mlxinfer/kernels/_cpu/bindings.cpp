@@ -1,4 +1,4 @@
-// Python module mlxinfer._cpu_qmm: the op, the thread count, and what was built.
+// Python module mlxinfer.kernels._cpu_qmm: the op, the thread count, and what was built.
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
