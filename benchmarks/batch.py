@@ -180,7 +180,7 @@ def smollm2_source(arg: str | None) -> Path | None:
 
 def convert_smollm2(source: Path, folder: Path) -> Path:
     """What `mlxinfer convert SOURCE -o FOLDER --quantize --dtype float32` writes."""
-    from convert import convert
+    from mlxinfer.convert import convert
 
     convert(source, folder, quantize=True, dtype="float32", progress=False)
     return folder

@@ -27,7 +27,7 @@ from pathlib import Path
 
 
 import mlxinfer  # first: it binds a fast BLAS before mlx.core loads (see mlxinfer.base.blas)
-from convert import convert
+from mlxinfer.convert import convert
 from mlxinfer.cli.bench import Quiet, memory_bandwidth, ratios, weight_bytes
 from mlxinfer.cli.demo import demo_gguf
 from mlxinfer.kernels import quantized_matmul

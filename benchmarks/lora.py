@@ -132,7 +132,7 @@ def main() -> None:
     parser.add_argument("--no-mlx-lm", action="store_true", help="Skip mlx-lm's sequential runs.")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
-    from convert import convert
+    from mlxinfer.convert import convert
 
     quiet = Quiet()
     results = {}

@@ -28,8 +28,8 @@ from test_parity import TOL, hf_logits, ours_incremental, tokens
 from test_pool import BIG, assert_same_as_fresh, served
 
 import mlxinfer
-from convert import convert
-from convert.gguf_file import GGUFFile
+from mlxinfer.convert import convert
+from mlxinfer.convert.gguf_file import GGUFFile
 from mlxinfer.engine.generate import stream_generate
 from mlxinfer.models.cache import make_cache
 from mlxinfer.engine.pool import PromptCachePool

@@ -37,7 +37,7 @@ def sgemm_binding(code: str, **env: str) -> str:
 
 
 @needs_openblas
-@pytest.mark.parametrize("first", ["import mlxinfer", "from convert import convert", "import mlxinfer.cli.main"])
+@pytest.mark.parametrize("first", ["import mlxinfer", "from mlxinfer.convert import convert", "import mlxinfer.cli.main"])
 def test_openblas_used_without_ld_preload(first):
     bound = sgemm_binding(f"{first}\nimport mlx.core")
     assert "openblas" in bound, bound
@@ -73,7 +73,7 @@ def test_mlx_imported_first_warns_once_saying_what_to_do():
     """mlx.core, then mlxinfer (then `convert` and the CLI, which import it again): one warning, at
     the script's own import line, saying to import mlxinfer first. None where nothing is lost:
     mlxinfer first, MLXINFER_BLAS=off, or MLX already bound to OpenBLAS by LD_PRELOAD."""
-    late = run("import mlx.core\nimport mlxinfer\nimport convert\nimport mlxinfer.cli.main").stderr
+    late = run("import mlx.core\nimport mlxinfer\nimport mlxinfer.convert\nimport mlxinfer.cli.main").stderr
     assert late.count("Warning") == 1 and "<string>:2: RuntimeWarning" in late, late
     assert "import mlxinfer before mlx" in late and "MLXINFER_BLAS=off" in late
     assert "Warning" not in run("import mlxinfer\nimport mlx.core").stderr

@@ -80,7 +80,7 @@ SCHEMAS = [
 
 @pytest.fixture(scope="module")
 def smollm2(smollm2_gguf, tmp_path_factory):
-    from convert import convert
+    from mlxinfer.convert import convert
 
     folder = tmp_path_factory.mktemp("smollm2") / "model"
     convert(smollm2_gguf, folder)

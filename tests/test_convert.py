@@ -19,7 +19,7 @@ from click.testing import CliRunner
 from mlx.utils import tree_flatten
 
 import mlxinfer
-from convert import convert
+from mlxinfer.convert import convert
 from mlxinfer.cli.main import main
 from mlxinfer.base.errors import ConversionError, ModelNotFoundError, UnsupportedArchitectureError
 
@@ -333,7 +333,7 @@ def test_unwritable_output_location(hf_checkpoint, tmp_path):
 def test_disk_full_leaves_nothing(hf_checkpoint, tmp_path, monkeypatch):
     import errno
 
-    import convert.writer as writer
+    import mlxinfer.convert.writer as writer
 
     src, out = hf_checkpoint("llama"), tmp_path / "deep" / "out"
     monkeypatch.setattr(writer.shutil, "disk_usage", lambda _: shutil._ntuple_diskusage(10**9, 10**9, 1000))
@@ -363,7 +363,7 @@ def test_disk_full_leaves_nothing(hf_checkpoint, tmp_path, monkeypatch):
 def test_disk_full_while_copying_the_tokenizer(hf_checkpoint, tmp_path, monkeypatch):
     import errno
 
-    import convert.sources as sources
+    import mlxinfer.convert.sources as sources
 
     def full(src, dst, *args, **kwargs):
         Path(dst).write_bytes(b"{")
@@ -387,7 +387,7 @@ def test_unwritable_output_is_not_reported_as_a_full_disk(hf_checkpoint, out):
 
 
 def test_a_folder_that_appears_during_the_conversion_is_left_alone(hf_checkpoint, tmp_path, monkeypatch):
-    import convert.api as api
+    import mlxinfer.convert.api as api
 
     out, verify = tmp_path / "out", api.verify
 
@@ -420,7 +420,7 @@ def test_ctrl_c_after_the_output_is_in_place_reports_success(hf_checkpoint, tmp_
 
 
 def test_ctrl_c_during_eval_ppl_keeps_the_written_output(hf_checkpoint, tmp_path, monkeypatch):
-    import convert.perplexity as perplexity
+    import mlxinfer.convert.perplexity as perplexity
 
     def interrupted(*args):
         raise KeyboardInterrupt
@@ -436,7 +436,7 @@ def test_ctrl_c_during_eval_ppl_keeps_the_written_output(hf_checkpoint, tmp_path
 
 PAUSED_CONVERT = """
 import sys
-import convert.writer as writer
+import mlxinfer.convert.writer as writer
 from mlxinfer.cli.main import main
 save, saved = writer._save, []
 def save_then_wait(file, arrays):

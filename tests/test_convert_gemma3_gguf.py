@@ -18,7 +18,7 @@ from test_parity import ours_incremental
 from tokenizers import Tokenizer
 
 import mlxinfer
-from convert import convert
+from mlxinfer.convert import convert
 from mlxinfer.models.cache import KVCache, RotatingKVCache, make_cache
 
 pytest.importorskip("gguf")

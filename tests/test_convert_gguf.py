@@ -20,8 +20,8 @@ from conftest import CHATML, CORPUS, real_tokenizer
 from tokenizers import Tokenizer
 
 import mlxinfer
-from convert import convert
-from convert.gguf_tokenizer import tokenizer_json
+from mlxinfer.convert import convert
+from mlxinfer.convert.gguf_tokenizer import tokenizer_json
 from mlxinfer.base.errors import ConversionError, CorruptCheckpointError, TokenizerError, UnsupportedArchitectureError
 
 gguf = pytest.importorskip("gguf")

@@ -19,7 +19,7 @@ import pytest
 from test_convert_gguf import IDS, llama_permute, logits, model_metadata, tokenizer_metadata
 
 import mlxinfer
-from convert import convert
+from mlxinfer.convert import convert
 
 gguf = pytest.importorskip("gguf")
 from gguf import GGMLQuantizationType as Q  # noqa: E402

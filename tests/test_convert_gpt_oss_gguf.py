@@ -17,7 +17,7 @@ from test_models_gpt_oss import PROMPT, build, hf_logits, hf_mxfp4_logits, to_mx
 from test_parity import TOL
 
 import mlxinfer
-from convert import convert
+from mlxinfer.convert import convert
 
 
 @pytest.fixture(scope="module")

@@ -30,9 +30,9 @@ from test_models_hybrid import EXPERTS, LINEAR, VARIANTS
 from test_parity import TOL
 
 import mlxinfer
-from convert import convert
-from convert.gguf_file import GGUFFile
-from convert.gguf_tokenizer import tokenizer_json
+from mlxinfer.convert import convert
+from mlxinfer.convert.gguf_file import GGUFFile
+from mlxinfer.convert.gguf_tokenizer import tokenizer_json
 from mlxinfer.engine.generate import stream_generate
 from mlxinfer.models.cache import make_cache
 from mlxinfer.base.errors import MlxinferError

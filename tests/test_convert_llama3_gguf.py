@@ -23,9 +23,9 @@ import pytest
 from conftest import build_hf_checkpoint, llama_cpp_gguf
 
 import mlxinfer
-from convert import convert
-from convert.gguf_file import GGUFFile
-from convert.gguf_source import llama3_scaling
+from mlxinfer.convert import convert
+from mlxinfer.convert.gguf_file import GGUFFile
+from mlxinfer.convert.gguf_source import llama3_scaling
 from mlxinfer.models.cache import make_cache
 from mlxinfer.base.errors import CorruptCheckpointError
 

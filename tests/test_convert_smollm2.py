@@ -13,7 +13,7 @@ import pytest
 from tokenizers import Tokenizer
 
 import mlxinfer
-from convert import convert
+from mlxinfer.convert import convert
 from mlxinfer.models.cache import make_cache
 
 gguf = pytest.importorskip("gguf")

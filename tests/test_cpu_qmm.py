@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 import mlxinfer
-from convert import convert
+from mlxinfer.convert import convert
 from mlxinfer.base.errors import InvalidOptionError
 from mlxinfer.kernels import quantized_matmul as qmm
 

@@ -14,7 +14,7 @@ from test_cpu_qmm import ext, loops, needs_extension, simd
 from test_parity import TOL, hf_logits
 
 import mlxinfer
-from convert import convert
+from mlxinfer.convert import convert
 from mlxinfer.models.cache import LayerRows, make_cache
 from mlxinfer.models.prompt_cache import PromptCache
 from mlxinfer.kernels import decode_layer

@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_convert_gguf import matrices_as, write_gguf
 
-from convert import convert
+from mlxinfer.convert import convert
 from mlxinfer.base.errors import CorruptCheckpointError, MlxinferError
 
 gguf = pytest.importorskip("gguf")

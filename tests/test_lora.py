@@ -399,7 +399,7 @@ def test_convert_fuses_like_peft_merge_and_unload(name, hf_checkpoint, tmp_path)
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from convert import convert
+    from mlxinfer.convert import convert
 
     model_type, overrides, lora = PEFT_VARIANTS[name]
     folder = hf_checkpoint(model_type, **overrides)
@@ -420,7 +420,7 @@ def test_convert_fuses_before_quantizing(hf_checkpoint, tmp_path):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from convert import convert
+    from mlxinfer.convert import convert
 
     model_type, overrides, lora = PEFT_VARIANTS["llama-dora"]
     folder = hf_checkpoint(model_type, **overrides)

@@ -182,7 +182,7 @@ def test_mlx_lm_quantized_checkpoint_matches_mlx_lm(hf_checkpoint, mlx_lm_quanti
 @pytest.mark.parametrize("name", ["v2-q-lora-grouped", "v3-grouped-k2"])
 def test_converter_output_loads_in_mlx_lm(hf_checkpoint, tmp_path, name):
     """Our converter's quantized output of the HF checkpoint runs in mlx-lm with our logits."""
-    from convert import convert
+    from mlxinfer.convert import convert
 
     out = tmp_path / "converted"
     convert(checkpoint(hf_checkpoint, *VARIANTS[name]), out, quantize=True, bits=4, group_size=32, dtype="float32")

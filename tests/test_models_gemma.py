@@ -203,7 +203,7 @@ def test_mlx_lm_quantized_checkpoint_matches_mlx_lm(hf_checkpoint, mlx_lm_quanti
 def test_converter_output_loads_in_mlx_lm(hf_checkpoint, tmp_path, case):
     import mlx_lm
 
-    from convert import convert
+    from mlxinfer.convert import convert
 
     model_type, overrides = MLX_LM_CASES[case]
     src = mlx_lm_ready(hf_checkpoint(model_type, **overrides), tmp_path / "src")

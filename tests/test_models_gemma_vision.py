@@ -306,7 +306,7 @@ def test_convert_keeps_the_tower_float_unless_asked(checkpoint, ours, tmp_path, 
     from conftest import train_tokenizer
     from safetensors.numpy import load_file
 
-    from convert import convert
+    from mlxinfer.convert import convert
 
     src = tmp_path / "src"
     shutil.copytree(checkpoint, src)

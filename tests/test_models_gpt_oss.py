@@ -26,7 +26,7 @@ from safetensors.numpy import load_file, save_file
 from test_parity import TOL
 
 import mlxinfer
-from convert import convert
+from mlxinfer.convert import convert
 from mlxinfer.models.cache import KVCache, RotatingKVCache
 from mlxinfer.models.prompt_cache import PromptCache
 from mlxinfer.models.moe import QuantizedSwitchLinear

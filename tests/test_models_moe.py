@@ -10,7 +10,7 @@ from safetensors.numpy import load_file, save_file
 from test_parity import TOL, hf_logits, ours_incremental, tokens
 
 import mlxinfer
-from convert import convert
+from mlxinfer.convert import convert
 from mlxinfer.models.moe import QuantizedSwitchLinear
 
 QWEN = {"num_experts": 4, "moe_intermediate_size": 32, "num_experts_per_tok": 2}

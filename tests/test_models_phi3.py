@@ -9,7 +9,7 @@ import pytest
 from test_parity import TOL, hf_incremental_logits, hf_logits, ours_incremental, tokens
 
 import mlxinfer
-from convert import convert
+from mlxinfer.convert import convert
 
 ORIGINAL = 16  # original_max_position_embeddings of the LongRoPE variants; the test sequences are 32
 

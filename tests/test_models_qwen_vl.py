@@ -211,7 +211,7 @@ def test_placeholders_that_do_not_fit_the_images_are_refused(model, images):
 
 
 def test_convert_quantizes_the_language_model_and_keeps_the_vision_tower_float(checkpoint, model, images, tmp_path):
-    from convert import convert
+    from mlxinfer.convert import convert
 
     out = tmp_path / "q4"
     convert(checkpoint, out, quantize=True, bits=8, group_size=32)
@@ -231,7 +231,7 @@ def test_convert_quantizes_the_language_model_and_keeps_the_vision_tower_float(c
 
 
 def test_convert_quantizes_the_vision_tower_when_asked(checkpoint, tmp_path):
-    from convert import convert
+    from mlxinfer.convert import convert
 
     convert(checkpoint, tmp_path / "all", quantize=True, bits=8, group_size=32, quantize_vision=True)
     names = set(mx.load(str(next((tmp_path / "all").glob("*.safetensors")))))
@@ -344,7 +344,7 @@ def test_qwen2_vl_greedy_decoding_matches_transformers_generate(qwen2, images2):
 def test_qwen3_vl_quantized_tower_logits_stay_near_transformers(qwen3_folder, images3, tmp_path):
     """Qwen3-VL's 1536-value patches are whole groups of 32, so `--quantize-vision` packs the patch
     embedding too (uint32 weight): the pixels must still go in as floats."""
-    from convert import convert
+    from mlxinfer.convert import convert
 
     folder, hf = qwen3_folder
     out = tmp_path / "all"

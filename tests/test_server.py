@@ -22,7 +22,7 @@ import pytest
 from click.testing import CliRunner
 
 import mlxinfer
-from convert import convert
+from mlxinfer.convert import convert
 from mlxinfer.cli.main import main
 from serving import KEY, Server, answers_health, free_port, marker, post  # noqa: F401 (test_shard imports two)
 

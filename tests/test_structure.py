@@ -6,10 +6,11 @@ file that reaches outside the checkout."""
 from __future__ import annotations
 
 import ast
+import os
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("mlxinfer", "convert")
+PACKAGES = ("mlxinfer",)  # the converter among them: mlxinfer/convert links to the top-level convert/
 
 
 def source_modules() -> dict[str, Path | None]:
@@ -17,9 +18,10 @@ def source_modules() -> dict[str, Path | None]:
     extensions that setup.py declares map to None (they import nothing of ours)."""
     modules: dict[str, Path | None] = {}
     for package in PACKAGES:
-        for path in (ROOT / package).rglob("*.py"):
-            parts = path.relative_to(ROOT).with_suffix("").parts
-            modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+        for folder, _, names in os.walk(ROOT / package, followlinks=True):  # mlxinfer/convert is a link
+            for path in (Path(folder) / n for n in names if n.endswith(".py")):
+                parts = path.relative_to(ROOT).with_suffix("").parts
+                modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
     for node in ast.walk(ast.parse((ROOT / "setup.py").read_text())):
         if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "Extension":
             modules[node.args[0].value] = None

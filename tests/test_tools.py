@@ -225,7 +225,7 @@ def test_tools_need_messages_and_combine_with_json_formats_only(loaded):
 
 @pytest.fixture(scope="module")
 def smollm2(smollm2_gguf, tmp_path_factory):
-    from convert import convert
+    from mlxinfer.convert import convert
 
     folder = tmp_path_factory.mktemp("smollm2") / "model"
     convert(smollm2_gguf, folder)

@@ -302,7 +302,7 @@ def test_a_file_linked_from_outside_is_refused_by_load_and_convert(llama, copy_c
     """Every file read from a checkpoint, not only the weights: a link out of the folder is one line
     naming the file, for loading, for the tokenizer alone, for listing and for `convert`, which
     writes nothing."""
-    from convert import convert
+    from mlxinfer.convert import convert
     from mlxinfer.cli.store import describe
 
     folder = copy_checkpoint(llama)
@@ -338,7 +338,7 @@ def test_a_file_linked_from_outside_is_refused_by_load_and_convert(llama, copy_c
 def test_a_hugging_face_cache_snapshot_links_into_its_blobs(llama, tmp_path):
     """The HF cache's own layout (snapshots/<rev>/file -> ../../blobs/<hash>) loads and converts;
     a snapshot file linking into another repo's blobs does not."""
-    from convert import convert
+    from mlxinfer.convert import convert
 
     repo = tmp_path / "hub" / "models--org--tiny"
     snapshot = repo / "snapshots" / "0123abcd"
@@ -379,7 +379,7 @@ def test_a_malformed_tokenizer_fails_the_conversion_not_the_first_load(llama, co
 
 
 def test_index_outside_the_folder_is_refused_by_convert(llama, copy_checkpoint, tmp_path):
-    from convert import convert
+    from mlxinfer.convert import convert
 
     folder = copy_checkpoint(llama)
     shutil.copyfile(folder / "model.safetensors", tmp_path / "outside.safetensors")

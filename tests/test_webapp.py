@@ -779,7 +779,7 @@ def test_no_web_serves_no_page(tiny):
 
 @pytest.fixture(scope="module")
 def smollm2_server(smollm2_gguf, tmp_path_factory):
-    from convert import convert
+    from mlxinfer.convert import convert
 
     folder = tmp_path_factory.mktemp("smollm2") / "model"
     convert(smollm2_gguf, folder)  # into the test's own folder: nothing lands in the user's model store

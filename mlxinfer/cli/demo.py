@@ -20,8 +20,8 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from convert import convert
-from convert.sources import is_gguf
+from ..convert import convert
+from ..convert.sources import is_gguf
 
 from ..base.cachedir import HOME_ENV, Notify, home, is_model_folder, models_dir
 from ..base.errors import ConversionError, CorruptCheckpointError, ModelNotFoundError

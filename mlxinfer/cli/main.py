@@ -706,7 +706,7 @@ def doctor(as_json: bool) -> None:
                            "disabled": kernels.disabled(), "in_use": kernels.selection()}))
 
 
-from convert.cli import convert_command  # noqa: E402  (top-level package beside mlxinfer)
+from ..convert.cli import convert_command  # noqa: E402
 
 main.add_command(convert_command, "convert")
 

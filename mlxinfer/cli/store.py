@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from convert.sources import is_gguf
+from ..convert.sources import is_gguf
 
 from ..base.cachedir import Notify, is_model_folder, models_dir, named_model, stderr_line
 from .demo import convert_into, demo_model
