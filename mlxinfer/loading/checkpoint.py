@@ -442,6 +442,9 @@ def load_model(path: Path, dtype: str | mx.Dtype | None = None, shard: str | Non
     return model
 
 
+OURS = __package__.partition(".")[0] + "."  # our own modules' objects: walked for the arrays they hold
+
+
 def held_arrays(model: nn.Module) -> list[mx.array]:
     """Every array the model holds, parameters or not: modules' underscored members and the
     arrays of our own plain objects in them (a RoPE's frequency table, which M-RoPE computes
@@ -463,7 +466,7 @@ def held_arrays(model: nn.Module) -> list[mx.array]:
             todo.extend(item.values())
         elif isinstance(item, (list, tuple)):
             todo.extend(item)
-        if isinstance(item, nn.Module) or type(item).__module__.startswith(__package__ + "."):
+        if isinstance(item, nn.Module) or type(item).__module__.startswith(OURS):
             todo.extend(getattr(item, "__dict__", {}).values())
     return found
 
