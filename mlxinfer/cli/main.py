@@ -68,9 +68,8 @@ def replica_for(model, tokenizer, **engine_options):
 
     import mlx.core as mx
 
-    from ..engine.relay import Relay
+    from ..engine.relay import Relay, agreed_seed
     from ..engine.replica import Replica
-    from ..models.shard import agreed_seed
 
     place = getattr(model, "shard", None)
     if place is None:
@@ -617,7 +616,8 @@ def serve(model, dtype, host, port, max_concurrency, max_queue, max_kv_size, kv_
     from ..serve.guard import allowed_hosts
     from ..serve.inspect import attention_offered
     from ..serve.app import EngineThread, ServerConfig, create_app, run
-    from ..models.shard import launched, summed, world
+    from ..engine.relay import summed
+    from ..models.shard import launched, world
     from ..models.shard import summary as shard_summary
     from ..loading.adapters import load_adapter
     from ..text.images import DATA, HTTP, LIMITS
