@@ -60,27 +60,6 @@ def no_drafting_across_ranks(drafting: bool) -> None:
                                  "mlx.launch")
 
 
-def replica_for(model, tokenizer, **engine_options):
-    """For a model sharded across ranks: the engine every rank runs alike (rank 0 drives it, the
-    others follow it), with every rank's random state seeded alike (rank 0's seed) and Ctrl-C
-    left to rank 0; None for a model on one machine."""
-    import signal
-
-    import mlx.core as mx
-
-    from ..engine.relay import Relay, agreed_seed
-    from ..engine.replica import Replica
-
-    place = getattr(model, "shard", None)
-    if place is None:
-        return None
-    relay = Relay(place.group)
-    mx.random.seed(agreed_seed(place.group))
-    if not relay.leader:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-    return Replica(model, tokenizer, relay, **engine_options)
-
-
 def followed(replica) -> bool:
     """On a rank other than 0: follow rank 0's engine until it closes, then True (the command is
     done there); on rank 0 or one machine, False."""
@@ -292,13 +271,14 @@ def chat(verbose: bool, pipeline: bool, images: tuple[str, ...], **params) -> No
     """Chat with a model in the terminal (multi-turn, streaming, /help for commands)."""
     from ..base.cachedir import home
     from ..engine.chat import ChatSession
+    from ..engine.replica import Replica
     from .repl import run_repl
     from ..models.shard import summary as shard_summary
     from .terminal import use_color
 
     run = Run.from_params(params)
     model, tokenizer, where, draft = run.load(pipeline=pipeline)
-    replica = replica_for(model, tokenizer, max_batch=1)
+    replica = Replica.for_model(model, tokenizer, max_batch=1)
     if followed(replica):
         return
     with leading(replica):
@@ -342,6 +322,7 @@ def generate(prompt: str, raw: bool, as_json: bool, no_stream: bool, pipeline: b
              **params) -> None:
     """Complete one prompt: text on stdout (streamed), stats on stderr."""
     from ..engine.generate import stream_generate
+    from ..engine.replica import Replica
     from .terminal import stats_line, typed_text, use_color
     from ..models.shard import summary as shard_summary
     from ..text.tools import describe_call
@@ -353,7 +334,7 @@ def generate(prompt: str, raw: bool, as_json: bool, no_stream: bool, pipeline: b
     if not text.strip():
         raise InvalidOptionError("the prompt is empty; pass --prompt TEXT, or --prompt - and text on stdin")
     model, tokenizer, where, draft = run.load(pipeline=pipeline)
-    replica = replica_for(model, tokenizer, max_batch=1)
+    replica = Replica.for_model(model, tokenizer, max_batch=1)
     if followed(replica):
         return
     with leading(replica):
@@ -613,6 +594,7 @@ def serve(model, dtype, host, port, max_concurrency, max_queue, max_kv_size, kv_
     after the requests in flight."""
     from ..engine.batch import BatchGenerator
     from ..engine.pool import PromptCachePool, cache_nbytes
+    from ..engine.replica import Replica
     from ..serve.guard import allowed_hosts
     from ..serve.inspect import attention_offered
     from ..serve.app import EngineThread, ServerConfig, create_app, run
@@ -656,7 +638,7 @@ def serve(model, dtype, host, port, max_concurrency, max_queue, max_kv_size, kv_
                                    max_request_pixels=pixels_per_request or LIMITS.max_request_pixels,
                                    allowed_hosts=frozenset(",".join(image_hosts).split(",")))}
     options = {k: v for k, v in options.items() if v is not None}
-    replica = replica_for(m, tokenizer, max_batch=max_concurrency, **options)
+    replica = Replica.for_model(m, tokenizer, max_batch=max_concurrency, **options)
     if followed(replica):
         return
     engine = EngineThread(replica or BatchGenerator(m, tokenizer, max_batch=max_concurrency, **options),

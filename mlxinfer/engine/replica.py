@@ -22,12 +22,15 @@ import signal
 import threading
 from typing import Any, Iterator, Sequence
 
+import mlx.core as mx
+
 from .batch import BatchGenerator, Prepared
 from ..models.prompt_cache import PromptCache
 from ..base.errors import InvalidOptionError
 from .text_stream import Chunk
-from .relay import Relay
+from .relay import Relay, agreed_seed
 from .request import Request
+from ..text.tokenizer import Tokenizer
 
 
 class Replica(BatchGenerator):
@@ -39,6 +42,20 @@ class Replica(BatchGenerator):
         self._ops: list[list[Any]] = []  # rank 0: what was done to the engine since the last round
         self._kept: list[PromptCache] = []  # caches callers keep across requests, by the name every rank knows
         self._interrupted = False
+
+    @classmethod
+    def for_model(cls, model, tokenizer: Tokenizer, **engine_options: Any) -> Replica | None:
+        """For a model sharded across ranks: the engine every rank runs alike (rank 0 drives it, the
+        others follow it), with every rank's random state seeded alike (rank 0's seed) and Ctrl-C
+        left to rank 0; None for a model on one machine."""
+        place = getattr(model, "shard", None)
+        if place is None:
+            return None
+        relay = Relay(place.group)
+        mx.random.seed(agreed_seed(place.group))
+        if not relay.leader:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+        return cls(model, tokenizer, relay, **engine_options)
 
     @property
     def leader(self) -> bool:
