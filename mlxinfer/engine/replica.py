@@ -7,7 +7,7 @@ the other ranks run `Replica.follow`. Each round rank 0 shares what it did to th
 the last one (requests queued, as their typed `Request`'s JSON; sequences cancelled; kept caches
 made) and what the round runs (a step, or a kept cache refilled); every rank applies that and
 runs the same work. Sampling draws on a random state seeded alike on every rank
-(`shard.agreed_seed`), in the same order, so every rank picks the same tokens.
+(`relay.agreed_seed`), in the same order, so every rank picks the same tokens.
 
 Ctrl-C on rank 0 while the engine runs is noted, not raised: the next round cancels every
 sequence in flight on every rank, and only then does rank 0 raise KeyboardInterrupt, so all
