@@ -573,12 +573,10 @@ def serve(model, dtype, host, port, max_concurrency, max_queue, max_kv_size, kv_
     chat page at / (unless --no-web). Concurrent requests are decoded together; Ctrl-C stops
     after the requests in flight."""
     from ..engine.batch import BatchGenerator
-    from ..engine.pool import PromptCachePool, cache_nbytes
-    from ..engine.replica import Replica, run_front_end
+    from ..engine.replica import Replica, pool_for, run_front_end
     from ..serve.guard import allowed_hosts
     from ..serve.inspect import attention_offered
     from ..serve.app import EngineThread, ServerConfig, create_app, run
-    from ..engine.relay import summed
     from ..models.shard import launched, world
     from ..models.shard import summary as shard_summary
     from ..loading.adapters import load_adapter
@@ -603,14 +601,11 @@ def serve(model, dtype, host, port, max_concurrency, max_queue, max_kv_size, kv_
     for spec in adapters:
         name, _, folder = spec.rpartition("=")
         load_adapter(m, folder, name or None)
-    sharded = getattr(m, "shard", None) is not None
-    # ranks hold different K/V bytes in a pipeline: the pool counts all ranks' bytes, so all keep the same entries
-    measure = summed(cache_nbytes, m.shard.group) if sharded else cache_nbytes
     options: dict[str, Any] = {"prefill_step": prefill_step, "max_kv_size": max_kv_size,
                                "kv_bits": int(kv_bits) if kv_bits else None,
                                "draft_model": open_model(draft_model, dtype)[0] if draft_model else None,
                                "prompt_lookup": prompt_lookup or None,
-                               "pool": PromptCachePool(prompt_cache_bytes, measure) if prompt_cache_bytes else None,
+                               "pool": pool_for(m, prompt_cache_bytes) if prompt_cache_bytes else None,
                                "image_sources": frozenset({DATA, HTTP} if allow_image_urls else {DATA}),
                                "image_limits": replace(
                                    LIMITS, url_seconds=image_url_timeout or LIMITS.url_seconds,

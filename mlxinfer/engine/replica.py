@@ -28,8 +28,9 @@ import mlx.core as mx
 from .batch import BatchGenerator, Prepared
 from ..models.prompt_cache import PromptCache
 from ..base.errors import InvalidOptionError
+from .pool import PromptCachePool, cache_nbytes
 from .text_stream import Chunk
-from .relay import Relay, agreed_seed
+from .relay import Relay, agreed_seed, summed
 from .request import Request
 from ..text.tokenizer import Tokenizer
 
@@ -206,3 +207,11 @@ def run_front_end(front_end: Callable[[Replica | None], None], model, tokenizer:
             front_end(replica)
         finally:
             replica.close()
+
+
+def pool_for(model, max_bytes: int) -> PromptCachePool:
+    """A prompt-cache pool of `max_bytes` for `model`'s engine. For a model sharded across ranks
+    it counts every rank's bytes of an entry (the ranks of a pipeline hold different K/V), so
+    every rank's pool keeps and drops the same entries."""
+    place = getattr(model, "shard", None)
+    return PromptCachePool(max_bytes, cache_nbytes if place is None else summed(cache_nbytes, place.group))
