@@ -64,9 +64,9 @@ def as_one_rank_of_several() -> None:
     others print nothing."""
     import os
 
-    from ..models.shard import launched, world
+    from ..models.shard import rank_zero
 
-    if launched() and world() is not None and world().rank() != 0:
+    if not rank_zero():
         sys.stdout = sys.stderr = open(os.devnull, "w")
 
 
@@ -577,7 +577,7 @@ def serve(model, dtype, host, port, max_concurrency, max_queue, max_kv_size, kv_
     from ..serve.guard import allowed_hosts
     from ..serve.inspect import attention_offered
     from ..serve.app import EngineThread, ServerConfig, create_app, run
-    from ..models.shard import launched, world
+    from ..models.shard import rank_zero
     from ..models.shard import summary as shard_summary
     from ..loading.adapters import load_adapter
     from ..text.images import DATA, HTTP, LIMITS
@@ -589,8 +589,7 @@ def serve(model, dtype, host, port, max_concurrency, max_queue, max_kv_size, kv_
     if draft_model and prompt_lookup:
         raise click.UsageError("--draft-model and --prompt-lookup are alternatives: pass one of them")
     no_drafting_across_ranks(bool(draft_model or prompt_lookup))
-    leader = not launched() or world() is None or world().rank() == 0
-    if leader:
+    if rank_zero():
         check_free(host, port)
     guarded = attention_offered(host, api_key)  # on a loopback address, or behind a key
     if not guarded:

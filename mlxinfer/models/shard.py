@@ -79,6 +79,12 @@ def launched() -> bool:
     return any(os.environ.get(k) for k in ("MLX_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK"))
 
 
+def rank_zero() -> bool:
+    """Whether this process is rank 0, which owns the terminal and the address: alone, or the
+    first of the ranks `mlx.launch` started (the others print nothing and listen nowhere)."""
+    return not launched() or world() is None or world().rank() == 0
+
+
 def lost_peer(error: BaseException) -> bool:
     """An error of MLX's distributed backends that means another rank is gone."""
     return isinstance(error, RuntimeError) and str(error).startswith(("[ring]", "[mpi]", "[jaccl]", "[nccl]"))
