@@ -40,7 +40,7 @@ from typing import Iterable, Iterator
 
 import mlxinfer  # first: it binds a fast BLAS before mlx.core loads (see mlxinfer.base.blas)
 import mlx.core as mx  # noqa: E402, I001
-from compare_mlx_lm import build_llama_50m  # noqa: E402
+from fixtures import build_llama_50m  # noqa: E402
 from mlxinfer.cli.bench import Quiet, random_prompt  # noqa: E402
 
 STREAMS = (1, 2, 4, 8)
