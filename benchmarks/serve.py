@@ -66,8 +66,7 @@ from pathlib import Path
 from typing import IO
 
 import mlxinfer  # first: it binds a fast BLAS before mlx.core loads (see mlxinfer.base.blas)
-from batch import convert_smollm2, smollm2_source  # noqa: E402, I001
-from fixtures import build_llama_50m  # noqa: E402
+from fixtures import build_llama_50m, convert_smollm2, smollm2_source  # noqa: E402, I001
 from mlxinfer.base import blas  # noqa: E402
 from mlxinfer.cli.bench import random_prompt  # noqa: E402
 from mlxinfer.text.tokenizer import load_tokenizer_from_dir  # noqa: E402
