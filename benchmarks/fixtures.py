@@ -1,12 +1,18 @@
 """What several benchmarks share, so that none imports another: the random-weight models they
 build (transformers and tokenizers are bench-only dependencies) and the word-level tokenizer
-those models read; the checkpoints the test suite caches, and SmolLM2 converted from its GGUF."""
+those models read; the checkpoints the test suite caches, and SmolLM2 converted from its GGUF;
+the clock that times a batched generation step by step, the same for mlxinfer and mlx-lm."""
 
 from __future__ import annotations
 
 import json
 import os
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
+
+import mlxinfer  # first: it binds a fast BLAS before mlx.core loads (see mlxinfer.base.blas)
 
 LLAMA_50M = dict(
     hidden_size=512, intermediate_size=1408, num_hidden_layers=8, num_attention_heads=8,
@@ -69,3 +75,55 @@ def convert_smollm2(source: Path, folder: Path) -> Path:
 
     convert(source, folder, quantize=True, dtype="float32", progress=False)
     return folder
+
+
+Steps = Iterator[list[tuple[int, int]]]  # per engine step: (sequence index, token id) for each new token
+
+
+@dataclass(frozen=True)
+class Pass:
+    """One timed batched generation: aggregate decode rate and every sequence's token ids."""
+
+    decode_tps: float
+    tokens: list[list[int]]
+
+
+def timed(steps: Steps, n: int) -> Pass:
+    """Time a stream of engine steps: from the step that completes every sequence's first
+    token (prefill and first tokens stay outside the clock) to the last step; aggregate decode
+    tok/s = tokens handed out in between / that time. The same clock for both engines."""
+    tokens: list[list[int]] = [[] for _ in range(n)]
+    start, decoded = None, 0
+    for produced in steps:
+        for i, token in produced:
+            tokens[i].append(token)
+        if start is not None:
+            decoded += len(produced)
+        elif all(tokens):
+            start = time.perf_counter()
+    elapsed = time.perf_counter() - start if start is not None else 0.0
+    return Pass(decoded / elapsed if elapsed else 0.0, tokens)
+
+
+def ours(model, tokenizer, prompts: list[list[int]], max_tokens: int) -> Steps:
+    """mlxinfer's `BatchGenerator` decoding every prompt at once: greedy, EOS ignored."""
+    engine = mlxinfer.BatchGenerator(model, tokenizer, max_batch=len(prompts))
+    index = {engine.submit(p, max_tokens=max_tokens, temperature=0.0, ignore_eos=True): i
+             for i, p in enumerate(prompts)}
+    while engine.active:
+        yield [(index[uid], c.token) for uid, c in engine.step() if c.token is not None]
+
+
+def mlx_lm_steps(model, prompts: list[list[int]], max_tokens: int) -> Steps:
+    """mlx-lm's `BatchGenerator` (the engine under its `batch_generate`) on the same prompts, alike."""
+    from mlx_lm.generate import BatchGenerator
+
+    n = len(prompts)
+    engine = BatchGenerator(model, max_tokens=max_tokens, stop_tokens=None,  # no stop tokens: EOS ignored
+                            completion_batch_size=n, prefill_batch_size=n)
+    index = {uid: i for i, uid in enumerate(engine.insert(prompts, [max_tokens] * n))}
+    try:
+        while responses := engine.next_generated():
+            yield [(index[r.uid], r.token) for r in responses]
+    finally:
+        engine.close()
