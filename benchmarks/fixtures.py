@@ -1,12 +1,14 @@
 """What several benchmarks share, so that none imports another: the random-weight models they
 build (transformers and tokenizers are bench-only dependencies) and the word-level tokenizer
 those models read; the checkpoints the test suite caches, and SmolLM2 converted from its GGUF;
-the clock that times a batched generation step by step, the same for mlxinfer and mlx-lm."""
+the clock that times a batched generation step by step, the same for mlxinfer and mlx-lm; a free
+port for a server, and the load average printed beside the numbers."""
 
 from __future__ import annotations
 
 import json
 import os
+import socket
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -127,3 +129,15 @@ def mlx_lm_steps(model, prompts: list[list[int]], max_tokens: int) -> Steps:
             yield [(index[r.uid], r.token) for r in responses]
     finally:
         engine.close()
+
+
+def free_port() -> int:
+    """A loopback port nothing listens on now, for a server the benchmark starts."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def load_average() -> str:
+    """The machine's 1, 5 and 15-minute load averages: a number measured on a busy machine says so."""
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())

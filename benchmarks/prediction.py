@@ -15,12 +15,11 @@ an idle machine: the load average is printed before and after.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 
 import mlxinfer  # noqa: F401  (first: it picks MLX's BLAS)
-from fixtures import SMOLLM2_GGUF  # noqa: E402, I001
+from fixtures import SMOLLM2_GGUF, load_average
 from mlxinfer.base.cachedir import is_model_folder, models_dir
 from mlxinfer.cli.demo import NAME
 from mlxinfer.engine.generate import stream_generate
@@ -92,10 +91,6 @@ MESSAGES = [{"role": "user", "content": "Rename the variable `total` to `grand_t
              f"the whole function, nothing else:\n\n{PREDICTION}"}]
 
 
-def load() -> str:
-    return " ".join(f"{x:.2f}" for x in os.getloadavg())
-
-
 def default_model() -> str:
     demo = models_dir() / NAME
     if is_model_folder(demo):
@@ -120,7 +115,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=600)
     ap.add_argument("--repeat", type=int, default=3)
     args = ap.parse_args()
-    print(f"load average before: {load()}")
+    print(f"load average before: {load_average()}")
     model, tok, where = open_model(args.model or default_model(), args.dtype)
     print(f"model: {where} ({args.dtype or 'as stored'}); prompt {len(tok.apply_chat_template(MESSAGES, tokenize=True))} "
           f"tokens, prediction {len(tok.encode(PREDICTION, add_special_tokens=False))} tokens")
@@ -144,7 +139,7 @@ def main() -> None:
     print(f"predicted / plain: {predicted / plain:.2f}x (median of {args.repeat}); "
           f"{last['accepted'] / max(last['tokens'], 1):.0%} of the reply's tokens were accepted drafts; "
           f"outputs identical: {same}")
-    print(f"load average after: {load()}")
+    print(f"load average after: {load_average()}")
 
 
 if __name__ == "__main__":
