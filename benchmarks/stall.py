@@ -35,8 +35,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -47,21 +45,12 @@ import urllib.request
 from typing import Any, Callable
 
 import mlxinfer  # noqa: F401  (first: it picks MLX's BLAS)
+from fixtures import free_port, load_average
 from mlxinfer.loading.checkpoint import load_tokenizer
 from mlxinfer.cli.store import resolve_model
 
 PREFILL_STEP = 512  # the engine's default chunk
 WORDS = "river stone light cloud garden paper window music silver forest "
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def load() -> str:
-    return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
 def post(url: str, body: dict, timeout: float = 900):
@@ -193,7 +182,7 @@ def main() -> None:
                                            "choices")
     args = parser.parse_args()
     wanted = args.cases.split(",")
-    print(f"load average before: {load()}")
+    print(f"load average before: {load_average()}")
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     cmd = [sys.executable, "-m", "mlxinfer", "serve", "--port", str(port)]
@@ -246,7 +235,7 @@ def main() -> None:
     finally:
         server.terminate()
         server.wait(30)
-    print(f"load average after: {load()}")
+    print(f"load average after: {load_average()}")
 
 
 if __name__ == "__main__":

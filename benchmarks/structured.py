@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import statistics
 import tempfile
@@ -31,7 +30,7 @@ import time
 from pathlib import Path
 
 import mlxinfer  # first: it binds a fast BLAS before mlx.core loads (see mlxinfer.base.blas)
-from batch import convert_smollm2, smollm2_source  # noqa: E402, I001
+from fixtures import TEST_ASSETS, convert_smollm2, smollm2_source  # noqa: E402, I001
 from mlxinfer.text import constrain  # noqa: E402
 
 TARGET_SLOWDOWN = 0.10
@@ -48,8 +47,7 @@ def qwen3_tokenizer(arg: str | None) -> Path | None:
     (`real_tokenizer("qwen3")` in tests/conftest.py)."""
     if arg:
         return Path(arg).expanduser()
-    assets = Path(os.environ.get("MLXINFER_TEST_ASSETS", Path.home() / ".cache" / "mlxinfer-test-assets"))
-    cached = sorted((assets / "tokenizers").glob("*/qwen3"))
+    cached = sorted((TEST_ASSETS / "tokenizers").glob("*/qwen3"))
     return cached[-1] if cached else None
 
 

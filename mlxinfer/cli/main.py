@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import sys
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -60,55 +59,14 @@ def no_drafting_across_ranks(drafting: bool) -> None:
                                  "mlx.launch")
 
 
-def replica_for(model, tokenizer, **engine_options):
-    """For a model sharded across ranks: the engine every rank runs alike (rank 0 drives it, the
-    others follow it), with every rank's random state seeded alike (rank 0's seed) and Ctrl-C
-    left to rank 0; None for a model on one machine."""
-    import signal
-
-    import mlx.core as mx
-
-    from ..engine.relay import Relay
-    from ..engine.replica import Replica
-    from ..models.shard import agreed_seed
-
-    place = getattr(model, "shard", None)
-    if place is None:
-        return None
-    relay = Relay(place.group)
-    mx.random.seed(agreed_seed(place.group))
-    if not relay.leader:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-    return Replica(model, tokenizer, relay, **engine_options)
-
-
-def followed(replica) -> bool:
-    """On a rank other than 0: follow rank 0's engine until it closes, then True (the command is
-    done there); on rank 0 or one machine, False."""
-    if replica is None or replica.leader:
-        return False
-    replica.follow()
-    return True
-
-
-@contextlib.contextmanager
-def leading(replica) -> Iterator[None]:
-    """Rank 0's part of a sharded command: however it ends, the other ranks stop following."""
-    try:
-        yield
-    finally:
-        if replica is not None:
-            replica.close()
-
-
 def as_one_rank_of_several() -> None:
     """Under `mlx.launch` every rank runs the command: rank 0 owns the terminal and the
     others print nothing."""
     import os
 
-    from ..models.shard import launched, world
+    from ..models.shard import rank_zero
 
-    if launched() and world() is not None and world().rank() != 0:
+    if not rank_zero():
         sys.stdout = sys.stderr = open(os.devnull, "w")
 
 
@@ -293,21 +251,22 @@ def chat(verbose: bool, pipeline: bool, images: tuple[str, ...], **params) -> No
     """Chat with a model in the terminal (multi-turn, streaming, /help for commands)."""
     from ..base.cachedir import home
     from ..engine.chat import ChatSession
+    from ..engine.replica import Replica, run_front_end
     from .repl import run_repl
     from ..models.shard import summary as shard_summary
     from .terminal import use_color
 
     run = Run.from_params(params)
     model, tokenizer, where, draft = run.load(pipeline=pipeline)
-    replica = replica_for(model, tokenizer, max_batch=1)
-    if followed(replica):
-        return
-    with leading(replica):
-        session = ChatSession(model, tokenizer, system=run.system, draft_model=draft, engine=replica,
+
+    def talk(engine: Replica | None) -> None:
+        session = ChatSession(model, tokenizer, system=run.system, draft_model=draft, engine=engine,
                               **run.options_for(tokenizer))
         split = shard_summary(model)
         click.echo(f"mlxinfer chat: {model_name(where)}" + (f" [{split}]" if split else ""), err=True)
         run_repl(session, home() / "chat_history", color=use_color(sys.stdout), verbose=verbose, images=images)
+
+    run_front_end(talk, model, tokenizer, max_batch=1)
 
 
 def model_name(where: Path | str) -> str:
@@ -343,6 +302,7 @@ def generate(prompt: str, raw: bool, as_json: bool, no_stream: bool, pipeline: b
              **params) -> None:
     """Complete one prompt: text on stdout (streamed), stats on stderr."""
     from ..engine.generate import stream_generate
+    from ..engine.replica import Replica, run_front_end
     from .terminal import stats_line, typed_text, use_color
     from ..models.shard import summary as shard_summary
     from ..text.tools import describe_call
@@ -354,10 +314,8 @@ def generate(prompt: str, raw: bool, as_json: bool, no_stream: bool, pipeline: b
     if not text.strip():
         raise InvalidOptionError("the prompt is empty; pass --prompt TEXT, or --prompt - and text on stdin")
     model, tokenizer, where, draft = run.load(pipeline=pipeline)
-    replica = replica_for(model, tokenizer, max_batch=1)
-    if followed(replica):
-        return
-    with leading(replica):
+
+    def reply(engine: Replica | None) -> None:
         options = run.options_for(tokenizer)
         prompt_or_messages = chat_prompt(tokenizer, text, run.system, raw, images)
         if run.think is not None and raw:
@@ -368,7 +326,7 @@ def generate(prompt: str, raw: bool, as_json: bool, no_stream: bool, pipeline: b
         last = None
         shown = use_color(sys.stderr)
         thinking = False  # thoughts shown on stderr whose line is not ended yet
-        for chunk in stream_generate(model, tokenizer, prompt_or_messages, engine=replica, **options):
+        for chunk in stream_generate(model, tokenizer, prompt_or_messages, engine=engine, **options):
             pieces.append(chunk.text)
             thoughts.append(chunk.reasoning)
             stats, last = chunk.stats, chunk
@@ -396,6 +354,8 @@ def generate(prompt: str, raw: bool, as_json: bool, no_stream: bool, pipeline: b
         click.echo(stats_line(stats), err=True)
         if (split := shard_summary(model)) is not None:
             click.echo(f"[{split}]", err=True)
+
+    run_front_end(reply, model, tokenizer, max_batch=1)
 
 
 def show_thinking(text: str, color: bool) -> bool:
@@ -613,11 +573,11 @@ def serve(model, dtype, host, port, max_concurrency, max_queue, max_kv_size, kv_
     chat page at / (unless --no-web). Concurrent requests are decoded together; Ctrl-C stops
     after the requests in flight."""
     from ..engine.batch import BatchGenerator
-    from ..engine.pool import PromptCachePool, cache_nbytes
+    from ..engine.replica import Replica, pool_for, run_front_end
     from ..serve.guard import allowed_hosts
     from ..serve.inspect import attention_offered
     from ..serve.app import EngineThread, ServerConfig, create_app, run
-    from ..models.shard import launched, summed, world
+    from ..models.shard import rank_zero
     from ..models.shard import summary as shard_summary
     from ..loading.adapters import load_adapter
     from ..text.images import DATA, HTTP, LIMITS
@@ -629,8 +589,7 @@ def serve(model, dtype, host, port, max_concurrency, max_queue, max_kv_size, kv_
     if draft_model and prompt_lookup:
         raise click.UsageError("--draft-model and --prompt-lookup are alternatives: pass one of them")
     no_drafting_across_ranks(bool(draft_model or prompt_lookup))
-    leader = not launched() or world() is None or world().rank() == 0
-    if leader:
+    if rank_zero():
         check_free(host, port)
     guarded = attention_offered(host, api_key)  # on a loopback address, or behind a key
     if not guarded:
@@ -641,14 +600,11 @@ def serve(model, dtype, host, port, max_concurrency, max_queue, max_kv_size, kv_
     for spec in adapters:
         name, _, folder = spec.rpartition("=")
         load_adapter(m, folder, name or None)
-    sharded = getattr(m, "shard", None) is not None
-    # ranks hold different K/V bytes in a pipeline: the pool counts all ranks' bytes, so all keep the same entries
-    measure = summed(cache_nbytes, m.shard.group) if sharded else cache_nbytes
     options: dict[str, Any] = {"prefill_step": prefill_step, "max_kv_size": max_kv_size,
                                "kv_bits": int(kv_bits) if kv_bits else None,
                                "draft_model": open_model(draft_model, dtype)[0] if draft_model else None,
                                "prompt_lookup": prompt_lookup or None,
-                               "pool": PromptCachePool(prompt_cache_bytes, measure) if prompt_cache_bytes else None,
+                               "pool": pool_for(m, prompt_cache_bytes) if prompt_cache_bytes else None,
                                "image_sources": frozenset({DATA, HTTP} if allow_image_urls else {DATA}),
                                "image_limits": replace(
                                    LIMITS, url_seconds=image_url_timeout or LIMITS.url_seconds,
@@ -656,23 +612,24 @@ def serve(model, dtype, host, port, max_concurrency, max_queue, max_kv_size, kv_
                                    max_request_pixels=pixels_per_request or LIMITS.max_request_pixels,
                                    allowed_hosts=frozenset(",".join(image_hosts).split(",")))}
     options = {k: v for k, v in options.items() if v is not None}
-    replica = replica_for(m, tokenizer, max_batch=max_concurrency, **options)
-    if followed(replica):
-        return
-    engine = EngineThread(replica or BatchGenerator(m, tokenizer, max_batch=max_concurrency, **options),
-                          max_queued=max_queue)
-    name = model_name(where)
-    # a vision-language model's requests carry images inline: room for one of the largest, base64-encoded
-    max_body = 4 << 20 if m.image_token_id is None else (4 << 20) + LIMITS.max_bytes * 4 // 3
-    config = ServerConfig(name, max_tokens=m.config.max_position_embeddings, api_key=api_key, cors=cors,
-                          hosts=allowed_hosts(host, allowed_host), responses_store=responses_store,
-                          responses_store_bytes=responses_store_bytes, max_adapters=max_adapters, max_body=max_body,
-                          web=not no_web, attention=guarded)
-    split = shard_summary(m)
-    page = "" if no_web else f"; chat at http://{host}:{port}/"
-    click.echo(f"serving {name} at http://{host}:{port}/v1{page} (Ctrl-C stops)" + (f" [{split}]" if split else ""),
-               err=True)
-    run(create_app(engine, m, tokenizer, config), engine, host, port, max_connections)
+
+    def listen(replica: Replica | None) -> None:
+        engine = EngineThread(replica or BatchGenerator(m, tokenizer, max_batch=max_concurrency, **options),
+                              max_queued=max_queue)
+        name = model_name(where)
+        # a vision-language model's requests carry images inline: room for one of the largest, base64-encoded
+        max_body = 4 << 20 if m.image_token_id is None else (4 << 20) + LIMITS.max_bytes * 4 // 3
+        config = ServerConfig(name, max_tokens=m.config.max_position_embeddings, api_key=api_key, cors=cors,
+                              hosts=allowed_hosts(host, allowed_host), responses_store=responses_store,
+                              responses_store_bytes=responses_store_bytes, max_adapters=max_adapters,
+                              max_body=max_body, web=not no_web, attention=guarded)
+        split = shard_summary(m)
+        page = "" if no_web else f"; chat at http://{host}:{port}/"
+        click.echo(f"serving {name} at http://{host}:{port}/v1{page} (Ctrl-C stops)" + (f" [{split}]" if split else ""),
+                   err=True)
+        run(create_app(engine, m, tokenizer, config), engine, host, port, max_connections)
+
+    run_front_end(listen, m, tokenizer, max_batch=max_concurrency, **options)
 
 
 def check_free(host: str, port: int) -> None:

@@ -4,7 +4,9 @@ A sharded forward pass is a run of collectives that every rank must join in the 
 order with the same shapes, so every rank runs the same engine on the same inputs
 (`replica.Replica`). Rank 0 owns the terminal or the HTTP server and shares what it
 decided (the engine's commands for each round); the others replay it without printing.
-Messages are JSON: only data crosses between machines.
+Messages are JSON: only data crosses between machines. Whatever else the ranks must agree on
+(rank 0's random seed, a size every rank measures alike) crosses the same way: one all_sum
+(`rank_sum`).
 
 A rank that dies is noticed by `mlx.launch`, which stops the others. A rank that hangs
 (or a machine that drops off the network) leaves the others blocked inside a collective,
@@ -20,7 +22,7 @@ import json
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import mlx.core as mx
@@ -45,6 +47,28 @@ def peer_timeout() -> float:
     if not seconds > 0:
         raise InvalidOptionError(f"MLXINFER_PEER_TIMEOUT must be a number of seconds above 0, got {value!r}")
     return seconds
+
+
+def rank_sum(values: np.ndarray, group) -> np.ndarray:
+    """`values` added up over every rank of `group`, back on the host: the one collective by which
+    the ranks come to agree (on rank 0's message, rank 0's seed, a size each rank measured)."""
+    total = mx.distributed.all_sum(mx.array(values), group=group)
+    mx.eval(total)
+    return np.array(total)
+
+
+def agreed_seed(group) -> int:
+    """One random seed for every rank (rank 0's), so sampled tokens agree everywhere."""
+    mine = int.from_bytes(os.urandom(4), "little") >> 2 if group.rank() == 0 else 0
+    return int(rank_sum(np.array([mine], np.int32), group)[0])
+
+
+def summed(measure: Callable[[Any], int], group) -> Callable[[Any], int]:
+    """`measure` added up over the ranks (one all_sum): the same number on every rank, so a
+    decision taken on it (a pool keeping or dropping a cache) is the same everywhere."""
+    def total(x: Any) -> int:
+        return int(rank_sum(np.array([measure(x)], np.int64), group)[0])
+    return total
 
 
 class Watchdog:
@@ -120,6 +144,4 @@ class Relay:
 
     def _sum(self, values: np.ndarray) -> np.ndarray:
         with mx.stream(generation_stream()):  # after any step still running there, as on every rank
-            total = mx.distributed.all_sum(mx.array(values), group=self.group)
-            mx.eval(total)
-        return np.array(total)
+            return rank_sum(values, self.group)

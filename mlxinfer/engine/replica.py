@@ -3,11 +3,12 @@
 A sharded forward pass is a run of collectives that every rank must join in the same order
 with the same shapes, so every forward pass of a sharded model runs in an engine round. Rank
 0's front end (`generate`, `chat`, `serve`) drives a `Replica` as it would a `BatchGenerator`;
-the other ranks run `Replica.follow`. Each round rank 0 shares what it did to the engine since
-the last one (requests queued, as their typed `Request`'s JSON; sequences cancelled; kept caches
-made) and what the round runs (a step, or a kept cache refilled); every rank applies that and
-runs the same work. Sampling draws on a random state seeded alike on every rank
-(`shard.agreed_seed`), in the same order, so every rank picks the same tokens.
+the other ranks run `Replica.follow` (`run_front_end` gives each rank its part). Each round
+rank 0 shares what it did to the engine since the last one (requests queued, as their typed
+`Request`'s JSON; sequences cancelled; kept caches made) and what the round runs (a step, or a
+kept cache refilled); every rank applies that and runs the same work. Sampling draws on a
+random state seeded alike on every rank (`relay.agreed_seed`), in the same order, so every
+rank picks the same tokens.
 
 Ctrl-C on rank 0 while the engine runs is noted, not raised: the next round cancels every
 sequence in flight on every rank, and only then does rank 0 raise KeyboardInterrupt, so all
@@ -20,14 +21,18 @@ import contextlib
 import dataclasses
 import signal
 import threading
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
+
+import mlx.core as mx
 
 from .batch import BatchGenerator, Prepared
 from ..models.prompt_cache import PromptCache
 from ..base.errors import InvalidOptionError
+from .pool import PromptCachePool, cache_nbytes
 from .text_stream import Chunk
-from .relay import Relay
+from .relay import Relay, agreed_seed, summed
 from .request import Request
+from ..text.tokenizer import Tokenizer
 
 
 class Replica(BatchGenerator):
@@ -39,6 +44,21 @@ class Replica(BatchGenerator):
         self._ops: list[list[Any]] = []  # rank 0: what was done to the engine since the last round
         self._kept: list[PromptCache] = []  # caches callers keep across requests, by the name every rank knows
         self._interrupted = False
+        self._closed = False
+
+    @classmethod
+    def for_model(cls, model, tokenizer: Tokenizer, **engine_options: Any) -> Replica | None:
+        """For a model sharded across ranks: the engine every rank runs alike (rank 0 drives it, the
+        others follow it), with every rank's random state seeded alike (rank 0's seed) and Ctrl-C
+        left to rank 0; None for a model on one machine."""
+        place = getattr(model, "shard", None)
+        if place is None:
+            return None
+        relay = Relay(place.group)
+        mx.random.seed(agreed_seed(place.group))
+        if not relay.leader:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+        return cls(model, tokenizer, relay, **engine_options)
 
     @property
     def leader(self) -> bool:
@@ -100,8 +120,10 @@ class Replica(BatchGenerator):
         return out
 
     def close(self) -> None:
-        """Rank 0: the other ranks stop following."""
-        if self.leader:
+        """Rank 0: the other ranks stop following. Once: a server's engine thread closes it when it
+        stops, and `run_front_end` again when the server has stopped, by when the others are gone."""
+        if self.leader and not self._closed:
+            self._closed = True
             self.relay.share(None)
 
     def follow(self) -> None:
@@ -167,3 +189,29 @@ class Replica(BatchGenerator):
         if self._interrupted:
             self._interrupted = False
             raise KeyboardInterrupt
+
+
+def run_front_end(front_end: Callable[[Replica | None], None], model, tokenizer: Tokenizer,
+                  **engine_options: Any) -> None:
+    """Run a front end (a reply, a chat, a server) on the engine `model` needs. On one machine
+    that is `front_end(None)`: the front end makes its own engine. For a model sharded across
+    ranks, rank 0 runs `front_end` on the `Replica` and, however it ends, lets the other ranks go;
+    every other rank follows rank 0's engine until then, and runs nothing of the front end."""
+    replica = Replica.for_model(model, tokenizer, **engine_options)
+    if replica is None:
+        front_end(None)
+    elif not replica.leader:
+        replica.follow()
+    else:
+        try:
+            front_end(replica)
+        finally:
+            replica.close()
+
+
+def pool_for(model, max_bytes: int) -> PromptCachePool:
+    """A prompt-cache pool of `max_bytes` for `model`'s engine. For a model sharded across ranks
+    it counts every rank's bytes of an entry (the ranks of a pipeline hold different K/V), so
+    every rank's pool keeps and drops the same entries."""
+    place = getattr(model, "shard", None)
+    return PromptCachePool(max_bytes, cache_nbytes if place is None else summed(cache_nbytes, place.group))

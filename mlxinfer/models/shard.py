@@ -35,7 +35,7 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -79,16 +79,15 @@ def launched() -> bool:
     return any(os.environ.get(k) for k in ("MLX_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK"))
 
 
+def rank_zero() -> bool:
+    """Whether this process is rank 0, which owns the terminal and the address: alone, or the
+    first of the ranks `mlx.launch` started (the others print nothing and listen nowhere)."""
+    return not launched() or world() is None or world().rank() == 0
+
+
 def lost_peer(error: BaseException) -> bool:
     """An error of MLX's distributed backends that means another rank is gone."""
     return isinstance(error, RuntimeError) and str(error).startswith(("[ring]", "[mpi]", "[jaccl]", "[nccl]"))
-
-
-def agreed_seed(group) -> int:
-    """One random seed for every rank (rank 0's), so sampled tokens agree everywhere."""
-    mine = int.from_bytes(os.urandom(4), "little") >> 2 if group.rank() == 0 else 0
-    seed = mx.distributed.all_sum(mx.array([mine], mx.int32), group=group)
-    return int(seed.item())
 
 
 def world() -> Any | None:
@@ -356,15 +355,6 @@ def check_same_model(path: Path, files: list[Path], shard: Shard) -> None:
     if len(values) != 1:
         raise ConfigError(f"the ranks load different model files ({len(values)} different fingerprints of "
                           f"{path.name}); give every machine the same checkpoint")
-
-
-def summed(measure: Callable[[Any], int], group) -> Callable[[Any], int]:
-    """`measure` added up over the ranks (one all_sum): the same number on every rank, so a
-    decision taken on it (a pool keeping or dropping a cache) is the same everywhere."""
-    def total(x: Any) -> int:
-        every = mx.distributed.all_sum(mx.array([measure(x)], mx.int64), group=group)
-        return int(every.item())
-    return total
 
 
 def resident_bytes(model) -> int:
