@@ -11,7 +11,7 @@ from ..base.checks import token_ids
 from ..text.constrain import json_answer
 from ..base.errors import ImageError, InvalidOptionError
 from ..text.images import NO_IMAGES, expand_placeholders
-from ..models.vision import Pixels
+from ..models.vision import Pixels, image_spans
 from .options import GenerationOptions, Prompt
 from ..text.reasoning import Reasoning, reasoning_for, tags_for
 from ..text.tokenizer import Tokenizer
@@ -114,26 +114,11 @@ def image_key(image: Pixels) -> int:
 
 
 def image_keys(ids: Sequence[int], image_token_id: int, pixels: Sequence[Pixels]) -> tuple[int, ...]:
-    """`ids` with each image's `tokens` placeholder ids, in order, replaced by its `image_key`;
-    the prompt must hold exactly as many placeholder ids as the images take."""
-    keys, images, left = list(ids), iter(pixels), 0
-    key = 0
-    for i, t in enumerate(ids):
-        if t != image_token_id:
-            if left:
-                break
-            continue
-        if not left:
-            image = next(images, None)
-            if image is None:
-                break
-            key, left = image_key(image), image.tokens
-        keys[i] = key
-        left -= 1
-    found = sum(1 for t in ids if t == image_token_id)
-    if left or next(images, None) is not None or found != sum(p.tokens for p in pixels):
-        raise ImageError(f"the prompt holds {found} image tokens where its {len(pixels)} images take "
-                         f"{sum(p.tokens for p in pixels)}; do not write the image token in the text")
+    """`ids` with each image's run of placeholder ids (`image_spans`, which checks them) replaced
+    by its `image_key`."""
+    keys = list(ids)
+    for (start, end), image in zip(image_spans(ids, image_token_id, pixels), pixels):
+        keys[start:end] = [image_key(image)] * (end - start)
     return tuple(keys)
 
 
