@@ -33,15 +33,15 @@ from ..models.prompt_cache import PromptCache, chunk_end, run_rows
 from ..base.checks import integer
 from ..text.constrain import Constraint, masked
 from ..decode.sources import Score, Stats, Token, chosen_logprobs, drawn, scored_prefill
-from ..base.errors import ImageError, InvalidOptionError
-from ..text.images import LIMITS, LOCAL, NO_IMAGES, ImageLimits, has_images
+from ..base.errors import InvalidOptionError
+from ..text.images import LIMITS, LOCAL, ImageLimits, has_images
 from .decoders import constraint_for, speculative_source
 from .runtime import check_context, context_limit, generation_stream, wired_limit
 from .prompt import ImagePrompt, image_prompt, predicted_tokens, reasoning_of, tool_plan
 from .text_stream import Chunk, TextStream, read_tool_calls
 from .options import GenerationOptions, Prompt
 from ..models.lora import identity
-from ..models.vision import Embedded
+from ..models.vision import Embedded, check_takes_images
 from .pool import PromptCachePool, prefix_copy
 from ..text.reasoning import Reasoning
 from .request import Request
@@ -220,8 +220,8 @@ class BatchGenerator:
     def request(self, prompt: Prompt, **options: Any) -> Request:
         """The typed request for `prompt` and keyword options, over this engine's defaults; images
         in its messages are loaded from where `image_sources` allows (refused by a text-only model)."""
-        if self.model.image_token_id is None and has_images(prompt):
-            raise ImageError(NO_IMAGES)
+        if has_images(prompt):
+            check_takes_images(self.model)  # before any image is read
         return Request.of(prompt, self.model.config.vocab_size, self.defaults, image_sources=self.image_sources,
                           image_limits=self.image_limits, **options)
 

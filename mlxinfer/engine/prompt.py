@@ -10,8 +10,8 @@ from typing import Any, Sequence
 from ..base.checks import token_ids
 from ..text.constrain import json_answer
 from ..base.errors import ImageError, InvalidOptionError
-from ..text.images import NO_IMAGES, expand_placeholders
-from ..models.vision import Pixels, image_spans
+from ..text.images import expand_placeholders
+from ..models.vision import Pixels, check_takes_images, image_spans
 from .options import GenerationOptions, Prompt
 from ..text.reasoning import Reasoning, reasoning_for, tags_for
 from ..text.tokenizer import Tokenizer
@@ -86,8 +86,7 @@ def image_prompt(model, tokenizer: Tokenizer, request, tools: ToolPlan | None) -
     o, vocab = request.options, model.config.vocab_size
     if not request.images:
         return request_tokens(tokenizer, request.prompt, vocab, tools, o.chat_template_kwargs), None
-    if model.image_token_id is None:
-        raise ImageError(NO_IMAGES)
+    check_takes_images(model)
     if model.image_processor is None:
         raise ImageError("this checkpoint has no preprocessor_config.json, so its images cannot be prepared; "
                          "copy the file from the original model into its folder")

@@ -1,6 +1,7 @@
 """The types between image preprocessing, a vision-language model and the engine: one
-preprocessed image (`Pixels`), a prompt's inputs with its images in (`Embedded`), and where
-each image's tokens lie in a prompt (`image_spans`).
+preprocessed image (`Pixels`), a prompt's inputs with its images in (`Embedded`), where
+each image's tokens lie in a prompt (`image_spans`), and whether a model takes images at all
+(`check_takes_images`).
 
 They live apart from any family so the preprocessing (`mlxinfer/text/images.py`), every
 vision-language family and the engine agree on one shape without importing each other."""
@@ -56,6 +57,15 @@ class Embedded:
         )
         positions = None if self.positions is None else self.positions[:, start:end]
         return Embedded(self.embeds[start:end], positions, self.position_delta, spans)
+
+
+def check_takes_images(model) -> None:
+    """Refuse images for a model without an image token (a text-only model), in one line: every
+    front end (the engine's requests, a chat session, the REPL's /image) asks here before it reads
+    any image, so they all refuse alike."""
+    if model.image_token_id is None:
+        raise ImageError("this model takes no images; send text only, or use a vision-language model "
+                         "(Qwen2.5-VL, Qwen3-VL, Gemma 3)")
 
 
 def image_spans(tokens: Sequence[int] | np.ndarray, image_token_id: int | None,
