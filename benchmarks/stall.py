@@ -47,7 +47,7 @@ import urllib.request
 from typing import Any, Callable
 
 import mlxinfer  # noqa: F401  (first: it picks MLX's BLAS)
-from mlxinfer.loading.checkpoint import load_tokenizer
+from mlxinfer.loading.model import load_tokenizer
 from mlxinfer.cli.store import resolve_model
 
 PREFILL_STEP = 512  # the engine's default chunk
