@@ -35,42 +35,24 @@ from ..text.constrain import Constraint, masked
 from ..decode.sources import Score, Stats, Token, chosen_logprobs, drawn, scored_prefill
 from ..base.errors import InvalidOptionError
 from ..text.images import LIMITS, LOCAL, ImageLimits, has_images
-from .decoders import constraint_for, speculative_source
-from .runtime import check_context, context_limit, generation_stream, wired_limit
-from .prompt import ImagePrompt, image_prompt, predicted_tokens, reasoning_of, tool_plan
+from .decoders import speculative_source
+from .runtime import context_limit, generation_stream, wired_limit
+from .prepared import Prepared, cache_options, count, prepare
+from .prompt import ImagePrompt
 from .text_stream import Chunk, TextStream, read_tool_calls
 from .options import GenerationOptions, Prompt
-from ..models.lora import identity
 from ..models.vision import Embedded, check_takes_images
 from .pool import PromptCachePool, prefix_copy
 from ..text.reasoning import Reasoning
 from .request import Request
-from ..decode.sample import Sampler, SamplingConfig, greedy
+from ..decode.sample import Sampler, greedy
 from ..decode.speculative import PredictedOutput, SpeculativeDecoder
 from ..text.tools import ToolPlan
-from ..text.tools import plan as plan_tools
 from ..text.tokenizer import Tokenizer
 
-CACHE_OPTIONS = ("max_kv_size", "kv_bits", "kv_group_size")
 # Most tokens one engine step decodes speculatively, so a new request waits at most this long to be admitted.
 SPECULATIVE_BURST = 16
 SHARED = "speculative decoding paused while other sequences were decoded in the same batch"
-
-
-@dataclass(frozen=True)
-class Prepared:
-    """A request ready for the engine (`BatchGenerator.prepare`): its prompt ids and checked options."""
-
-    request: Request  # what it was prepared from: a replicated engine shares this with the other ranks
-    ids: list[int]
-    sampling: SamplingConfig
-    options: GenerationOptions
-    tools: ToolPlan | None
-    # a fresh matcher for its format or tool calls per choice (built here: it can be slow), or Nones
-    constraints: tuple[Constraint | None, ...]
-    reasoning: Reasoning | None = None  # how its reply splits into thinking and answer
-    predicted: tuple[int, ...] | None = None  # the prediction's tokens, when it has one
-    images: ImagePrompt | None = None  # its images, preprocessed, and its cache keys
 
 
 @dataclass(eq=False)
@@ -122,16 +104,12 @@ class _Sequence:
 
     @property
     def cache_options(self) -> dict[str, Any]:
-        return _cache_options(self.options)
+        return cache_options(self.options)
 
     @property
     def keys(self) -> list[int]:
         """What its cache lists for the prompt: the ids, each image's tokens as the image's key."""
         return list(self.images.keys) if self.images is not None else self.prompt
-
-
-def _cache_options(o: GenerationOptions) -> dict[str, Any]:
-    return {k: getattr(o, k) for k in CACHE_OPTIONS}
 
 
 @dataclass
@@ -226,26 +204,14 @@ class BatchGenerator:
                           image_limits=self.image_limits, **options)
 
     def prepare(self, request: Request) -> Prepared:
-        """Everything about a request that does not need the engine: the prompt rendered and
-        tokenized, its grammar compiled, its context checked. Touches no engine state, so a
-        server runs it on another thread: work that grows with a request's size never stalls
-        the sequences being decoded."""
-        o, vocab = request.options, self.model.config.vocab_size
-        tools = tool_plan(o, self.tokenizer)
-        ids, images = image_prompt(self.model, self.tokenizer, request, tools)
-        check_context(self.model, PromptCache.for_model(self.model, **_cache_options(o)), len(ids))
-        identity(self.model, o.adapter)  # an adapter this model does not have is refused here, before any work
-        constraints = tuple(constraint_for(o, self.tokenizer, vocab, tools) for _ in range(o.n))
-        return Prepared(request, ids, request.sampling, o, tools, constraints, reasoning_of(o, self.tokenizer, ids),
-                        predicted_tokens(self.tokenizer, o, vocab), images)
+        """Everything about a request that does not need the engine (`prepared.prepare`). Touches
+        no engine state, so a server runs it on another thread: work that grows with a request's
+        size never stalls the sequences being decoded."""
+        return prepare(self.model, self.tokenizer, request)
 
     def count(self, request: Request) -> int:
-        """How many tokens the request's prompt is as `prepare` renders it, tools included
-        (they render alike whatever tool_choice says); no grammar is compiled and nothing is
-        checked against the context, so a client can measure a prompt before sending it."""
-        o = request.options
-        shown = plan_tools(self.tokenizer, o.tools, "none") if o.tools is not None else None
-        return len(image_prompt(self.model, self.tokenizer, request, shown)[0])
+        """How many tokens the request's prompt is as `prepare` renders it (`prepared.count`)."""
+        return count(self.model, self.tokenizer, request)
 
     def new_group(self) -> int:
         """A name for a request made of several engine requests (the prompts one client sent

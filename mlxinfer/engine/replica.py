@@ -22,7 +22,8 @@ import signal
 import threading
 from typing import Any, Iterator, Sequence
 
-from .batch import BatchGenerator, Prepared
+from .batch import BatchGenerator
+from .prepared import Prepared
 from ..models.prompt_cache import PromptCache
 from ..base.errors import InvalidOptionError
 from .text_stream import Chunk
