@@ -45,11 +45,6 @@ from .request import Request
 from ..decode.sample import greedy
 from ..text.tokenizer import Tokenizer
 
-# Most tokens one engine step decodes speculatively, so a new request waits at most this long to be admitted.
-SPECULATIVE_BURST = 16
-SHARED = "speculative decoding paused while other sequences were decoded in the same batch"
-
-
 @dataclass
 class _Decode:
     """One batched decode step, queued (lazy) before the previous step's tokens are read."""
@@ -259,14 +254,11 @@ class BatchGenerator:
         return None
 
     def _speculate(self, s: SequenceState, out: list[tuple[int, Chunk]]) -> None:
-        """One burst of speculative decoding (a draft-and-verify round, or plain tokens)
-        for the lone sequence; its cache then holds everything but its next input again."""
-        spec = s.speculative
-        spec.last = int(s.next_input.item())
-        for token in spec.burst(min(s.text.limit - s.text.generated, SPECULATIVE_BURST)):
+        """One burst of speculative decoding for the lone sequence (`SequenceState.burst`), its
+        tokens handed out until it ends."""
+        for token in s.burst():
             if not self._hand_out(s, token, out):
                 return
-        s.next_input = mx.array([spec.last])
 
     def _hand_out(self, s: SequenceState, token: Token, out: list[tuple[int, Chunk]], batched: bool = False) -> bool:
         """Turn `token` into the sequence's next chunk; False once the sequence has ended
@@ -407,10 +399,8 @@ class BatchGenerator:
                 if id(s) in row:
                     s.next_input = previous.tokens[row[id(s)] : row[id(s)] + 1]
         for s in members:
-            if s.speculative is not None:  # its phase is interrupted: the time spent here is not its rate
-                s.speculative.pause()
-                if len(members) > 1:
-                    s.stats.note = SHARED
+            if s.speculative is not None:
+                s.pause_drafting(shared=len(members) > 1)
         logits = run_rows(self.model, [s.cache for s in members], mx.concatenate([s.next_input for s in members]))
         if any(s.constraint is not None for s in members):
             mx.async_eval(logits)  # the grammar works out the masks while the forward pass runs

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Iterator
 
 import mlx.core as mx
 
@@ -31,6 +31,9 @@ from .prompt import ImagePrompt
 from .runtime import context_limit
 from .text_stream import Chunk, TextStream, read_tool_calls
 
+# Most tokens one engine step decodes speculatively, so a new request waits at most this long to be admitted.
+SPECULATIVE_BURST = 16
+SHARED = "speculative decoding paused while other sequences were decoded in the same batch"
 
 @dataclass(eq=False)
 class SharedPrompt:
@@ -190,6 +193,22 @@ class SequenceState:
         if self.shared is not None:
             self.shared.cache, self.shared.scores = prefix_copy(self.cache, len(self.cache.tokens)), self.scores
             self.shared = None
+
+    def burst(self) -> Iterator[Token]:
+        """One burst of speculative decoding (a draft-and-verify round, or plain tokens) while it
+        is alone in the engine. Read to its end, its cache then holds everything but its next
+        input again; a sequence that ended midway (its caller stops reading) needs none."""
+        spec = self.speculative
+        spec.last = int(self.next_input.item())
+        yield from spec.burst(min(self.text.limit - self.text.generated, SPECULATIVE_BURST))
+        self.next_input = mx.array([spec.last])
+
+    def pause_drafting(self, shared: bool) -> None:
+        """It is decoded in a batched step: its speculative phase is interrupted, so the time spent
+        there is not its rate; `shared`: others were in the step (its stats note says so)."""
+        self.speculative.pause()
+        if shared:
+            self.stats.note = SHARED
 
     def chunk_of(self, token: Token) -> Chunk:
         """Its chunk for `token`; a last one carries the tool calls its reply made."""
