@@ -22,7 +22,7 @@ has its own sampler (seeded per choice: `SamplingConfig.for_choice`), constraint
 from __future__ import annotations
 
 import itertools
-from collections import Counter, deque
+from collections import deque
 from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
@@ -35,6 +35,7 @@ from ..decode.sources import Token, chosen_logprobs, drawn
 from ..base.errors import InvalidOptionError
 from ..text.images import LIMITS, LOCAL, ImageLimits, has_images
 from .runtime import generation_stream, wired_limit
+from .fairness import SlotShares
 from .prepared import Prepared, count, prepare
 from .sequence import SequenceState, SharedPrompt
 from .text_stream import Chunk
@@ -300,17 +301,18 @@ class BatchGenerator:
 
     def _admit(self, out: list[tuple[int, Chunk]]) -> None:
         """Start waiting sequences, and resume paused ones, while slots are free, fairly across
-        requests: each free slot goes to the request (`group`) holding the fewest, the oldest
-        sequence first, so one request's many choices or prompts never keep another request out
-        (when every slot is taken, `_make_room`). A choice whose prompt another choice is
-        prefilling stays in the queue (others behind it may start) until that is done."""
-        held = Counter(s.group for s in (*self._prefilling, *self._decoding) if not s.pausing)
+        requests (`fairness.SlotShares`: who is owed the next slot, and who gives one up when
+        every slot is taken). A choice whose prompt another choice is prefilling stays in the
+        queue (others behind it may start) until that is done."""
+        shares = SlotShares((*self._prefilling, *self._decoding))
         while ready := [s for s in (*self._paused, *self._waiting) if s.shared is None or s.shared.ready()]:
-            s = min(ready, key=lambda s: (held[s.group], s.uid))
+            s = shares.next(ready)
             if len(self._prefilling) + len(self._decoding) >= self.max_batch:
-                self._make_room(held, held[s.group])
+                giving = shares.to_pause(self._decoding, s)
+                if giving is not None:
+                    giving.pausing = True
                 return
-            held[s.group] += 1
+            shares.take(s)
             if s in self._paused:
                 self._paused.remove(s)
                 self._decoding.append(s)
@@ -329,19 +331,8 @@ class BatchGenerator:
                 continue
             self._prefilling.append(s)
 
-    def _make_room(self, held: Counter, wanting: int) -> None:
-        """Every slot is taken and a request holding `wanting` slots waits: the request holding the
-        most, when that is more than one above it, pauses its youngest decoding sequence after
-        this step (its cache kept, it resumes when a slot is free), so slots even out."""
-        decoding = [s for s in self._decoding if not s.pausing]
-        if not decoding:
-            return
-        most = max(held[s.group] for s in decoding)
-        if most > wanting + 1:
-            max((s for s in decoding if held[s.group] == most), key=lambda s: s.uid).pausing = True
-
     def _pause_marked(self, current: _Decode) -> None:
-        """Move the sequences marked by `_make_room` out of the decoding batch, each holding its
+        """Move the sequences marked to give their slot up (`_admit`) out of the decoding batch, each holding its
         next input: the token this step gave it."""
         row = {id(s): i for i, s in enumerate(current.members)}
         for s in [s for s in self._decoding if s.pausing]:

@@ -80,7 +80,7 @@ class SequenceState:
     embedded: Embedded | None = None  # its whole prompt's inputs with the images in (while it prefills)
     start: int = 0  # where `todo` starts in the prompt
     group: int = 0  # the request it belongs to (its choices, or the prompts one client sent together)
-    pausing: bool = False  # it gives its slot to another request after this step (`_make_room`)
+    pausing: bool = False  # it gives its slot to another request after this step (`fairness`)
 
     @classmethod
     def of(cls, uid: int, p: Prepared, index: int, shared: SharedPrompt | None, group: int,
