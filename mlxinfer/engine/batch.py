@@ -1,13 +1,18 @@
 """Batched generation: many sequences decoded together, joining and leaving at will.
 
+The engine schedules and steps; the pieces it uses hold the rest: a request made ready
+(`prepared`), one sequence's state and the moves it makes on its own (`sequence`), and how
+slots are shared between requests (`fairness`).
+
 Every sequence keeps its own `PromptCache` (its own length, positions and cache kind:
 growing, rotating, quantized) and its own sampler, options and text layer. A decode
 step runs all decoding sequences' next tokens through the model as one batch
-(`cache.run_rows`): the projections and feed-forward see [B, 1] inputs, attention reads
-each row's own cache (`models.attention`), so a row's arithmetic is what the same
-sequence gets alone and an answer does not depend on who else is being served. New sequences prefill in the same chunks a lone generation uses, a
-bounded number of tokens per step, between decode steps, so a long prompt never
-freezes the others' streams for its whole length.
+(`prompt_cache.run_rows`): the projections and feed-forward see [B, 1] inputs, attention
+reads each row's own cache (`models.attention`), so a row's arithmetic is what the same
+sequence gets alone and an answer does not depend on who else is being served. New
+sequences prefill in the same chunks a lone generation uses, a bounded number of tokens
+per step, between decode steps, so a long prompt never freezes the others' streams for
+its whole length.
 
 Speculative decoding (a draft model, prompt lookup or a predicted output) runs while its
 sequence is the only one in the engine; when others join it is decoded in the shared batch,
@@ -45,6 +50,7 @@ from .pool import PromptCachePool
 from .request import Request
 from ..decode.sample import greedy
 from ..text.tokenizer import Tokenizer
+
 
 @dataclass
 class _Decode:
@@ -291,6 +297,7 @@ class BatchGenerator:
         out.append((s.uid, s.failed(error)))
 
     def _drop_cancelled(self, out: list[tuple[int, Chunk]]) -> None:
+        """End the sequences cancelled since the last step, wherever they are, with their last chunk."""
         if not self._cancelled:
             return
         for group in (self._waiting, self._prefilling, self._decoding, self._paused):
@@ -332,8 +339,8 @@ class BatchGenerator:
             self._prefilling.append(s)
 
     def _pause_marked(self, current: _Decode) -> None:
-        """Move the sequences marked to give their slot up (`_admit`) out of the decoding batch, each holding its
-        next input: the token this step gave it."""
+        """Move the sequences marked to give their slot up (`_admit`) out of the decoding batch,
+        each holding its next input: the token this step gave it."""
         row = {id(s): i for i, s in enumerate(current.members)}
         for s in [s for s in self._decoding if s.pausing]:
             s.pausing = False
