@@ -35,6 +35,7 @@ from ..base.errors import InvalidOptionError, MlxinferError, SessionFileError, T
 from ..base.files import replacing, write_problem
 from .batch import BatchGenerator
 from .generate import stream_request
+from .prepared import CACHE_OPTIONS
 from .request import Request
 from ..decode.sources import Stats
 from .prompt import with_tools
@@ -44,7 +45,6 @@ from ..text.reasoning import reasoning_for
 from ..text.tokenizer import Tokenizer
 from ..text.tools import plan as plan_tools
 
-CACHE_OPTIONS = ("max_kv_size", "kv_bits", "kv_group_size")
 FORMAT = "mlxinfer-chat"
 VERSION = 2  # 2: the settings as a typed request (`Request.to_json`); 1 (keyword options) is still read
 Message = dict[str, str]
