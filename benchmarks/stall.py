@@ -46,7 +46,7 @@ from typing import Any, Callable
 
 import mlxinfer  # noqa: F401  (first: it picks MLX's BLAS)
 from fixtures import free_port, load_average
-from mlxinfer.loading.checkpoint import load_tokenizer
+from mlxinfer.loading.model import load_tokenizer
 from mlxinfer.cli.store import resolve_model
 
 PREFILL_STEP = 512  # the engine's default chunk

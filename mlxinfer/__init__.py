@@ -4,7 +4,8 @@ from .base import blas
 
 blas.preload()  # before anything imports mlx.core: a BLAS chosen later would not be used
 
-from .loading.adapters import load, load_adapter, unload_adapter
+from .loading.model import load, load_tokenizer
+from .loading.adapters import load_adapter, unload_adapter
 from .engine.batch import BatchGenerator
 from .engine.generate import batch_generate, generate, stream_generate
 from .models.cache import make_cache
@@ -15,7 +16,6 @@ from .engine.embed import embed
 from .base.errors import MlxinferError
 from .decode.sources import Stats
 from .engine.text_stream import Chunk
-from .loading.checkpoint import load_tokenizer
 from .engine.pool import PromptCachePool
 from .decode.sample import SamplingConfig
 

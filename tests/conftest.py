@@ -180,7 +180,7 @@ def assert_speculation_equals(want: list[int], drafter: str, model, tokenizer, m
     (saved with `hf_tokenizer`) proposing `want` but its third token (`last`: the prompt's last id),
     so drafts are both accepted and rejected, or prompt lookup, whose drafts must at least be made."""
     from mlxinfer.engine.generate import stream_generate
-    from mlxinfer.loading.checkpoint import load
+    from mlxinfer.loading.model import load
 
     def run(**options):
         chunks = [c for c in stream_generate(model, tokenizer, messages, max_tokens=len(want), temperature=0.0,

@@ -24,7 +24,7 @@ from test_models_gemma_vision import TEXT, VISION, perturb, picture
 from mlxinfer.engine.batch import BatchGenerator
 from mlxinfer.engine.generate import stream_generate
 from mlxinfer.base.errors import ImageError, SessionFileError
-from mlxinfer.loading.checkpoint import load
+from mlxinfer.loading.model import load
 from mlxinfer.engine.pool import PromptCachePool
 
 from PIL import Image  # noqa: E402

@@ -27,7 +27,7 @@ from mlxinfer.models.prompt_cache import PromptCache
 from mlxinfer.engine.prompt_file import save_prompt_cache
 from mlxinfer.engine.chat import ChatSession
 from mlxinfer.base.errors import InvalidOptionError
-from mlxinfer.loading.checkpoint import load
+from mlxinfer.loading.model import load
 from mlxinfer.engine.pool import PromptCachePool
 
 from PIL import Image  # noqa: E402

@@ -22,8 +22,9 @@ from ..engine.chat import ChatSession
 from ..text.constrain import typed_format
 from ..text.tools import describe_call
 from ..text.reasoning import SWITCH, tags_for, thinking_switch
-from ..base.errors import ImageError, InvalidOptionError, MlxinferError
-from ..text.images import NO_IMAGES, load_image
+from ..base.errors import InvalidOptionError, MlxinferError
+from ..text.images import load_image
+from ..models.vision import check_takes_images
 from .terminal import CYAN, DIM, paint, size, stats_line, typed_text
 
 PROMPT = ">>> "
@@ -233,8 +234,7 @@ class Repl:
         """Load an image now (a bad one fails here, in one line) for the next message."""
         if not arg:
             raise InvalidOptionError("/image needs a file, e.g. /image photo.png")
-        if self.session.model.image_token_id is None:
-            raise ImageError(NO_IMAGES)
+        check_takes_images(self.session.model)
         self.images.append(load_image(Path(arg).expanduser()))
         self.note(f"[image {len(self.images)} attached to the next message: {Path(arg).name}]")
 

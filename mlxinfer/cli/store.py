@@ -20,7 +20,7 @@ from ..convert.sources import is_gguf
 from ..base.cachedir import Notify, is_model_folder, models_dir, named_model, stderr_line
 from .demo import convert_into, demo_model
 from ..base.errors import MlxinferError, ModelNotFoundError
-from ..loading.adapters import load
+from ..loading.model import load
 from ..loading.checkpoint import read_config, weight_files
 from ..base.safetensors import safetensors_header
 from ..models import FAMILIES

@@ -1,13 +1,18 @@
 """Batched generation: many sequences decoded together, joining and leaving at will.
 
+The engine schedules and steps; the pieces it uses hold the rest: a request made ready
+(`prepared`), one sequence's state and the moves it makes on its own (`sequence`), and how
+slots are shared between requests (`fairness`).
+
 Every sequence keeps its own `PromptCache` (its own length, positions and cache kind:
 growing, rotating, quantized) and its own sampler, options and text layer. A decode
 step runs all decoding sequences' next tokens through the model as one batch
-(`cache.run_rows`): the projections and feed-forward see [B, 1] inputs, attention reads
-each row's own cache (`models.attention`), so a row's arithmetic is what the same
-sequence gets alone and an answer does not depend on who else is being served. New sequences prefill in the same chunks a lone generation uses, a
-bounded number of tokens per step, between decode steps, so a long prompt never
-freezes the others' streams for its whole length.
+(`prompt_cache.run_rows`): the projections and feed-forward see [B, 1] inputs, attention
+reads each row's own cache (`models.attention`), so a row's arithmetic is what the same
+sequence gets alone and an answer does not depend on who else is being served. New
+sequences prefill in the same chunks a lone generation uses, a bounded number of tokens
+per step, between decode steps, so a long prompt never freezes the others' streams for
+its whole length.
 
 Speculative decoding (a draft model, prompt lookup or a predicted output) runs while its
 sequence is the only one in the engine; when others join it is decoded in the shared batch,
@@ -22,123 +27,36 @@ has its own sampler (seeded per choice: `SamplingConfig.for_choice`), constraint
 from __future__ import annotations
 
 import itertools
-import time
-from collections import Counter, deque
-from dataclasses import dataclass, field, replace
+from collections import deque
+from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
 import mlx.core as mx
 
-from ..models.prompt_cache import PromptCache, chunk_end, run_rows
+from ..models.prompt_cache import PromptCache, run_rows
 from ..base.checks import integer
-from ..text.constrain import Constraint, masked
-from ..decode.sources import Score, Stats, Token, chosen_logprobs, drawn, scored_prefill
-from ..base.errors import ImageError, InvalidOptionError
-from ..text.images import LIMITS, LOCAL, NO_IMAGES, ImageLimits, has_images
-from .decoders import constraint_for, speculative_source
-from .runtime import check_context, context_limit, generation_stream, wired_limit
-from .prompt import ImagePrompt, image_prompt, predicted_tokens, reasoning_of, tool_plan
-from .text_stream import Chunk, TextStream, read_tool_calls
-from .options import GenerationOptions, Prompt
-from ..models.lora import identity
-from ..models.vision import Embedded
-from .pool import PromptCachePool, prefix_copy
-from ..text.reasoning import Reasoning
+from ..text.constrain import masked
+from ..decode.sources import Token, chosen_logprobs, drawn
+from ..base.errors import InvalidOptionError
+from ..text.images import LIMITS, LOCAL, ImageLimits, has_images
+from .runtime import generation_stream, wired_limit
+from .fairness import SlotShares
+from .prepared import Prepared, count, prepare
+from .sequence import SequenceState, SharedPrompt
+from .text_stream import Chunk
+from .options import Prompt
+from ..models.vision import check_takes_images
+from .pool import PromptCachePool
 from .request import Request
-from ..decode.sample import Sampler, SamplingConfig, greedy
-from ..decode.speculative import PredictedOutput, SpeculativeDecoder
-from ..text.tools import ToolPlan
-from ..text.tools import plan as plan_tools
+from ..decode.sample import greedy
 from ..text.tokenizer import Tokenizer
-
-CACHE_OPTIONS = ("max_kv_size", "kv_bits", "kv_group_size")
-# Most tokens one engine step decodes speculatively, so a new request waits at most this long to be admitted.
-SPECULATIVE_BURST = 16
-SHARED = "speculative decoding paused while other sequences were decoded in the same batch"
-
-
-@dataclass(frozen=True)
-class Prepared:
-    """A request ready for the engine (`BatchGenerator.prepare`): its prompt ids and checked options."""
-
-    request: Request  # what it was prepared from: a replicated engine shares this with the other ranks
-    ids: list[int]
-    sampling: SamplingConfig
-    options: GenerationOptions
-    tools: ToolPlan | None
-    # a fresh matcher for its format or tool calls per choice (built here: it can be slow), or Nones
-    constraints: tuple[Constraint | None, ...]
-    reasoning: Reasoning | None = None  # how its reply splits into thinking and answer
-    predicted: tuple[int, ...] | None = None  # the prediction's tokens, when it has one
-    images: ImagePrompt | None = None  # its images, preprocessed, and its cache keys
-
-
-@dataclass(eq=False)
-class _SharedPrompt:
-    """The prompt of a request's n choices: the first of them admitted prefills it (`runner`);
-    the rest wait until `cache` holds a copy of the prefilled prompt (and `scores` its scores,
-    when they were asked for) and start from copies of that. Should the runner end before its
-    prompt is in, the next choice admitted runs it."""
-
-    runner: _Sequence | None = None
-    cache: PromptCache | None = None
-    scores: list[Score] | None = None
-
-    def ready(self) -> bool:
-        """Whether a waiting choice may start now: from the prompt's copy, or as its runner."""
-        return self.cache is not None or self.runner is None or self.runner.cache is None
-
-
-@dataclass(eq=False)
-class _Sequence:
-    """One sequence in the engine, from submission to its last chunk."""
-
-    uid: int
-    prompt: list[int]
-    options: GenerationOptions
-    sampler: Sampler
-    stats: Stats
-    submitted: float
-    cache: PromptCache | None = None
-    text: TextStream | None = None
-    todo: list[int] = field(default_factory=list)  # prompt tokens the cache still lacks
-    prefilled: int = 0  # of todo[:-1]
-    next_input: mx.array | None = None  # [1]: the token the next decode step runs
-    speculative: SpeculativeDecoder | None = None  # drafts while this sequence is alone
-    constraint: Constraint | None = None  # its response format or tool-call grammar, when it has one
-    tools: ToolPlan | None = None  # what its tools are and how its calls are read
-    reply: list[str] = field(default_factory=list)  # its text so far, kept only when it has tools
-    own_cache: PromptCache | None = None  # the caller's cache (reused across calls), instead of the pool's or a new one
-    scores: list[Score] | None = None  # its prompt's scores so far, when it asked for them (prompt_logprobs)
-    reasoning: Reasoning | None = None  # how its reply splits into thinking and answer
-    index: int = 0  # which of its request's choices it is
-    shared: _SharedPrompt | None = None  # with n > 1: the prompt it shares with the other choices, until it starts
-    predicted: tuple[int, ...] | None = None  # the prediction it drafts from while alone
-    images: ImagePrompt | None = None  # its prompt's images and cache keys, when it has images
-    embedded: Embedded | None = None  # its whole prompt's inputs with the images in (while it prefills)
-    start: int = 0  # where `todo` starts in the prompt
-    group: int = 0  # the request it belongs to (its choices, or the prompts one client sent together)
-    pausing: bool = False  # it gives its slot to another request after this step (`_make_room`)
-
-    @property
-    def cache_options(self) -> dict[str, Any]:
-        return _cache_options(self.options)
-
-    @property
-    def keys(self) -> list[int]:
-        """What its cache lists for the prompt: the ids, each image's tokens as the image's key."""
-        return list(self.images.keys) if self.images is not None else self.prompt
-
-
-def _cache_options(o: GenerationOptions) -> dict[str, Any]:
-    return {k: getattr(o, k) for k in CACHE_OPTIONS}
 
 
 @dataclass
 class _Decode:
     """One batched decode step, queued (lazy) before the previous step's tokens are read."""
 
-    members: list[_Sequence]
+    members: list[SequenceState]
     tokens: mx.array  # [B]
     logprobs: mx.array  # [B, V]
     chosen: mx.array  # [B]
@@ -180,10 +98,10 @@ class BatchGenerator:
         self.stats = BatchStats()
         self._uids = itertools.count()
         self._groups = itertools.count()
-        self._waiting: deque[_Sequence] = deque()
-        self._prefilling: list[_Sequence] = []
-        self._decoding: list[_Sequence] = []
-        self._paused: list[_Sequence] = []  # decoding sequences that gave their slot to another request
+        self._waiting: deque[SequenceState] = deque()
+        self._prefilling: list[SequenceState] = []
+        self._decoding: list[SequenceState] = []
+        self._paused: list[SequenceState] = []  # decoding sequences that gave their slot to another request
         self._cancelled: set[int] = set()
         self._known: set[int] = set()
         self._queued: _Decode | None = None
@@ -208,7 +126,7 @@ class BatchGenerator:
         """Whether a sequence in flight (waiting, prefilling or decoding) runs adapter `name`."""
         return any(s.options.adapter == name for s in self._in_engine())
 
-    def _in_engine(self) -> tuple[_Sequence, ...]:
+    def _in_engine(self) -> tuple[SequenceState, ...]:
         return (*self._waiting, *self._prefilling, *self._decoding, *self._paused)
 
     def submit(self, prompt: Prompt, **options: Any) -> int:
@@ -220,32 +138,20 @@ class BatchGenerator:
     def request(self, prompt: Prompt, **options: Any) -> Request:
         """The typed request for `prompt` and keyword options, over this engine's defaults; images
         in its messages are loaded from where `image_sources` allows (refused by a text-only model)."""
-        if self.model.image_token_id is None and has_images(prompt):
-            raise ImageError(NO_IMAGES)
+        if has_images(prompt):
+            check_takes_images(self.model)  # before any image is read
         return Request.of(prompt, self.model.config.vocab_size, self.defaults, image_sources=self.image_sources,
                           image_limits=self.image_limits, **options)
 
     def prepare(self, request: Request) -> Prepared:
-        """Everything about a request that does not need the engine: the prompt rendered and
-        tokenized, its grammar compiled, its context checked. Touches no engine state, so a
-        server runs it on another thread: work that grows with a request's size never stalls
-        the sequences being decoded."""
-        o, vocab = request.options, self.model.config.vocab_size
-        tools = tool_plan(o, self.tokenizer)
-        ids, images = image_prompt(self.model, self.tokenizer, request, tools)
-        check_context(self.model, PromptCache.for_model(self.model, **_cache_options(o)), len(ids))
-        identity(self.model, o.adapter)  # an adapter this model does not have is refused here, before any work
-        constraints = tuple(constraint_for(o, self.tokenizer, vocab, tools) for _ in range(o.n))
-        return Prepared(request, ids, request.sampling, o, tools, constraints, reasoning_of(o, self.tokenizer, ids),
-                        predicted_tokens(self.tokenizer, o, vocab), images)
+        """Everything about a request that does not need the engine (`prepared.prepare`). Touches
+        no engine state, so a server runs it on another thread: work that grows with a request's
+        size never stalls the sequences being decoded."""
+        return prepare(self.model, self.tokenizer, request)
 
     def count(self, request: Request) -> int:
-        """How many tokens the request's prompt is as `prepare` renders it, tools included
-        (they render alike whatever tool_choice says); no grammar is compiled and nothing is
-        checked against the context, so a client can measure a prompt before sending it."""
-        o = request.options
-        shown = plan_tools(self.tokenizer, o.tools, "none") if o.tools is not None else None
-        return len(image_prompt(self.model, self.tokenizer, request, shown)[0])
+        """How many tokens the request's prompt is as `prepare` renders it (`prepared.count`)."""
+        return count(self.model, self.tokenizer, request)
 
     def new_group(self) -> int:
         """A name for a request made of several engine requests (the prompts one client sent
@@ -268,18 +174,14 @@ class BatchGenerator:
         prompt once; their uids, in choice order. With seed s, choice i samples with seed
         `sample.choice_seed(s, i)` (choice 0 with s: the first of n is what n=1 gives). They share
         slots with other requests as one `group` (`new_group`; by default a group of their own)."""
-        shared = _SharedPrompt() if prepared.options.n > 1 else None
+        shared = SharedPrompt() if prepared.options.n > 1 else None
         group = self.new_group() if group is None else group
         return [self._queue(prepared, i, shared, group) for i in range(prepared.options.n)]
 
-    def _queue(self, p: Prepared, index: int, shared: _SharedPrompt | None, group: int,
+    def _queue(self, p: Prepared, index: int, shared: SharedPrompt | None, group: int,
                cache: PromptCache | None = None) -> int:
         uid = next(self._uids)
-        self._waiting.append(_Sequence(uid, p.ids, p.options, Sampler(p.sampling.for_choice(index), p.ids),
-                                       Stats(prompt_tokens=len(p.ids)), time.perf_counter(), tools=p.tools,
-                                       constraint=p.constraints[index], own_cache=cache, reasoning=p.reasoning,
-                                       index=index, shared=shared, predicted=p.predicted, images=p.images,
-                                       group=group))
+        self._waiting.append(SequenceState.of(uid, p, index, shared, group, cache))
         self._known.add(uid)
         return uid
 
@@ -351,24 +253,21 @@ class BatchGenerator:
                     self._fail(s, e, out)
         return out
 
-    def _lone_speculative(self) -> _Sequence | None:
+    def _lone_speculative(self) -> SequenceState | None:
         """The sequence that may draft now: it asked to, and it is the only one in the engine."""
         if len(self._decoding) == 1 and not self._prefilling and not self._waiting and not self._paused:
             s = self._decoding[0]
             return s if s.speculative is not None else None
         return None
 
-    def _speculate(self, s: _Sequence, out: list[tuple[int, Chunk]]) -> None:
-        """One burst of speculative decoding (a draft-and-verify round, or plain tokens)
-        for the lone sequence; its cache then holds everything but its next input again."""
-        spec = s.speculative
-        spec.last = int(s.next_input.item())
-        for token in spec.burst(min(s.text.limit - s.text.generated, SPECULATIVE_BURST)):
+    def _speculate(self, s: SequenceState, out: list[tuple[int, Chunk]]) -> None:
+        """One burst of speculative decoding for the lone sequence (`SequenceState.burst`), its
+        tokens handed out until it ends."""
+        for token in s.burst():
             if not self._hand_out(s, token, out):
                 return
-        s.next_input = mx.array([spec.last])
 
-    def _hand_out(self, s: _Sequence, token: Token, out: list[tuple[int, Chunk]], batched: bool = False) -> bool:
+    def _hand_out(self, s: SequenceState, token: Token, out: list[tuple[int, Chunk]], batched: bool = False) -> bool:
         """Turn `token` into the sequence's next chunk; False once the sequence has ended
         (finished, or failed: one sequence's failure ends that sequence only). A token of
         the batched step also moves the sequence's constraint on (a speculative burst
@@ -377,7 +276,7 @@ class BatchGenerator:
             drawn(token.id)
             if batched and s.constraint is not None:
                 s.constraint.accept(token.id)
-            chunk = self._text_of(s, token)
+            chunk = s.chunk_of(token)
         except Exception as e:  # noqa: BLE001 - reported as this sequence's error chunk
             self._fail(s, e, out)
             return False
@@ -385,63 +284,49 @@ class BatchGenerator:
         out.append((s.uid, chunk))
         if chunk.finish_reason:
             self._decoding.remove(s)
-            self._finished(s)
+            s.release(self.model, self.pool)
             return False
         return True
 
-    @staticmethod
-    def _text_of(s: _Sequence, token: Token) -> Chunk:
-        """The sequence's chunk for `token`; a last one carries the tool calls its reply made."""
-        chunk = s.text.emit(token)
-        if s.tools is not None:
-            s.reply.append(chunk.text)
-            if chunk.finish_reason:
-                return read_tool_calls(chunk, "".join(s.reply), s.tools, s.text.addressed)
-        return chunk
-
-    def _fail(self, s: _Sequence, error: Exception, out: list[tuple[int, Chunk]]) -> None:
+    def _fail(self, s: SequenceState, error: Exception, out: list[tuple[int, Chunk]]) -> None:
         """End `s` with an error chunk (the others go on); its cache is dropped, not pooled."""
         for group in (self._waiting, self._prefilling, self._decoding, self._paused):
             if s in group:
                 group.remove(s)
-        s.stats.finish_reason = "error"
         self.failures[s.uid] = error
-        message = " ".join(str(error).split())  # one line, whatever the exception held
-        out.append((s.uid, Chunk("", None, None, "error", s.stats, error=f"{type(error).__name__}: {message}",
-                                 index=s.index)))
-        s.cache = s.speculative = s.constraint = None
+        out.append((s.uid, s.failed(error)))
 
     def _drop_cancelled(self, out: list[tuple[int, Chunk]]) -> None:
+        """End the sequences cancelled since the last step, wherever they are, with their last chunk."""
         if not self._cancelled:
             return
         for group in (self._waiting, self._prefilling, self._decoding, self._paused):
             for s in [s for s in group if s.uid in self._cancelled]:
                 group.remove(s)
-                text = s.text or self._text(s, PromptCache([]), 0)
-                out.append((s.uid, text.end("cancelled")))
-                s.cache = s.speculative = s.constraint = None  # freed: a cancelled sequence's K/V are not worth pooling
+                out.append((s.uid, s.cancelled(self.tokenizer)))
         self._cancelled.clear()
 
     def _admit(self, out: list[tuple[int, Chunk]]) -> None:
         """Start waiting sequences, and resume paused ones, while slots are free, fairly across
-        requests: each free slot goes to the request (`group`) holding the fewest, the oldest
-        sequence first, so one request's many choices or prompts never keep another request out
-        (when every slot is taken, `_make_room`). A choice whose prompt another choice is
-        prefilling stays in the queue (others behind it may start) until that is done."""
-        held = Counter(s.group for s in (*self._prefilling, *self._decoding) if not s.pausing)
+        requests (`fairness.SlotShares`: who is owed the next slot, and who gives one up when
+        every slot is taken). A choice whose prompt another choice is prefilling stays in the
+        queue (others behind it may start) until that is done."""
+        shares = SlotShares((*self._prefilling, *self._decoding))
         while ready := [s for s in (*self._paused, *self._waiting) if s.shared is None or s.shared.ready()]:
-            s = min(ready, key=lambda s: (held[s.group], s.uid))
+            s = shares.next(ready)
             if len(self._prefilling) + len(self._decoding) >= self.max_batch:
-                self._make_room(held, held[s.group])
+                giving = shares.to_pause(self._decoding, s)
+                if giving is not None:
+                    giving.pausing = True
                 return
-            held[s.group] += 1
+            shares.take(s)
             if s in self._paused:
                 self._paused.remove(s)
                 self._decoding.append(s)
                 continue
             self._waiting.remove(s)
             try:
-                limit = self._start(s)
+                limit = s.begin(self.model, self.tokenizer, self.pool)
             except Exception as e:  # noqa: BLE001 - one sequence's failure ends that sequence only
                 self._fail(s, e, out)
                 continue
@@ -449,24 +334,13 @@ class BatchGenerator:
                 out.append((s.uid, s.text.prompt(s.prompt)))
             if limit <= 0 and s.scores is None:
                 out.append((s.uid, s.text.end("length")))
-                self._finished(s)
+                s.release(self.model, self.pool)
                 continue
             self._prefilling.append(s)
 
-    def _make_room(self, held: Counter, wanting: int) -> None:
-        """Every slot is taken and a request holding `wanting` slots waits: the request holding the
-        most, when that is more than one above it, pauses its youngest decoding sequence after
-        this step (its cache kept, it resumes when a slot is free), so slots even out."""
-        decoding = [s for s in self._decoding if not s.pausing]
-        if not decoding:
-            return
-        most = max(held[s.group] for s in decoding)
-        if most > wanting + 1:
-            max((s for s in decoding if held[s.group] == most), key=lambda s: s.uid).pausing = True
-
     def _pause_marked(self, current: _Decode) -> None:
-        """Move the sequences marked by `_make_room` out of the decoding batch, each holding its
-        next input: the token this step gave it."""
+        """Move the sequences marked to give their slot up (`_admit`) out of the decoding batch,
+        each holding its next input: the token this step gave it."""
         row = {id(s): i for i, s in enumerate(current.members)}
         for s in [s for s in self._decoding if s.pausing]:
             s.pausing = False
@@ -475,110 +349,37 @@ class BatchGenerator:
             self._decoding.remove(s)
             self._paused.append(s)
 
-    def _start(self, s: _Sequence) -> int:
-        """Give an admitted sequence its cache (the caller's, or from the pool when one shares its
-        prefix) and text layer; returns how many tokens it may generate. A prompt to be scored
-        runs whole: positions a cache already held were never scored. A choice whose prompt
-        another choice prefilled starts from a copy of that cache (and its scores), with only
-        its last token to run."""
-        opts, shared = s.cache_options, s.shared
-        scored = s.options.prompt_logprobs is not None
-        s.scores = [] if scored else None
-        if shared is not None and shared.cache is not None:
-            s.cache = prefix_copy(shared.cache, len(shared.cache.tokens))
-            s.scores = list(shared.scores) if scored else None
-            s.shared = None  # once every waiting choice has started, nothing holds the copy
-        elif s.own_cache is not None:
-            s.cache = s.own_cache
-            s.cache.use_adapter(s.options.adapter)
-            if scored:
-                s.cache.reset()
-        elif self.pool is not None and not scored:
-            s.cache = self.pool.fetch(self.model, s.keys, s.options.adapter, **opts)
-        else:
-            s.cache = PromptCache.for_model(self.model, s.options.adapter, **opts)
-        if s.shared is not None:  # no copy of the prompt yet: this choice runs it for those that wait
-            shared.runner = s
-        limit = context_limit(self.model, s.cache, len(s.prompt), s.options.max_tokens)
-        s.text = self._text(s, s.cache, limit)
-        s.start = len(s.prompt) - len(s.cache.prepare(s.keys))
-        s.todo = s.prompt[s.start :]
-        s.stats.prefill_tokens = len(s.todo)
-        if self.model.image_token_id is not None:  # positions after the prompt follow its images (M-RoPE)
-            # images wholly in the reused prefix are not encoded again: their K/V are in the cache
-            s.embedded = self.model.embedded(s.prompt, s.images.pixels, s.start) if s.images is not None else None
-            s.cache.set_position_delta(s.embedded.position_delta if s.embedded is not None else 0)
-        o = s.options
-        if o.draft_model is not None or o.prompt_lookup or s.predicted is not None:
-            # its own draft cache, never one shared by sequences
-            drafting = o if s.own_cache is not None else replace(o, draft_cache=None)
-            prediction = PredictedOutput(s.predicted, len(s.prompt)) if s.predicted is not None else None
-            s.speculative = speculative_source(self.model, s.cache, s.sampler, s.todo[-1], limit, drafting, s.stats,
-                                               s.constraint, prediction)
-        return limit
-
-    def _text(self, s: _Sequence, cache: PromptCache, limit: int) -> TextStream:
-        # time to first token includes the wait for a slot
-        return TextStream(self.tokenizer, s.options, s.stats, limit, cache, start=s.submitted, reasoning=s.reasoning,
-                          index=s.index)
-
     def _prefill_some(self, out: list[tuple[int, Chunk]]) -> None:
-        """Prefill chunks (cut where a lone generation cuts them) until about `prefill_step`
-        tokens ran this step; sequences whose prompt is in join decoding (a scored prompt
-        first comes back with its scores, and ends there when nothing may be generated)."""
+        """Prefill chunks (`SequenceState.next_chunk`) until about `prefill_step` tokens ran this
+        step; sequences whose prompt is in join decoding (a scored prompt first comes back with
+        its scores, and ends there when nothing may be generated)."""
         budget = self.prefill_step
         for s in list(self._prefilling):
-            step = s.options.prefill_step
             try:
-                while s.prefilled < len(s.todo) - 1 and budget > 0:
-                    start = s.prefilled
-                    chunk = s.todo[start : self._chunk_end(s, start, step)]
+                while s.prompt_pending and budget > 0:
+                    chunk = s.next_chunk()
                     if len(chunk) > budget and budget < self.prefill_step:  # the next step runs it
                         break
-                    began = time.perf_counter()
-                    if s.embedded is not None:
-                        at = s.start + start  # in the whole prompt
-                        s.cache.prefill(self.model, chunk, len(chunk), s.embedded.slice(at, at + len(chunk)),
-                                        s.images.keys[at : at + len(chunk)])
-                    elif s.scores is None:
-                        s.cache.prefill(self.model, chunk, len(chunk))
-                    else:
-                        following = s.todo[start + 1 : start + 1 + len(chunk)]
-                        s.scores += scored_prefill(self.model, s.cache, chunk, following, s.options.prompt_logprobs)
-                    # each evaluates the chunk before returning, so this is its own time
-                    s.stats.prefill_chunks.append((len(chunk), began - s.submitted, time.perf_counter() - began))
-                    s.prefilled += len(chunk)
+                    s.prefill(self.model, chunk)
                     budget -= len(chunk)
                     self.stats.prefilled_tokens += len(chunk)
             except Exception as e:  # noqa: BLE001 - one sequence's failure ends that sequence only
                 self._fail(s, e, out)
                 continue
-            if s.prefilled < len(s.todo) - 1:
+            if s.prompt_pending:
                 break
             self._prefilling.remove(s)
-            s.embedded = None  # the prompt is in the cache: its inputs (images in) are not held through decoding
-            if s.shared is not None:  # its prompt is in: the other choices start from copies of it
-                s.shared.cache, s.shared.scores = prefix_copy(s.cache, len(s.cache.tokens)), s.scores
-                s.shared = None
+            s.prompt_done()
             if s.scores is not None:
                 out.append((s.uid, s.text.prompt(s.prompt, s.scores)))
                 if s.text.limit <= 0:
                     out.append((s.uid, s.text.end("length")))
-                    self._finished(s)
+                    s.release(self.model, self.pool)
                     continue
             s.next_input = mx.array(s.todo[-1:])
             self._decoding.append(s)
 
-    @staticmethod
-    def _chunk_end(s: _Sequence, start: int, step: int) -> int:
-        """Where the prefill chunk of `todo` from `start` ends: `step` tokens on, before the last
-        prompt token (the first decode step runs it), never inside an image that attends both ways."""
-        end = min(start + step, len(s.todo) - 1)
-        if s.embedded is None:
-            return end
-        return min(chunk_end(s.start + start, s.start + end, s.embedded.bidirectional) - s.start, len(s.todo) - 1)
-
-    def _continuing(self, current: _Decode) -> list[_Sequence]:
+    def _continuing(self, current: _Decode) -> list[SequenceState]:
         """Who the next decode step runs: this step's members that may still produce a
         token after this one, then sequences whose prompt just went in."""
         members = [s for s in current.members
@@ -586,7 +387,7 @@ class BatchGenerator:
         running = {s.uid for s in current.members}
         return members + [s for s in self._decoding if s.uid not in running]
 
-    def _decode(self, members: Sequence[_Sequence], previous: _Decode | None = None) -> _Decode | None:
+    def _decode(self, members: Sequence[SequenceState], previous: _Decode | None = None) -> _Decode | None:
         """Queue one batched decode step over `members` (lazily, then started)."""
         if not members:
             return None
@@ -596,10 +397,8 @@ class BatchGenerator:
                 if id(s) in row:
                     s.next_input = previous.tokens[row[id(s)] : row[id(s)] + 1]
         for s in members:
-            if s.speculative is not None:  # its phase is interrupted: the time spent here is not its rate
-                s.speculative.pause()
-                if len(members) > 1:
-                    s.stats.note = SHARED
+            if s.speculative is not None:
+                s.pause_drafting(shared=len(members) > 1)
         logits = run_rows(self.model, [s.cache for s in members], mx.concatenate([s.next_input for s in members]))
         if any(s.constraint is not None for s in members):
             mx.async_eval(logits)  # the grammar works out the masks while the forward pass runs
@@ -621,11 +420,3 @@ class BatchGenerator:
             if s not in self._decoding:  # finished, cancelled or failed while this step was queued
                 continue
             self._hand_out(s, Token(ids[i], values[i], current.logprobs[i]), out, batched=True)
-
-    def _finished(self, s: _Sequence) -> None:
-        """Hand the finished sequence's cache to the pool (it covers prompt and reply), or drop it."""
-        if self.pool is not None and s.cache is not None and s.own_cache is None:
-            self.pool.store(s.cache, self.model, **s.cache_options)
-        s.cache = s.speculative = s.constraint = None
-
-

@@ -28,22 +28,23 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from ..models.prompt_cache import PromptCache
+from ..models.vision import check_takes_images
 from .prompt_file import load_prompt_cache, save_prompt_cache
 from ..base.checks import is_integer
-from ..base.errors import ImageError, InvalidOptionError, MlxinferError, SessionFileError, TokenizerError
+from ..base.errors import InvalidOptionError, MlxinferError, SessionFileError, TokenizerError
 from ..base.files import replacing, write_problem
 from .batch import BatchGenerator
 from .generate import stream_request
+from .prepared import CACHE_OPTIONS
 from .request import Request
 from ..decode.sources import Stats
 from .prompt import with_tools
 from .text_stream import Chunk
-from ..text.images import NO_IMAGES, load_image
+from ..text.images import load_image
 from ..text.reasoning import reasoning_for
 from ..text.tokenizer import Tokenizer
 from ..text.tools import plan as plan_tools
 
-CACHE_OPTIONS = ("max_kv_size", "kv_bits", "kv_group_size")
 FORMAT = "mlxinfer-chat"
 VERSION = 2  # 2: the settings as a typed request (`Request.to_json`); 1 (keyword options) is still read
 Message = dict[str, str]
@@ -131,8 +132,8 @@ class ChatSession:
         it ends or stops early. A turn that fails or stops before its first token (the context is
         full, Ctrl-C during the prefill) leaves no trace."""
         self._close_stream()
-        if images and self.model.image_token_id is None:
-            raise ImageError(NO_IMAGES)
+        if images:
+            check_takes_images(self.model)  # before any is loaded
         loaded = [load_image(i) for i in images]
         self._streaming = self._turn(text, loaded)
         return self._streaming

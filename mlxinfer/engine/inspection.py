@@ -23,6 +23,7 @@ from ..models.layers import Attention
 from ..models.moe import SwitchGLU
 from ..decode.sample import SamplingConfig, filtered_probs
 from ..models.shard import layout
+from ..models.vision import image_spans
 from ..base.slices import Slices, run_whole
 from ..text.tokenizer import Tokenizer
 
@@ -101,11 +102,8 @@ def inspect_slices(
 def image_view(model, prompt: list[int], images: ImagePrompt, embedded) -> dict[str, Any]:
     """The image stage: each image's pixel tensor, patch grid, tokens, where they sit in the prompt
     and the positions they take (Qwen-VL's M-RoPE: (t, h, w) ranges; else one position per token)."""
-    out, at = [], 0
-    where = [i for i, t in enumerate(prompt) if t == model.image_token_id]
-    for px in images.pixels:
-        start, end = where[at], where[at + px.tokens - 1] + 1
-        at += px.tokens
+    out = []
+    for px, (start, end) in zip(images.pixels, image_spans(prompt, model.image_token_id, images.pixels)):
         entry: dict[str, Any] = {"pixel_values": list(px.values.shape), "tokens": px.tokens, "span": [start, end],
                                  "digest": px.digest[:16]}
         if px.grid is not None:

@@ -12,7 +12,7 @@ checkpoints where each prefill started and each chunk ended), so an entry is
 reused up to the longest of those within the common prefix. The pool hands out copies
 and keeps its entries untouched, so one conversation can branch into many.
 
-A prompt with images is matched by its cache keys (`generate.image_keys`): each image's tokens
+A prompt with images is matched by its cache keys (`prompt.image_keys`): each image's tokens
 stand as a key from its pixels' digest, so the same text with another picture shares only the
 tokens before that picture, and the same picture is reused like text.
 

@@ -10,8 +10,8 @@ from typing import Any, Sequence
 from ..base.checks import token_ids
 from ..text.constrain import json_answer
 from ..base.errors import ImageError, InvalidOptionError
-from ..text.images import NO_IMAGES, expand_placeholders
-from ..models.vision import Pixels
+from ..text.images import expand_placeholders
+from ..models.vision import Pixels, check_takes_images, image_spans
 from .options import GenerationOptions, Prompt
 from ..text.reasoning import Reasoning, reasoning_for, tags_for
 from ..text.tokenizer import Tokenizer
@@ -86,8 +86,7 @@ def image_prompt(model, tokenizer: Tokenizer, request, tools: ToolPlan | None) -
     o, vocab = request.options, model.config.vocab_size
     if not request.images:
         return request_tokens(tokenizer, request.prompt, vocab, tools, o.chat_template_kwargs), None
-    if model.image_token_id is None:
-        raise ImageError(NO_IMAGES)
+    check_takes_images(model)
     if model.image_processor is None:
         raise ImageError("this checkpoint has no preprocessor_config.json, so its images cannot be prepared; "
                          "copy the file from the original model into its folder")
@@ -114,26 +113,11 @@ def image_key(image: Pixels) -> int:
 
 
 def image_keys(ids: Sequence[int], image_token_id: int, pixels: Sequence[Pixels]) -> tuple[int, ...]:
-    """`ids` with each image's `tokens` placeholder ids, in order, replaced by its `image_key`;
-    the prompt must hold exactly as many placeholder ids as the images take."""
-    keys, images, left = list(ids), iter(pixels), 0
-    key = 0
-    for i, t in enumerate(ids):
-        if t != image_token_id:
-            if left:
-                break
-            continue
-        if not left:
-            image = next(images, None)
-            if image is None:
-                break
-            key, left = image_key(image), image.tokens
-        keys[i] = key
-        left -= 1
-    found = sum(1 for t in ids if t == image_token_id)
-    if left or next(images, None) is not None or found != sum(p.tokens for p in pixels):
-        raise ImageError(f"the prompt holds {found} image tokens where its {len(pixels)} images take "
-                         f"{sum(p.tokens for p in pixels)}; do not write the image token in the text")
+    """`ids` with each image's run of placeholder ids (`image_spans`, which checks them) replaced
+    by its `image_key`."""
+    keys = list(ids)
+    for (start, end), image in zip(image_spans(ids, image_token_id, pixels), pixels):
+        keys[start:end] = [image_key(image)] * (end - start)
     return tuple(keys)
 
 

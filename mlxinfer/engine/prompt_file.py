@@ -22,7 +22,7 @@ from ..models.prompt_cache import PromptCache
 def save_prompt_cache(path: str | Path, cache: PromptCache, metadata: dict[str, str] | None = None) -> None:
     """Write caches, their token ids and metadata as one safetensors file (atomically). A cache
     that holds an image is refused: its image tokens are listed as keys of the pixels (negative,
-    `generate.image_key`), which the file's token ids cannot carry."""
+    `prompt.image_key`), which the file's token ids cannot carry."""
     if any(t < 0 for t in cache.tokens):
         raise InvalidOptionError("a prompt cache that holds an image cannot be saved; save one of a text prompt")
     arrays: dict[str, mx.array] = {"tokens": mx.array(np.array(cache.tokens, dtype=np.int32))}

@@ -25,7 +25,8 @@ from typing import Any, Callable, Iterator, Sequence
 
 import mlx.core as mx
 
-from .batch import BatchGenerator, Prepared
+from .batch import BatchGenerator
+from .prepared import Prepared
 from ..models.prompt_cache import PromptCache
 from ..base.errors import InvalidOptionError
 from .pool import PromptCachePool, cache_nbytes

@@ -33,13 +33,10 @@ from mlx.utils import tree_unflatten
 from .adapter_config import MlxLora, PeftLora, mlx_lora, peft_lora
 from ..base.errors import AdapterError, CorruptCheckpointError, ModelNotFoundError
 from .checkpoint import PICKLE_SUFFIXES, checkpoint_json, read_weights
-from .checkpoint import load as load_base
-from ..models import CausalLM
 from ..models.layers import Attention, Linear, QuantizedLinear, SwiGLU
 from ..models.lora import LoRALinear, LoRASwitchLinear, Update, adapter_name, registry
 from ..models.moe import QuantizedSwitchLinear, SwitchGLU, SwitchLinear
 from ..models.shard import COLUMN, KV, LAYER, ROW, Shard, Stage, _kv_part, _part
-from ..text.tokenizer import Tokenizer
 
 PEFT_FILE, MLX_FILE = "adapter_model.safetensors", "adapters.safetensors"
 PEFT_PREFIX = "base_model.model."
@@ -475,15 +472,3 @@ def fused_weights(model: nn.Module, path: str | Path, weight_of: Callable[[str],
         return w if update.gain is None else update.gain.astype(mx.float32)[:, None] * w
 
     return {layer: (lambda layer=layer, update=update: fused(layer, update)) for layer, update in found.items()}
-
-
-def load(path_or_repo: str | os.PathLike, dtype: str | mx.Dtype | None = None, revision: str | None = None,
-         shard: str | None = None, group=None, adapter_path: str | os.PathLike | None = None
-         ) -> tuple[CausalLM, Tokenizer]:
-    """`loading.load`: a model folder, a name from `mlxinfer models` or a hub id, as the CLI's
-    `--model` takes them; then the LoRA adapter in folder `adapter_path` (PEFT or mlx-lm)
-    applied unfused as the model's default: requests that name no adapter use it."""
-    model, tokenizer = load_base(path_or_repo, dtype, revision, shard, group)
-    if adapter_path is not None:
-        registry(model).default = load_adapter(model, adapter_path)
-    return model, tokenizer

@@ -38,7 +38,6 @@ from ..models.shard import (
     world,
     wrap_reductions,
 )
-from ..text.tokenizer import Tokenizer, load_tokenizer_from_dir
 
 TOKENIZER_FILES = [
     "config.json",
@@ -479,19 +478,3 @@ def placement(shard: str | None, group=None) -> Shard | None:
         raise InvalidOptionError(f"shard must be 'tensor' or 'pipeline', got {shard!r}")
     group = group if group is not None else world()
     return Shard.of(group) if group is not None and group.size() > 1 else None
-
-
-def load(
-    path_or_repo: str | os.PathLike, dtype: str | mx.Dtype | None = None, revision: str | None = None,
-    shard: str | None = None, group=None,
-) -> tuple[CausalLM, Tokenizer]:
-    """Load a model and its tokenizer from a local folder, a name from `mlxinfer models` or a
-    Hugging Face hub id (`resolve`); `shard="tensor"` splits it across the processes of a
-    distributed group (see `shard`)."""
-    path = resolve(path_or_repo, revision)
-    return load_model(path, dtype, shard, group), load_tokenizer_from_dir(path)
-
-
-def load_tokenizer(path_or_repo: str | os.PathLike, revision: str | None = None) -> Tokenizer:
-    """Only the tokenizer, of what `load` takes (downloads no weights for a hub id)."""
-    return load_tokenizer_from_dir(resolve(path_or_repo, revision, TOKENIZER_FILES))

@@ -20,7 +20,7 @@ from .layers import CausalLM, OffsetRMSNorm
 from .multimodal import canonical as text_canonical
 from .multimodal import text_config, text_name
 from .siglip import VisionConfig, VisionModel
-from .vision import Embedded, Pixels
+from .vision import Embedded, Pixels, image_spans
 
 __all__ = ["Model", "canonical", "config"]
 
@@ -122,27 +122,16 @@ class Model(CausalLM):
         prompt cache holds its K/V): its tokens keep the placeholder's embedding, which no run from
         `start` reads."""
         ids = np.asarray(tokens, dtype=np.int64).reshape(-1)
-        where = np.flatnonzero(ids == self.image_token_id) if self.vision else np.zeros(0, np.int64)
-        if len(where) != sum(p.tokens for p in images):
-            raise InvalidOptionError(f"the prompt has {len(where)} image tokens for {len(images)} image(s) of "
-                                     f"{self.config.mm_tokens_per_image} tokens each; expand each image's "
-                                     "placeholder as the processor does")
-        spans, taken = [], 0
-        for p in images:
-            run = where[taken : taken + p.tokens]
-            if run[-1] - run[0] != p.tokens - 1:
-                raise InvalidOptionError("an image's tokens are not consecutive in the prompt; expand each image's "
-                                         "placeholder as the processor does")
-            spans.append((int(run[0]), int(run[-1]) + 1))
-            taken += p.tokens
+        spans = image_spans(ids, self.image_token_id, images)
         if self.vision and self.image_token_id >= self.config.vocab_size:
-            ids[where] = 0  # no row of the embedding (transformers looks up 0); overwritten below
+            # no row of the embedding (transformers looks up 0); overwritten below
+            ids[ids == self.image_token_id] = 0
         x = self.model.embed(mx.array(ids)[None])[0]
         fresh = [i for i, (_, end) in enumerate(spans) if end > start]
         if fresh:
             slots = np.concatenate([np.arange(*spans[i]) for i in fresh])
             x[mx.array(slots)] = self.encode_images([images[i] for i in fresh]).astype(x.dtype)
-        return Embedded(x, None, 0, tuple(spans))
+        return Embedded(x, None, 0, spans)
 
     def __call__(self, tokens: mx.array, cache=None, embedded: Embedded | None = None) -> mx.array:
         """Logits of `tokens` [B, T]; with `embedded` (a prefill chunk's, B = 1) its embeddings and

@@ -21,7 +21,7 @@ from .layers import CausalLM
 from .mrope import MRoPE, positions
 from .multimodal import text_config, text_weights
 from .qwen_vision import VisionConfig, VisionTransformer
-from .vision import Embedded, Pixels
+from .vision import Embedded, Pixels, image_spans
 
 __all__ = ["Model", "canonical", "config"]
 
@@ -52,25 +52,6 @@ class Block(TextBlock):
         attn = super().attention(cfg, layer)
         attn.rope = MRoPE(cfg)
         return attn
-
-
-def image_starts(tokens: np.ndarray, image_token: int, images: Sequence[Pixels]) -> list[int]:
-    """Where each image's run of placeholders starts; the prompt must hold exactly `tokens`
-    placeholders per image, in order."""
-    expected = sum(im.tokens for im in images)
-    found = int((tokens == image_token).sum())
-    if found != expected:
-        raise InvalidOptionError(f"the prompt has {found} image placeholder tokens but its {len(images)} image(s) "
-                                 f"take {expected}; expand each image's placeholder to its tokens")
-    starts, at = [], 0
-    for im in images:
-        at += int(np.argmax(tokens[at:] == image_token))
-        if not (tokens[at : at + im.tokens] == image_token).all():
-            raise InvalidOptionError(f"an image's {im.tokens} placeholder tokens are not consecutive in the prompt; "
-                                     "expand each image's placeholder in one piece")
-        starts.append(at)
-        at += im.tokens
-    return starts
 
 
 class Model(CausalLM):
@@ -122,7 +103,7 @@ class Model(CausalLM):
         positions depend only on its grid): its tokens keep the placeholder's embedding, which no
         run from `start` reads."""
         ids = np.asarray(tokens, dtype=np.int64)
-        starts = image_starts(ids, self.image_token_id, images)
+        starts = [begin for begin, _ in image_spans(ids, self.image_token_id, images)]
         where, delta = positions(len(ids), [(s, im.grid) for s, im in zip(starts, images)],
                                  self.visual.cfg.spatial_merge_size)
         x = self.model.embed(mx.array(ids))

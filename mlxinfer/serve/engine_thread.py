@@ -22,7 +22,8 @@ from typing import Any, AsyncIterator, Callable, TypeVar
 
 import mlx.core as mx
 
-from ..engine.batch import BatchGenerator, Prepared
+from ..engine.batch import BatchGenerator
+from ..engine.prepared import Prepared
 from ..base.errors import MlxinferError
 from ..engine.text_stream import Chunk
 from ..engine.replica import Replica

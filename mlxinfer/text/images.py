@@ -487,10 +487,6 @@ def _image_parts(message: Any) -> Iterator[Mapping[str, Any]]:
     return (p for p in content if _is_image(p)) if isinstance(content, list) else iter(())
 
 
-NO_IMAGES = ("this model takes no images; send text only, or use a vision-language model "
-             "(Qwen2.5-VL, Qwen3-VL, Gemma 3)")
-
-
 def has_images(prompt: Any) -> bool:
     """Whether a prompt is chat messages with an image part in them."""
     if isinstance(prompt, (str, bytes)) or not isinstance(prompt, Sequence):
