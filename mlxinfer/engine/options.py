@@ -87,7 +87,10 @@ class GenerationOptions:
         if self.num_draft_tokens is not None:
             integer("num_draft_tokens", self.num_draft_tokens, 1)
         flag("prompt_lookup", self.prompt_lookup)
-        integer("n", self.n, 1, MAX_CHOICES)
+        integer("n", self.n, 1)
+        if self.n > MAX_CHOICES:
+            raise InvalidOptionError(f"n must be at most {MAX_CHOICES} (choices per request), got {self.n}: ask for "
+                                     "fewer or send several requests", "n")
         if self.adapter is not None and not (isinstance(self.adapter, str) and self.adapter):
             raise InvalidOptionError(f"adapter must be the name of a loaded adapter, got {self.adapter!r:.60}")
         if self.prediction is not None and not isinstance(self.prediction, str):
@@ -104,8 +107,8 @@ class GenerationOptions:
             if fmt is not None and fmt.kind not in ("json_object", "json_schema"):
                 raise InvalidOptionError(f"tools combine with a json_schema or json_object response_format only, not "
                                          f"{fmt.kind}: a reply is a tool call or JSON")
-        elif self.tool_choice is not None:
-            raise InvalidOptionError("tool_choice needs tools")
+        elif self.tool_choice not in (None, "none"):  # "none" without tools asks for what no tools give
+            raise InvalidOptionError("tool_choice needs tools", "tool_choice")
 
 
 # Variables the renderer sets itself: a template kwarg may not replace them.

@@ -60,7 +60,7 @@ def router(ctx: Context) -> APIRouter:
         try:
             found = await asyncio.get_running_loop().run_in_executor(loader, prepare_adapter, model, command.path)
         except MlxinferError as e:  # the folder's fault: a missing file, a bad field, a damaged tensor
-            raise RequestError(str(e), "path") from None
+            raise RequestError.of(e, "path") from None
         except Exception as e:  # noqa: BLE001 - a fault of ours ends this request, not the server
             raise server_error(f"{type(e).__name__}: {' '.join(str(e).split())[:300]}") from None
 
@@ -94,7 +94,7 @@ def router(ctx: Context) -> APIRouter:
         try:
             adapter_name(parsed.name)
         except MlxinferError as e:
-            raise RequestError(str(e), "name") from None
+            raise RequestError.of(e, "name") from None
         if parsed.action == "load":
             if not parsed.path:
                 raise RequestError("loading an adapter needs its folder: path", "path")

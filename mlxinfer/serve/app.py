@@ -104,7 +104,7 @@ def create_app(engine: EngineThread, model, tokenizer, config: ServerConfig) -> 
 
     @app.exception_handler(MlxinferError)
     async def invalid(request: Request, e: MlxinferError):  # a typed request that could not be made: the client's
-        return error_response(request, RequestError(str(e)))
+        return error_response(request, RequestError.of(e))
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, e: HTTPException):  # unknown path, wrong method: the API's shape too

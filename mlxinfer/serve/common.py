@@ -20,6 +20,7 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
+from ..base.errors import InvalidOptionError, MlxinferError
 from ..engine.text_stream import Chunk
 from .guard import allowed_hosts
 from ..text.images import downloads, has_images
@@ -101,6 +102,13 @@ class RequestError(Exception):
                  kind: str = "invalid_request_error", headers: dict[str, str] | None = None, code: str | None = None):
         super().__init__(message)
         self.param, self.status, self.kind, self.headers, self.code = param, status, kind, headers, code
+
+    @classmethod
+    def of(cls, e: MlxinferError, param: str | None = None) -> RequestError:
+        """What our code refused (the client's fault: options, prompt, images, a file) as a 400
+        naming the field at fault: `param`, or the option a shared rule names
+        (`InvalidOptionError.option`)."""
+        return cls(str(e), param or (e.option if isinstance(e, InvalidOptionError) else None))
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": str(self), "type": self.kind, "param": self.param, "code": self.code}}

@@ -68,11 +68,11 @@ def router(ctx: Context) -> APIRouter:
         try:
             check_dimensions(model, body.dimensions)
         except MlxinferError as e:
-            raise RequestError(str(e), "dimensions") from None
+            raise RequestError.of(e, "dimensions") from None
         try:
             ids = await asyncio.to_thread(encode_texts, model, tokenizer, body.texts(), "input")
         except MlxinferError as e:
-            raise RequestError(str(e), "input") from None
+            raise RequestError.of(e, "input") from None
         gone = asyncio.ensure_future(hung_up(request))
         try:
             result = await unless_gone(engine.run_slices(embed_slices(model, ids, dimensions=body.dimensions,

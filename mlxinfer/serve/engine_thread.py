@@ -134,7 +134,7 @@ class EngineThread:
             request.prepared = await asyncio.get_running_loop().run_in_executor(self._preparer, self.engine.prepare,
                                                                                 request.request)
         except MlxinferError as e:  # the request's own fault (options, prompt, context, grammar)
-            raise RequestError(str(e)) from None
+            raise RequestError.of(e) from None
         except Exception as e:  # noqa: BLE001 - a fault of ours ends this request, not the server
             raise server_error(f"{type(e).__name__}: {' '.join(str(e).split())}") from None
         finally:
@@ -272,7 +272,7 @@ class EngineThread:
         except RequestError as e:  # refused as the caller says
             self._settle(work, error=e)
         except MlxinferError as e:  # the request's own fault
-            self._settle(work, error=RequestError(str(e)))
+            self._settle(work, error=RequestError.of(e))
         except Exception as e:  # noqa: BLE001 - a fault of ours ends this request, not the server
             self._settle(work, error=server_error(f"{type(e).__name__}: {' '.join(str(e).split())}"))
 
