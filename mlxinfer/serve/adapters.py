@@ -1,6 +1,6 @@
 """`POST /v1/adapters`: load and unload LoRA adapters while the server runs. Each loaded
 adapter is served as the model `BASE:NAME` (`/v1/models` lists them; a request's `model`
-chooses one: `openai.adapter_of`). The count is bounded (`ServerConfig.max_adapters`), names
+chooses one: `ServerConfig.served`). The count is bounded (`ServerConfig.max_adapters`), names
 follow `lora.adapter_name`, and the route sits behind the API key with the rest of /v1.
 
 A load's work (reading the files, checking them, computing each layer's update) runs on a

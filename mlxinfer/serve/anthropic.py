@@ -18,10 +18,9 @@ from fastapi import APIRouter, Request
 
 from ..decode.sources import Stats
 from ..engine.text_stream import Chunk
-from ..text.reasoning import effort_kwargs
 from ..text.tools import ToolCall, call_opener
-from .anthropic_schema import Conversation, CountTokens, CreateMessage, parse
-from .common import Context, RequestError, adapter_of, parsed, respond, sse, typed_request
+from .anthropic_schema import CountTokens, CreateMessage, parse
+from .common import Context, RequestError, parsed, respond, sse, typed_request
 from .engine_thread import chunks_of
 
 Event = tuple[str, dict[str, Any]]  # (event name, data)
@@ -32,16 +31,10 @@ def router(ctx: Context) -> APIRouter:
     api = APIRouter()
     config, tokenizer, engine = ctx.config, ctx.tokenizer, ctx.engine
 
-    def thinking(body: Conversation) -> dict[str, Any]:
-        """`thinking` as the template's switch (none given: the template's default)."""
-        template = effort_kwargs(tokenizer, body.thinking.effort) if body.thinking is not None else {}
-        return {"chat_template_kwargs": template} if template else {}
-
     @api.post("/messages")
     async def messages(request: Request):
         body = await parsed(request, config.max_body, parse, CreateMessage)
-        typed = await typed_request(engine, body.chat(), **body.options(), **thinking(body),
-                                    **adapter_of(body.model, config.model_name))
+        typed = await typed_request(engine, body.chat(), config.served(body.request_options(), body.model))
         o = typed.options
         reply = Reply(f"msg_{uuid.uuid4().hex}", config.model_name, o.max_tokens,
                       call_opener(tokenizer) if o.tools and o.tool_choice != "none" else None)
@@ -50,7 +43,7 @@ def router(ctx: Context) -> APIRouter:
     @api.post("/messages/count_tokens")
     async def count_tokens(request: Request):
         body = await parsed(request, config.max_body, parse, CountTokens)
-        typed = await typed_request(engine, body.chat(), **body.options(), **thinking(body))
+        typed = await typed_request(engine, body.chat(), config.served(body.request_options(), body.model))
         return {"input_tokens": await asyncio.to_thread(engine.engine.count, typed)}
 
     return api

@@ -16,12 +16,13 @@ system prompt a system message, an assistant's `tool_use` blocks its `tool_calls
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from ..engine.options import MAX_STOPS
+from ..engine.options import MAX_STOPS, RequestOptions
 from .common import RequestError, image_part, model_body, template_content
 
 # Block types Anthropic defines that no model here reads (images, in a message, go to a vision-language model).
@@ -359,30 +360,25 @@ class Conversation(Strict):
                     turns.append(turn)
         return turns
 
-    def options(self) -> dict[str, Any]:
-        """The engine options for the tools and output format."""
-        options: dict[str, Any] = {}
+    def request_options(self) -> RequestOptions:
+        """The engine options for the tools, the output format and thinking."""
         choice = self.tool_choice
-        if self.tools:
-            options["tools"] = [t.function() for t in self.tools]
+        if self.tools and choice is not None and choice.type == "tool":
             names = [t.name for t in self.tools]
-            if choice is not None and choice.type == "tool" and choice.name not in names:
+            if choice.name not in names:
                 raise RequestError(f"tool_choice.name '{choice.name[:100]}' is not one of the tools "
                                    f"({', '.join(names)[:300]})", "tool_choice")
-            if choice is not None:
-                options["tool_choice"] = choice.engine()
-                if choice.disable_parallel_tool_use:
-                    options["parallel_tool_calls"] = False
-        elif choice is not None and choice.type != "none":
-            raise RequestError("tool_choice needs tools", "tool_choice")
         fmt = self.output_config.format if self.output_config else None
-        if fmt is not None:
-            if self.tools:
-                raise RequestError("output_config.format and tools are alternatives here: a reply is either a "
-                                   "tool call or held to the format", "output_config")
-            options["response_format"] = {"type": "json_schema", "json_schema": {"name": "output",
-                                                                                 "schema": fmt.schema_}}
-        return options
+        if fmt is not None and self.tools:
+            raise RequestError("output_config.format and tools are alternatives here: a reply is either a "
+                               "tool call or held to the format", "output_config")
+        return RequestOptions(
+            tools=[t.function() for t in self.tools] if self.tools else None,
+            tool_choice=choice.engine() if choice is not None else None,
+            parallel_tool_calls=False if choice is not None and choice.disable_parallel_tool_use else None,
+            response_format={"type": "json_schema", "json_schema": {"name": "output", "schema": fmt.schema_}}
+            if fmt is not None else None,
+            reasoning_effort=self.thinking.effort if self.thinking is not None else None)
 
 
 class CountTokens(Conversation):
@@ -403,14 +399,9 @@ class CreateMessage(Conversation):
     diagnostics: dict[str, Any] | None = None
     container: None = None  # refused unless null (REFUSED_FIELDS)
 
-    def options(self) -> dict[str, Any]:
-        options = {**super().options(), "max_tokens": self.max_tokens}
-        for key in ("temperature", "top_p", "top_k"):
-            if getattr(self, key) is not None:
-                options[key] = getattr(self, key)
-        if self.stop_sequences:
-            options["stop"] = self.stop_sequences
-        return options
+    def request_options(self) -> RequestOptions:
+        return replace(super().request_options(), max_tokens=self.max_tokens, temperature=self.temperature,
+                       top_p=self.top_p, top_k=self.top_k, stop=self.stop_sequences)
 
 
 def parse(raw: bytes, kind: type[Conversation]) -> Conversation:

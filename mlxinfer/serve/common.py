@@ -13,7 +13,7 @@ import functools
 import json
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, AsyncIterator, Awaitable, Callable, Sequence, TypeVar
 
 from fastapi import Request
@@ -21,6 +21,7 @@ from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
 from ..base.errors import InvalidOptionError, MlxinferError
+from ..engine.options import RequestOptions
 from ..engine.text_stream import Chunk
 from .guard import allowed_hosts
 from ..text.images import downloads, has_images
@@ -46,6 +47,15 @@ class ServerConfig:
     web: bool = True  # the chat page at / (`serve --no-web`: none)
     attention: bool = True  # POST /v1/attention: off on a non-loopback host without an API key
 
+    def served(self, options: RequestOptions, model: str | None) -> RequestOptions:
+        """A request's `options` with this server's defaults: `max_tokens` when it gives none, and
+        the LoRA adapter its `model` names as `BASE:NAME` (none for the base model; any other name
+        is taken as the base, as clients send their own defaults)."""
+        prefix = f"{self.model_name}:"
+        adapter = model[len(prefix):] if model is not None and model.startswith(prefix) else None
+        return replace(options, max_tokens=self.max_tokens if options.max_tokens is None else options.max_tokens,
+                       adapter=adapter)
+
 
 @dataclass(frozen=True)
 class Context:
@@ -58,15 +68,16 @@ class Context:
     config: ServerConfig
 
 
-async def typed_request(engine: Any, prompt: Any, **options: Any) -> Any:
+async def typed_request(engine: Any, prompt: Any, options: RequestOptions) -> Any:
     """The engine's typed `Request` for `prompt`. Making one reads its images (base64, headers),
     so a prompt with images is made on a worker thread: the event loop keeps answering every
     other request. One that downloads them (`serve --allow-image-urls`, for up to
     --image-url-timeout) is made on the engine's own download threads (`EngineThread.download`),
     never on the workers that other requests' images, /tokenize and token counts run on."""
+    keywords = options.keywords(engine.engine.tokenizer)
     if not has_images(prompt):
-        return engine.engine.request(prompt, **options)
-    make = functools.partial(engine.engine.request, prompt, **options)
+        return engine.engine.request(prompt, **keywords)
+    make = functools.partial(engine.engine.request, prompt, **keywords)
     if downloads(prompt, engine.engine.image_sources):
         return await engine.download(make)
     return await asyncio.to_thread(make)
@@ -84,14 +95,6 @@ def template_content(parts: Sequence[str | dict[str, Any]], separator: str = "")
     if all(isinstance(p, str) for p in parts):
         return separator.join(parts)
     return [{"type": "text", "text": p} if isinstance(p, str) else p for p in parts]
-
-
-def adapter_of(model: str | None, base: str) -> dict[str, str]:
-    """The option choosing the LoRA adapter a request's `model` names as `BASE:NAME` (none for
-    the base model; any other name is taken as the base, as clients send their own defaults)."""
-    if model is None or not model.startswith(f"{base}:"):
-        return {}
-    return {"adapter": model[len(base) + 1 :]}
 
 
 class RequestError(Exception):

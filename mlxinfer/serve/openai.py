@@ -16,7 +16,7 @@ from ..decode.sources import Stats
 from ..engine.text_stream import Chunk
 from ..models.lora import adapters_of
 from ..text.tools import call_opener
-from .common import Context, RequestError, adapter_of, merged, parsed, respond_each, sse, typed_request
+from .common import Context, RequestError, merged, parsed, respond_each, sse, typed_request
 from .engine_thread import chunks_of
 from .openai_schema import ChatCompletion, Completion, Logprobs, TextCompletion, choice, parse, timings, usage
 
@@ -48,19 +48,15 @@ def router(ctx: Context) -> APIRouter:
 
     async def complete(request: Request, kind: type[Completion]) -> Response:
         body = await parsed(request, config.max_body, parse, kind)
-        options = body.options(config.max_tokens)
-        adapter = adapter_of(body.model, config.model_name)
-        options.update(adapter)
+        options = config.served(body.request_options(), body.model)
         chat = kind is ChatCompletion
-        if chat and (template := body.template_kwargs(tokenizer)):
-            options["chat_template_kwargs"] = template
         places = engine.engine.max_batch + engine.max_queued
         n = body.n or 1
-        typed = [await typed_request(engine, p, **options) for p in body.engine_prompts(max(places // n, 1))]
+        typed = [await typed_request(engine, p, options) for p in body.engine_prompts(max(places // n, 1))]
         o = typed[0].options
         calls = chat and o.tools and o.tool_choice != "none"
         rows = body.logprob_rows()
-        served_as = body.model if adapter else config.model_name
+        served_as = body.model if options.adapter else config.model_name
         as_ids = bool(body.return_tokens_as_token_ids)
         reply = Reply(f"{'chatcmpl' if chat else 'cmpl'}-{next(ids)}", chat, served_as,
                       [Logprobs(tokenizer, chat, rows, as_ids) for _ in range(len(typed) * n)] if rows else None,

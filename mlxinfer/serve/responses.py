@@ -28,9 +28,8 @@ from fastapi.responses import Response
 
 from ..engine.text_stream import Chunk
 from ..engine.request import Request as TypedRequest
-from ..text.reasoning import effort_kwargs
 from ..text.tools import ToolCall, call_opener
-from .common import Context, RequestError, adapter_of, parsed, respond, sse, typed_request
+from .common import Context, RequestError, parsed, respond, sse, typed_request
 from .engine_thread import chunks_of
 from .openai_schema import parse
 from .responses_schema import ITEM, UNRENDERED, CountInputTokens, CreateResponse, ItemReference, listed, messages
@@ -208,10 +207,7 @@ def router(ctx: Context) -> APIRouter:
             return turn, messages(turn.items, body.instructions)
 
         turn, chat = await asyncio.to_thread(answered)
-        options = {**body.options(config.max_tokens), **adapter_of(body.model, config.model_name)}
-        if body.reasoning is not None and (template := effort_kwargs(tokenizer, body.reasoning.effort)):
-            options["chat_template_kwargs"] = template
-        return await typed_request(engine, chat, **options), turn
+        return await typed_request(engine, chat, config.served(body.request_options(), body.model)), turn
 
     @api.post("/responses")
     async def create(request: Request) -> Response:

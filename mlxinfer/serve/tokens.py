@@ -22,6 +22,7 @@ from pydantic import model_validator
 from pydantic_core import PydanticCustomError
 
 from ..base.checks import token_ids
+from ..engine.options import RequestOptions
 from ..engine.prompt import ImagePrompt, image_prompt, tool_plan
 from .common import Context, RequestError, json_reply, parsed, typed_request
 from .openai_schema import ChatCompletion, Message, Strict, parse
@@ -75,8 +76,8 @@ async def chat_prompt(ctx: Context, messages: list[Message],
     the completion's `usage.prompt_tokens`. The images are read as a completion's are
     (`typed_request`), then rendered on a worker: the event loop is never held."""
     chat = ChatCompletion(messages=messages, tools=tools)
-    options = {"tools": tools, "tool_choice": "none"} if tools else {}  # rendered, no grammar needed
-    request = await typed_request(ctx.engine, chat.engine_prompt(), **options)
+    options = RequestOptions(tools=tools or None, tool_choice="none")  # rendered, no grammar needed
+    request = await typed_request(ctx.engine, chat.engine_prompt(), options)
     return await asyncio.to_thread(image_prompt, ctx.model, ctx.tokenizer, request,
                                    tool_plan(request.options, ctx.tokenizer))
 
