@@ -20,7 +20,9 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from ..loading.adapters import attach_adapter, prepare_adapter, unload_adapter
 from ..base.errors import MlxinferError
 from ..models.lora import adapter_name, adapters_of
-from .common import Context, RequestError, body_of, server_error
+from .api import Context
+from .bodies import body_of
+from .errors import RequestError, server_error
 
 
 class AdapterCommand(BaseModel):

@@ -20,7 +20,10 @@ from ..decode.sources import Stats
 from ..engine.text_stream import Chunk
 from ..text.tools import ToolCall, call_opener
 from .anthropic_schema import CountTokens, CreateMessage, parse
-from .common import Context, RequestError, parsed, respond, sse, typed_request
+from .api import Context, typed_request
+from .bodies import parsed
+from .errors import RequestError
+from .replies import respond, sse
 from .engine_thread import chunks_of
 
 Event = tuple[str, dict[str, Any]]  # (event name, data)

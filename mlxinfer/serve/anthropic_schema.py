@@ -23,7 +23,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from pydantic_core import PydanticCustomError
 
 from ..engine.options import MAX_STOPS, RequestOptions
-from .common import RequestError, image_part, model_body, template_content
+from .bodies import model_body
+from .content import image_part, template_content
+from .errors import RequestError
 
 # Block types Anthropic defines that no model here reads (images, in a message, go to a vision-language model).
 MEDIA_BLOCKS = ("image", "document")

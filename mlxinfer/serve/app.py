@@ -1,7 +1,7 @@
 """`mlxinfer serve`: the HTTP server over the batched engine.
 
-The engine runs on its own thread (`api.engine_thread`); each HTTP API is a thin
-translation module under `api/` that parses its wire shape once into the typed
+The engine runs on its own thread (`engine_thread`); each HTTP API is a thin
+translation module beside this one that parses its wire shape once into the typed
 `Request` and writes the engine's chunks back in its own shape. This module assembles
 them: the host and content-type guard, the API key, errors in each API's own shape,
 health, and uvicorn with its connection limits.
@@ -20,7 +20,8 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
 from . import adapters, anthropic, embeddings, inspect, metrics, openai, page, responses, tokens
-from .common import Context, RequestError, ServerConfig
+from .api import Context, ServerConfig
+from .errors import RequestError
 from .engine_thread import EngineThread
 from ..base.errors import MlxinferError
 from .guard import LocalOnly, guarded_protocol

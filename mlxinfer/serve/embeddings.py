@@ -22,7 +22,10 @@ from pydantic_core import PydanticCustomError
 from ..base.checks import is_integer
 from ..engine.embed import check_dimensions, embed_slices, encode_texts
 from ..base.errors import MlxinferError
-from .common import ClientGone, Context, RequestError, hung_up, json_reply, parsed, unless_gone
+from .api import Context
+from .bodies import parsed
+from .errors import RequestError
+from .replies import ClientGone, hung_up, json_reply, unless_gone
 from .openai_schema import Strict, parse
 
 MAX_INPUTS = 2048  # texts per request, as OpenAI allows

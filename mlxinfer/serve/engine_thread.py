@@ -28,7 +28,7 @@ from ..engine.text_stream import Chunk
 from ..engine.replica import Replica
 from ..engine.request import Request
 from ..base.slices import Slices
-from .common import RequestError, server_error
+from .errors import RequestError, server_error
 from .metrics import Metrics
 
 RETRY_AFTER_SECONDS = 1

@@ -24,7 +24,10 @@ from pydantic_core import PydanticCustomError
 
 from .guard import LOOPBACK_NAMES
 from ..engine.inspection import attention_slices, inspect_slices
-from .common import Context, RequestError, json_reply, parsed
+from .api import Context
+from .bodies import parsed
+from .errors import RequestError
+from .replies import json_reply
 from .openai_schema import ImagePart, Message, Strict, parse
 from .tokens import chat_prompt
 

@@ -25,7 +25,7 @@ from fastapi import APIRouter
 from fastapi.responses import Response
 
 from ..decode.sources import Stats
-from .common import Context
+from .api import Context
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 # Seconds: a first token takes a prefill (milliseconds to a minute on a laptop); a later one a decode step.

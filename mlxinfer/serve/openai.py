@@ -16,7 +16,10 @@ from ..decode.sources import Stats
 from ..engine.text_stream import Chunk
 from ..models.lora import adapters_of
 from ..text.tools import call_opener
-from .common import Context, RequestError, merged, parsed, respond_each, sse, typed_request
+from .api import Context, typed_request
+from .bodies import parsed
+from .errors import RequestError
+from .replies import merged, respond_each, sse
 from .engine_thread import chunks_of
 from .openai_schema import ChatCompletion, Completion, Logprobs, TextCompletion, choice, parse, timings, usage
 

@@ -18,7 +18,9 @@ from ..decode.sources import Stats
 from ..engine.text_stream import Chunk
 from ..engine.options import RequestOptions
 from ..text.reasoning import EFFORTS
-from .common import RequestError, image_part, json_object, template_content
+from .bodies import json_object
+from .content import image_part, template_content
+from .errors import RequestError
 
 # Fields of OpenAI's API that change the output and that this server does not implement
 # (yet); each is refused by name. A null is the same as leaving the field out (`parse`).

@@ -15,7 +15,7 @@ from importlib.resources import files
 from fastapi import APIRouter
 from fastapi.responses import Response
 
-from .common import RequestError
+from .errors import RequestError
 
 TYPES = {".html": "text/html; charset=utf-8", ".css": "text/css; charset=utf-8",
          ".js": "text/javascript; charset=utf-8", ".svg": "image/svg+xml"}

@@ -29,7 +29,10 @@ from fastapi.responses import Response
 from ..engine.text_stream import Chunk
 from ..engine.request import Request as TypedRequest
 from ..text.tools import ToolCall, call_opener
-from .common import Context, RequestError, parsed, respond, sse, typed_request
+from .api import Context, typed_request
+from .bodies import parsed
+from .errors import RequestError
+from .replies import respond, sse
 from .engine_thread import chunks_of
 from .openai_schema import parse
 from .responses_schema import ITEM, UNRENDERED, CountInputTokens, CreateResponse, ItemReference, listed, messages

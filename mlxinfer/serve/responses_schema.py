@@ -17,7 +17,8 @@ from pydantic import Discriminator, Field, Tag, TypeAdapter, ValidationInfo, fie
 from pydantic_core import PydanticCustomError
 
 from ..engine.options import RequestOptions
-from .common import RequestError, image_part, template_content
+from .content import image_part, template_content
+from .errors import RequestError
 from .openai_schema import Strict
 
 Status = Literal["in_progress", "completed", "incomplete"]

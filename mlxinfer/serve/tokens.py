@@ -24,7 +24,10 @@ from pydantic_core import PydanticCustomError
 from ..base.checks import token_ids
 from ..engine.options import RequestOptions
 from ..engine.prompt import ImagePrompt, image_prompt, tool_plan
-from .common import Context, RequestError, json_reply, parsed, typed_request
+from .api import Context, typed_request
+from .bodies import parsed
+from .errors import RequestError
+from .replies import json_reply
 from .openai_schema import ChatCompletion, Message, Strict, parse
 
 
