@@ -76,7 +76,7 @@ def router(ctx: Context) -> APIRouter:
         if command.name not in loaded(model):
             raise RequestError(f"no adapter named '{command.name}' is loaded", "name", status=404,
                                kind="not_found_error")
-        if engine.engine.uses_adapter(command.name):
+        if engine.uses_adapter(command.name):
             raise RequestError(f"adapter '{command.name}' is in use by requests in flight; unload it "
                                "when they end", "name", status=409)
         unload_adapter(model, command.name)

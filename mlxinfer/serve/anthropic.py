@@ -8,7 +8,6 @@ client's accumulated stream and the non-streamed message cannot differ.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import uuid
 from dataclasses import dataclass, field
@@ -20,11 +19,10 @@ from ..decode.sources import Stats
 from ..engine.text_stream import Chunk
 from ..text.tools import ToolCall, call_opener
 from .anthropic_schema import CountTokens, CreateMessage, parse
-from .api import Context, typed_request
+from .api import Context
 from .bodies import parsed
 from .errors import RequestError
 from .replies import respond, sse
-from .engine_thread import chunks_of
 
 Event = tuple[str, dict[str, Any]]  # (event name, data)
 
@@ -37,17 +35,17 @@ def router(ctx: Context) -> APIRouter:
     @api.post("/messages")
     async def messages(request: Request):
         body = await parsed(request, config.max_body, parse, CreateMessage)
-        typed = await typed_request(engine, body.chat(), config.served(body.request_options(), body.model))
+        typed = await engine.request(body.chat(), config.served(body.request_options(), body.model))
         o = typed.options
         reply = Reply(f"msg_{uuid.uuid4().hex}", config.model_name, o.max_tokens,
                       call_opener(tokenizer) if o.tools and o.tool_choice != "none" else None)
-        return await respond(request, chunks_of(engine, typed), bool(body.stream), reply.whole, reply.events)
+        return await respond(request, engine.chunks(typed), bool(body.stream), reply.whole, reply.events)
 
     @api.post("/messages/count_tokens")
     async def count_tokens(request: Request):
         body = await parsed(request, config.max_body, parse, CountTokens)
-        typed = await typed_request(engine, body.chat(), config.served(body.request_options(), body.model))
-        return {"input_tokens": await asyncio.to_thread(engine.engine.count, typed)}
+        typed = await engine.request(body.chat(), config.served(body.request_options(), body.model))
+        return {"input_tokens": await engine.count(typed)}
 
     return api
 

@@ -3,13 +3,12 @@ and the engine, model and tokenizer it serves (`Context`)."""
 
 from __future__ import annotations
 
-import asyncio
-import functools
 from dataclasses import dataclass, replace
-from typing import Any
 
 from ..engine.options import RequestOptions
-from ..text.images import downloads, has_images
+from ..models.layers import CausalLM
+from ..text.tokenizer import Tokenizer
+from .engine_thread import EngineThread
 from .guard import allowed_hosts
 
 
@@ -44,22 +43,7 @@ class Context:
     """What each API module is given: the engine (an `EngineThread`), the model and its
     tokenizer, and the server's config."""
 
-    engine: Any
-    model: Any
-    tokenizer: Any
+    engine: EngineThread
+    model: CausalLM
+    tokenizer: Tokenizer
     config: ServerConfig
-
-
-async def typed_request(engine: Any, prompt: Any, options: RequestOptions) -> Any:
-    """The engine's typed `Request` for `prompt`. Making one reads its images (base64, headers),
-    so a prompt with images is made on a worker thread: the event loop keeps answering every
-    other request. One that downloads them (`serve --allow-image-urls`, for up to
-    --image-url-timeout) is made on the engine's own download threads (`EngineThread.download`),
-    never on the workers that other requests' images, /tokenize and token counts run on."""
-    keywords = options.keywords(engine.engine.tokenizer)
-    if not has_images(prompt):
-        return engine.engine.request(prompt, **keywords)
-    make = functools.partial(engine.engine.request, prompt, **keywords)
-    if downloads(prompt, engine.engine.image_sources):
-        return await engine.download(make)
-    return await asyncio.to_thread(make)

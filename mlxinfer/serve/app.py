@@ -19,7 +19,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from . import adapters, anthropic, embeddings, inspect, metrics, openai, page, responses, tokens
+from . import adapters, anthropic, embeddings, health, inspect, metrics, openai, page, responses, tokens
 from .api import Context, ServerConfig
 from .errors import RequestError
 from .engine_thread import EngineThread
@@ -125,9 +125,9 @@ def create_app(engine: EngineThread, model, tokenizer, config: ServerConfig) -> 
                                status=401, kind="authentication_error")
 
     @app.api_route("/health", methods=["GET", "HEAD"])  # HEAD: a probe's headers, no body (uvicorn drops it)
-    async def health():
+    async def state():
         return {"status": "ok", "model": config.model_name, **engine.health, "preparing": engine.preparing,
-                "limits": {"max_concurrency": engine.engine.max_batch, "max_queued": engine.max_queued},
+                "limits": {"max_concurrency": engine.max_batch, "max_queued": engine.max_queued},
                 "peak_rss_bytes": peak_rss_bytes(), "api_key_required": config.api_key is not None}
 
     ctx = Context(engine, model, tokenizer, config)
@@ -135,7 +135,7 @@ def create_app(engine: EngineThread, model, tokenizer, config: ServerConfig) -> 
     for api in (openai, responses, anthropic, embeddings, adapters, inspect):
         v1.include_router(api.router(ctx))
     root = APIRouter(dependencies=[Depends(authorized)])
-    for api in (tokens, metrics):
+    for api in (tokens, health):
         root.include_router(api.router(ctx))
     app.include_router(v1)
     app.include_router(root)

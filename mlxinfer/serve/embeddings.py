@@ -79,7 +79,7 @@ def router(ctx: Context) -> APIRouter:
         gone = asyncio.ensure_future(hung_up(request))
         try:
             result = await unless_gone(engine.run_slices(embed_slices(model, ids, dimensions=body.dimensions,
-                                                                      chunk=engine.engine.prefill_step)), gone)
+                                                                      chunk=engine.prefill_step)), gone)
         except ClientGone:
             return Response(status_code=499)
         finally:

@@ -79,7 +79,7 @@ def router(ctx: Context) -> APIRouter:
         ids, images = await chat_prompt(ctx, body.messages)
         bounded(ids)
         report = await ctx.engine.run_slices(inspect_slices(ctx.model, ctx.tokenizer, ids, steps=1, images=images,
-                                                            chunk=ctx.engine.engine.prefill_step))
+                                                            chunk=ctx.engine.prefill_step))
         return await json_reply(lambda: report)
 
     @api.post("/attention")
@@ -92,7 +92,7 @@ def router(ctx: Context) -> APIRouter:
         reply = await asyncio.to_thread(ctx.tokenizer.encode, body.reply, False)
         ids = bounded((await chat_prompt(ctx, body.messages))[0] + reply)
         weights = await ctx.engine.run_slices(attention_slices(ctx.model, ids, body.layer, body.head,
-                                                               ctx.engine.engine.prefill_step))
+                                                               ctx.engine.prefill_step))
         return await json_reply(lambda: {"layer": body.layer, "head": body.head, "weights": weights, "tokens": [
             {"id": i, "text": p} for i, p in zip(ids, ctx.tokenizer.pieces(ids))]})
 

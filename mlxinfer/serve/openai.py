@@ -16,11 +16,10 @@ from ..decode.sources import Stats
 from ..engine.text_stream import Chunk
 from ..models.lora import adapters_of
 from ..text.tools import call_opener
-from .api import Context, typed_request
+from .api import Context
 from .bodies import parsed
 from .errors import RequestError
 from .replies import merged, respond_each, sse
-from .engine_thread import chunks_of
 from .openai_schema import ChatCompletion, Completion, Logprobs, TextCompletion, choice, parse, timings, usage
 
 
@@ -53,9 +52,8 @@ def router(ctx: Context) -> APIRouter:
         body = await parsed(request, config.max_body, parse, kind)
         options = config.served(body.request_options(), body.model)
         chat = kind is ChatCompletion
-        places = engine.engine.max_batch + engine.max_queued
         n = body.n or 1
-        typed = [await typed_request(engine, p, options) for p in body.engine_prompts(max(places // n, 1))]
+        typed = [await engine.request(p, options) for p in body.engine_prompts(max(engine.places // n, 1))]
         o = typed[0].options
         calls = chat and o.tools and o.tool_choice != "none"
         rows = body.logprob_rows()
@@ -67,7 +65,7 @@ def router(ctx: Context) -> APIRouter:
                       bool(body.return_token_details))
         # each prompt its own request of n sequences (its choices), all decoded together, as one group
         group = engine.new_group()
-        streams = [chunks_of(engine, t, group) for t in typed]
+        streams = [engine.chunks(t, group) for t in typed]
         return await respond_each(request, streams, bool(body.stream), reply.whole,
                                   lambda firsts, rest: reply.events(firsts, rest, body.include_usage))
 

@@ -29,11 +29,10 @@ from fastapi.responses import Response
 from ..engine.text_stream import Chunk
 from ..engine.request import Request as TypedRequest
 from ..text.tools import ToolCall, call_opener
-from .api import Context, typed_request
+from .api import Context
 from .bodies import parsed
 from .errors import RequestError
 from .replies import respond, sse
-from .engine_thread import chunks_of
 from .openai_schema import parse
 from .responses_schema import ITEM, UNRENDERED, CountInputTokens, CreateResponse, ItemReference, listed, messages
 
@@ -210,7 +209,7 @@ def router(ctx: Context) -> APIRouter:
             return turn, messages(turn.items, body.instructions)
 
         turn, chat = await asyncio.to_thread(answered)
-        return await typed_request(engine, chat, config.served(body.request_options(), body.model)), turn
+        return await engine.request(chat, config.served(body.request_options(), body.model)), turn
 
     @api.post("/responses")
     async def create(request: Request) -> Response:
@@ -232,14 +231,14 @@ def router(ctx: Context) -> APIRouter:
                 raise RequestError("the server is shutting down", status=503, kind="server_busy")
             return keep(reply.whole(chunks))
 
-        return await respond(request, chunks_of(engine, typed_request), bool(body.stream), whole,
+        return await respond(request, engine.chunks(typed_request), bool(body.stream), whole,
                              lambda first, rest: reply.events(first, rest, keep))
 
     @api.post("/responses/input_tokens")
     async def input_tokens(request: Request):
         """How many tokens the input is as `create` would render it (tools included)."""
         body = await parsed(request, config.max_body, parse, CountInputTokens)
-        count = await asyncio.to_thread(engine.engine.count, (await typed(body))[0])
+        count = await engine.count((await typed(body))[0])
         return {"object": "response.input_tokens", "input_tokens": count}
 
     @api.get("/responses/{rid}")

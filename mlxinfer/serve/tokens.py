@@ -24,7 +24,7 @@ from pydantic_core import PydanticCustomError
 from ..base.checks import token_ids
 from ..engine.options import RequestOptions
 from ..engine.prompt import ImagePrompt, image_prompt, tool_plan
-from .api import Context, typed_request
+from .api import Context
 from .bodies import parsed
 from .errors import RequestError
 from .replies import json_reply
@@ -80,7 +80,7 @@ async def chat_prompt(ctx: Context, messages: list[Message],
     (`typed_request`), then rendered on a worker: the event loop is never held."""
     chat = ChatCompletion(messages=messages, tools=tools)
     options = RequestOptions(tools=tools or None, tool_choice="none")  # rendered, no grammar needed
-    request = await typed_request(ctx.engine, chat.engine_prompt(), options)
+    request = await ctx.engine.request(chat.engine_prompt(), options)
     return await asyncio.to_thread(image_prompt, ctx.model, ctx.tokenizer, request,
                                    tool_plan(request.options, ctx.tokenizer))
 
