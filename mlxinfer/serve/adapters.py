@@ -15,20 +15,19 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Literal
 
 from fastapi import APIRouter, Request
-from pydantic import BaseModel, ConfigDict, ValidationError
 
 from ..loading.adapters import attach_adapter, prepare_adapter, unload_adapter
 from ..base.errors import MlxinferError
 from ..models.lora import adapter_name, adapters_of
 from .api import Context
-from .bodies import body_of
+from .bodies import parsed
 from .errors import RequestError, server_error
+from .openai_schema import Strict, parse
 
 
-class AdapterCommand(BaseModel):
+class AdapterCommand(Strict):
     """`{"action": "load", "name": N, "path": DIR}` or `{"action": "unload", "name": N}`."""
 
-    model_config = ConfigDict(extra="forbid", strict=True)
     action: Literal["load", "unload"]
     name: str
     path: str | None = None
@@ -87,22 +86,17 @@ def router(ctx: Context) -> APIRouter:
 
     @api.post("/adapters")
     async def command(request: Request):
+        asked = await parsed(request, config.max_body, parse, AdapterCommand)
         try:
-            parsed = AdapterCommand.model_validate_json(await body_of(request, config.max_body))
-        except ValidationError as e:
-            first = e.errors()[0]
-            where = ".".join(str(p) for p in first["loc"]) or None
-            raise RequestError(f"{where}: {first['msg']}" if where else first["msg"], where) from None
-        try:
-            adapter_name(parsed.name)
+            adapter_name(asked.name)
         except MlxinferError as e:
             raise RequestError.of(e, "name") from None
-        if parsed.action == "load":
-            if not parsed.path:
+        if asked.action == "load":
+            if not asked.path:
                 raise RequestError("loading an adapter needs its folder: path", "path")
-            await load(parsed)
+            await load(asked)
         else:
-            await engine.call(lambda: unload(parsed))
+            await engine.call(lambda: unload(asked))
         return listing()
 
     return api

@@ -23,9 +23,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from pydantic_core import PydanticCustomError
 
 from ..engine.options import MAX_STOPS, RequestOptions
-from .bodies import model_body
+from .bodies import json_object
 from .content import image_part, template_content
-from .errors import RequestError
+from .errors import RequestError, refusal
 
 # Block types Anthropic defines that no model here reads (images, in a message, go to a vision-language model).
 MEDIA_BLOCKS = ("image", "document")
@@ -37,6 +37,7 @@ SERVER_BLOCKS = ("search_result", "server_tool_use", "web_search_tool_result", "
 REFUSED_FIELDS = {"mcp_servers": "it has no MCP connector; call the servers' tools from your client, as custom tools",
                   "container": "it has no code-execution containers",
                   "context_management": "it does not edit the context; send the messages you want read"}
+REFUSED = {name: f"'{name}' is not supported by this server: {why}" for name, why in REFUSED_FIELDS.items()}
 # How text blocks of one message (or one tool result) are joined into the one string a template takes.
 BLOCK_SEPARATOR = "\n"
 
@@ -408,24 +409,13 @@ class CreateMessage(Conversation):
 
 def parse(raw: bytes, kind: type[Conversation]) -> Conversation:
     """A request body as `kind`, or a RequestError naming the first field at fault."""
-    return model_body(raw, kind, _refusal)
+    try:
+        return kind.model_validate(json_object(raw))
+    except ValidationError as e:
+        raise refusal(e.errors(), "unknown field", REFUSED, _dotted) from None
 
 
-def _refusal(e: ValidationError) -> RequestError:
-    first = e.errors()[0]
-    where = _dotted(first["loc"])
-    more = f" (and {e.error_count() - 1} more problems)" if e.error_count() > 1 else ""
-    if first["type"] in ("extra_forbidden", "none_required") and len(first["loc"]) == 1 \
-            and first["loc"][0] in REFUSED_FIELDS:
-        name = first["loc"][0]
-        return RequestError(f"'{name}' is not supported by this server: {REFUSED_FIELDS[name]}; remove it from "
-                            "the request", name)
-    if first["type"] == "extra_forbidden":
-        return RequestError(f"unknown field '{where}'{more}; remove it from the request", where)
-    return RequestError(f"{where}: {first['msg']}{more}" if where else f"{first['msg']}{more}", where)
-
-
-def _dotted(loc: tuple) -> str | None:
+def _dotted(loc: tuple[int | str, ...]) -> str | None:
     """A field's place as a dotted path, without the block type pydantic adds after a
     content block's index ("messages.0.content.1.input", not "...1.tool_use.input")."""
     tags = {"text", "tool_use", "tool_result", "thinking", "redacted_thinking"}

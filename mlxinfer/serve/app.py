@@ -21,7 +21,7 @@ from starlette.exceptions import HTTPException
 
 from . import adapters, anthropic, embeddings, health, inspect, metrics, openai, page, responses, tokens
 from .api import Context, ServerConfig
-from .errors import RequestError
+from .errors import RequestError, dotted, refusal
 from .engine_thread import EngineThread
 from ..base.errors import MlxinferError
 from .guard import LocalOnly, guarded_protocol
@@ -77,6 +77,11 @@ def key_given(request: Request, key: str | None) -> bool:
         (anthropic is not None and hmac.compare_digest(anthropic.encode(), key.encode()))
 
 
+def parameter(loc: tuple[int | str, ...]) -> str | None:
+    """A route parameter's name, without where FastAPI read it from."""
+    return dotted(tuple(p for p in loc if p not in ("body", "query", "path", "header")))
+
+
 def error_body(path: str, e: RequestError) -> dict:
     """`e` in the shape of the API at `path`."""
     return e.anthropic_body() if path.startswith("/v1/messages") else e.body()
@@ -115,9 +120,7 @@ def create_app(engine: EngineThread, model, tokenizer, config: ServerConfig) -> 
 
     @app.exception_handler(RequestValidationError)
     async def malformed(request: Request, e: RequestValidationError):  # a route's typed parameter: a 400 as ours
-        first = e.errors()[0] if e.errors() else {"loc": (), "msg": "the request is malformed"}
-        where = ".".join(str(p) for p in first["loc"] if p not in ("body", "query", "path", "header")) or None
-        return error_response(request, RequestError(f"{where}: {first['msg']}" if where else first["msg"], where))
+        return error_response(request, refusal(e.errors(), place=parameter))
 
     async def authorized(request: Request) -> None:
         if not key_given(request, config.api_key):

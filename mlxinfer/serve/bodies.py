@@ -11,7 +11,7 @@ import re
 from typing import Any, Callable, TypeVar
 
 from fastapi import Request
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 
 from .errors import RequestError
 
@@ -146,15 +146,3 @@ async def parsed(request: Request, max_body: int, parse: Callable[[bytes, type[M
     (each API's own, which words its refusals) on a worker thread: that work grows with the
     body, and the event loop must go on answering every other client meanwhile."""
     return await asyncio.to_thread(parse, await body_of(request, max_body), kind)
-
-
-def model_body(raw: bytes, kind: type[M], refusal: Callable[[ValidationError], RequestError]) -> M:
-    """A body as the pydantic model `kind`, or the API's `refusal` of it (a RequestError
-    naming the first field at fault)."""
-    try:
-        return kind.model_validate(json_object(raw))
-    except ValidationError as e:
-        raise refusal(e) from None
-
-
-# Items of a long list encoded per `json.dumps` call (`json_bytes`): a few milliseconds of work each.

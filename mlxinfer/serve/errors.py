@@ -3,7 +3,10 @@ fault), made from our own exceptions once (`RequestError.of`); each API writes i
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
+
+from pydantic_core import ErrorDetails
 
 from ..base.errors import InvalidOptionError, MlxinferError
 
@@ -44,3 +47,26 @@ def server_error(message: str) -> RequestError:
 
 
 # Deepest nesting of a request body (a JSON Schema inside response_format included).
+
+
+def dotted(loc: tuple[int | str, ...]) -> str | None:
+    """A field's place in a body as a dotted path ("messages.0.content")."""
+    return ".".join(map(str, loc)) or None
+
+
+def refusal(errors: Sequence[ErrorDetails], unknown: str = "unknown parameter", refused: Mapping[str, str] = {},
+            place: Callable[[tuple[int | str, ...]], str | None] = dotted) -> RequestError:
+    """A body its pydantic model refused, as one line naming the first field at fault (`place`
+    writes where) and counting the other problems, in the API's own words: `unknown` for a field it
+    does not define, and for a top-level field it knows and cannot honour, its sentence in `refused`.
+    Every API refuses through this, so each supplies only its words."""
+    first, count = errors[0], len(errors)
+    where = place(first["loc"])
+    more = f" (and {count - 1} more problems)" if count > 1 else ""
+    if first["type"] in ("extra_forbidden", "none_required") and len(first["loc"]) == 1 \
+            and first["loc"][0] in refused:
+        name = str(first["loc"][0])
+        return RequestError(f"{refused[name]}; remove it from the request", name)
+    if first["type"] == "extra_forbidden":
+        return RequestError(f"{unknown} '{where}'{more}; remove it from the request", where)
+    return RequestError(f"{where}: {first['msg']}{more}" if where else f"{first['msg']}{more}", where)

@@ -20,12 +20,13 @@ from ..engine.options import RequestOptions
 from ..text.reasoning import EFFORTS
 from .bodies import json_object
 from .content import image_part, template_content
-from .errors import RequestError
+from .errors import RequestError, refusal
 
 # Fields of OpenAI's API that change the output and that this server does not implement
 # (yet); each is refused by name. A null is the same as leaving the field out (`parse`).
 NOT_YET = {"suffix": "suffix", "audio": "audio output",
            "web_search_options": "web search", "moderation": "moderation"}
+REFUSED = {name: f"'{name}' ({what}) is not supported by this server" for name, what in NOT_YET.items()}
 
 
 S = TypeVar("S", bound="Strict")
@@ -380,20 +381,7 @@ def validated(data: dict[str, Any], kind: type[S]) -> S:
     try:
         return kind.model_validate(data)
     except ValidationError as e:
-        raise _refusal(e) from None
-
-
-def _refusal(e: ValidationError) -> RequestError:
-    first = e.errors()[0]
-    where = ".".join(str(p) for p in first["loc"])
-    more = f" (and {e.error_count() - 1} more problems)" if e.error_count() > 1 else ""
-    if first["type"] == "extra_forbidden":
-        name = str(first["loc"][-1])
-        if len(first["loc"]) == 1 and name in NOT_YET:
-            return RequestError(f"'{name}' ({NOT_YET[name]}) is not supported by this server; remove it from the "
-                                "request", name)
-        return RequestError(f"unknown parameter '{where}'{more}; remove it from the request", where)
-    return RequestError(f"{where}: {first['msg']}{more}" if where else f"{first['msg']}{more}", where or None)
+        raise refusal(e.errors(), refused=REFUSED) from None
 
 
 def finish(reason: str | None) -> str | None:
