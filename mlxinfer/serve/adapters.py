@@ -14,12 +14,13 @@ import asyncio
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Literal
 
-from fastapi import APIRouter, Request
+from fastapi import Request
 
 from ..loading.adapters import attach_adapter, prepare_adapter, unload_adapter
 from ..base.errors import MlxinferError
+from ..models.layers import CausalLM
 from ..models.lora import adapter_name, adapters_of
-from .api import Context
+from .api import Api, Context, Route
 from .bodies import parsed
 from .errors import RequestError, server_error
 from .openai_schema import Strict, parse
@@ -33,60 +34,26 @@ class AdapterCommand(Strict):
     path: str | None = None
 
 
-def loaded(model) -> list[str]:
+def loaded(model: CausalLM) -> list[str]:
     found = adapters_of(model)
     return sorted(found.slots) if found is not None else []
 
 
-def router(ctx: Context) -> APIRouter:
-    api = APIRouter()
-    config, engine, model = ctx.config, ctx.engine, ctx.model
-    loader = ThreadPoolExecutor(1, thread_name_prefix="mlxinfer-adapters")  # one load at a time
+class AdaptersApi(Api):
+    """Loading and unloading LoRA adapters, under /v1: one load at a time, on a thread of its own."""
 
-    def listing() -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": f"{config.model_name}:{n}", "object": "adapter", "name": n}
-                                           for n in loaded(model)]}
+    def __init__(self, ctx: Context) -> None:
+        super().__init__(ctx)
+        self.loader = ThreadPoolExecutor(1, thread_name_prefix="mlxinfer-adapters")
 
-    def room(name: str) -> None:
-        """Refuse a load the loaded adapters leave no room for (on the engine thread: final there)."""
-        if len(loaded(model)) >= config.max_adapters:
-            raise RequestError(f"{config.max_adapters} adapters are loaded, the most this server keeps "
-                               "(--max-adapters); unload one first", "name", status=409)
-        if name in loaded(model):
-            raise RequestError(f"an adapter named '{name}' is already loaded; unload it or choose another name",
-                               "name", status=409)
+    def routes(self) -> tuple[Route, ...]:
+        return Route("/adapters", self.adapters, ("GET",)), Route("/adapters", self.command)
 
-    async def load(command: AdapterCommand) -> None:
-        await engine.call(lambda: room(command.name))  # refused before any work (and on a sharded model)
-        try:
-            found = await asyncio.get_running_loop().run_in_executor(loader, prepare_adapter, model, command.path)
-        except MlxinferError as e:  # the folder's fault: a missing file, a bad field, a damaged tensor
-            raise RequestError.of(e, "path") from None
-        except Exception as e:  # noqa: BLE001 - a fault of ours ends this request, not the server
-            raise server_error(f"{type(e).__name__}: {' '.join(str(e).split())[:300]}") from None
+    async def adapters(self) -> dict[str, Any]:
+        return self.listing()
 
-        def attach() -> None:
-            room(command.name)  # another load may have finished meanwhile
-            attach_adapter(model, command.name, found)
-
-        await engine.call(attach)
-
-    def unload(command: AdapterCommand) -> None:
-        if command.name not in loaded(model):
-            raise RequestError(f"no adapter named '{command.name}' is loaded", "name", status=404,
-                               kind="not_found_error")
-        if engine.uses_adapter(command.name):
-            raise RequestError(f"adapter '{command.name}' is in use by requests in flight; unload it "
-                               "when they end", "name", status=409)
-        unload_adapter(model, command.name)
-
-    @api.get("/adapters")
-    async def adapters():
-        return listing()
-
-    @api.post("/adapters")
-    async def command(request: Request):
-        asked = await parsed(request, config.max_body, parse, AdapterCommand)
+    async def command(self, request: Request) -> dict[str, Any]:
+        asked = await parsed(request, self.ctx.config.max_body, parse, AdapterCommand)
         try:
             adapter_name(asked.name)
         except MlxinferError as e:
@@ -94,9 +61,48 @@ def router(ctx: Context) -> APIRouter:
         if asked.action == "load":
             if not asked.path:
                 raise RequestError("loading an adapter needs its folder: path", "path")
-            await load(asked)
+            await self.load(asked)
         else:
-            await engine.call(lambda: unload(asked))
-        return listing()
+            await self.ctx.engine.call(lambda: self.unload(asked))
+        return self.listing()
 
-    return api
+    def listing(self) -> dict[str, Any]:
+        base = self.ctx.config.model_name
+        return {"object": "list", "data": [{"id": f"{base}:{n}", "object": "adapter", "name": n}
+                                           for n in loaded(self.ctx.model)]}
+
+    def room(self, name: str) -> None:
+        """Refuse a load the loaded adapters leave no room for (on the engine thread: final there)."""
+        most, names = self.ctx.config.max_adapters, loaded(self.ctx.model)
+        if len(names) >= most:
+            raise RequestError(f"{most} adapters are loaded, the most this server keeps (--max-adapters); unload one "
+                               "first", "name", status=409)
+        if name in names:
+            raise RequestError(f"an adapter named '{name}' is already loaded; unload it or choose another name",
+                               "name", status=409)
+
+    async def load(self, command: AdapterCommand) -> None:
+        engine, model = self.ctx.engine, self.ctx.model
+        await engine.call(lambda: self.room(command.name))  # refused before any work (and on a sharded model)
+        try:
+            found = await asyncio.get_running_loop().run_in_executor(self.loader, prepare_adapter, model, command.path)
+        except MlxinferError as e:  # the folder's fault: a missing file, a bad field, a damaged tensor
+            raise RequestError.of(e, "path") from None
+        except Exception as e:  # noqa: BLE001 - a fault of ours ends this request, not the server
+            raise server_error(f"{type(e).__name__}: {' '.join(str(e).split())[:300]}") from None
+
+        def attach() -> None:
+            self.room(command.name)  # another load may have finished meanwhile
+            attach_adapter(model, command.name, found)
+
+        await engine.call(attach)
+
+    def unload(self, command: AdapterCommand) -> None:
+        """Unload an adapter no request in flight runs (on the engine thread: `EngineThread.call`)."""
+        if command.name not in loaded(self.ctx.model):
+            raise RequestError(f"no adapter named '{command.name}' is loaded", "name", status=404,
+                               kind="not_found_error")
+        if self.ctx.engine.uses_adapter(command.name):
+            raise RequestError(f"adapter '{command.name}' is in use by requests in flight; unload it "
+                               "when they end", "name", status=409)
+        unload_adapter(self.ctx.model, command.name)

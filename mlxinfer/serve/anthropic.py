@@ -13,13 +13,14 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
-from fastapi import APIRouter, Request
+from fastapi import Request
+from fastapi.responses import Response
 
 from ..decode.sources import Stats
 from ..engine.text_stream import Chunk
 from ..text.tools import ToolCall, call_opener
 from .anthropic_schema import CountTokens, CreateMessage, parse
-from .api import Context
+from .api import Api, Route
 from .bodies import parsed
 from .errors import RequestError
 from .replies import respond, sse
@@ -27,27 +28,41 @@ from .replies import respond, sse
 Event = tuple[str, dict[str, Any]]  # (event name, data)
 
 
-def router(ctx: Context) -> APIRouter:
-    """The routes, under the server's /v1 prefix."""
-    api = APIRouter()
-    config, tokenizer, engine = ctx.config, ctx.tokenizer, ctx.engine
+class MessagesApi(Api):
+    """Anthropic's Messages API, under /v1, its errors in Anthropic's shape."""
 
-    @api.post("/messages")
-    async def messages(request: Request):
+    def routes(self) -> tuple[Route, ...]:
+        return Route("/messages", self.create), Route("/messages/count_tokens", self.count_tokens)
+
+    @staticmethod
+    def error_body(e: RequestError) -> dict[str, Any]:
+        return error_body(e)
+
+    async def create(self, request: Request) -> Response:
+        config, engine = self.ctx.config, self.ctx.engine
         body = await parsed(request, config.max_body, parse, CreateMessage)
         typed = await engine.request(body.chat(), config.served(body.request_options(), body.model))
         o = typed.options
         reply = Reply(f"msg_{uuid.uuid4().hex}", config.model_name, o.max_tokens,
-                      call_opener(tokenizer) if o.tools and o.tool_choice != "none" else None)
+                      call_opener(self.ctx.tokenizer) if o.tools and o.tool_choice != "none" else None)
         return await respond(request, engine.chunks(typed), bool(body.stream), reply.whole, reply.events)
 
-    @api.post("/messages/count_tokens")
-    async def count_tokens(request: Request):
+    async def count_tokens(self, request: Request) -> dict[str, int]:
+        config, engine = self.ctx.config, self.ctx.engine
         body = await parsed(request, config.max_body, parse, CountTokens)
         typed = await engine.request(body.chat(), config.served(body.request_options(), body.model))
         return {"input_tokens": await engine.count(typed)}
 
-    return api
+
+# Anthropic's error type for each HTTP status it documents (other 4xx: invalid_request_error).
+KINDS = {401: "authentication_error", 403: "permission_error", 404: "not_found_error", 413: "request_too_large",
+         429: "rate_limit_error", 500: "api_error", 503: "overloaded_error", 529: "overloaded_error"}
+
+
+def error_body(e: RequestError) -> dict[str, Any]:
+    """Anthropic's error shape; its error type follows the status, as Anthropic's does."""
+    kind = KINDS.get(e.status, "api_error" if e.status >= 500 else "invalid_request_error")
+    return {"type": "error", "error": {"type": kind, "message": str(e)}}
 
 
 def stop_reason(last: Chunk, max_tokens: int) -> str:
@@ -183,6 +198,6 @@ class Reply:
                       "message_delta")
             yield sse({"type": "message_stop"}, "message_stop")
         except RequestError as e:
-            yield sse(e.anthropic_body(), "error")
+            yield sse(error_body(e), "error")
         finally:
             await stream.aclose()

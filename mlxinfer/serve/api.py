@@ -1,14 +1,20 @@
-"""What each HTTP API of `mlxinfer serve` is given: how the server was started (`ServerConfig`)
-and the engine, model and tokenizer it serves (`Context`)."""
+"""What an HTTP API of `mlxinfer serve` is: a class of its own (`Api`) whose methods are its
+routes (`Route`), over what every API is given (`Context`: the engine, model and tokenizer, and
+how the server was started, `ServerConfig`), writing its errors in its own shape."""
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
+from typing import Any
+
+from fastapi import APIRouter
 
 from ..engine.options import RequestOptions
 from ..models.layers import CausalLM
 from ..text.tokenizer import Tokenizer
 from .engine_thread import EngineThread
+from .errors import RequestError
 from .guard import allowed_hosts
 
 
@@ -40,10 +46,48 @@ class ServerConfig:
 
 @dataclass(frozen=True)
 class Context:
-    """What each API module is given: the engine (an `EngineThread`), the model and its
-    tokenizer, and the server's config."""
+    """What each API is given: the engine (its `EngineThread`), the model and its tokenizer, and
+    the server's config."""
 
     engine: EngineThread
     model: CausalLM
     tokenizer: Tokenizer
     config: ServerConfig
+
+
+@dataclass(frozen=True)
+class Route:
+    """One route of an API: its path under the API's prefix, the method that serves it, and the
+    HTTP methods it answers."""
+
+    path: str
+    endpoint: Callable[..., Awaitable[object]]
+    methods: tuple[str, ...] = ("POST",)
+
+
+class Api:
+    """One HTTP API of the server: its routes (`routes`, methods of the API over its `Context`)
+    and the shape its errors take (`error_body`: OpenAI's, which most clients read, unless it has
+    its own). Adding an API is one subclass in a module of its own, listed in `app.APIS`."""
+
+    prefix = "/v1"  # where its routes are mounted ("": at the server's root)
+    keyed = True  # behind the API key (False: open to all, as the web page and /health are)
+
+    def __init__(self, ctx: Context) -> None:
+        self.ctx = ctx
+
+    def routes(self) -> tuple[Route, ...]:
+        raise NotImplementedError
+
+    @staticmethod
+    def error_body(e: RequestError) -> dict[str, Any]:
+        """`e` in this API's shape."""
+        return e.body()
+
+    def router(self) -> APIRouter:
+        """Its routes as FastAPI mounts them; a route's return value is written as it is (no
+        response model re-validates it)."""
+        api = APIRouter(prefix=self.prefix)
+        for route in self.routes():
+            api.add_api_route(route.path, route.endpoint, methods=list(route.methods), response_model=None)
+        return api

@@ -14,7 +14,7 @@ import base64
 from typing import Any, Literal
 
 import numpy as np
-from fastapi import APIRouter, Request
+from fastapi import Request
 from fastapi.responses import Response
 from pydantic import Field, field_validator
 from pydantic_core import PydanticCustomError
@@ -22,7 +22,7 @@ from pydantic_core import PydanticCustomError
 from ..base.checks import is_integer
 from ..engine.embed import check_dimensions, embed_slices, encode_texts
 from ..base.errors import MlxinferError
-from .api import Context
+from .api import Api, Route
 from .bodies import parsed
 from .errors import RequestError
 from .replies import ClientGone, hung_up, json_reply, unless_gone
@@ -60,13 +60,14 @@ class Embeddings(Strict):
         return self.input
 
 
-def router(ctx: Context) -> APIRouter:
-    """The route, under the server's /v1 prefix."""
-    api = APIRouter()
-    model, tokenizer, engine, config = ctx.model, ctx.tokenizer, ctx.engine, ctx.config
+class EmbeddingsApi(Api):
+    """OpenAI's embeddings, under /v1."""
 
-    @api.post("/embeddings")
-    async def embeddings(request: Request):
+    def routes(self) -> tuple[Route, ...]:
+        return (Route("/embeddings", self.embeddings),)
+
+    async def embeddings(self, request: Request) -> Response:
+        model, tokenizer, engine, config = self.ctx.model, self.ctx.tokenizer, self.ctx.engine, self.ctx.config
         body = await parsed(request, config.max_body, parse, Embeddings)
         try:
             check_dimensions(model, body.dimensions)
@@ -88,8 +89,6 @@ def router(ctx: Context) -> APIRouter:
         return await json_reply(lambda: {
             "object": "list", "data": [item(i, v, body.encoding_format) for i, v in enumerate(result)],
             "model": config.model_name, "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
-
-    return api
 
 
 def item(index: int, vector: np.ndarray, encoding: str) -> dict[str, Any]:

@@ -13,7 +13,8 @@ from ..base.errors import InvalidOptionError, MlxinferError
 
 class RequestError(Exception):
     """A request the server refuses: HTTP `status`, a one-line message, and what kind of
-    error it is; each API writes it in its own shape (`body`, `anthropic_body`)."""
+    error it is; each API writes it in its own shape (`api.Api.error_body`: OpenAI's, `body`, unless
+    it has its own)."""
 
     def __init__(self, message: str, param: str | None = None, status: int = 400,
                  kind: str = "invalid_request_error", headers: dict[str, str] | None = None, code: str | None = None):
@@ -28,18 +29,8 @@ class RequestError(Exception):
         return cls(str(e), param or (e.option if isinstance(e, InvalidOptionError) else None))
 
     def body(self) -> dict[str, Any]:
+        """OpenAI's error shape: the server's own, which most clients read."""
         return {"error": {"message": str(self), "type": self.kind, "param": self.param, "code": self.code}}
-
-    def anthropic_body(self) -> dict[str, Any]:
-        """Anthropic's error shape; its error type follows the status, as Anthropic's does."""
-        kind = ANTHROPIC_KINDS.get(self.status, "api_error" if self.status >= 500 else "invalid_request_error")
-        return {"type": "error", "error": {"type": kind, "message": str(self)}}
-
-
-# Anthropic's error type for each HTTP status it documents (other 4xx: invalid_request_error).
-ANTHROPIC_KINDS = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
-                   413: "request_too_large", 429: "rate_limit_error", 500: "api_error", 503: "overloaded_error",
-                   529: "overloaded_error"}
 
 
 def server_error(message: str) -> RequestError:

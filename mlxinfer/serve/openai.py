@@ -9,46 +9,55 @@ import time
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
-from fastapi import APIRouter, Request
+from fastapi import Request
 from fastapi.responses import Response
 
 from ..decode.sources import Stats
 from ..engine.text_stream import Chunk
 from ..models.lora import adapters_of
 from ..text.tools import call_opener
-from .api import Context
+from .api import Api, Context, Route
 from .bodies import parsed
 from .errors import RequestError
 from .replies import merged, respond_each, sse
 from .openai_schema import ChatCompletion, Completion, Logprobs, TextCompletion, choice, parse, timings, usage
 
 
-def router(ctx: Context) -> APIRouter:
-    """The routes, under the server's /v1 prefix."""
-    api = APIRouter()
-    ids = itertools.count()
-    config, tokenizer, engine = ctx.config, ctx.tokenizer, ctx.engine
+class OpenAIApi(Api):
+    """OpenAI's chat and text completions and its models list, under /v1."""
 
-    def model_object(name: str) -> dict[str, Any]:
-        return {"id": name, "object": "model", "created": int(time.time()), "owned_by": "mlxinfer"}
+    def __init__(self, ctx: Context) -> None:
+        super().__init__(ctx)
+        self.ids = itertools.count()  # of the completions, for their ids
 
-    def served() -> list[str]:
+    def routes(self) -> tuple[Route, ...]:
+        return (Route("/models", self.models, ("GET",)), Route("/models/{name:path}", self.model, ("GET",)),
+                Route("/chat/completions", self.chat_completions), Route("/completions", self.completions))
+
+    def served(self) -> list[str]:
         """The base model and each loaded adapter on it, as `BASE:NAME`."""
-        found = adapters_of(ctx.model)
-        return [config.model_name, *(f"{config.model_name}:{n}" for n in sorted(found.slots if found else ()))]
+        base, found = self.ctx.config.model_name, adapters_of(self.ctx.model)
+        return [base, *(f"{base}:{n}" for n in sorted(found.slots if found else ()))]
 
-    @api.get("/models")
-    async def models():
-        return {"object": "list", "data": [model_object(n) for n in served()]}
+    async def models(self) -> dict[str, Any]:
+        return {"object": "list", "data": [model_object(n) for n in self.served()]}
 
-    @api.get("/models/{name:path}")
-    async def model(name: str):
-        if name not in served():
+    async def model(self, name: str) -> dict[str, Any]:
+        if name not in self.served():
             raise RequestError(f"the model '{name[:200]}' does not exist; this server serves "
-                               f"{', '.join(served())}", "model", status=404, kind="not_found_error")
+                               f"{', '.join(self.served())}", "model", status=404, kind="not_found_error")
         return model_object(name)
 
-    async def complete(request: Request, kind: type[Completion]) -> Response:
+    async def chat_completions(self, request: Request) -> Response:
+        return await self.complete(request, ChatCompletion)
+
+    async def completions(self, request: Request) -> Response:
+        return await self.complete(request, TextCompletion)
+
+    async def complete(self, request: Request, kind: type[Completion]) -> Response:
+        """A chat or text completion: each prompt its own request of n sequences (its choices), all
+        decoded together, as one group."""
+        config, tokenizer, engine = self.ctx.config, self.ctx.tokenizer, self.ctx.engine
         body = await parsed(request, config.max_body, parse, kind)
         options = config.served(body.request_options(), body.model)
         chat = kind is ChatCompletion
@@ -59,25 +68,18 @@ def router(ctx: Context) -> APIRouter:
         rows = body.logprob_rows()
         served_as = body.model if options.adapter else config.model_name
         as_ids = bool(body.return_tokens_as_token_ids)
-        reply = Reply(f"{'chatcmpl' if chat else 'cmpl'}-{next(ids)}", chat, served_as,
+        reply = Reply(f"{'chatcmpl' if chat else 'cmpl'}-{next(self.ids)}", chat, served_as,
                       [Logprobs(tokenizer, chat, rows, as_ids) for _ in range(len(typed) * n)] if rows else None,
                       call_opener(tokenizer) if calls else None, chat and body.legacy, n, o.prediction is not None,
                       bool(body.return_token_details))
-        # each prompt its own request of n sequences (its choices), all decoded together, as one group
         group = engine.new_group()
         streams = [engine.chunks(t, group) for t in typed]
         return await respond_each(request, streams, bool(body.stream), reply.whole,
                                   lambda firsts, rest: reply.events(firsts, rest, body.include_usage))
 
-    @api.post("/chat/completions")
-    async def chat_completions(request: Request):
-        return await complete(request, ChatCompletion)
 
-    @api.post("/completions")
-    async def completions(request: Request):
-        return await complete(request, TextCompletion)
-
-    return api
+def model_object(name: str) -> dict[str, Any]:
+    return {"id": name, "object": "model", "created": int(time.time()), "owned_by": "mlxinfer"}
 
 
 @dataclass
