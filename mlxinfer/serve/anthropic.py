@@ -43,8 +43,8 @@ class MessagesApi(Api):
         body = await parsed(request, config.max_body, parse, CreateMessage)
         typed = await engine.request(body.chat(), config.served(body.request_options(), body.model))
         o = typed.options
-        reply = Reply(f"msg_{uuid.uuid4().hex}", config.model_name, o.max_tokens,
-                      call_opener(self.ctx.tokenizer) if o.tools and o.tool_choice != "none" else None)
+        reply = Reply(rid=f"msg_{uuid.uuid4().hex}", model=config.model_name, max_tokens=o.max_tokens,
+                      opener=call_opener(self.ctx.tokenizer) if o.tools and o.tool_choice != "none" else None)
         return await respond(request, engine.chunks(typed), bool(body.stream), reply.whole, reply.events)
 
     async def count_tokens(self, request: Request) -> dict[str, int]:
@@ -83,7 +83,7 @@ def usage(stats: Stats) -> dict[str, Any]:
             "cache_creation_input_tokens": 0, "cache_read_input_tokens": cached}
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Reply:
     """One request's message: its content blocks as they grow, and the events that grow them.
 
@@ -94,10 +94,10 @@ class Reply:
     model: str
     max_tokens: int
     opener: str | None = None  # with tools: the text a call starts with
-    content: list[dict[str, Any]] = field(default_factory=list)
-    held: str = ""
-    free: bool = False  # the text is known not to be a call: it streams as it comes
-    open: bool = False  # whether the last block of `content` is still open
+    content: list[dict[str, Any]] = field(default_factory=list, init=False)
+    held: str = field(default="", init=False)  # answer text held back while it may be the start of a call
+    free: bool = field(default=False, init=False)  # the text is known not to be a call: it streams as it comes
+    open: bool = field(default=False, init=False)  # whether the last block of `content` is still open
 
     def message(self, stats: Stats, last: Chunk | None = None) -> dict[str, Any]:
         """The message, whole once `last` (the last chunk) came; before, as message_start has

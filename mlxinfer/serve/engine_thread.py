@@ -346,7 +346,7 @@ class EngineThread:
             self._settle(work, error=server_error(f"{type(e).__name__}: {' '.join(str(e).split())}"))
 
     @staticmethod
-    def _settle(work: _Work, result: Any = None, error: RequestError | None = None) -> None:
+    def _settle(work: _Work, result: object = None, error: RequestError | None = None) -> None:
         def settle() -> None:
             if not work.done.cancelled():
                 work.done.set_exception(error) if error is not None else work.done.set_result(result)

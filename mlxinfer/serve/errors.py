@@ -16,7 +16,7 @@ class RequestError(Exception):
     error it is; each API writes it in its own shape (`api.Api.error_body`: OpenAI's, `body`, unless
     it has its own)."""
 
-    def __init__(self, message: str, param: str | None = None, status: int = 400,
+    def __init__(self, message: str, param: str | None = None, *, status: int = 400,
                  kind: str = "invalid_request_error", headers: dict[str, str] | None = None, code: str | None = None):
         super().__init__(message)
         self.param, self.status, self.kind, self.headers, self.code = param, status, kind, headers, code

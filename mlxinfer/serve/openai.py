@@ -65,13 +65,13 @@ class OpenAIApi(Api):
         typed = [await engine.request(p, options) for p in body.engine_prompts(max(engine.places // n, 1))]
         o = typed[0].options
         calls = chat and o.tools and o.tool_choice != "none"
-        rows = body.logprob_rows()
+        rows, as_ids = body.logprob_rows(), bool(body.return_tokens_as_token_ids)
         served_as = body.model if options.adapter else config.model_name
-        as_ids = bool(body.return_tokens_as_token_ids)
-        reply = Reply(f"{'chatcmpl' if chat else 'cmpl'}-{next(self.ids)}", chat, served_as,
-                      [Logprobs(tokenizer, chat, rows, as_ids) for _ in range(len(typed) * n)] if rows else None,
-                      call_opener(tokenizer) if calls else None, chat and body.legacy, n, o.prediction is not None,
-                      bool(body.return_token_details))
+        logprobs = [Logprobs(tokenizer, chat, rows, as_ids) for _ in range(len(typed) * n)] if rows else None
+        reply = Reply(rid=f"{'chatcmpl' if chat else 'cmpl'}-{next(self.ids)}", chat=chat, model=served_as, n=n,
+                      logprobs=logprobs,
+                      opener=call_opener(tokenizer) if calls else None, legacy=chat and body.legacy,
+                      predicted=o.prediction is not None, details=bool(body.return_token_details))
         group = engine.new_group()
         streams = [engine.chunks(t, group) for t in typed]
         return await respond_each(request, streams, bool(body.stream), reply.whole,
@@ -82,7 +82,7 @@ def model_object(name: str) -> dict[str, Any]:
     return {"id": name, "object": "model", "created": int(time.time()), "owned_by": "mlxinfer"}
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Reply:
     """One request's response, `n` choices per prompt (choice j of prompt i is choice i*n + j,
     as OpenAI numbers them): the whole object, or its Server-Sent Events."""
@@ -90,7 +90,7 @@ class Reply:
     rid: str
     chat: bool
     model: str
-    logprobs: list[Logprobs] | None  # one per choice
+    logprobs: list[Logprobs] | None = None  # one per choice, when the request asks for them
     opener: str | None = None  # with tools: the text a call starts with
     legacy: bool = False  # called with the legacy `functions`: a call goes out as `function_call`
     n: int = 1
@@ -113,9 +113,9 @@ class Reply:
         lp = self.logprobs[index].of(chunks) if self.logprobs else None
         details = [{"id": c.token, "drafted": c.drafted} for c in chunks if c.token is not None] \
             if self.details else None
-        return choice(self.chat, text, last.finish_reason, lp, delta=delta, first=first, calls=last.tool_calls,
-                      legacy=self.legacy, index=index, reasoning="".join(c.reasoning for c in chunks),
-                      details=details)
+        return choice(self.chat, text=text, reason=last.finish_reason, logprobs=lp, delta=delta, first=first,
+                      calls=last.tool_calls, legacy=self.legacy, index=index,
+                      reasoning="".join(c.reasoning for c in chunks), details=details)
 
     def _accounting(self, lasts: dict[int, Chunk]) -> dict[str, Any]:
         """Usage from each choice's last chunk (by choice index), its prompt counted once; a
@@ -161,8 +161,8 @@ class Reply:
                         continue
                 else:
                     sent.add(i)
-                yield sse(self._object([self._choice(i, pending, delta=True, first=i not in started, streamed=streamed)],
-                                       chunk=True))
+                delta = self._choice(i, pending, delta=True, first=i not in started, streamed=streamed)
+                yield sse(self._object([delta], chunk=True))
                 started.add(i)
             if include_usage and last:
                 yield sse(self._object([], chunk=True, **self._accounting(last)))

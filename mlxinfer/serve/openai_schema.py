@@ -18,6 +18,7 @@ from ..decode.sources import Stats
 from ..engine.text_stream import Chunk
 from ..engine.options import RequestOptions
 from ..text.reasoning import EFFORTS
+from ..text.tools import ToolCall
 from .bodies import json_object
 from .content import image_part, template_content
 from .errors import RequestError, refusal
@@ -454,8 +455,8 @@ class Logprobs:
         return out
 
 
-def choice(chat: bool, text: str | None, reason: str | None, logprobs: dict[str, Any] | None, delta: bool,
-           first: bool = False, calls: list | None = None, legacy: bool = False, index: int = 0,
+def choice(chat: bool, *, text: str | None, reason: str | None, logprobs: dict[str, Any] | None, delta: bool,
+           first: bool = False, calls: list[ToolCall] | None = None, legacy: bool = False, index: int = 0,
            reasoning: str = "", details: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """Choice `index` of a response (`delta`: of a streamed chunk); `calls`: the tool calls it
     made, written as the legacy `function_call` (one call at most) when `legacy`; `reasoning`:

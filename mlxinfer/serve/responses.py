@@ -28,6 +28,7 @@ from fastapi.responses import Response
 
 from ..engine.text_stream import Chunk
 from ..engine.request import Request as TypedRequest
+from ..text.tokenizer import Tokenizer
 from ..text.tools import ToolCall, call_opener
 from .api import Api, Context, Route
 from .bodies import parsed
@@ -224,8 +225,8 @@ class ResponsesApi(Api):
         body = await parsed(request, config.max_body, parse, CreateResponse)
         typed_request, turn = await self.typed(body)
         o = typed_request.options
-        reply = Reply(body, config.model_name, tokenizer,
-                      call_opener(tokenizer) if o.tools and o.tool_choice != "none" else None)
+        reply = Reply(body=body, model=config.model_name, tokenizer=tokenizer,
+                      opener=call_opener(tokenizer) if o.tools and o.tool_choice != "none" else None)
 
         def keep(response: dict[str, Any]) -> dict[str, Any]:
             """Stores the response (on a worker thread: `respond` builds a whole reply there, and a
@@ -308,19 +309,19 @@ def call_item(call: ToolCall) -> dict[str, Any]:
             "name": call.name, "arguments": json.dumps(call.arguments, ensure_ascii=False)}
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Reply:
     """One request's Response object, whole or as its stream of events. Its items' ids are
     fixed up front, so the streamed items and the final object name the same ones."""
 
     body: CreateResponse
     model: str
-    tokenizer: Any
+    tokenizer: Tokenizer
     opener: str | None  # with tools: the text a call starts with
-    rid: str = field(default_factory=lambda: _id("resp"))
-    message_id: str = field(default_factory=lambda: _id("msg"))
-    reasoning_id: str = field(default_factory=lambda: _id("rs"))
-    created: int = field(default_factory=lambda: int(time.time()))
+    rid: str = field(default_factory=lambda: _id("resp"), init=False)
+    message_id: str = field(default_factory=lambda: _id("msg"), init=False)
+    reasoning_id: str = field(default_factory=lambda: _id("rs"), init=False)
+    created: int = field(default_factory=lambda: int(time.time()), init=False)
 
     def object(self, status: str, output: list[dict[str, Any]], chunks: list[Chunk] | None = None,
                error: dict[str, Any] | None = None) -> dict[str, Any]:
