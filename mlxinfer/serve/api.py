@@ -77,6 +77,7 @@ class Api:
         self.ctx = ctx
 
     def routes(self) -> tuple[Route, ...]:
+        """Its routes, under `prefix`: one table per API, so its paths are read in one place."""
         raise NotImplementedError
 
     @staticmethod
