@@ -220,9 +220,10 @@ def test_what_the_stream_builds_is_the_whole_message(chunks, blocks, reason):
             yield c
 
     async def stream() -> bytes:
-        return b"".join([e async for e in Reply("msg_1", "m", 5, "{").events(chunks[0], rest())])
+        reply = Reply(rid="msg_1", model="m", max_tokens=5, opener="{")
+        return b"".join([e async for e in reply.events(chunks[0], rest())])
 
-    whole = Reply("msg_1", "m", 5, "{").whole(chunks)
+    whole = Reply(rid="msg_1", model="m", max_tokens=5, opener="{").whole(chunks)
     snapshot, buffers = None, {}
     for event in frames(asyncio.run(stream())):
         if event["type"] != "ping":

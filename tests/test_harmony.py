@@ -432,7 +432,7 @@ def test_text_before_a_call_streams_once(model):
     chunks = [Chunk("Let me ", 1, None, None, stats), Chunk("add.", 2, None, None, stats),
               Chunk("", ID["<|call|>"], None, "tool_calls", stats, tool_calls=[ToolCall("add", {"a": 1}, "call_1")],
                     content="Let me add.")]
-    reply = Reply("chatcmpl-1", True, "m", None, call_opener(tok))
+    reply = Reply(rid="chatcmpl-1", chat=True, model="m", opener=call_opener(tok))
     assert reply.opener is None
 
     async def rest():

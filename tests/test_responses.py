@@ -672,7 +672,7 @@ def test_thinking_streams_as_a_reasoning_item_before_the_message():
     parts = [("", "Let me"), ("", " think."), ("", ""), ("Hi", ""), ("", ""), ("!", "")]
     chunks = [Chunk(text, i, -0.5, "stop" if i == len(parts) - 1 else None, stats, reasoning=thought)
               for i, (text, thought) in enumerate(parts)]
-    reply = Reply(parse(b'{"input": "hi"}', CreateResponse), "m", None, None)
+    reply = Reply(body=parse(b'{"input": "hi"}', CreateResponse), model="m", tokenizer=None, opener=None)
 
     async def rest():
         for chunk in chunks[1:]:

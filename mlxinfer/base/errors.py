@@ -34,7 +34,12 @@ class NoLMHeadError(MlxinferError):
 
 
 class InvalidOptionError(MlxinferError, ValueError):
-    """An option value out of its allowed range."""
+    """An option value out of its allowed range. `option` names it where a rule every front end
+    shares found it at fault, so a server's error names the field (`param`) as its own refusals do."""
+
+    def __init__(self, message: str, option: str | None = None):
+        super().__init__(message)
+        self.option = option
 
 
 class AdapterError(MlxinferError):

@@ -12,6 +12,8 @@ from ..base.checks import flag, integer, is_integer
 from ..text.constrain import response_format
 from ..base.errors import InvalidOptionError
 from ..decode.sample import SamplingConfig
+from ..text.reasoning import effort_kwargs
+from ..text.tokenizer import Tokenizer
 from ..text.tools import check_tools
 
 Prompt = str | Sequence[int] | Sequence[dict]
@@ -87,7 +89,10 @@ class GenerationOptions:
         if self.num_draft_tokens is not None:
             integer("num_draft_tokens", self.num_draft_tokens, 1)
         flag("prompt_lookup", self.prompt_lookup)
-        integer("n", self.n, 1, MAX_CHOICES)
+        integer("n", self.n, 1)
+        if self.n > MAX_CHOICES:
+            raise InvalidOptionError(f"n must be at most {MAX_CHOICES} (choices per request), got {self.n}: ask for "
+                                     "fewer or send several requests", "n")
         if self.adapter is not None and not (isinstance(self.adapter, str) and self.adapter):
             raise InvalidOptionError(f"adapter must be the name of a loaded adapter, got {self.adapter!r:.60}")
         if self.prediction is not None and not isinstance(self.prediction, str):
@@ -104,8 +109,54 @@ class GenerationOptions:
             if fmt is not None and fmt.kind not in ("json_object", "json_schema"):
                 raise InvalidOptionError(f"tools combine with a json_schema or json_object response_format only, not "
                                          f"{fmt.kind}: a reply is a tool call or JSON")
-        elif self.tool_choice is not None:
-            raise InvalidOptionError("tool_choice needs tools")
+        elif self.tool_choice not in (None, "none"):  # "none" without tools asks for what no tools give
+            raise InvalidOptionError("tool_choice needs tools", "tool_choice")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RequestOptions:
+    """What one request of an HTTP API asks for, in the engine's names; None: not asked (the
+    engine's default). Each API's schema fills it from its own fields, renaming and nothing more;
+    `keywords` applies the rules every API shares, so each is written once: top_p 0 is greedy,
+    a reasoning effort is the template's thinking switch. The rest (n's limit, tool_choice without
+    tools, stops, formats) `GenerationOptions` and `SamplingConfig` check as they are made."""
+
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None  # 0: greedy, as OpenAI reads it (the engine's nucleus takes (0, 1])
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[int, float] | None = None
+    stop: str | list[str] | None = None
+    logprobs: int | None = None  # top alternatives per token; 1 asks for the chosen token's alone
+    response_format: dict[str, object] | None = None
+    tools: list[dict[str, object]] | None = None
+    tool_choice: str | dict[str, object] | None = None
+    parallel_tool_calls: bool | None = None
+    reasoning_effort: str | None = None  # thinking on or off where the template can (`reasoning.effort_kwargs`)
+    chat_template_kwargs: dict[str, object] | None = None  # template variables as given: they win over the effort's
+    n: int | None = None
+    prediction: str | None = None
+    echo: bool | None = None
+    prompt_logprobs: int | None = None
+    split_reasoning: bool | None = None
+    adapter: str | None = None
+
+    def keywords(self, tokenizer: Tokenizer) -> dict[str, object]:
+        """`Request.of`'s keyword options: those asked for, with the shared rules applied."""
+        asked = {f.name: getattr(self, f.name) for f in fields(self)
+                 if getattr(self, f.name) is not None and f.name not in ("reasoning_effort", "chat_template_kwargs")}
+        if self.top_p == 0:  # keep only the most likely token: greedy
+            del asked["top_p"]
+            asked["temperature"] = 0.0
+        template = {**effort_kwargs(tokenizer, self.reasoning_effort), **(self.chat_template_kwargs or {})}
+        if template:
+            asked["chat_template_kwargs"] = template
+        return asked
 
 
 # Variables the renderer sets itself: a template kwarg may not replace them.

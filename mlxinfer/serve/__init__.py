@@ -1,4 +1,6 @@
 """`mlxinfer serve`: the HTTP server (`app`: routes, guard, errors in each API's shape, uvicorn) and
-one translation module per API, from its wire shapes to the typed `Request` and back (`common`
-holds what they share, `engine_thread` the engine they all drive), and the web page (`page`, its
-files in `web/`)."""
+one translation module per API, from its wire shapes to the typed `Request` and back. What they
+share, each in a module of its own: what an API is given (`api`), the engine they all drive
+(`engine_thread`), refusals (`errors`), request bodies read within bounds (`bodies`), replies and
+streams (`replies`), and a message's content as templates take it (`content`); and the web page
+(`page`, its files in `web/`)."""

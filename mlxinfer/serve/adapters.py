@@ -1,6 +1,6 @@
 """`POST /v1/adapters`: load and unload LoRA adapters while the server runs. Each loaded
 adapter is served as the model `BASE:NAME` (`/v1/models` lists them; a request's `model`
-chooses one: `openai.adapter_of`). The count is bounded (`ServerConfig.max_adapters`), names
+chooses one: `ServerConfig.served`). The count is bounded (`ServerConfig.max_adapters`), names
 follow `lora.adapter_name`, and the route sits behind the API key with the rest of /v1.
 
 A load's work (reading the files, checking them, computing each layer's update) runs on a
@@ -14,93 +14,95 @@ import asyncio
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Literal
 
-from fastapi import APIRouter, Request
-from pydantic import BaseModel, ConfigDict, ValidationError
+from fastapi import Request
 
 from ..loading.adapters import attach_adapter, prepare_adapter, unload_adapter
 from ..base.errors import MlxinferError
+from ..models.layers import CausalLM
 from ..models.lora import adapter_name, adapters_of
-from .common import Context, RequestError, body_of, server_error
+from .api import Api, Context, Route
+from .bodies import parsed
+from .errors import RequestError, server_error
+from .openai_schema import Strict, parse
 
 
-class AdapterCommand(BaseModel):
+class AdapterCommand(Strict):
     """`{"action": "load", "name": N, "path": DIR}` or `{"action": "unload", "name": N}`."""
 
-    model_config = ConfigDict(extra="forbid", strict=True)
     action: Literal["load", "unload"]
     name: str
     path: str | None = None
 
 
-def loaded(model) -> list[str]:
+def loaded(model: CausalLM) -> list[str]:
     found = adapters_of(model)
     return sorted(found.slots) if found is not None else []
 
 
-def router(ctx: Context) -> APIRouter:
-    api = APIRouter()
-    config, engine, model = ctx.config, ctx.engine, ctx.model
-    loader = ThreadPoolExecutor(1, thread_name_prefix="mlxinfer-adapters")  # one load at a time
+class AdaptersApi(Api):
+    """Loading and unloading LoRA adapters, under /v1: one load at a time, on a thread of its own."""
 
-    def listing() -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": f"{config.model_name}:{n}", "object": "adapter", "name": n}
-                                           for n in loaded(model)]}
+    def __init__(self, ctx: Context) -> None:
+        super().__init__(ctx)
+        self.loader = ThreadPoolExecutor(1, thread_name_prefix="mlxinfer-adapters")
 
-    def room(name: str) -> None:
+    def routes(self) -> tuple[Route, ...]:
+        return Route("/adapters", self.adapters, ("GET",)), Route("/adapters", self.command)
+
+    async def adapters(self) -> dict[str, Any]:
+        return self.listing()
+
+    async def command(self, request: Request) -> dict[str, Any]:
+        asked = await parsed(request, self.ctx.config.max_body, parse, AdapterCommand)
+        try:
+            adapter_name(asked.name)
+        except MlxinferError as e:
+            raise RequestError.of(e, "name") from None
+        if asked.action == "load":
+            if not asked.path:
+                raise RequestError("loading an adapter needs its folder: path", "path")
+            await self.load(asked)
+        else:
+            await self.ctx.engine.call(lambda: self.unload(asked))
+        return self.listing()
+
+    def listing(self) -> dict[str, Any]:
+        base = self.ctx.config.model_name
+        return {"object": "list", "data": [{"id": f"{base}:{n}", "object": "adapter", "name": n}
+                                           for n in loaded(self.ctx.model)]}
+
+    def room(self, name: str) -> None:
         """Refuse a load the loaded adapters leave no room for (on the engine thread: final there)."""
-        if len(loaded(model)) >= config.max_adapters:
-            raise RequestError(f"{config.max_adapters} adapters are loaded, the most this server keeps "
-                               "(--max-adapters); unload one first", "name", status=409)
-        if name in loaded(model):
+        most, names = self.ctx.config.max_adapters, loaded(self.ctx.model)
+        if len(names) >= most:
+            raise RequestError(f"{most} adapters are loaded, the most this server keeps (--max-adapters); unload one "
+                               "first", "name", status=409)
+        if name in names:
             raise RequestError(f"an adapter named '{name}' is already loaded; unload it or choose another name",
                                "name", status=409)
 
-    async def load(command: AdapterCommand) -> None:
-        await engine.call(lambda: room(command.name))  # refused before any work (and on a sharded model)
+    async def load(self, command: AdapterCommand) -> None:
+        engine, model = self.ctx.engine, self.ctx.model
+        await engine.call(lambda: self.room(command.name))  # refused before any work (and on a sharded model)
         try:
-            found = await asyncio.get_running_loop().run_in_executor(loader, prepare_adapter, model, command.path)
+            found = await asyncio.get_running_loop().run_in_executor(self.loader, prepare_adapter, model, command.path)
         except MlxinferError as e:  # the folder's fault: a missing file, a bad field, a damaged tensor
-            raise RequestError(str(e), "path") from None
+            raise RequestError.of(e, "path") from None
         except Exception as e:  # noqa: BLE001 - a fault of ours ends this request, not the server
             raise server_error(f"{type(e).__name__}: {' '.join(str(e).split())[:300]}") from None
 
         def attach() -> None:
-            room(command.name)  # another load may have finished meanwhile
+            self.room(command.name)  # another load may have finished meanwhile
             attach_adapter(model, command.name, found)
 
         await engine.call(attach)
 
-    def unload(command: AdapterCommand) -> None:
-        if command.name not in loaded(model):
+    def unload(self, command: AdapterCommand) -> None:
+        """Unload an adapter no request in flight runs (on the engine thread: `EngineThread.call`)."""
+        if command.name not in loaded(self.ctx.model):
             raise RequestError(f"no adapter named '{command.name}' is loaded", "name", status=404,
                                kind="not_found_error")
-        if engine.engine.uses_adapter(command.name):
+        if self.ctx.engine.uses_adapter(command.name):
             raise RequestError(f"adapter '{command.name}' is in use by requests in flight; unload it "
                                "when they end", "name", status=409)
-        unload_adapter(model, command.name)
-
-    @api.get("/adapters")
-    async def adapters():
-        return listing()
-
-    @api.post("/adapters")
-    async def command(request: Request):
-        try:
-            parsed = AdapterCommand.model_validate_json(await body_of(request, config.max_body))
-        except ValidationError as e:
-            first = e.errors()[0]
-            where = ".".join(str(p) for p in first["loc"]) or None
-            raise RequestError(f"{where}: {first['msg']}" if where else first["msg"], where) from None
-        try:
-            adapter_name(parsed.name)
-        except MlxinferError as e:
-            raise RequestError(str(e), "name") from None
-        if parsed.action == "load":
-            if not parsed.path:
-                raise RequestError("loading an adapter needs its folder: path", "path")
-            await load(parsed)
-        else:
-            await engine.call(lambda: unload(parsed))
-        return listing()
-
-    return api
+        unload_adapter(self.ctx.model, command.name)

@@ -8,52 +8,61 @@ client's accumulated stream and the non-streamed message cannot differ.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
-from fastapi import APIRouter, Request
+from fastapi import Request
+from fastapi.responses import Response
 
 from ..decode.sources import Stats
 from ..engine.text_stream import Chunk
-from ..text.reasoning import effort_kwargs
 from ..text.tools import ToolCall, call_opener
-from .anthropic_schema import Conversation, CountTokens, CreateMessage, parse
-from .common import Context, RequestError, adapter_of, parsed, respond, sse, typed_request
-from .engine_thread import chunks_of
+from .anthropic_schema import CountTokens, CreateMessage, parse
+from .api import Api, Route
+from .bodies import parsed
+from .errors import RequestError
+from .replies import respond, sse
 
 Event = tuple[str, dict[str, Any]]  # (event name, data)
 
 
-def router(ctx: Context) -> APIRouter:
-    """The routes, under the server's /v1 prefix."""
-    api = APIRouter()
-    config, tokenizer, engine = ctx.config, ctx.tokenizer, ctx.engine
+class MessagesApi(Api):
+    """Anthropic's Messages API, under /v1, its errors in Anthropic's shape."""
 
-    def thinking(body: Conversation) -> dict[str, Any]:
-        """`thinking` as the template's switch (none given: the template's default)."""
-        template = effort_kwargs(tokenizer, body.thinking.effort) if body.thinking is not None else {}
-        return {"chat_template_kwargs": template} if template else {}
+    def routes(self) -> tuple[Route, ...]:
+        return Route("/messages", self.create), Route("/messages/count_tokens", self.count_tokens)
 
-    @api.post("/messages")
-    async def messages(request: Request):
+    @staticmethod
+    def error_body(e: RequestError) -> dict[str, Any]:
+        return error_body(e)
+
+    async def create(self, request: Request) -> Response:
+        config, engine = self.ctx.config, self.ctx.engine
         body = await parsed(request, config.max_body, parse, CreateMessage)
-        typed = await typed_request(engine, body.chat(), **body.options(), **thinking(body),
-                                    **adapter_of(body.model, config.model_name))
+        typed = await engine.request(body.chat(), config.served(body.request_options(), body.model))
         o = typed.options
-        reply = Reply(f"msg_{uuid.uuid4().hex}", config.model_name, o.max_tokens,
-                      call_opener(tokenizer) if o.tools and o.tool_choice != "none" else None)
-        return await respond(request, chunks_of(engine, typed), bool(body.stream), reply.whole, reply.events)
+        reply = Reply(rid=f"msg_{uuid.uuid4().hex}", model=config.model_name, max_tokens=o.max_tokens,
+                      opener=call_opener(self.ctx.tokenizer) if o.tools and o.tool_choice != "none" else None)
+        return await respond(request, engine.chunks(typed), bool(body.stream), reply.whole, reply.events)
 
-    @api.post("/messages/count_tokens")
-    async def count_tokens(request: Request):
+    async def count_tokens(self, request: Request) -> dict[str, int]:
+        config, engine = self.ctx.config, self.ctx.engine
         body = await parsed(request, config.max_body, parse, CountTokens)
-        typed = await typed_request(engine, body.chat(), **body.options(), **thinking(body))
-        return {"input_tokens": await asyncio.to_thread(engine.engine.count, typed)}
+        typed = await engine.request(body.chat(), config.served(body.request_options(), body.model))
+        return {"input_tokens": await engine.count(typed)}
 
-    return api
+
+# Anthropic's error type for each HTTP status it documents (other 4xx: invalid_request_error).
+KINDS = {401: "authentication_error", 403: "permission_error", 404: "not_found_error", 413: "request_too_large",
+         429: "rate_limit_error", 500: "api_error", 503: "overloaded_error", 529: "overloaded_error"}
+
+
+def error_body(e: RequestError) -> dict[str, Any]:
+    """Anthropic's error shape; its error type follows the status, as Anthropic's does."""
+    kind = KINDS.get(e.status, "api_error" if e.status >= 500 else "invalid_request_error")
+    return {"type": "error", "error": {"type": kind, "message": str(e)}}
 
 
 def stop_reason(last: Chunk, max_tokens: int) -> str:
@@ -74,7 +83,7 @@ def usage(stats: Stats) -> dict[str, Any]:
             "cache_creation_input_tokens": 0, "cache_read_input_tokens": cached}
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Reply:
     """One request's message: its content blocks as they grow, and the events that grow them.
 
@@ -85,10 +94,10 @@ class Reply:
     model: str
     max_tokens: int
     opener: str | None = None  # with tools: the text a call starts with
-    content: list[dict[str, Any]] = field(default_factory=list)
-    held: str = ""
-    free: bool = False  # the text is known not to be a call: it streams as it comes
-    open: bool = False  # whether the last block of `content` is still open
+    content: list[dict[str, Any]] = field(default_factory=list, init=False)
+    held: str = field(default="", init=False)  # answer text held back while it may be the start of a call
+    free: bool = field(default=False, init=False)  # the text is known not to be a call: it streams as it comes
+    open: bool = field(default=False, init=False)  # whether the last block of `content` is still open
 
     def message(self, stats: Stats, last: Chunk | None = None) -> dict[str, Any]:
         """The message, whole once `last` (the last chunk) came; before, as message_start has
@@ -189,6 +198,6 @@ class Reply:
                       "message_delta")
             yield sse({"type": "message_stop"}, "message_stop")
         except RequestError as e:
-            yield sse(e.anthropic_body(), "error")
+            yield sse(error_body(e), "error")
         finally:
             await stream.aclose()

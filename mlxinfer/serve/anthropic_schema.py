@@ -16,13 +16,16 @@ system prompt a system message, an assistant's `tool_use` blocks its `tool_calls
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from ..engine.options import MAX_STOPS
-from .common import RequestError, image_part, model_body, template_content
+from ..engine.options import MAX_STOPS, RequestOptions
+from .bodies import json_object
+from .content import image_part, template_content
+from .errors import RequestError, refusal
 
 # Block types Anthropic defines that no model here reads (images, in a message, go to a vision-language model).
 MEDIA_BLOCKS = ("image", "document")
@@ -34,6 +37,7 @@ SERVER_BLOCKS = ("search_result", "server_tool_use", "web_search_tool_result", "
 REFUSED_FIELDS = {"mcp_servers": "it has no MCP connector; call the servers' tools from your client, as custom tools",
                   "container": "it has no code-execution containers",
                   "context_management": "it does not edit the context; send the messages you want read"}
+REFUSED = {name: f"'{name}' is not supported by this server: {why}" for name, why in REFUSED_FIELDS.items()}
 # How text blocks of one message (or one tool result) are joined into the one string a template takes.
 BLOCK_SEPARATOR = "\n"
 
@@ -359,30 +363,25 @@ class Conversation(Strict):
                     turns.append(turn)
         return turns
 
-    def options(self) -> dict[str, Any]:
-        """The engine options for the tools and output format."""
-        options: dict[str, Any] = {}
+    def request_options(self) -> RequestOptions:
+        """The engine options for the tools, the output format and thinking."""
         choice = self.tool_choice
-        if self.tools:
-            options["tools"] = [t.function() for t in self.tools]
+        if self.tools and choice is not None and choice.type == "tool":
             names = [t.name for t in self.tools]
-            if choice is not None and choice.type == "tool" and choice.name not in names:
+            if choice.name not in names:
                 raise RequestError(f"tool_choice.name '{choice.name[:100]}' is not one of the tools "
                                    f"({', '.join(names)[:300]})", "tool_choice")
-            if choice is not None:
-                options["tool_choice"] = choice.engine()
-                if choice.disable_parallel_tool_use:
-                    options["parallel_tool_calls"] = False
-        elif choice is not None and choice.type != "none":
-            raise RequestError("tool_choice needs tools", "tool_choice")
         fmt = self.output_config.format if self.output_config else None
-        if fmt is not None:
-            if self.tools:
-                raise RequestError("output_config.format and tools are alternatives here: a reply is either a "
-                                   "tool call or held to the format", "output_config")
-            options["response_format"] = {"type": "json_schema", "json_schema": {"name": "output",
-                                                                                 "schema": fmt.schema_}}
-        return options
+        if fmt is not None and self.tools:
+            raise RequestError("output_config.format and tools are alternatives here: a reply is either a "
+                               "tool call or held to the format", "output_config")
+        return RequestOptions(
+            tools=[t.function() for t in self.tools] if self.tools else None,
+            tool_choice=choice.engine() if choice is not None else None,
+            parallel_tool_calls=False if choice is not None and choice.disable_parallel_tool_use else None,
+            response_format={"type": "json_schema", "json_schema": {"name": "output", "schema": fmt.schema_}}
+            if fmt is not None else None,
+            reasoning_effort=self.thinking.effort if self.thinking is not None else None)
 
 
 class CountTokens(Conversation):
@@ -403,36 +402,20 @@ class CreateMessage(Conversation):
     diagnostics: dict[str, Any] | None = None
     container: None = None  # refused unless null (REFUSED_FIELDS)
 
-    def options(self) -> dict[str, Any]:
-        options = {**super().options(), "max_tokens": self.max_tokens}
-        for key in ("temperature", "top_p", "top_k"):
-            if getattr(self, key) is not None:
-                options[key] = getattr(self, key)
-        if self.stop_sequences:
-            options["stop"] = self.stop_sequences
-        return options
+    def request_options(self) -> RequestOptions:
+        return replace(super().request_options(), max_tokens=self.max_tokens, temperature=self.temperature,
+                       top_p=self.top_p, top_k=self.top_k, stop=self.stop_sequences)
 
 
 def parse(raw: bytes, kind: type[Conversation]) -> Conversation:
     """A request body as `kind`, or a RequestError naming the first field at fault."""
-    return model_body(raw, kind, _refusal)
+    try:
+        return kind.model_validate(json_object(raw))
+    except ValidationError as e:
+        raise refusal(e.errors(), "unknown field", REFUSED, _dotted) from None
 
 
-def _refusal(e: ValidationError) -> RequestError:
-    first = e.errors()[0]
-    where = _dotted(first["loc"])
-    more = f" (and {e.error_count() - 1} more problems)" if e.error_count() > 1 else ""
-    if first["type"] in ("extra_forbidden", "none_required") and len(first["loc"]) == 1 \
-            and first["loc"][0] in REFUSED_FIELDS:
-        name = first["loc"][0]
-        return RequestError(f"'{name}' is not supported by this server: {REFUSED_FIELDS[name]}; remove it from "
-                            "the request", name)
-    if first["type"] == "extra_forbidden":
-        return RequestError(f"unknown field '{where}'{more}; remove it from the request", where)
-    return RequestError(f"{where}: {first['msg']}{more}" if where else f"{first['msg']}{more}", where)
-
-
-def _dotted(loc: tuple) -> str | None:
+def _dotted(loc: tuple[int | str, ...]) -> str | None:
     """A field's place as a dotted path, without the block type pydantic adds after a
     content block's index ("messages.0.content.1.input", not "...1.tool_use.input")."""
     tags = {"text", "tool_use", "tool_result", "thinking", "redacted_thinking"}

@@ -1,35 +1,51 @@
 """`mlxinfer serve`: the HTTP server over the batched engine.
 
-The engine runs on its own thread (`api.engine_thread`); each HTTP API is a thin
-translation module under `api/` that parses its wire shape once into the typed
-`Request` and writes the engine's chunks back in its own shape. This module assembles
-them: the host and content-type guard, the API key, errors in each API's own shape,
-health, and uvicorn with its connection limits.
+The engine runs on its own thread (`engine_thread`); each HTTP API is a thin
+translation module beside this one (an `api.Api`) that parses its wire shape once into the
+typed `Request` and writes the engine's chunks back in its own shape. This module assembles
+them (`APIS`): the host and content-type guard, the API key, errors in each API's own shape
+(`ErrorShapes`), and uvicorn with its connection limits.
 """
 
 from __future__ import annotations
 
 import hmac
-import resource
-import sys
+from typing import Any, Sequence
 
 import uvicorn
-from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from . import adapters, anthropic, embeddings, inspect, metrics, openai, page, responses, tokens
-from .common import Context, RequestError, ServerConfig
-from .engine_thread import EngineThread
 from ..base.errors import MlxinferError
+from ..models.layers import CausalLM
+from ..text.tokenizer import Tokenizer
+from . import metrics
+from .adapters import AdaptersApi
+from .anthropic import MessagesApi
+from .api import Api, Context, ServerConfig
+from .embeddings import EmbeddingsApi
+from .engine_thread import EngineThread
+from .errors import RequestError, dotted, refusal
 from .guard import LocalOnly, guarded_protocol
+from .health import HealthApi, MetricsApi
+from .inspect import InspectApi
+from .openai import OpenAIApi
+from .page import PageApi
+from .responses import ResponsesApi
+from .tokens import TokensApi
 
 MAX_CONNECTIONS = 128  # under macOS's default of 256 descriptors a process
 KEEP_ALIVE_SECONDS = 5  # an idle connection between requests
 HEADER_SECONDS = 10  # from connecting (or the last response) to a request's last header
 
 __all__ = ["EngineThread", "ServerConfig", "create_app", "run"]
+
+# Every API the server offers (the web page joins them unless `serve --no-web`); adding one is
+# adding its module and its class here.
+APIS: tuple[type[Api], ...] = (HealthApi, OpenAIApi, ResponsesApi, MessagesApi, EmbeddingsApi, AdaptersApi,
+                               InspectApi, TokensApi, MetricsApi)
 
 
 class _Uvicorn(uvicorn.Server):
@@ -60,11 +76,6 @@ def run(app: FastAPI, engine: EngineThread, host: str, port: int, max_connection
         engine.stop()
 
 
-def peak_rss_bytes() -> int:
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak if sys.platform == "darwin" else peak * 1024  # macOS counts bytes, Linux KiB
-
-
 def key_given(request: Request, key: str | None) -> bool:
     """Whether the request carries the API key, as OpenAI's clients send it (Authorization:
     Bearer) or Anthropic's (x-api-key); compared in constant time."""
@@ -76,68 +87,70 @@ def key_given(request: Request, key: str | None) -> bool:
         (anthropic is not None and hmac.compare_digest(anthropic.encode(), key.encode()))
 
 
-def error_body(path: str, e: RequestError) -> dict:
-    """`e` in the shape of the API at `path`."""
-    return e.anthropic_body() if path.startswith("/v1/messages") else e.body()
+def parameter(loc: tuple[int | str, ...]) -> str | None:
+    """A route parameter's name, without where FastAPI read it from."""
+    return dotted(tuple(p for p in loc if p not in ("body", "query", "path", "header")))
 
 
-def error_response(request: Request, e: RequestError) -> JSONResponse:
-    return JSONResponse(error_body(request.url.path, e), status_code=e.status, headers=e.headers)
+class ErrorShapes:
+    """Which API's shape a request's error takes, by its path: that of the API one of whose
+    routes' paths (up to its first parameter) is the longest prefix of it, so an unknown path or a
+    wrong method among an API's routes answers as that API does; OpenAI's shape elsewhere."""
+
+    def __init__(self, apis: Sequence[Api]) -> None:
+        owned = [((api.prefix + route.path.partition("{")[0]).rstrip("/"), api) for api in apis
+                 for route in api.routes()]
+        self.owners = sorted(owned, key=lambda owner: len(owner[0]), reverse=True)
+
+    def body(self, path: str, e: RequestError) -> dict[str, Any]:
+        """`e` in the shape of the API at `path`."""
+        for prefix, api in self.owners:
+            if path == prefix or path.startswith(f"{prefix}/"):
+                return api.error_body(e)
+        return e.body()
 
 
-def create_app(engine: EngineThread, model, tokenizer, config: ServerConfig) -> FastAPI:
-    """The FastAPI application: every API module's routes under /v1; /tokenize,
-    /detokenize and /metrics at the root (where llama.cpp, vLLM and Prometheus look for
-    them), behind the API key like /v1; health and the web app (unless `config.web` is
-    off), open to all."""
+def create_app(engine: EngineThread, model: CausalLM, tokenizer: Tokenizer, config: ServerConfig) -> FastAPI:
+    """The FastAPI application: every API's routes (`APIS`, and the web page unless `config.web`
+    is off), behind the API key but for health and the page; errors in each API's own shape."""
+    ctx = Context(engine, model, tokenizer, config)
+    apis = [api(ctx) for api in (*APIS, *((PageApi,) if config.web else ()))]
+    shapes = ErrorShapes(apis)
     app = FastAPI(title="mlxinfer", docs_url=None, redoc_url=None, openapi_url=None)
-    app.add_middleware(LocalOnly, hosts=config.hosts, refusal=lambda status, message, path: error_body(path, RequestError(message, status=status)))
+    app.add_middleware(LocalOnly, hosts=config.hosts,
+                       refusal=lambda status, message, path: shapes.body(path, RequestError(message, status=status)))
     if config.cors:
         from fastapi.middleware.cors import CORSMiddleware
 
         app.add_middleware(CORSMiddleware, allow_origins=[config.cors], allow_methods=["*"], allow_headers=["*"])
     app.add_middleware(metrics.Counted, metrics=engine.metrics)  # outermost: every response is counted
 
+    def error_response(request: Request, e: RequestError) -> JSONResponse:
+        return JSONResponse(shapes.body(request.url.path, e), status_code=e.status, headers=e.headers)
+
     @app.exception_handler(RequestError)
-    async def refused(request: Request, e: RequestError):
+    async def refused(request: Request, e: RequestError) -> JSONResponse:
         return error_response(request, e)
 
     @app.exception_handler(MlxinferError)
-    async def invalid(request: Request, e: MlxinferError):  # a typed request that could not be made: the client's
-        return error_response(request, RequestError(str(e)))
+    async def invalid(request: Request, e: MlxinferError) -> JSONResponse:  # a request our code refused: the client's
+        return error_response(request, RequestError.of(e))
 
     @app.exception_handler(HTTPException)
-    async def http_error(request: Request, e: HTTPException):  # unknown path, wrong method: the API's shape too
+    async def http_error(request: Request, e: HTTPException) -> JSONResponse:  # unknown path, wrong method
         allow = (e.headers or {}).get("Allow")
         message = f"{request.method} {request.url.path[:200]}: {e.detail}" + (f"; use {allow}" if allow else "")
         return error_response(request, RequestError(message, status=e.status_code, headers=e.headers))
 
     @app.exception_handler(RequestValidationError)
-    async def malformed(request: Request, e: RequestValidationError):  # a route's typed parameter: a 400 as ours
-        first = e.errors()[0] if e.errors() else {"loc": (), "msg": "the request is malformed"}
-        where = ".".join(str(p) for p in first["loc"] if p not in ("body", "query", "path", "header")) or None
-        return error_response(request, RequestError(f"{where}: {first['msg']}" if where else first["msg"], where))
+    async def malformed(request: Request, e: RequestValidationError) -> JSONResponse:  # a route's typed parameter
+        return error_response(request, refusal(e.errors(), place=parameter))
 
     async def authorized(request: Request) -> None:
         if not key_given(request, config.api_key):
             raise RequestError("a valid API key is required (Authorization: Bearer KEY, or x-api-key: KEY)",
                                status=401, kind="authentication_error")
 
-    @app.api_route("/health", methods=["GET", "HEAD"])  # HEAD: a probe's headers, no body (uvicorn drops it)
-    async def health():
-        return {"status": "ok", "model": config.model_name, **engine.health, "preparing": engine.preparing,
-                "limits": {"max_concurrency": engine.engine.max_batch, "max_queued": engine.max_queued},
-                "peak_rss_bytes": peak_rss_bytes(), "api_key_required": config.api_key is not None}
-
-    ctx = Context(engine, model, tokenizer, config)
-    v1 = APIRouter(prefix="/v1", dependencies=[Depends(authorized)])
-    for api in (openai, responses, anthropic, embeddings, adapters, inspect):
-        v1.include_router(api.router(ctx))
-    root = APIRouter(dependencies=[Depends(authorized)])
-    for api in (tokens, metrics):
-        root.include_router(api.router(ctx))
-    app.include_router(v1)
-    app.include_router(root)
-    if config.web:
-        app.include_router(page.router())  # the page and its assets: open to all, as the page asks for the key
+    for api in apis:
+        app.include_router(api.router(), dependencies=[Depends(authorized)] if api.keyed else [])
     return app

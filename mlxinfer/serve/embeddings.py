@@ -14,7 +14,7 @@ import base64
 from typing import Any, Literal
 
 import numpy as np
-from fastapi import APIRouter, Request
+from fastapi import Request
 from fastapi.responses import Response
 from pydantic import Field, field_validator
 from pydantic_core import PydanticCustomError
@@ -22,7 +22,10 @@ from pydantic_core import PydanticCustomError
 from ..base.checks import is_integer
 from ..engine.embed import check_dimensions, embed_slices, encode_texts
 from ..base.errors import MlxinferError
-from .common import ClientGone, Context, RequestError, hung_up, json_reply, parsed, unless_gone
+from .api import Api, Route
+from .bodies import parsed
+from .errors import RequestError
+from .replies import ClientGone, hung_up, json_reply, unless_gone
 from .openai_schema import Strict, parse
 
 MAX_INPUTS = 2048  # texts per request, as OpenAI allows
@@ -57,26 +60,27 @@ class Embeddings(Strict):
         return self.input
 
 
-def router(ctx: Context) -> APIRouter:
-    """The route, under the server's /v1 prefix."""
-    api = APIRouter()
-    model, tokenizer, engine, config = ctx.model, ctx.tokenizer, ctx.engine, ctx.config
+class EmbeddingsApi(Api):
+    """OpenAI's embeddings, under /v1."""
 
-    @api.post("/embeddings")
-    async def embeddings(request: Request):
+    def routes(self) -> tuple[Route, ...]:
+        return (Route("/embeddings", self.embeddings),)
+
+    async def embeddings(self, request: Request) -> Response:
+        model, tokenizer, engine, config = self.ctx.model, self.ctx.tokenizer, self.ctx.engine, self.ctx.config
         body = await parsed(request, config.max_body, parse, Embeddings)
         try:
             check_dimensions(model, body.dimensions)
         except MlxinferError as e:
-            raise RequestError(str(e), "dimensions") from None
+            raise RequestError.of(e, "dimensions") from None
         try:
             ids = await asyncio.to_thread(encode_texts, model, tokenizer, body.texts(), "input")
         except MlxinferError as e:
-            raise RequestError(str(e), "input") from None
+            raise RequestError.of(e, "input") from None
         gone = asyncio.ensure_future(hung_up(request))
         try:
             result = await unless_gone(engine.run_slices(embed_slices(model, ids, dimensions=body.dimensions,
-                                                                      chunk=engine.engine.prefill_step)), gone)
+                                                                      chunk=engine.prefill_step)), gone)
         except ClientGone:
             return Response(status_code=499)
         finally:
@@ -85,8 +89,6 @@ def router(ctx: Context) -> APIRouter:
         return await json_reply(lambda: {
             "object": "list", "data": [item(i, v, body.encoding_format) for i, v in enumerate(result)],
             "model": config.model_name, "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
-
-    return api
 
 
 def item(index: int, vector: np.ndarray, encoding: str) -> dict[str, Any]:

@@ -12,6 +12,7 @@ n places. One request's failure ends that request (500 or an error event), never
 from __future__ import annotations
 
 import asyncio
+import functools
 import queue
 import threading
 import time
@@ -27,9 +28,11 @@ from ..engine.prepared import Prepared
 from ..base.errors import MlxinferError
 from ..engine.text_stream import Chunk
 from ..engine.replica import Replica
+from ..engine.options import Prompt, RequestOptions
 from ..engine.request import Request
 from ..base.slices import Slices
-from .common import RequestError, server_error
+from ..text.images import downloads, has_images
+from .errors import RequestError, server_error
 from .metrics import Metrics
 
 RETRY_AFTER_SECONDS = 1
@@ -88,7 +91,7 @@ class EngineThread:
     made on threads of its own (`download`): slow image senders never hold the shared workers."""
 
     def __init__(self, engine: BatchGenerator, max_queued: int = 32):
-        self.engine, self.max_queued = engine, max_queued
+        self._engine, self.max_queued = engine, max_queued
         self.served = 0
         self.metrics = Metrics()  # fed here as sequences end, and by the server as responses end
         self.health: dict[str, Any] = {}
@@ -106,13 +109,79 @@ class EngineThread:
         self._thread = threading.Thread(target=self._run, name="mlxinfer-engine", daemon=True)
         self._thread.start()
 
+    @property
+    def max_batch(self) -> int:
+        """Sequences the engine runs at once (`serve --max-concurrency`)."""
+        return self._engine.max_batch
+
+    @property
+    def places(self) -> int:
+        """Places in all: sequences running and queued (`reserve`)."""
+        return self._engine.max_batch + self.max_queued
+
+    @property
+    def prefill_step(self) -> int:
+        """Tokens of a prompt the engine runs at a time: the slice other model work takes (`run_slices`)."""
+        return self._engine.prefill_step
+
+    def uses_adapter(self, name: str) -> bool:
+        """Whether a request in the engine runs adapter `name` (on the engine thread: `call`)."""
+        return self._engine.uses_adapter(name)
+
+    async def request(self, prompt: Prompt, options: RequestOptions) -> Request:
+        """The typed `Request` for `prompt`. Making one reads its images (base64, headers), so a
+        prompt with images is made on a worker thread: the event loop keeps answering every other
+        request. One that downloads them (`serve --allow-image-urls`, for up to --image-url-timeout)
+        is made on the download threads (`download`), never on the workers that other requests'
+        images, /tokenize and token counts run on."""
+        keywords = options.keywords(self._engine.tokenizer)
+        if not has_images(prompt):
+            return self._engine.request(prompt, **keywords)
+        make = functools.partial(self._engine.request, prompt, **keywords)
+        if downloads(prompt, self._engine.image_sources):
+            return await self.download(make)
+        return await asyncio.to_thread(make)
+
+    async def count(self, request: Request) -> int:
+        """How many tokens `request`'s prompt is as the engine renders it (`BatchGenerator.count`),
+        counted on a worker thread: it grows with the prompt."""
+        return await asyncio.to_thread(self._engine.count, request)
+
+    async def chunks(self, request: Request, group: int | None = None) -> AsyncIterator[Chunk]:
+        """A request's chunks as they come: its places taken, the request prepared, then its engine
+        chunks (those of n choices interleaved, each with its `index`). Leaving early (a client
+        gone) gives the places back or cancels every choice. The engine requests of one client
+        request (its prompts) share a `group` (`new_group`): slots are shared fairly between groups."""
+        job = _Job(request, asyncio.get_running_loop(), group)
+        self.reserve(job.places)
+        try:
+            await self.prepare(job)
+        except BaseException:
+            self.release(job.places)
+            raise
+        self.submit(job)
+        finished = False
+        try:
+            while True:
+                item = await job.chunks.get()
+                if item is None:
+                    finished = True
+                    return
+                if isinstance(item, RequestError):
+                    finished = True
+                    raise item
+                yield item
+        finally:
+            if not finished:
+                self.cancel(job)
+
     def reserve(self, places: int = 1) -> None:
         """Take `places` places (one per choice of a request), or refuse: 400 when there are
         never that many, 503 when they are taken now."""
-        limit = self.engine.max_batch + self.max_queued
+        limit = self.places
         if places > limit:
             raise RequestError(f"n={places} choices need {places} places, but this server runs "
-                               f"{self.engine.max_batch} sequences and queues {self.max_queued} (--max-concurrency, "
+                               f"{self._engine.max_batch} sequences and queues {self.max_queued} (--max-concurrency, "
                                f"--max-queue); ask for at most n={limit}", "n")
         with self._lock:
             if self._stop.is_set():
@@ -132,10 +201,10 @@ class EngineThread:
         with self._lock:
             self.preparing += 1
         try:
-            request.prepared = await asyncio.get_running_loop().run_in_executor(self._preparer, self.engine.prepare,
+            request.prepared = await asyncio.get_running_loop().run_in_executor(self._preparer, self._engine.prepare,
                                                                                 request.request)
         except MlxinferError as e:  # the request's own fault (options, prompt, context, grammar)
-            raise RequestError(str(e)) from None
+            raise RequestError.of(e) from None
         except Exception as e:  # noqa: BLE001 - a fault of ours ends this request, not the server
             raise server_error(f"{type(e).__name__}: {' '.join(str(e).split())}") from None
         finally:
@@ -144,7 +213,7 @@ class EngineThread:
 
     def new_group(self) -> int:
         """A name for the engine requests of one client request (`BatchGenerator.new_group`)."""
-        return self.engine.new_group()
+        return self._engine.new_group()
 
     async def download(self, make: Callable[[], T]) -> T:
         """`make()` (a typed request whose images download) on a download thread, or a 503 when
@@ -183,7 +252,7 @@ class EngineThread:
         one slice (at most one prefill chunk of work) at a time, taking turns with the prefill of
         the engine's own requests, so no stream being decoded waits longer than one chunk for it.
         Its result, or the RequestError it ended with; leaving (a cancelled await) stops it."""
-        if isinstance(self.engine, Replica):  # the other ranks run engine rounds only: they would not join this
+        if isinstance(self._engine, Replica):  # the other ranks run engine rounds only: they would not join this
             slices.close()
             raise RequestError("this endpoint is not available while the model is sharded across ranks")
         loop = asyncio.get_running_loop()
@@ -241,7 +310,7 @@ class EngineThread:
                 self._refuse(request, RequestError("the server is shutting down", status=503, kind="server_busy"))
                 return
             try:
-                uids = self.engine.enqueue_choices(request.prepared, request.group)
+                uids = self._engine.enqueue_choices(request.prepared, request.group)
             except Exception as e:  # noqa: BLE001 - a fault of ours ends this request, not the server
                 self._refuse(request, server_error(f"{type(e).__name__}: {e}"))
                 return
@@ -273,12 +342,12 @@ class EngineThread:
         except RequestError as e:  # refused as the caller says
             self._settle(work, error=e)
         except MlxinferError as e:  # the request's own fault
-            self._settle(work, error=RequestError(str(e)))
+            self._settle(work, error=RequestError.of(e))
         except Exception as e:  # noqa: BLE001 - a fault of ours ends this request, not the server
             self._settle(work, error=server_error(f"{type(e).__name__}: {' '.join(str(e).split())}"))
 
     @staticmethod
-    def _settle(work: _Work, result: Any = None, error: RequestError | None = None) -> None:
+    def _settle(work: _Work, result: object = None, error: RequestError | None = None) -> None:
         def settle() -> None:
             if not work.done.cancelled():
                 work.done.set_exception(error) if error is not None else work.done.set_result(result)
@@ -289,12 +358,12 @@ class EngineThread:
             pass
 
     def _cancel(self, uid: int) -> None:
-        self.engine.cancel(uid)
+        self._engine.cancel(uid)
 
     def _run(self) -> None:
         engine_had_turn = True  # with work waiting, the engine's prefill and the work's slices take turns
         while not self._stop.is_set():
-            block = not self.engine.active and not self._works
+            block = not self._engine.active and not self._works
             try:
                 while True:
                     self._handle(*self._commands.get(block=block))
@@ -302,14 +371,14 @@ class EngineThread:
             except queue.Empty:
                 pass
             self._snapshot()  # a request that just arrived shows as active while its prefill runs
-            work_turn = bool(self._works) and (engine_had_turn or not self.engine.active)
-            if self.engine.active:  # on the work's turn the step only decodes: the slice is its chunk of work
+            work_turn = bool(self._works) and (engine_had_turn or not self._engine.active)
+            if self._engine.active:  # on the work's turn the step only decodes: the slice is its chunk of work
                 self._step(prefill=not work_turn)
             if work_turn:
                 self._slice()
             engine_had_turn = not work_turn
             self._snapshot()
-        self.engine.close()
+        self._engine.close()
         for work in self._works:  # stopping: work that is left is refused
             work.slices.close()
             self._settle(work, error=RequestError("the server is shutting down", status=503, kind="server_busy"))
@@ -320,7 +389,7 @@ class EngineThread:
 
     def _step(self, prefill: bool = True) -> None:
         try:
-            produced = self.engine.step() if prefill else self.engine.step(prefill=False)
+            produced = self._engine.step() if prefill else self._engine.step(prefill=False)
         except Exception as e:  # noqa: BLE001 - the engine ends a failed sequence itself; this is the last guard
             for uid in list(self._requests):
                 request = self._requests[uid]
@@ -346,7 +415,7 @@ class EngineThread:
                                             now, chunk.index)
 
     def _snapshot(self) -> None:
-        e = self.engine
+        e = self._engine
         running = min(e.active, e.max_batch)  # a step admits every waiting sequence that has a slot first
         self.health = {
             "active": running, "queued": e.active - running + self._commands.qsize(),
@@ -355,34 +424,3 @@ class EngineThread:
             "prompt_cache": dict(e.pool.stats.__dict__) if e.pool is not None else None,
             "memory": {"mlx_active_bytes": mx.get_active_memory(), "mlx_peak_bytes": mx.get_peak_memory()},
         }
-
-
-
-async def chunks_of(engine: EngineThread, request: Request, group: int | None = None) -> AsyncIterator[Chunk]:
-    """A request's chunks as they come: its places taken, the request prepared, then its engine
-    chunks (those of n choices interleaved, each with its `index`). Leaving early (a client
-    gone) gives the places back or cancels every choice. The engine requests of one client
-    request (its prompts) share a `group` (`EngineThread.new_group`): slots are shared fairly
-    between groups."""
-    job = _Job(request, asyncio.get_running_loop(), group)
-    engine.reserve(job.places)
-    try:
-        await engine.prepare(job)
-    except BaseException:
-        engine.release(job.places)
-        raise
-    engine.submit(job)
-    finished = False
-    try:
-        while True:
-            item = await job.chunks.get()
-            if item is None:
-                finished = True
-                return
-            if isinstance(item, RequestError):
-                finished = True
-                raise item
-            yield item
-    finally:
-        if not finished:
-            engine.cancel(job)

@@ -18,13 +18,17 @@ from __future__ import annotations
 
 import asyncio
 
-from fastapi import APIRouter, Request
+from fastapi import Request
+from fastapi.responses import Response
 from pydantic import Field, field_validator
 from pydantic_core import PydanticCustomError
 
 from .guard import LOOPBACK_NAMES
 from ..engine.inspection import attention_slices, inspect_slices
-from .common import Context, RequestError, json_reply, parsed
+from .api import Api, Context, Route
+from .bodies import parsed
+from .errors import RequestError
+from .replies import json_reply
 from .openai_schema import ImagePart, Message, Strict, parse
 from .tokens import chat_prompt
 
@@ -57,40 +61,42 @@ def attention_offered(host: str, api_key: str | None) -> bool:
     return host in LOOPBACK_NAMES or api_key is not None
 
 
-def router(ctx: Context) -> APIRouter:
-    """The routes, under the server's /v1 prefix."""
-    api = APIRouter()
+class InspectApi(Api):
+    """One chat's pipeline made visible, under /v1: its report, and its attention weights."""
 
-    limit = min(MAX_TOKENS, ctx.model.config.max_position_embeddings)
+    def __init__(self, ctx: Context) -> None:
+        super().__init__(ctx)
+        self.limit = min(MAX_TOKENS, ctx.model.config.max_position_embeddings)
 
-    def bounded(ids: list[int]) -> list[int]:
-        if len(ids) > limit:
-            raise RequestError(f"the context is {len(ids)} tokens; a look inside reruns at most {limit}", "messages")
+    def routes(self) -> tuple[Route, ...]:
+        return Route("/inspect", self.inspect), Route("/attention", self.attention)
+
+    def bounded(self, ids: list[int]) -> list[int]:
+        if len(ids) > self.limit:
+            raise RequestError(f"the context is {len(ids)} tokens; a look inside reruns at most {self.limit}",
+                               "messages")
         if not ids:
             raise RequestError("the messages render to no tokens", "messages")
         return ids
 
-    @api.post("/inspect")
-    async def inspect(request: Request):
+    async def inspect(self, request: Request) -> Response:
+        ctx = self.ctx
         body = await parsed(request, ctx.config.max_body, parse, Inspect)
         ids, images = await chat_prompt(ctx, body.messages)
-        bounded(ids)
+        self.bounded(ids)
         report = await ctx.engine.run_slices(inspect_slices(ctx.model, ctx.tokenizer, ids, steps=1, images=images,
-                                                            chunk=ctx.engine.engine.prefill_step))
+                                                            chunk=ctx.engine.prefill_step))
         return await json_reply(lambda: report)
 
-    @api.post("/attention")
-    async def attention(request: Request):
+    async def attention(self, request: Request) -> Response:
+        ctx = self.ctx
         if not ctx.config.attention:
             raise RequestError("attention weights are offered on a loopback address, or with --api-key; restart "
                                "the server with --api-key KEY to use them here", status=403, kind="permission_error")
         body = await parsed(request, ctx.config.max_body, parse, Attention)
-
         reply = await asyncio.to_thread(ctx.tokenizer.encode, body.reply, False)
-        ids = bounded((await chat_prompt(ctx, body.messages))[0] + reply)
+        ids = self.bounded((await chat_prompt(ctx, body.messages))[0] + reply)
         weights = await ctx.engine.run_slices(attention_slices(ctx.model, ids, body.layer, body.head,
-                                                               ctx.engine.engine.prefill_step))
+                                                               ctx.engine.prefill_step))
         return await json_reply(lambda: {"layer": body.layer, "head": body.head, "weights": weights, "tokens": [
             {"id": i, "text": p} for i, p in zip(ids, ctx.tokenizer.pieces(ids))]})
-
-    return api

@@ -1,4 +1,4 @@
-"""`GET /metrics`: what the server has done, in Prometheus's text format (version 0.0.4).
+"""What the server has done, in Prometheus's text format (version 0.0.4), for `GET /metrics` (`health`).
 
 One `Metrics` object holds the counts. Two places feed it, each where something ends:
 the `Counted` middleware when an HTTP response ends (by route, method and status), and
@@ -21,11 +21,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
-from fastapi import APIRouter
-from fastapi.responses import Response
 
 from ..decode.sources import Stats
-from .common import Context
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 # Seconds: a first token takes a prefill (milliseconds to a minute on a laptop); a later one a decode step.
@@ -185,14 +182,3 @@ def _route(scope) -> str:
         if found:
             path = f"{head}{{{name}}}{tail}"
     return path
-
-
-def router(ctx: Context) -> APIRouter:
-    """`GET /metrics`, at the server's root (where Prometheus looks by default)."""
-    api = APIRouter()
-
-    @api.get("/metrics")
-    async def metrics():
-        return Response(ctx.engine.metrics.text(ctx.engine.health), media_type=CONTENT_TYPE)
-
-    return api

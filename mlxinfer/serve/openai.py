@@ -9,81 +9,80 @@ import time
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
-from fastapi import APIRouter, Request
+from fastapi import Request
 from fastapi.responses import Response
 
 from ..decode.sources import Stats
 from ..engine.text_stream import Chunk
 from ..models.lora import adapters_of
 from ..text.tools import call_opener
-from .common import Context, RequestError, adapter_of, merged, parsed, respond_each, sse, typed_request
-from .engine_thread import chunks_of
+from .api import Api, Context, Route
+from .bodies import parsed
+from .errors import RequestError
+from .replies import merged, respond_each, sse
 from .openai_schema import ChatCompletion, Completion, Logprobs, TextCompletion, choice, parse, timings, usage
 
 
-def router(ctx: Context) -> APIRouter:
-    """The routes, under the server's /v1 prefix."""
-    api = APIRouter()
-    ids = itertools.count()
-    config, tokenizer, engine = ctx.config, ctx.tokenizer, ctx.engine
+class OpenAIApi(Api):
+    """OpenAI's chat and text completions and its models list, under /v1."""
 
-    def model_object(name: str) -> dict[str, Any]:
-        return {"id": name, "object": "model", "created": int(time.time()), "owned_by": "mlxinfer"}
+    def __init__(self, ctx: Context) -> None:
+        super().__init__(ctx)
+        self.ids = itertools.count()  # of the completions, for their ids
 
-    def served() -> list[str]:
+    def routes(self) -> tuple[Route, ...]:
+        return (Route("/models", self.models, ("GET",)), Route("/models/{name:path}", self.model, ("GET",)),
+                Route("/chat/completions", self.chat_completions), Route("/completions", self.completions))
+
+    def served(self) -> list[str]:
         """The base model and each loaded adapter on it, as `BASE:NAME`."""
-        found = adapters_of(ctx.model)
-        return [config.model_name, *(f"{config.model_name}:{n}" for n in sorted(found.slots if found else ()))]
+        base, found = self.ctx.config.model_name, adapters_of(self.ctx.model)
+        return [base, *(f"{base}:{n}" for n in sorted(found.slots if found else ()))]
 
-    @api.get("/models")
-    async def models():
-        return {"object": "list", "data": [model_object(n) for n in served()]}
+    async def models(self) -> dict[str, Any]:
+        return {"object": "list", "data": [model_object(n) for n in self.served()]}
 
-    @api.get("/models/{name:path}")
-    async def model(name: str):
-        if name not in served():
+    async def model(self, name: str) -> dict[str, Any]:
+        if name not in self.served():
             raise RequestError(f"the model '{name[:200]}' does not exist; this server serves "
-                               f"{', '.join(served())}", "model", status=404, kind="not_found_error")
+                               f"{', '.join(self.served())}", "model", status=404, kind="not_found_error")
         return model_object(name)
 
-    async def complete(request: Request, kind: type[Completion]) -> Response:
+    async def chat_completions(self, request: Request) -> Response:
+        return await self.complete(request, ChatCompletion)
+
+    async def completions(self, request: Request) -> Response:
+        return await self.complete(request, TextCompletion)
+
+    async def complete(self, request: Request, kind: type[Completion]) -> Response:
+        """A chat or text completion: each prompt its own request of n sequences (its choices), all
+        decoded together, as one group."""
+        config, tokenizer, engine = self.ctx.config, self.ctx.tokenizer, self.ctx.engine
         body = await parsed(request, config.max_body, parse, kind)
-        options = body.options(config.max_tokens)
-        adapter = adapter_of(body.model, config.model_name)
-        options.update(adapter)
+        options = config.served(body.request_options(), body.model)
         chat = kind is ChatCompletion
-        if chat and (template := body.template_kwargs(tokenizer)):
-            options["chat_template_kwargs"] = template
-        places = engine.engine.max_batch + engine.max_queued
         n = body.n or 1
-        typed = [await typed_request(engine, p, **options) for p in body.engine_prompts(max(places // n, 1))]
+        typed = [await engine.request(p, options) for p in body.engine_prompts(max(engine.places // n, 1))]
         o = typed[0].options
         calls = chat and o.tools and o.tool_choice != "none"
-        rows = body.logprob_rows()
-        served_as = body.model if adapter else config.model_name
-        as_ids = bool(body.return_tokens_as_token_ids)
-        reply = Reply(f"{'chatcmpl' if chat else 'cmpl'}-{next(ids)}", chat, served_as,
-                      [Logprobs(tokenizer, chat, rows, as_ids) for _ in range(len(typed) * n)] if rows else None,
-                      call_opener(tokenizer) if calls else None, chat and body.legacy, n, o.prediction is not None,
-                      bool(body.return_token_details))
-        # each prompt its own request of n sequences (its choices), all decoded together, as one group
+        rows, as_ids = body.logprob_rows(), bool(body.return_tokens_as_token_ids)
+        served_as = body.model if options.adapter else config.model_name
+        logprobs = [Logprobs(tokenizer, chat, rows, as_ids) for _ in range(len(typed) * n)] if rows else None
+        reply = Reply(rid=f"{'chatcmpl' if chat else 'cmpl'}-{next(self.ids)}", chat=chat, model=served_as, n=n,
+                      logprobs=logprobs,
+                      opener=call_opener(tokenizer) if calls else None, legacy=chat and body.legacy,
+                      predicted=o.prediction is not None, details=bool(body.return_token_details))
         group = engine.new_group()
-        streams = [chunks_of(engine, t, group) for t in typed]
+        streams = [engine.chunks(t, group) for t in typed]
         return await respond_each(request, streams, bool(body.stream), reply.whole,
                                   lambda firsts, rest: reply.events(firsts, rest, body.include_usage))
 
-    @api.post("/chat/completions")
-    async def chat_completions(request: Request):
-        return await complete(request, ChatCompletion)
 
-    @api.post("/completions")
-    async def completions(request: Request):
-        return await complete(request, TextCompletion)
-
-    return api
+def model_object(name: str) -> dict[str, Any]:
+    return {"id": name, "object": "model", "created": int(time.time()), "owned_by": "mlxinfer"}
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Reply:
     """One request's response, `n` choices per prompt (choice j of prompt i is choice i*n + j,
     as OpenAI numbers them): the whole object, or its Server-Sent Events."""
@@ -91,7 +90,7 @@ class Reply:
     rid: str
     chat: bool
     model: str
-    logprobs: list[Logprobs] | None  # one per choice
+    logprobs: list[Logprobs] | None = None  # one per choice, when the request asks for them
     opener: str | None = None  # with tools: the text a call starts with
     legacy: bool = False  # called with the legacy `functions`: a call goes out as `function_call`
     n: int = 1
@@ -114,9 +113,9 @@ class Reply:
         lp = self.logprobs[index].of(chunks) if self.logprobs else None
         details = [{"id": c.token, "drafted": c.drafted} for c in chunks if c.token is not None] \
             if self.details else None
-        return choice(self.chat, text, last.finish_reason, lp, delta=delta, first=first, calls=last.tool_calls,
-                      legacy=self.legacy, index=index, reasoning="".join(c.reasoning for c in chunks),
-                      details=details)
+        return choice(self.chat, text=text, reason=last.finish_reason, logprobs=lp, delta=delta, first=first,
+                      calls=last.tool_calls, legacy=self.legacy, index=index,
+                      reasoning="".join(c.reasoning for c in chunks), details=details)
 
     def _accounting(self, lasts: dict[int, Chunk]) -> dict[str, Any]:
         """Usage from each choice's last chunk (by choice index), its prompt counted once; a
@@ -162,8 +161,8 @@ class Reply:
                         continue
                 else:
                     sent.add(i)
-                yield sse(self._object([self._choice(i, pending, delta=True, first=i not in started, streamed=streamed)],
-                                       chunk=True))
+                delta = self._choice(i, pending, delta=True, first=i not in started, streamed=streamed)
+                yield sse(self._object([delta], chunk=True))
                 started.add(i)
             if include_usage and last:
                 yield sse(self._object([], chunk=True, **self._accounting(last)))

@@ -8,6 +8,7 @@ the engine's `Chunk`s into OpenAI's objects, streamed or whole.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
@@ -15,15 +16,18 @@ from pydantic_core import PydanticCustomError
 
 from ..decode.sources import Stats
 from ..engine.text_stream import Chunk
-from ..engine.options import MAX_CHOICES
-from ..text.reasoning import EFFORTS, effort_kwargs
-from ..text.tokenizer import Tokenizer
-from .common import RequestError, image_part, json_object, template_content
+from ..engine.options import RequestOptions
+from ..text.reasoning import EFFORTS
+from ..text.tools import ToolCall
+from .bodies import json_object
+from .content import image_part, template_content
+from .errors import RequestError, refusal
 
 # Fields of OpenAI's API that change the output and that this server does not implement
 # (yet); each is refused by name. A null is the same as leaving the field out (`parse`).
 NOT_YET = {"suffix": "suffix", "audio": "audio output",
            "web_search_options": "web search", "moderation": "moderation"}
+REFUSED = {name: f"'{name}' ({what}) is not supported by this server" for name, what in NOT_YET.items()}
 
 
 S = TypeVar("S", bound="Strict")
@@ -216,28 +220,15 @@ class Completion(Strict):
     def logprob_rows(self) -> int:
         return 0
 
-    def options(self, default_max_tokens: int) -> dict[str, Any]:
+    def request_options(self) -> RequestOptions:
         """The engine options this request asks for."""
-        if (self.n or 1) > MAX_CHOICES:
-            raise RequestError(f"n is {self.n}; at most {MAX_CHOICES} choices per request are allowed: ask for fewer "
-                               "or send several requests", "n")
-        fields = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
-                  "repetition_penalty", "response_format", "n")
-        options = {k: getattr(self, k) for k in fields if getattr(self, k) is not None}
-        if options.get("top_p") == 0:  # OpenAI's reading: keep only the most likely token, i.e. greedy
-            del options["top_p"]
-            options["temperature"] = 0.0
-        if self.logit_bias is not None:
-            options["logit_bias"] = token_keys(self.logit_bias)
-        limit = self.limit()
-        options["max_tokens"] = default_max_tokens if limit is None else limit
-        if self.stop:
-            options["stop"] = [self.stop] if isinstance(self.stop, str) else self.stop
-        if self.logprob_rows():
-            options["logprobs"] = self.logprob_rows()
-        if self.prediction is not None:
-            options["prediction"] = self.prediction.text()
-        return options
+        return RequestOptions(
+            max_tokens=self.limit(), temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+            min_p=self.min_p, seed=self.seed, presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
+            logit_bias=token_keys(self.logit_bias) if self.logit_bias is not None else None, stop=self.stop,
+            logprobs=self.logprob_rows() or None, response_format=self.response_format, n=self.n,
+            prediction=self.prediction.text() if self.prediction is not None else None)
 
     @property
     def include_usage(self) -> bool:
@@ -285,20 +276,15 @@ class ChatCompletion(Completion):
                                       'verbosity control); send "medium" or leave it out', {})
         return verbosity
 
-    def template_kwargs(self, tokenizer: Tokenizer) -> dict[str, Any]:
-        """The chat template's extra variables this request asks for."""
-        return {**effort_kwargs(tokenizer, self.reasoning_effort), **(self.chat_template_kwargs or {})}
-
     @property
     def legacy(self) -> bool:
         """Called with the legacy `functions`: the reply's call goes out as `function_call`."""
         return self.functions is not None
 
-    def options(self, default_max_tokens: int) -> dict[str, Any]:
+    def request_options(self) -> RequestOptions:
         if self.top_logprobs is not None and not self.logprobs:
             raise RequestError("top_logprobs needs logprobs: true", "top_logprobs")
-        options = super().options(default_max_tokens)
-        tools, choice, parallel = self.tools, self.tool_choice, self.parallel_tool_calls
+        tools, choice, parallel = self.tools or None, self.tool_choice, self.parallel_tool_calls
         if self.functions is not None:
             if tools:
                 raise RequestError("send tools or the legacy functions, not both", "functions")
@@ -309,15 +295,8 @@ class ChatCompletion(Completion):
                 {"type": "function", "function": {"name": self.function_call.name}}
         elif self.function_call not in (None, "none"):
             raise RequestError("function_call needs functions", "function_call")
-        if tools:
-            options["tools"] = tools
-            if parallel is False:
-                options["parallel_tool_calls"] = False
-            if choice is not None:
-                options["tool_choice"] = choice
-        elif choice not in (None, "none"):
-            raise RequestError("tool_choice needs tools", "tool_choice")
-        return options
+        return replace(super().request_options(), tools=tools, tool_choice=choice, parallel_tool_calls=parallel,
+                       reasoning_effort=self.reasoning_effort, chat_template_kwargs=self.chat_template_kwargs)
 
     def limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -361,17 +340,14 @@ class TextCompletion(Completion):
     def logprob_rows(self) -> int:
         return self.logprobs or 0
 
-    def options(self, default_max_tokens: int) -> dict[str, Any]:
+    def request_options(self) -> RequestOptions:
         if self.best_of is not None and self.best_of != (self.n or 1):
             raise RequestError(f"best_of must equal n ({self.n or 1}): this server returns every completion it "
                                "makes, it does not pick the best of more", "best_of")
+        rows = self.logprob_rows() if self.echo else 0
         # a text completion is raw text (no chat template): a thinking model's tags stay in it, as with OpenAI
-        options = {**super().options(default_max_tokens), "split_reasoning": False}
-        if self.echo:
-            options["echo"] = True
-            if self.logprob_rows():
-                options["prompt_logprobs"] = self.logprob_rows()
-        return options
+        return replace(super().request_options(), split_reasoning=False, echo=self.echo or None,
+                       prompt_logprobs=rows or None)
 
     def engine_prompts(self, most: int) -> list[str | list[int]]:
         """Each prompt of the request (at most `most`), as text or token ids."""
@@ -406,20 +382,7 @@ def validated(data: dict[str, Any], kind: type[S]) -> S:
     try:
         return kind.model_validate(data)
     except ValidationError as e:
-        raise _refusal(e) from None
-
-
-def _refusal(e: ValidationError) -> RequestError:
-    first = e.errors()[0]
-    where = ".".join(str(p) for p in first["loc"])
-    more = f" (and {e.error_count() - 1} more problems)" if e.error_count() > 1 else ""
-    if first["type"] == "extra_forbidden":
-        name = str(first["loc"][-1])
-        if len(first["loc"]) == 1 and name in NOT_YET:
-            return RequestError(f"'{name}' ({NOT_YET[name]}) is not supported by this server; remove it from the "
-                                "request", name)
-        return RequestError(f"unknown parameter '{where}'{more}; remove it from the request", where)
-    return RequestError(f"{where}: {first['msg']}{more}" if where else f"{first['msg']}{more}", where or None)
+        raise refusal(e.errors(), refused=REFUSED) from None
 
 
 def finish(reason: str | None) -> str | None:
@@ -492,8 +455,8 @@ class Logprobs:
         return out
 
 
-def choice(chat: bool, text: str | None, reason: str | None, logprobs: dict[str, Any] | None, delta: bool,
-           first: bool = False, calls: list | None = None, legacy: bool = False, index: int = 0,
+def choice(chat: bool, *, text: str | None, reason: str | None, logprobs: dict[str, Any] | None, delta: bool,
+           first: bool = False, calls: list[ToolCall] | None = None, legacy: bool = False, index: int = 0,
            reasoning: str = "", details: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """Choice `index` of a response (`delta`: of a streamed chunk); `calls`: the tool calls it
     made, written as the legacy `function_call` (one call at most) when `legacy`; `reasoning`:

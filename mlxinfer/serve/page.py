@@ -12,10 +12,10 @@ from __future__ import annotations
 
 from importlib.resources import files
 
-from fastapi import APIRouter
 from fastapi.responses import Response
 
-from .common import RequestError
+from .api import Api, Context, Route
+from .errors import RequestError
 
 TYPES = {".html": "text/html; charset=utf-8", ".css": "text/css; charset=utf-8",
          ".js": "text/javascript; charset=utf-8", ".svg": "image/svg+xml"}
@@ -30,26 +30,29 @@ def assets() -> dict[str, tuple[bytes, str]]:
             if "." in f.name and f.name[f.name.rindex("."):] in TYPES}
 
 
-def router() -> APIRouter:
+class PageApi(Api):
     """GET / (the page) and GET /web/NAME (its scripts and styles), open to all: the page asks
     for the API key itself when the server wants one. HEAD too, as HTTP asks of every GET
     (uvicorn sends its headers without the body): link checkers and uptime probes use it."""
-    api = APIRouter()
-    found = assets()
 
-    def served(name: str) -> Response:
-        if name not in found:
+    prefix, keyed = "", False
+
+    def __init__(self, ctx: Context) -> None:
+        super().__init__(ctx)
+        self.found = assets()
+
+    def routes(self) -> tuple[Route, ...]:
+        return Route("/", self.page, ("GET", "HEAD")), Route("/web/{name}", self.asset, ("GET", "HEAD"))
+
+    async def page(self) -> Response:
+        return self.served("index.html")
+
+    async def asset(self, name: str) -> Response:
+        return self.served(name)
+
+    def served(self, name: str) -> Response:
+        if name not in self.found:
             raise RequestError(f"the web app has no file '{name[:100]}'", status=404, kind="not_found_error")
-        body, kind = found[name]
+        body, kind = self.found[name]
         return Response(body, media_type=kind, headers={"Content-Security-Policy": POLICY, "Cache-Control": "no-cache",
                                                         "X-Content-Type-Options": "nosniff"})
-
-    @api.api_route("/", methods=["GET", "HEAD"])
-    async def page():
-        return served("index.html")
-
-    @api.api_route("/web/{name}", methods=["GET", "HEAD"])
-    async def asset(name: str):
-        return served(name)
-
-    return api

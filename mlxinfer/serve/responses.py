@@ -23,15 +23,17 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable, NamedTuple
 
-from fastapi import APIRouter, Request
+from fastapi import Request
 from fastapi.responses import Response
 
 from ..engine.text_stream import Chunk
 from ..engine.request import Request as TypedRequest
-from ..text.reasoning import effort_kwargs
+from ..text.tokenizer import Tokenizer
 from ..text.tools import ToolCall, call_opener
-from .common import Context, RequestError, adapter_of, parsed, respond, sse, typed_request
-from .engine_thread import chunks_of
+from .api import Api, Context, Route
+from .bodies import parsed
+from .errors import RequestError
+from .replies import respond, sse
 from .openai_schema import parse
 from .responses_schema import ITEM, UNRENDERED, CountInputTokens, CreateResponse, ItemReference, listed, messages
 
@@ -194,38 +196,43 @@ def _id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
-def router(ctx: Context) -> APIRouter:
-    """The routes, under the server's /v1 prefix."""
-    api = APIRouter()
-    config, tokenizer, engine = ctx.config, ctx.tokenizer, ctx.engine
-    store = Store(config.responses_store, config.responses_store_bytes)
+class ResponsesApi(Api):
+    """OpenAI's Responses API, under /v1, with its store of responses."""
 
-    async def typed(body: CreateResponse) -> tuple[TypedRequest, Turn]:
+    def __init__(self, ctx: Context) -> None:
+        super().__init__(ctx)
+        self.store = Store(ctx.config.responses_store, ctx.config.responses_store_bytes)
+
+    def routes(self) -> tuple[Route, ...]:
+        return (Route("/responses", self.create), Route("/responses/input_tokens", self.input_tokens),
+                Route("/responses/{rid}", self.retrieve, ("GET",)), Route("/responses/{rid}", self.delete, ("DELETE",)),
+                Route("/responses/{rid}/input_items", self.input_items, ("GET",)))
+
+    async def typed(self, body: CreateResponse) -> tuple[TypedRequest, Turn]:
         """The one typed request `body` makes, and the items it answers. Resolving them and
         writing them as messages grow with the body and the store: a worker thread does both."""
+        config = self.ctx.config
+
         def answered() -> tuple[Turn, list[dict[str, Any]]]:
-            turn = turn_of(store, body, config.max_body)
+            turn = turn_of(self.store, body, config.max_body)
             return turn, messages(turn.items, body.instructions)
 
         turn, chat = await asyncio.to_thread(answered)
-        options = {**body.options(config.max_tokens), **adapter_of(body.model, config.model_name)}
-        if body.reasoning is not None and (template := effort_kwargs(tokenizer, body.reasoning.effort)):
-            options["chat_template_kwargs"] = template
-        return await typed_request(engine, chat, **options), turn
+        return await self.ctx.engine.request(chat, config.served(body.request_options(), body.model)), turn
 
-    @api.post("/responses")
-    async def create(request: Request) -> Response:
+    async def create(self, request: Request) -> Response:
+        config, tokenizer = self.ctx.config, self.ctx.tokenizer
         body = await parsed(request, config.max_body, parse, CreateResponse)
-        typed_request, turn = await typed(body)
+        typed_request, turn = await self.typed(body)
         o = typed_request.options
-        reply = Reply(body, config.model_name, tokenizer,
-                      call_opener(tokenizer) if o.tools and o.tool_choice != "none" else None)
+        reply = Reply(body=body, model=config.model_name, tokenizer=tokenizer,
+                      opener=call_opener(tokenizer) if o.tools and o.tool_choice != "none" else None)
 
         def keep(response: dict[str, Any]) -> dict[str, Any]:
             """Stores the response (on a worker thread: `respond` builds a whole reply there, and a
             streamed one calls this through `asyncio.to_thread`)."""
             if body.store is not False:
-                store.put(response["id"], Stored.of(response, turn))
+                self.store.put(response["id"], Stored.of(response, turn))
             return response
 
         def whole(chunks: list[Chunk]) -> dict[str, Any]:
@@ -233,35 +240,29 @@ def router(ctx: Context) -> APIRouter:
                 raise RequestError("the server is shutting down", status=503, kind="server_busy")
             return keep(reply.whole(chunks))
 
-        return await respond(request, chunks_of(engine, typed_request), bool(body.stream), whole,
+        return await respond(request, self.ctx.engine.chunks(typed_request), bool(body.stream), whole,
                              lambda first, rest: reply.events(first, rest, keep))
 
-    @api.post("/responses/input_tokens")
-    async def input_tokens(request: Request):
+    async def input_tokens(self, request: Request) -> dict[str, Any]:
         """How many tokens the input is as `create` would render it (tools included)."""
-        body = await parsed(request, config.max_body, parse, CountInputTokens)
-        count = await asyncio.to_thread(engine.engine.count, (await typed(body))[0])
+        body = await parsed(request, self.ctx.config.max_body, parse, CountInputTokens)
+        count = await self.ctx.engine.count((await self.typed(body))[0])
         return {"object": "response.input_tokens", "input_tokens": count}
 
-    @api.get("/responses/{rid}")
-    async def retrieve(rid: str, request: Request) -> Response:
+    async def retrieve(self, rid: str, request: Request) -> Response:
         if request.query_params.get("stream", "false") != "false":
             raise RequestError("a stored response cannot be streamed again (background responses are not supported)",
                                "stream")
-        return Response((await asyncio.to_thread(store.get, rid)).response, media_type="application/json")
+        return Response((await asyncio.to_thread(self.store.get, rid)).response, media_type="application/json")
 
-    @api.delete("/responses/{rid}")
-    async def delete(rid: str):
-        await asyncio.to_thread(store.delete, rid)
+    async def delete(self, rid: str) -> dict[str, Any]:
+        await asyncio.to_thread(self.store.delete, rid)
         return {"id": rid, "object": "response", "deleted": True}
 
-    @api.get("/responses/{rid}/input_items")
-    async def input_items(rid: str, request: Request):
+    async def input_items(self, rid: str, request: Request) -> dict[str, Any]:
         """A page of the items a stored response answered (`limit`, `order`, `after`, as OpenAI's)."""
         page = Page.of(request.query_params)
-        return await asyncio.to_thread(lambda: page.listing(store.get(rid)))
-
-    return api
+        return await asyncio.to_thread(lambda: page.listing(self.store.get(rid)))
 
 
 @dataclass(frozen=True)
@@ -308,19 +309,19 @@ def call_item(call: ToolCall) -> dict[str, Any]:
             "name": call.name, "arguments": json.dumps(call.arguments, ensure_ascii=False)}
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Reply:
     """One request's Response object, whole or as its stream of events. Its items' ids are
     fixed up front, so the streamed items and the final object name the same ones."""
 
     body: CreateResponse
     model: str
-    tokenizer: Any
+    tokenizer: Tokenizer
     opener: str | None  # with tools: the text a call starts with
-    rid: str = field(default_factory=lambda: _id("resp"))
-    message_id: str = field(default_factory=lambda: _id("msg"))
-    reasoning_id: str = field(default_factory=lambda: _id("rs"))
-    created: int = field(default_factory=lambda: int(time.time()))
+    rid: str = field(default_factory=lambda: _id("resp"), init=False)
+    message_id: str = field(default_factory=lambda: _id("msg"), init=False)
+    reasoning_id: str = field(default_factory=lambda: _id("rs"), init=False)
+    created: int = field(default_factory=lambda: int(time.time()), init=False)
 
     def object(self, status: str, output: list[dict[str, Any]], chunks: list[Chunk] | None = None,
                error: dict[str, Any] | None = None) -> dict[str, Any]:

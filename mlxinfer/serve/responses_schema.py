@@ -16,7 +16,9 @@ from typing import Annotated, Any, Literal, Union
 from pydantic import Discriminator, Field, Tag, TypeAdapter, ValidationInfo, field_validator
 from pydantic_core import PydanticCustomError
 
-from .common import RequestError, image_part, template_content
+from ..engine.options import RequestOptions
+from .content import image_part, template_content
+from .errors import RequestError
 from .openai_schema import Strict
 
 Status = Literal["in_progress", "completed", "incomplete"]
@@ -328,35 +330,23 @@ class CreateResponse(Strict):
         # the chosen token's logprob needs one row (and asks for nothing more)
         return max(self.top_logprobs or 0, 1) if LOGPROBS in (self.include or []) else 0
 
-    def options(self, default_max_tokens: int) -> dict[str, Any]:
+    def request_options(self) -> RequestOptions:
         """The engine options this request asks for."""
-        options = {k: getattr(self, k) for k in ("temperature", "top_p") if getattr(self, k) is not None}
-        if options.get("top_p") == 0:  # OpenAI's reading: keep only the most likely token, i.e. greedy
-            del options["top_p"]
-            options["temperature"] = 0.0
-        options["max_tokens"] = default_max_tokens if self.max_output_tokens is None else self.max_output_tokens
-        if self.text is not None and self.text.response_format() is not None:
-            options["response_format"] = self.text.response_format()
-        if self.logprob_rows():
-            options["logprobs"] = self.logprob_rows()
-        if not self.tools:
-            if self.tool_choice not in (None, "none"):
-                raise RequestError("tool_choice needs tools", "tool_choice")
-            return options
-        options["tools"] = [t.chat() for t in self.tools]
         choice = self.tool_choice
         if isinstance(choice, NamedFunction):
-            options["tool_choice"] = {"type": "function", "function": {"name": choice.name}}
+            choice = {"type": "function", "function": {"name": choice.name}}
         elif isinstance(choice, AllowedTools):  # chat's shape nests what the Responses API writes flat
-            options["tool_choice"] = {"type": "allowed_tools", "allowed_tools": choice.model_dump(exclude={"type"})}
-        elif choice is not None:
-            options["tool_choice"] = choice
-        if self.parallel_tool_calls is False or self.max_tool_calls == 1:
-            options["parallel_tool_calls"] = False
-        elif self.max_tool_calls is not None:
+            choice = {"type": "allowed_tools", "allowed_tools": choice.model_dump(exclude={"type"})}
+        one_call = self.parallel_tool_calls is False or self.max_tool_calls == 1
+        if self.tools and not one_call and self.max_tool_calls is not None:
             raise RequestError("max_tool_calls can only be 1 here (one call, as parallel_tool_calls: false) or "
                                "left out", "max_tool_calls")
-        return options
+        return RequestOptions(
+            max_tokens=self.max_output_tokens, temperature=self.temperature, top_p=self.top_p,
+            response_format=self.text.response_format() if self.text is not None else None,
+            logprobs=self.logprob_rows() or None, tools=[t.chat() for t in self.tools] if self.tools else None,
+            tool_choice=choice, parallel_tool_calls=False if one_call else None,
+            reasoning_effort=self.reasoning.effort if self.reasoning is not None else None)
 
 
 class CountInputTokens(CreateResponse):

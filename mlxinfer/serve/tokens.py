@@ -17,13 +17,18 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from fastapi import APIRouter, Request
+from fastapi import Request
+from fastapi.responses import Response
 from pydantic import model_validator
 from pydantic_core import PydanticCustomError
 
 from ..base.checks import token_ids
+from ..engine.options import RequestOptions
 from ..engine.prompt import ImagePrompt, image_prompt, tool_plan
-from .common import Context, RequestError, json_reply, parsed, typed_request
+from .api import Api, Context, Route
+from .bodies import parsed
+from .errors import RequestError
+from .replies import json_reply
 from .openai_schema import ChatCompletion, Message, Strict, parse
 
 
@@ -73,31 +78,24 @@ async def chat_prompt(ctx: Context, messages: list[Message],
     images, the images as the engine prepares them: `generate.image_prompt`, as the engine
     itself renders a request (each image's placeholder expanded to its tokens), so the count is
     the completion's `usage.prompt_tokens`. The images are read as a completion's are
-    (`typed_request`), then rendered on a worker: the event loop is never held."""
+    (`EngineThread.request`), then rendered on a worker: the event loop is never held."""
     chat = ChatCompletion(messages=messages, tools=tools)
-    options = {"tools": tools, "tool_choice": "none"} if tools else {}  # rendered, no grammar needed
-    request = await typed_request(ctx.engine, chat.engine_prompt(), **options)
+    options = RequestOptions(tools=tools or None, tool_choice="none")  # rendered, no grammar needed
+    request = await ctx.engine.request(chat.engine_prompt(), options)
     return await asyncio.to_thread(image_prompt, ctx.model, ctx.tokenizer, request,
                                    tool_plan(request.options, ctx.tokenizer))
 
 
-def router(ctx: Context) -> APIRouter:
-    """The routes, at the server's root (where llama.cpp and vLLM serve them)."""
-    api = APIRouter()
-    tokenizer, context = ctx.tokenizer, ctx.model.config.max_position_embeddings
+class TokensApi(Api):
+    """The model's tokenizer over HTTP, at the server's root (where llama.cpp and vLLM serve it)."""
 
-    def tokenize(body: Tokenize, ids: list[int] | None) -> dict[str, Any]:
-        """The answer for `body`: its text's ids, or `ids` (its messages', `chat_prompt`)."""
-        if ids is None:
-            ids = tokenizer.encode(body.content if body.content is not None else body.prompt, body.add_bos())
-        tokens: list[Any] = [{"id": i, "piece": p} for i, p in zip(ids, tokenizer.pieces(ids))] if body.with_pieces \
-            else ids
-        strs = [tokenizer.backend.id_to_token(i) for i in ids] if body.return_token_strs else None
-        return {"tokens": tokens, "count": len(ids), "max_model_len": context, "token_strs": strs}
+    prefix = ""
 
-    @api.post("/tokenize")
-    async def tokenize_route(request: Request):
-        body = await parsed(request, ctx.config.max_body, parse, Tokenize)
+    def routes(self) -> tuple[Route, ...]:
+        return Route("/tokenize", self.tokenize), Route("/detokenize", self.detokenize)
+
+    async def tokenize(self, request: Request) -> Response:
+        body = await parsed(request, self.ctx.config.max_body, parse, Tokenize)
         if not body.parse_special:
             raise RequestError("parse_special: false (special tokens' text read as plain text) is not supported; "
                                "leave it out", "parse_special")
@@ -108,17 +106,26 @@ def router(ctx: Context) -> APIRouter:
                                    "generation prompt and the template's own special tokens; leave "
                                    "add_generation_prompt and add_special_tokens out",
                                    "add_generation_prompt" if not body.add_generation_prompt else "add_special_tokens")
-            ids = (await chat_prompt(ctx, body.messages, body.tools))[0]
-        return await json_reply(lambda: tokenize(body, ids))  # a long text or template must not stall the event loop
+            ids = (await chat_prompt(self.ctx, body.messages, body.tools))[0]
+        return await json_reply(lambda: self.tokens(body, ids))  # a long text or template must not stall the loop
 
-    @api.post("/detokenize")
-    async def detokenize(request: Request):
-        body = await parsed(request, ctx.config.max_body, parse, Detokenize)
+    def tokens(self, body: Tokenize, ids: list[int] | None) -> dict[str, Any]:
+        """The answer for `body`: its text's ids, or `ids` (its messages', `chat_prompt`)."""
+        tokenizer = self.ctx.tokenizer
+        if ids is None:
+            ids = tokenizer.encode(body.content if body.content is not None else body.prompt, body.add_bos())
+        tokens: list[Any] = [{"id": i, "piece": p} for i, p in zip(ids, tokenizer.pieces(ids))] if body.with_pieces \
+            else ids
+        strs = [tokenizer.backend.id_to_token(i) for i in ids] if body.return_token_strs else None
+        return {"tokens": tokens, "count": len(ids), "max_model_len": self.ctx.model.config.max_position_embeddings,
+                "token_strs": strs}
+
+    async def detokenize(self, request: Request) -> Response:
+        body = await parsed(request, self.ctx.config.max_body, parse, Detokenize)
+        tokenizer = self.ctx.tokenizer
 
         def detokenized() -> dict[str, str]:
             text = tokenizer.decode(token_ids(body.tokens, tokenizer.vocab_size, "tokens"))
             return {"content": text, "prompt": text}
 
         return await json_reply(detokenized)
-
-    return api
