@@ -3,7 +3,7 @@ chunk of work and returns its result.
 
 Why: a server runs such work (inspection, embeddings) on its engine thread, one slice between
 engine steps, so the streams being decoded never wait longer than one chunk for it
-(`api.engine_thread.EngineThread.run_slices`); a library caller runs it whole (`run_whole`).
+(`serve.engine_thread.EngineThread.run_slices`); a library caller runs it whole (`run_whole`).
 """
 
 from __future__ import annotations

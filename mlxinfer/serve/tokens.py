@@ -75,7 +75,7 @@ class Detokenize(Strict):
 async def chat_prompt(ctx: Context, messages: list[Message],
                       tools: list[dict[str, Any]] | None = None) -> tuple[list[int], ImagePrompt | None]:
     """The ids a chat completion of these messages (and tools) prefills and, when they hold
-    images, the images as the engine prepares them: `generate.image_prompt`, as the engine
+    images, the images as the engine prepares them: `engine.prompt.image_prompt`, as the engine
     itself renders a request (each image's placeholder expanded to its tokens), so the count is
     the completion's `usage.prompt_tokens`. The images are read as a completion's are
     (`EngineThread.request`), then rendered on a worker: the event loop is never held."""

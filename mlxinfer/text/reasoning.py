@@ -12,7 +12,7 @@ them are trimmed the way Qwen's template trims them when it renders a reply back
 as the model wrote it.
 
 The split is streamed: text that may still turn out to be a tag (or the newlines before
-a closing tag) is held back, as `generate.StopMatcher` holds back a possible stop string.
+a closing tag) is held back, as `engine.text_stream.StopMatcher` holds back a possible stop string.
 Only a reply that opens its thinking first (or whose prompt opened it) has any: a tag
 later in an answer is the answer's text. A model that closes its thinking without having
 opened it (older DeepSeek-R1 templates) is not split: telling that apart would mean
