@@ -238,6 +238,7 @@ def test_why_it_was_not_built_is_said_once_at_the_first_run(monkeypatch, tmp_pat
     monkeypatch.setattr(qmm, "_loaded", [None])
     monkeypatch.setattr(qmm, "_why_not", [qmm._not_built()])
     monkeypatch.setattr("mlxinfer.base.blas.hint", lambda: None)
+    monkeypatch.setattr("mlxinfer.base.blas.core_hint", lambda: None)
     monkeypatch.setenv("MLXINFER_HOME", str(tmp_path / "home"))
     monkeypatch.delenv("MLXINFER_CPU_QMM", raising=False)
     cli.hints_once()

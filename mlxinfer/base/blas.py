@@ -8,18 +8,33 @@ before `mlx.core` is imported wins, exactly as `LD_PRELOAD` would make it. This
 module must therefore not import MLX: `mlxinfer/__init__.py` runs `preload()` first.
 
 `MLXINFER_BLAS=off` keeps MLX's own BLAS; `MLXINFER_BLAS=/path/libblas.so` picks one.
+
+OpenBLAS picks its kernels for the CPU once, as it loads, and one older than the CPU does not
+recognise it and falls back silently to narrower ones (Debian's 0.3.21 on some newer Xeons: generic
+kernels at 34 GFLOP/s float32 where its AVX-512 ones make 206). So before loading it, a child
+process asks the library which kernels it picks here (remembered per library and CPU in
+MLXINFER_HOME), and where they are narrower than the CPU's vectors `OPENBLAS_CORETYPE`, which the
+library reads as it loads, asks for the wide ones. Where that cannot be done, `core_hint` says so.
 """
 
 from __future__ import annotations
 
 import ctypes
 import glob
+import hashlib
+import json
 import os
 import platform
+import subprocess
 import sys
+import time
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+
+from .cachedir import home
 
 ENV = "MLXINFER_BLAS"
 SYMBOL = "cblas_sgemm"
@@ -28,12 +43,30 @@ INSTALL = ("install OpenBLAS (Debian/Ubuntu: sudo apt-get install libopenblas0-p
            "openblas) and mlxinfer uses it automatically")
 
 
+CORETYPE = "OPENBLAS_CORETYPE"
+# The vector width (bits) of the float32 GEMM kernels behind each x86 core name `openblas_get_corename` returns.
+KERNEL_BITS = {
+    **dict.fromkeys(("skylakex", "cooperlake", "sapphirerapids"), 512),
+    **dict.fromkeys(("haswell", "zen", "sandybridge", "bulldozer", "piledriver", "steamroller", "excavator"), 256),
+    **dict.fromkeys(("katmai", "coppermine", "northwood", "prescott", "banias", "atom", "core2", "penryn", "dunnington",
+                     "nehalem", "athlon", "opteron", "opteron_sse3", "barcelona", "nano", "bobcat"), 128),
+}
+# The widest core a CPU can run, by the /proc/cpuinfo flags its kernels need: (core, bits, what to call them).
+WIDEST = [("SkylakeX", 512, "AVX-512", {"avx512f", "avx512cd", "avx512bw", "avx512dq", "avx512vl"}),
+          ("Haswell", 256, "AVX2", {"avx2", "fma"})]
+# Run by the child process that reports which kernels a library picks when it loads on this CPU.
+PROBE = ("import ctypes, sys; name = ctypes.CDLL(sys.argv[1]).openblas_get_corename; "
+         "name.restype = ctypes.c_char_p; print(name().decode())")
+
+
 @dataclass
 class Preload:
     """What `preload` did, for `doctor` and the one-time hint."""
 
     library: str | None = None
     note: str = ""
+    asked_core: str | None = None  # the OPENBLAS_CORETYPE mlxinfer set while the library loaded
+    own_core: str | None = None  # the kernels the library picks on its own here, when mlxinfer asked for others
 
 
 STATE = Preload()
@@ -88,7 +121,8 @@ def preload() -> None:
         return
     for path in [setting] if setting else candidates():
         try:
-            ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+            with wide_kernels(path):
+                ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
         except OSError as e:
             if setting:
                 STATE.note = f"{ENV}={setting} could not be loaded ({e}); set it to an OpenBLAS library or unset it"
@@ -97,6 +131,78 @@ def preload() -> None:
             STATE.library = os.path.realpath(path)
             return
         STATE.note = f"{path} has no {SYMBOL}; set {ENV} to an OpenBLAS library"
+
+
+@contextmanager
+def wide_kernels(path: str) -> Iterator[None]:
+    """While `path` loads, set OPENBLAS_CORETYPE to the widest kernels this CPU runs where the library
+    would pick narrower ones by itself; then put the environment back, so that child processes decide
+    for themselves. A user's own OPENBLAS_CORETYPE is left as it is."""
+    STATE.asked_core = STATE.own_core = None
+    widest = widest_core(cpu_flags())
+    own = own_core(path) if widest is not None and CORETYPE not in os.environ else None
+    narrower = own is not None and KERNEL_BITS.get(own.lower(), widest[1]) < widest[1]
+    if narrower:
+        STATE.asked_core, STATE.own_core = widest[0], own
+        os.environ[CORETYPE] = widest[0]
+    try:
+        yield
+    finally:
+        if narrower:
+            del os.environ[CORETYPE]
+
+
+def cpu_info() -> dict[str, str]:
+    """The first processor's fields in /proc/cpuinfo (empty where there is none)."""
+    try:
+        block = Path("/proc/cpuinfo").read_text().split("\n\n")[0]
+    except OSError:
+        return {}
+    return {k.strip(): v.strip() for k, _, v in (line.partition(":") for line in block.splitlines())}
+
+
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags (x86: avx2, avx512f, ...)."""
+    return set(cpu_info().get("flags", "").split())
+
+
+def widest_core(flags: set[str]) -> tuple[str, int, str] | None:
+    """(OpenBLAS core name, vector bits, feature) of the widest float32 kernels a CPU with `flags` runs."""
+    return next(((core, bits, feature) for core, bits, feature, needs in WIDEST if needs <= flags), None)
+
+
+def own_core(path: str) -> str | None:
+    """The core OpenBLAS at `path` picks by itself on this CPU (None: not an OpenBLAS), asked of a child
+    process (once loaded, a library keeps its pick) once per library file and CPU model, then remembered."""
+    stat, cpu = os.stat(path), cpu_info()
+    model = " ".join(cpu.get(k, "") for k in ("vendor_id", "cpu family", "model", "stepping", "flags"))
+    cpu_id = hashlib.sha256(model.encode()).hexdigest()[:16]
+    key = f"{os.path.realpath(path)} {stat.st_size} {stat.st_mtime_ns} {cpu_id}"
+    memo = home() / "blas-cores.json"
+    try:
+        known = json.loads(memo.read_text())
+    except (OSError, ValueError):
+        known = {}
+    if key not in known:
+        known[key] = _probe(path)
+        partial = memo.with_suffix(f".{os.getpid()}")
+        try:
+            memo.parent.mkdir(parents=True, exist_ok=True)
+            partial.write_text(json.dumps(known))
+            partial.replace(memo)  # whole or not at all, whoever else writes it
+        except OSError:
+            pass
+    return known[key] or None
+
+
+def _probe(path: str) -> str:
+    """`openblas_get_corename()` of `path` loaded in a fresh process ('' if it has none)."""
+    try:
+        run = subprocess.run([sys.executable, "-I", "-S", "-c", PROBE, path], capture_output=True, text=True,
+                             timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+    return run.stdout.strip() if run.returncode == 0 else ""
 
 
 def warn_too_late(setting: str) -> None:
@@ -150,10 +256,26 @@ def kind(library: str) -> str:
     return "reference" if Path(lowered).name.startswith("libblas") else "unknown"
 
 
+def running_core() -> str | None:
+    """The kernels the OpenBLAS in use runs (`openblas_get_corename`), or None for another BLAS."""
+    try:
+        name = ctypes.CDLL(in_use(), mode=os.RTLD_NOLOAD).openblas_get_corename
+    except (OSError, AttributeError):
+        return None
+    name.restype = ctypes.c_char_p
+    return name().decode(errors="replace")
+
+
 def describe() -> str:
-    """`kind: file` of the BLAS in use, for `doctor`."""
-    library = in_use()
-    return f"{kind(library)} ({library})"
+    """`kind: file` of the BLAS in use, and OpenBLAS's kernels, for `doctor`."""
+    library, core = in_use(), running_core()
+    if core is None:
+        return f"{kind(library)} ({library})"
+    if STATE.asked_core is not None and core.lower() == STATE.asked_core.lower():
+        why = f"chosen by mlxinfer: the library picks {STATE.own_core} on this CPU"
+    else:
+        why = f"{CORETYPE}={os.environ[CORETYPE]}" if CORETYPE in os.environ else "the library's own choice"
+    return f"{kind(library)} ({library}), {core} kernels ({why})"
 
 
 def hint() -> str | None:
@@ -161,3 +283,33 @@ def hint() -> str | None:
     if not sys.platform.startswith("linux") or kind(in_use()) != "reference":
         return None
     return f"{SLOW}: {STATE.note or INSTALL}"
+
+
+def core_hint() -> str | None:
+    """One line, with the measured rate, when OpenBLAS runs kernels narrower than the CPU's vectors and
+    mlxinfer could not choose wider ones (None otherwise, or where a user's OPENBLAS_CORETYPE chose them)."""
+    core, widest = running_core(), widest_core(cpu_flags())
+    bits = KERNEL_BITS.get((core or "").lower())
+    if bits is None or widest is None or bits >= widest[1] or (CORETYPE in os.environ and STATE.asked_core is None):
+        return None
+    wanted, _, feature = widest
+    if STATE.asked_core is not None:
+        fix = (f"it did not take {CORETYPE}={STATE.asked_core}; use an OpenBLAS built with DYNAMIC_ARCH "
+               f"(Debian/Ubuntu: libopenblas0-pthread)")
+    else:
+        fix = f"start with {CORETYPE}={wanted} set for its {feature} kernels"
+    return (f"OpenBLAS runs its {bits}-bit {core} kernels on this {feature} CPU "
+            f"(float32 matmul {sgemm_gflops():.0f} GFLOP/s): {fix}")
+
+
+def sgemm_gflops(n: int = 256, repeat: int = 3) -> float:
+    """The best of `repeat` n x n x n float32 products through the `cblas_sgemm` MLX is bound to."""
+    sgemm = getattr(ctypes.CDLL(in_use(), mode=os.RTLD_NOLOAD), SYMBOL)
+    a, c = (ctypes.c_float * (n * n))(), (ctypes.c_float * (n * n))()
+    row_major, no_trans = 101, 111  # CBLAS enum values
+    best = float("inf")
+    for _ in range(repeat + 1):  # the first call warms up (threads start, pages fault in)
+        start = time.perf_counter()
+        sgemm(row_major, no_trans, no_trans, n, n, n, ctypes.c_float(1.0), a, n, a, n, ctypes.c_float(0.0), c, n)
+        best = min(best, time.perf_counter() - start)
+    return 2 * n**3 / best / 1e9

@@ -42,7 +42,7 @@ def environment() -> list[tuple[str, str]]:
         pages = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
         rows += [("system memory", _gib(pages))]
     rows += [("BLAS", blas.describe()), ("float32 matmul", f"{matmul_gflops():.1f} GFLOP/s (1024 x 1024, CPU)")]
-    advice = blas.hint()
+    advice = blas.hint() or blas.core_hint()
     rows += [("BLAS advice", advice)] if advice else []
     return rows + [("quantized matmul", quantized_matmul.describe()),
                    ("4-bit matvec", f"{quantized_matvec_rate():.2f} GB/s of weights read (4096 x 4096, group 64)")]

@@ -71,14 +71,16 @@ def as_one_rank_of_several() -> None:
 
 
 def hints_once() -> None:
-    """On a machine where MLX runs a slow path (the reference BLAS; MLX's CPU quantized matmul
-    for want of the extension), say once each (a marker in MLXINFER_HOME) how to get the fast
-    one; `mlxinfer doctor` says it every time."""
+    """On a machine where MLX runs a slow path (the reference BLAS; OpenBLAS's narrow kernels on a
+    wider CPU; MLX's CPU quantized matmul for want of the extension), say once each (a marker in
+    MLXINFER_HOME) how to get the fast one; `mlxinfer doctor` says it every time."""
+    from ..base.blas import core_hint as blas_core_hint
     from ..base.blas import hint as blas_hint
     from ..base.cachedir import home
     from ..kernels.quantized_matmul import hint as extension_hint
 
-    for name, hint in (("blas-hint-shown", blas_hint), ("cpu-extension-hint-shown", extension_hint)):
+    for name, hint in (("blas-hint-shown", blas_hint), ("blas-core-hint-shown", blas_core_hint),
+                       ("cpu-extension-hint-shown", extension_hint)):
         marker = home() / name
         if marker.exists() or (message := hint()) is None:
             continue
