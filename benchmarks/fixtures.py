@@ -1,8 +1,8 @@
 """What several benchmarks share, so that none imports another: the random-weight models they
 build (transformers and tokenizers are bench-only dependencies) and the word-level tokenizer
 those models read; the checkpoints the test suite caches, and SmolLM2 converted from its GGUF;
-the clock that times a batched generation step by step, the same for mlxinfer and mlx-lm; a free
-port for a server, and the load average printed beside the numbers."""
+the clock that times a batched generation step by step, the same for mlxinfer, mlx-lm and
+llama.cpp; a free port for a server, and the load average printed beside the numbers."""
 
 from __future__ import annotations
 
@@ -129,6 +129,77 @@ def mlx_lm_steps(model, prompts: list[list[int]], max_tokens: int) -> Steps:
             yield [(index[r.uid], r.token) for r in responses]
     finally:
         engine.close()
+
+
+class LlamaCppBatch:
+    """llama.cpp decoding several sequences together through llama-cpp-python's low-level API, as its
+    `batched` example does: the prompts prefilled in one `llama_decode`, then one `llama_decode` per step
+    over every sequence's next token, each sequence in its own KV stream (llama.cpp's default), greedy
+    (the argmax of each sequence's logits, as llama.cpp's greedy sampler). One context per batch size,
+    kept, its memory cleared before each generation; `close()` frees them."""
+
+    def __init__(self, gguf: Path, threads: int, flash_attn: bool = False):
+        import logging
+
+        import llama_cpp
+
+        self.api, self.threads, self.flash_attn = llama_cpp, threads, flash_attn
+        logging.getLogger("llama-cpp-python").setLevel(logging.ERROR)  # its load reports would bury the table
+        llama_cpp.llama_backend_init()
+        self.model = llama_cpp.llama_model_load_from_file(str(gguf).encode(), llama_cpp.llama_model_default_params())
+        if not self.model:
+            raise RuntimeError(f"llama.cpp could not load {gguf}")
+        self.vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(self.model))
+        self.contexts: dict[tuple[int, int], tuple] = {}  # (sequences, positions each) -> (context, batch)
+
+    def _context(self, sequences: int, positions: int) -> tuple:
+        key = (sequences, -(-positions // 256) * 256)
+        if key not in self.contexts:
+            api = self.api
+            params = api.llama_context_default_params()
+            params.n_seq_max, params.n_ctx = sequences, sequences * key[1]
+            params.n_batch = max(params.n_batch, params.n_ctx)  # every prompt in one llama_decode
+            params.n_threads = params.n_threads_batch = self.threads
+            params.flash_attn_type = (api.LLAMA_FLASH_ATTN_TYPE_ENABLED if self.flash_attn
+                                      else api.LLAMA_FLASH_ATTN_TYPE_DISABLED)
+            context = api.llama_init_from_model(self.model, params)
+            if not context:
+                raise RuntimeError(f"llama.cpp could not make a context for {sequences} x {key[1]} positions")
+            self.contexts[key] = (context, api.llama_batch_init(params.n_batch, 0, 1))
+        return self.contexts[key]
+
+    def steps(self, prompts: list[list[int]], max_tokens: int) -> Steps:
+        """Greedy generation of `max_tokens` per prompt, EOS ignored, one engine step at a time."""
+        import numpy as np
+
+        api = self.api
+        context, batch = self._context(len(prompts), max(map(len, prompts)) + max_tokens)
+        api.llama_memory_clear(api.llama_get_memory(context), True)
+        entries = [(token, position, i, position == len(p) - 1) for i, p in enumerate(prompts)
+                   for position, token in enumerate(p)]
+        for step in range(max_tokens):
+            outputs = self._decode(context, batch, entries)
+            tokens = [int(np.argmax(np.ctypeslib.as_array(api.llama_get_logits_ith(context, k), (self.vocab,))))
+                      for k in outputs]
+            yield list(enumerate(tokens))
+            entries = [(token, len(p) + step, i, True) for i, (token, p) in enumerate(zip(tokens, prompts))]
+
+    def _decode(self, context, batch, entries: list[tuple[int, int, int, bool]]) -> list[int]:
+        """One llama_decode over (token, position, sequence, wants logits) entries: the batch indices
+        whose logits it computed."""
+        for k, (token, position, sequence, logits) in enumerate(entries):
+            batch.token[k], batch.pos[k], batch.n_seq_id[k], batch.logits[k] = token, position, 1, logits
+            batch.seq_id[k][0] = sequence
+        batch.n_tokens = len(entries)
+        if (status := self.api.llama_decode(context, batch)) != 0:
+            raise RuntimeError(f"llama_decode returned {status}")
+        return [k for k, entry in enumerate(entries) if entry[3]]
+
+    def close(self) -> None:
+        for context, batch in self.contexts.values():
+            self.api.llama_batch_free(batch)
+            self.api.llama_free(context)
+        self.api.llama_model_free(self.model)
 
 
 def free_port() -> int:
