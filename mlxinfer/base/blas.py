@@ -13,8 +13,9 @@ OpenBLAS picks its kernels for the CPU once, as it loads, and one older than the
 recognise it and falls back silently to narrower ones (Debian's 0.3.21 on some newer Xeons: generic
 kernels at 34 GFLOP/s float32 where its AVX-512 ones make 206). So before loading it, a child
 process asks the library which kernels it picks here (remembered per library and CPU in
-MLXINFER_HOME), and where they are narrower than the CPU's vectors `OPENBLAS_CORETYPE`, which the
-library reads as it loads, asks for the wide ones. Where that cannot be done, `core_hint` says so.
+MLXINFER_HOME); where they are narrower than the CPU's vectors, `OPENBLAS_CORETYPE`, which the
+library reads as it loads, names the widest while it loads. Where that cannot be done, `core_hint`
+says so.
 """
 
 from __future__ import annotations
