@@ -332,6 +332,7 @@ def test_doctor_reports_the_active_path():
     line = next(line for line in result.output.splitlines() if line.startswith("quantized matmul:"))
     assert ("CPU extension (" in line) == (ext is not None)
     assert "4-bit matvec:" in result.output
+    assert ("4-bit GEMM:" in result.output and "of the" in result.output) == (ext is not None)
 
 
 def decode_attention_numpy(q: np.ndarray, caches: list[tuple[np.ndarray, np.ndarray, int]], scale: float):

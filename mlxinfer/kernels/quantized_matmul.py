@@ -42,7 +42,7 @@ GROUP_SIZES = (32, 64, 128)
 MODES = ("auto", "off")
 # What this package calls in the extension: a build from older sources lacks some.
 ENTRY_POINTS = ("affine_quantized_matmul", "affine_gather_quantized_matmul", "decode_attention", "decode_layer_in",
-                "decode_layer_out", "logsumexp")
+                "decode_layer_out", "logsumexp", "peak_gflops")
 _loaded: list[ModuleType | None] = []
 _why_not: list[str] = []
 # Beside the package: why setup.py did not build the extension (no C++ compiler, ...), for the first run's hint.

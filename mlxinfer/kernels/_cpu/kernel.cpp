@@ -814,6 +814,44 @@ void rows_vector(const QuantizedMatrix& m, const float* x, int rows, float* y, i
   blocks<BITS, WIDE>(m, x, rows, y, n0, n1);
 }
 
+// The peak: kChains independent multiply-add chains in registers, enough to keep two FMA units of
+// 4-5 cycles' latency busy (and few enough for AVX2's 16 registers beside the two constants).
+constexpr int kChains = 12;
+
+MLXINFER_AVX512 float fma_chains_avx512(long rounds) {
+  __m512 acc[kChains];
+  const __m512 m = _mm512_set1_ps(0.999f), a = _mm512_set1_ps(1e-3f);
+  for (int c = 0; c < kChains; ++c) {
+    acc[c] = _mm512_set1_ps(c + 0.5f);  // (1 would be a fixed point, folded by the compiler)
+  }
+  for (long i = 0; i < rounds; ++i) {
+    for (int c = 0; c < kChains; ++c) {
+      acc[c] = _mm512_fmadd_ps(acc[c], m, a);
+    }
+  }
+  for (int c = 1; c < kChains; ++c) {
+    acc[0] = _mm512_add_ps(acc[0], acc[c]);
+  }
+  return _mm512_reduce_add_ps(acc[0]);
+}
+
+MLXINFER_AVX2 float fma_chains_avx2(long rounds) {
+  __m256 acc[kChains];
+  const __m256 m = _mm256_set1_ps(0.999f), a = _mm256_set1_ps(1e-3f);
+  for (int c = 0; c < kChains; ++c) {
+    acc[c] = _mm256_set1_ps(c + 0.5f);
+  }
+  for (long i = 0; i < rounds; ++i) {
+    for (int c = 0; c < kChains; ++c) {
+      acc[c] = _mm256_fmadd_ps(acc[c], m, a);
+    }
+  }
+  for (int c = 1; c < kChains; ++c) {
+    acc[0] = _mm256_add_ps(acc[0], acc[c]);
+  }
+  return _mm_cvtss_f32(_mm256_castps256_ps128(acc[0]));
+}
+
 bool cpu_has(Simd level) {
   static const bool avx2 =
       __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
@@ -885,6 +923,27 @@ const char* simd_name() {
 
 bool simd_avx2() {
   return active() != Simd::scalar;
+}
+
+double fma_flops(long rounds) {
+  static std::atomic<float> sink;  // the chains' result, kept so they are not optimised away
+#if defined(__x86_64__)
+  switch (active()) {
+    case Simd::avx512:
+      sink.store(fma_chains_avx512(rounds), std::memory_order_relaxed);
+      return 2.0 * 16 * kChains * rounds;
+    case Simd::avx2:
+      sink.store(fma_chains_avx2(rounds), std::memory_order_relaxed);
+      return 2.0 * kLanes * kChains * rounds;
+    default: break;
+  }
+#endif
+  float acc = 0.5f;  // scalar loops: one chain's fused multiply-adds, a floor rather than a peak
+  for (long i = 0; i < rounds; ++i) {
+    acc = std::fma(acc, 0.999f, 1e-3f);
+  }
+  sink.store(acc, std::memory_order_relaxed);
+  return 2.0 * rounds;
 }
 
 bool simd_avx512() {

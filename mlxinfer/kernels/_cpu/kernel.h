@@ -55,6 +55,11 @@ int gemm_block_rows(int in);
 // CPU (AVX-512 for 4- and 8-bit weights; other widths take the AVX2 loop there).
 const char* simd_name();
 
+// Floating-point operations done by `rounds` rounds of independent multiply-add chains held in
+// registers at the widest vector width in use: timed on every thread, the FLOP rate the products
+// are measured against (their roofline).
+double fma_flops(long rounds);
+
 // Whether the AVX2 loops run (the CPU has them and `limit_simd` allows them).
 bool simd_avx2();
 

@@ -1,6 +1,8 @@
 #include "primitive.h"
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <memory>
 #include <sstream>
 #include <string>
@@ -332,6 +334,19 @@ void LogSumExp::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&)
 
 int threads() {
   return pool().size();
+}
+
+double peak_gflops() {
+  constexpr long kRounds = 1 << 22;  // ~10-20 ms a thread
+  double best = 0;
+  for (int attempt = 0; attempt < 3; ++attempt) {
+    std::atomic<double> flops{0};
+    const auto start = std::chrono::steady_clock::now();
+    pool().run(pool().size(), [&](int) { flops.fetch_add(fma_flops(kRounds)); });
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    best = std::max(best, flops.load() / seconds / 1e9);
+  }
+  return best;
 }
 
 void set_threads(int n) {
