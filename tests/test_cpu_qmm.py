@@ -73,7 +73,7 @@ def test_matches_numpy_and_mlx(bits, group_size):
 
 @needs_extension
 def test_prompt_sized_products_match_numpy():
-    """Prefill sends up to EXTENSION_ROWS rows at once (in blocks of 4 rows inside)."""
+    """A short prompt's product (the GEMM's tiles of 4 rows, the last one of 1)."""
     x, packed, scales, biases = random_case(4, 32, mx.float16, rows=37, seed=5, out=300)
     got = np.array(ext.affine_quantized_matmul(x, packed, scales, biases, 32, 4))
     w = dequantize_numpy(packed, scales, biases, 32, 4)
@@ -91,6 +91,41 @@ def test_each_row_is_the_same_whatever_the_batch(bits):
         together = np.array(ext.affine_quantized_matmul(x[:rows], packed, scales, biases, 64, bits))
         for r in range(rows):
             assert np.array_equal(together[r], alone[r][0]), (rows, r)
+
+
+ROW_EDGES = (1, 255, 256, 257, 511, 512, 513, 1024, 2049)  # across tiles of 3 and 4 rows and blocks of rows
+GEMM_IN, GEMM_OUT = 768, 45  # 168-row blocks, panels of 8 outputs (45: the last one 5, a tile of 1)
+
+
+@needs_extension
+@pytest.mark.parametrize("bits,group_size", list(itertools.product(qmm.BITS, qmm.GROUP_SIZES)))
+def test_gemm_matches_numpy_and_mlx_across_block_edges(bits, group_size):
+    """Prompt-sized products (the GEMM from 5 rows) against numpy in float64 and the per-op MLX path, each
+    scale dtype at three of the row counts; every row equal bit for bit to itself computed alone (the
+    matvec loop) and within a batch that starts elsewhere (other tile and block edges)."""
+    for i, rows in enumerate(ROW_EDGES):
+        dtype = SCALE_DTYPES[i % len(SCALE_DTYPES)]
+        x, packed, scales, biases = gemm_case(bits, group_size, dtype, rows, seed=i)
+        got = np.array(ext.affine_quantized_matmul(x, packed, scales, biases, group_size, bits))
+        w = dequantize_numpy(packed, scales, biases, group_size, bits)
+        tol = tolerance(x, w)
+        assert np.all(np.abs(got - np.array(x, dtype=np.float64) @ w.T) <= tol), (rows, dtype)
+        with mx.stream(mx.cpu):
+            theirs = mx.quantized_matmul(x, packed, scales, biases, transpose=True, group_size=group_size, bits=bits)
+        assert np.all(np.abs(got - np.array(theirs.astype(mx.float32))) <= 2 * tol), (rows, dtype)
+        for r in {0, rows // 2, rows - 1}:
+            alone = ext.affine_quantized_matmul(x[r : r + 1], packed, scales, biases, group_size, bits)
+            assert np.array_equal(np.array(alone)[0], got[r]), (rows, r)
+        if rows > 100:
+            shifted = ext.affine_quantized_matmul(x[37:], packed, scales, biases, group_size, bits)
+            assert np.array_equal(np.array(shifted), got[37:]), rows
+
+
+def gemm_case(bits: int, group_size: int, dtype: mx.Dtype, rows: int, seed: int):
+    rng = np.random.default_rng(seed)
+    w = mx.array(rng.standard_normal((GEMM_OUT, GEMM_IN)).astype(np.float32)).astype(dtype)
+    packed, scales, biases = mx.quantize(w, group_size=group_size, bits=bits)
+    return mx.array(rng.standard_normal((rows, GEMM_IN)).astype(np.float32)), packed, scales, biases
 
 
 @contextmanager
@@ -119,10 +154,10 @@ def test_every_loop_is_bit_exact_with_the_scalar_one(bits):
     """The scalar loop models the vector ones operation for operation, so on any CPU a product
     is the same bits; checked for few rows (the block loops) and many (dequantize once + tiles),
     every group size (one, two or four chunks a group), every scale type, and an odd output
-    count (a tile with one output)."""
+    count (a tile with one output); 257 rows end in a tile of 1 (AVX-512) or 2 (AVX2) rows."""
     levels = loops()
     assert {"scalar", ext.simd()} <= set(levels)
-    for group_size, dtype, rows in itertools.product(qmm.GROUP_SIZES, SCALE_DTYPES, (3, 11)):
+    for group_size, dtype, rows in itertools.product(qmm.GROUP_SIZES, SCALE_DTYPES, (3, 11, 257)):
         x, packed, scales, biases = random_case(bits, group_size, dtype, rows=rows, seed=7, out=301)
         results = {}
         for level in levels:
@@ -140,16 +175,18 @@ def test_limit_simd_refuses_an_unknown_loop():
 
 
 @needs_extension
-def test_thread_count_does_not_change_results():
-    x, packed, scales, biases = random_case(4, 32, mx.float32, rows=3, seed=3, out=1000)
+@pytest.mark.parametrize("rows", [3, 513])
+def test_thread_count_does_not_change_results(rows):
+    """The pool cuts a product by outputs (and from 5 rows by blocks of rows too) by its thread count."""
+    x, packed, scales, biases = random_case(4, 32, mx.float32, rows=rows, seed=3, out=1000)
     threads = ext.threads()
     many = np.array(ext.affine_quantized_matmul(x, packed, scales, biases, 32, 4))
-    ext.set_threads(1)
     try:
-        one = np.array(ext.affine_quantized_matmul(x, packed, scales, biases, 32, 4))
+        for n in (1, 3):
+            ext.set_threads(n)
+            assert np.array_equal(many, np.array(ext.affine_quantized_matmul(x, packed, scales, biases, 32, 4))), n
     finally:
         ext.set_threads(threads)
-    assert np.array_equal(many, one)
 
 
 @needs_extension
@@ -195,9 +232,8 @@ def test_gather_matches_mlx_gather_qmm_and_the_plain_product():
 
 
 def test_dispatch_by_rows_and_switch(monkeypatch):
-    limit = qmm.EXTENSION_ROWS
-    if ext is not None:
-        assert [qmm.implementation(r) for r in (1, 8, limit, limit + 1)] == ["cpu-extension"] * 3 + ["dequantize+blas"]
+    if ext is not None:  # every row count: no BLAS for quantized layers
+        assert [qmm.implementation(r) for r in (1, 8, 256, 257, 4096)] == ["cpu-extension"] * 5
     else:
         assert [qmm.implementation(r) for r in (1, 7, 8)] == ["mlx", "mlx", "dequantize+blas"]
     monkeypatch.setenv("MLXINFER_CPU_QMM", "off")
@@ -297,6 +333,7 @@ def test_doctor_reports_the_active_path():
     line = next(line for line in result.output.splitlines() if line.startswith("quantized matmul:"))
     assert ("CPU extension (" in line) == (ext is not None)
     assert "4-bit matvec:" in result.output
+    assert ("4-bit GEMM:" in result.output and "of the" in result.output) == (ext is not None)
 
 
 def decode_attention_numpy(q: np.ndarray, caches: list[tuple[np.ndarray, np.ndarray, int]], scale: float):

@@ -75,10 +75,10 @@ def decode_logits(model, ids: list[int], chunks: tuple[int, ...] = CHUNKS) -> np
     return np.array(mx.concatenate(out, axis=1))[0]
 
 
-def per_op(model, ids: list[int], monkeypatch) -> np.ndarray:
+def per_op(model, ids: list[int], monkeypatch, chunks: tuple[int, ...] = CHUNKS) -> np.ndarray:
     with monkeypatch.context() as m:
         m.setattr(decode_layer, "available", lambda x: False)
-        return decode_logits(model, ids)
+        return decode_logits(model, ids, chunks)
 
 
 def ids_of(seed: int = 3) -> list[int]:
@@ -115,6 +115,28 @@ def test_quantized_fused_steps_match_the_per_op_path(bits, hf_checkpoint, tmp_pa
     slow = per_op(model, ids, monkeypatch)
     np.testing.assert_allclose(fused, slow, atol=REL * np.abs(slow).max(), rtol=0)
     assert (fused.argmax(-1) == slow.argmax(-1)).all()
+
+
+@needs_primitives
+def test_prompt_chunks_of_any_size_take_the_fused_step(hf_checkpoint, tmp_path, monkeypatch):
+    """A 600-token prompt chunk of a quantized model is one fused step per layer (its products the
+    extension's GEMM) and gives the per-op path's logits; a float32 model's chunk past
+    decode_layer.FLOAT_ROWS takes the per-op path (no GEMM for float weights there)."""
+    tokens: list[int] = []
+    real = decode_layer.layer_in
+    monkeypatch.setattr(decode_layer, "layer_in", lambda x, *a, **k: tokens.append(x.shape[1]) or real(x, *a, **k))
+    src = hf_checkpoint("qwen2", tie_word_embeddings=True, max_position_embeddings=1024)
+    convert(src, tmp_path / "q", quantize=True, bits=4, group_size=32)
+    model, _ = mlxinfer.load(tmp_path / "q")
+    ids = np.random.default_rng(9).integers(3, 500, size=610).tolist()
+    fused = decode_logits(model, ids, chunks=(600, 7))
+    assert tokens[: 2 * len(model.layers)] == [600] * len(model.layers) + [7] * len(model.layers)
+    slow = per_op(model, ids, monkeypatch, chunks=(600, 7))
+    np.testing.assert_allclose(fused, slow, atol=REL * np.abs(slow).max(), rtol=0)
+    tokens.clear()
+    model, _ = mlxinfer.load(src, dtype="float32")
+    decode_logits(model, ids[: decode_layer.FLOAT_ROWS + 12], chunks=(decode_layer.FLOAT_ROWS + 1, 9))
+    assert tokens[: len(model.layers)] == [9] * len(model.layers)
 
 
 @needs_primitives
@@ -255,8 +277,8 @@ def test_an_extension_built_from_older_sources_is_not_used(monkeypatch):
 @needs_primitives
 def test_half_scales_are_kept_and_read_exactly(hf_checkpoint, tmp_path, monkeypatch):
     """A checkpoint whose quantization scales are float16 (as a GGUF's are) keeps them so beside
-    float32 activations where the extension reads them: logits (a prompt past the extension's rows
-    too, which dequantizes) equal those of the same model with float32 scales, bit for bit."""
+    float32 activations where the extension reads them: logits (of a 290-token prompt chunk too, the
+    extension's GEMM) equal those of the same model with float32 scales, bit for bit."""
     from mlxinfer.loading import checkpoint
 
     src = hf_checkpoint("llama", tie_word_embeddings=True, max_position_embeddings=512)

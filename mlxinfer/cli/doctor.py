@@ -44,8 +44,24 @@ def environment() -> list[tuple[str, str]]:
     rows += [("BLAS", blas.describe()), ("float32 matmul", f"{matmul_gflops():.1f} GFLOP/s (1024 x 1024, CPU)")]
     advice = blas.hint() or blas.core_hint()
     rows += [("BLAS advice", advice)] if advice else []
-    return rows + [("quantized matmul", quantized_matmul.describe()),
-                   ("4-bit matvec", f"{quantized_matvec_rate():.2f} GB/s of weights read (4096 x 4096, group 64)")]
+    rows += [("quantized matmul", quantized_matmul.describe()),
+             ("4-bit matvec", f"{quantized_matvec_rate():.2f} GB/s of weights read (4096 x 4096, group 64)")]
+    ext = quantized_matmul.extension()
+    if ext is not None and mx.default_device().type == mx.DeviceType.cpu:
+        peak = ext.peak_gflops()
+        rate = quantized_gemm_gflops()
+        rows += [("4-bit GEMM", f"{rate:.0f} GFLOP/s, {rate / peak:.0%} of the {peak:.0f} GFLOP/s FMA peak "
+                                f"({ext.simd()}, {ext.threads()} threads; 512 x 1536 x 1536, group 64)")]
+    return rows
+
+
+def quantized_gemm_gflops(rows: int = 512, n: int = 1536, repeat: int = 5) -> float:
+    """The rate of a prompt-sized 4-bit product through the path prefill uses here (the extension's GEMM)."""
+    packed, scales, biases = mx.quantize(mx.random.normal((n, n), key=mx.random.key(0)), group_size=64, bits=4)
+    x = mx.random.normal((rows, n), key=mx.random.key(1))
+    mx.eval(packed, scales, biases, x)
+    return 2 * rows * n * n / _best_cpu_seconds(
+        lambda: quantized_matmul.quantized_matmul(x, packed, scales, biases, 64, 4), repeat) / 1e9
 
 
 def quantized_matvec_rate(n: int = 4096, repeat: int = 5) -> float:

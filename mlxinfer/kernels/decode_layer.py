@@ -1,5 +1,5 @@
-"""One step of a pre-norm block over a few new tokens per sequence (a decode step, or a prompt
-chunk up to the extension's row count) as two compiled CPU primitives of the CPU extension
+"""One step of a pre-norm block over new tokens per sequence (a decode step, or a prompt chunk of
+any size) as two compiled CPU primitives of the CPU extension
 (`decode_layer_in`: norm, QKV, q/k norm, RoPE; `decode_layer_out`: causal attention over each
 row's cache, O, residual, norm, gated MLP, residual), for sequences with their own caches.
 
@@ -21,7 +21,12 @@ import mlx.core as mx
 import numpy as np
 
 from . import cpu_attention
-from .quantized_matmul import EXTENSION_ROWS, extension
+from .quantized_matmul import extension
+
+# Rows a step with float32 projections takes: each of their outputs is one dot product per row (no
+# GEMM), and beyond this the per-op path's BLAS matmul is quicker. Quantized projections take any
+# count (the extension's GEMM).
+FLOAT_ROWS = 256
 
 
 @dataclass(frozen=True)
@@ -55,9 +60,14 @@ class Heads:
 
 
 def available(x: mx.array) -> bool:
-    """Whether the primitives run here for a step's hidden state `x` [rows, tokens, hidden]: up to
-    the rows the extension's products take (beyond, dequantize + BLAS is quicker)."""
-    return x.shape[0] * x.shape[1] <= EXTENSION_ROWS and cpu_attention.available(x)
+    """Whether the primitives run here for a step's hidden state `x` [rows, tokens, hidden]."""
+    return cpu_attention.available(x)
+
+
+def takes(projections: tuple[Projection, ...], rows: int) -> bool:
+    """Whether a step of `rows` rows (tokens of all sequences) through these projections is theirs:
+    any count when all are quantized, up to FLOAT_ROWS with a float32 one."""
+    return rows <= FLOAT_ROWS or all(p.bits for p in projections)
 
 
 def rope_table(base: float | None, freqs: mx.array | None, dims: int) -> mx.array:

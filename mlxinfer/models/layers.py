@@ -395,11 +395,11 @@ class Block(nn.Module):
         return x + self.post_feedforward_layernorm(ffn(self.pre_feedforward_layernorm(x)))
 
     def _decode_step(self, x: mx.array, mask, cache) -> mx.array | None:
-        """A step of a few tokens by the CPU primitives (`kernels.decode_layer`): two ops where
-        the per-op path has ~60. None where they do not apply, and the per-op path runs: a
+        """A step (decode, or a prompt chunk) by the CPU primitives (`kernels.decode_layer`): two ops
+        where the per-op path has ~60. None where they do not apply, and the per-op path runs: a
         recurrent mixer, a row with a mask other than the plain causal one (windows past their
-        length) or a quantized cache, a block `_fused_plan` cannot take, or rows running a DoRA
-        adapter."""
+        length) or a quantized cache, a block `_fused_plan` cannot take, float32 projections over
+        more rows than `decode_layer.takes`, or rows running a DoRA adapter."""
         if not self.attends:  # a recurrent mixer's cache keeps a state, not keys
             return None
         rows = getattr(cache, "rows", None)
@@ -408,7 +408,10 @@ class Block(nn.Module):
         if len(caches) != x.shape[0] or not all(map(plain, masks)) or any(c.bits is not None for c in caches):
             return None
         plan = self._fused_plan()
-        adapters = None if plan is None else _step_adapters(plan.tables, x.shape[0])
+        if plan is None or not decode_layer.takes((plan.qkv, plan.o, plan.gate_up, plan.down),
+                                                  x.shape[0] * x.shape[1]):
+            return None
+        adapters = _step_adapters(plan.tables, x.shape[0])
         if adapters is None:
             return None
         q, new = decode_layer.layer_in(x, plan.norms[0], plan.eps, plan.qkv, plan.heads, [position(c) for c in caches],

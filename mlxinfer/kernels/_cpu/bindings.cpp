@@ -91,6 +91,9 @@ NB_MODULE(_cpu_qmm, m) {
   m.def("logsumexp", static_cast<mx::array (*)(const mx::array&)>(&mlxinfer::logsumexp), "x"_a,
         "[rows, 1]: log(sum(exp(x))) of each float32 row, shifted by its maximum (AVX-512: 16 exps at once).");
   m.def("threads", &mlxinfer::threads, "Threads a matmul is split across (the calling one included).");
+  m.def("peak_gflops", &mlxinfer::peak_gflops,
+        "The threads' peak float32 rate, GFLOP/s: multiply-add chains in registers at the widest vector width in "
+        "use (the roofline of the products).");
   m.def("set_threads", &mlxinfer::set_threads, "n"_a);
   m.def("simd", &mlxinfer::simd_name, "The widest loop in use on this CPU: 'avx512', 'avx2+fma' or 'scalar'.");
   m.def(

@@ -2,6 +2,7 @@
 // cut into chunks, and reading MLX arrays as row-major buffers.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -27,6 +28,28 @@ Pool& pool();
 
 // Outputs per chunk for an [out, in] product: all of them below kSplitFrom weights.
 int output_chunk(int out, int in);
+
+// A product of `rows` rows by an [out, in] matrix cut into the pool's tasks: task t computes rows
+// [r0, r1) for outputs [n0, n1). Up to kGemmRows rows, chunks of outputs (output_chunk) for all
+// rows; from there, blocks of rows (gemm_block_rows, whose inputs stay in L2) by chunks of outputs,
+// so no thread packs every row's inputs for its outputs. Any cut gives the same bits per row.
+struct ProductTasks {
+  struct Range {
+    int r0, r1, n0, n1;
+  };
+  int rows, out, row_block, output_chunk;
+
+  int count() const {
+    return (rows + row_block - 1) / row_block * ((out + output_chunk - 1) / output_chunk);
+  }
+  Range at(int t) const {
+    const int chunks = (out + output_chunk - 1) / output_chunk;
+    const int r0 = t / chunks * row_block, n0 = t % chunks * output_chunk;
+    return {r0, std::min(rows, r0 + row_block), n0, std::min(out, n0 + output_chunk)};
+  }
+};
+
+ProductTasks product_tasks(int rows, int out, int in);
 
 ScaleType scale_type(mx::Dtype dtype);
 

@@ -28,7 +28,6 @@ namespace {
 constexpr int kLanes = 8;
 constexpr int kSums = 32;        // running sums per output (and inputs per step): 4 x 8 or 2 x 16 lanes
 constexpr int kMaxBlockRows = 4; // rows sharing one unpacking of the weights
-constexpr int kManyRows = 5;     // from here each output row is dequantized once for all rows
 
 // The vector loops, widest first; `limit_simd` caps which may run (tests compare them).
 enum class Simd : int { scalar = 0, avx2 = 1, avx512 = 2 };
@@ -396,165 +395,353 @@ MLXINFER_AVX512 void block_avx512(const QuantizedMatrix& m, const float* x, floa
   }
 }
 
-// Row n of the matrix as the floats the block loops multiply by: per 32-input chunk, the
-// weight of sum 0 to sum 31 (for 4 bits, even inputs then odd ones), each fma(q, s, b).
+// ---- Many rows: a cache-blocked product ----
+//
+// From kGemmRows rows the weights are dequantized once per block of rows (fma(q, s, b), the bits the
+// block loops multiply by) and tiles of rows run against them. Each (row, output) keeps its 32 sums,
+// fed and added up as above, but a tile runs the whole input once per slice of the sums a register
+// holds (sums 0-15, then 16-31 with AVX-512; four slices of 8 with AVX2), so a (row, output) pair
+// takes one register, not the two or four of all 32 sums, and a tile of 4 rows by 4 outputs loads 8
+// vectors per 16 multiply-adds. This project's Zen 5 loads one 512-bit vector a cycle: a 4 x 2 tile
+// of whole sums (12 loads per 16 multiply-adds) ran at ~35% of its FMA peak, this one at ~85% with
+// its data in L1.
+//
+// Both operands are packed slice by slice so that a pass reads two sequential streams: element
+// (slice v, chunk c, item i, lane l) at ((v * chunks + c) * items + i) * lanes + l, lane l of slice v
+// feeding sum v * lanes + l, the items being a tile's rows or a panel's kTileOutputs outputs.
+//
+// The packed inputs of a block of rows stay in L2 (kBlockBytes) while panels of outputs are
+// dequantized one after another, each with one tile's inputs in L1 (kPanelBytes); past ~256 rows the
+// inputs of all rows no longer stayed in L2 and the product slowed by a third. The pool splits a
+// product's rows at these blocks (gemm_block_rows), so no thread packs more rows than its tasks use.
+
+constexpr int kTileOutputs = 4;
+constexpr int kBlockBytes = 512 << 10; // of L2 (1 MB a core here) for a block's packed inputs
+constexpr int kPanelBytes = 40 << 10;  // of L1 (48 KB) for a panel beside a tile's inputs
+
+// Rows per tile: 4 x 4 (row, output) registers of 16 lanes and the 4 rows' inputs fit AVX-512's 32
+// registers; 3 x 4 of 8 lanes and 3 inputs fit AVX2's 16.
+template <bool WIDE>
+constexpr int kTileRows = WIDE ? 4 : 3;
+
+// Keeps v in a register: the compiler otherwise folds its load into every multiply-add that uses it,
+// loading a tile's input once per output, and the tile ran 1.6x slower, bound by loads.
+MLXINFER_AVX512 inline void in_register(__m512& v) {
+  asm("" : "+v"(v));
+}
+
+MLXINFER_AVX2 inline void in_register(__m256& v) {
+  asm("" : "+x"(v));
+}
+
+// Where (slice v, chunk c, item i) of a packed operand with `items` items starts (see above).
+inline size_t packed_at(int v, int c, int i, int chunks, int items, int lanes) {
+  return ((static_cast<size_t>(v) * chunks + c) * items + i) * lanes;
+}
+
+// Rows [0, rows) of x packed tile by tile (kTileRows rows, the last tile the rest), tile t at
+// out + t * in: each chunk's 32 inputs in the order the sums take them (sum_of), two permutes a
+// chunk for 4 bits.
 template <int BITS>
-MLXINFER_AVX2 void dequantized_row(const QuantizedMatrix& m, int n, float* out) {
-  const size_t row_bytes = static_cast<size_t>(m.in) * BITS / 8;
-  const int groups = m.in / m.group;
-  const uint8_t* w = m.packed + n * row_bytes;
-  for (int g = 0; g < groups; ++g) {
-    const __m256 s = _mm256_set1_ps(scale_at_avx2(m.scales, m.scale_type, static_cast<size_t>(n) * groups + g));
-    const __m256 b = _mm256_set1_ps(scale_at_avx2(m.biases, m.scale_type, static_cast<size_t>(n) * groups + g));
-    for (int k = g * m.group; k < (g + 1) * m.group; k += kSums) {
-      __m256 q[4];
-      unpack32_avx2<BITS>(w, k, q);
-      for (int v = 0; v < 4; ++v) {
-        _mm256_storeu_ps(out + k + v * kLanes, _mm256_fmadd_ps(q[v], s, b));
+MLXINFER_AVX512 void pack_rows_avx512(const float* x, int in, int rows, float* out) {
+  const __m512i evens = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  const __m512i odds = _mm512_add_epi32(evens, _mm512_set1_epi32(1));
+  const int chunks = in / kSums;
+  for (int t = 0; t < rows; t += kTileRows<true>) {
+    const int items = std::min(kTileRows<true>, rows - t);
+    float* tile = out + static_cast<size_t>(t) * in;
+    for (int i = 0; i < items; ++i) {
+      const float* row = x + static_cast<size_t>(t + i) * in;
+      for (int c = 0; c < chunks; ++c) {
+        __m512 a = _mm512_loadu_ps(row + c * kSums), b = _mm512_loadu_ps(row + c * kSums + 16);
+        if constexpr (BITS == 4) {
+          const __m512 even = _mm512_permutex2var_ps(a, evens, b);
+          b = _mm512_permutex2var_ps(a, odds, b);
+          a = even;
+        }
+        _mm512_storeu_ps(tile + packed_at(0, c, i, chunks, items, 16), a);
+        _mm512_storeu_ps(tile + packed_at(1, c, i, chunks, items, 16), b);
       }
     }
   }
 }
 
-// dequantized_row for 4 bits with AVX-512: each group's 16 weights looked up as the block loop
-// does (the same bits), a sixth of the AVX2 row's instructions: for a 41-row prompt the AVX2
-// row cost a fifth as much as the products that use it.
-MLXINFER_AVX512 void dequantized_row_avx512(const QuantizedMatrix& m, int n, float* out) {
-  const size_t row_bytes = static_cast<size_t>(m.in) / 2;
-  const int groups = m.in / m.group;
-  const uint8_t* w = m.packed + n * row_bytes;
-  for (int g = 0; g < groups; ++g) {
-    const __m512 s = _mm512_set1_ps(scale_at_avx2(m.scales, m.scale_type, static_cast<size_t>(n) * groups + g));
-    const __m512 b = _mm512_set1_ps(scale_at_avx2(m.biases, m.scale_type, static_cast<size_t>(n) * groups + g));
-    const __m512 table = group_table(s, b);
-    for (int k = g * m.group; k < (g + 1) * m.group; k += kSums) {
-      __m512 w0, w1;
-      lookup32(w, k, table, w0, w1);
-      _mm512_storeu_ps(out + k, w0);
-      _mm512_storeu_ps(out + k + 16, w1);
-    }
-  }
+// The even then the odd elements of a, b (8 each): shuffled within 128-bit lanes, then the 64-bit
+// pairs put in order.
+MLXINFER_AVX2 inline __m256 evens_avx2(__m256 a, __m256 b) {
+  return _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(a, b, 0x88)), 0xd8));
 }
 
-// R rows against the dequantized rows of NO outputs, register-blocked: each (row, output)
-// accumulates its 32 sums exactly as the block loops do, so the result is the same bit for bit.
-template <int R, int NO>
-MLXINFER_AVX2 inline void tile_avx2(const float* x, int in, const float* const* w, float* y, int out) {
-  __m256 acc[R][NO][4];
-  for (int r = 0; r < R; ++r) {
-    for (int o = 0; o < NO; ++o) {
-      for (int v = 0; v < 4; ++v) {
-        acc[r][o][v] = _mm256_setzero_ps();
-      }
-    }
-  }
-  for (int k = 0; k < in; k += kSums) {
-    for (int v = 0; v < 4; ++v) {
-      __m256 wv[NO];
-      for (int o = 0; o < NO; ++o) {
-        wv[o] = _mm256_loadu_ps(w[o] + k + v * kLanes);
-      }
-      for (int r = 0; r < R; ++r) {
-        const __m256 xv = _mm256_loadu_ps(x + static_cast<size_t>(r) * in + k + v * kLanes);
-        for (int o = 0; o < NO; ++o) {
-          acc[r][o][v] = _mm256_fmadd_ps(xv, wv[o], acc[r][o][v]);
+MLXINFER_AVX2 inline __m256 odds_avx2(__m256 a, __m256 b) {
+  return _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(a, b, 0xdd)), 0xd8));
+}
+
+// pack_rows_avx512 in four slices of 8; for 4 bits, sums 0-7 take inputs 0, 2, .. 14, sums 8-15
+// inputs 16 .. 30, sums 16-23 and 24-31 the odd ones.
+template <int BITS>
+MLXINFER_AVX2 void pack_rows_avx2(const float* x, int in, int rows, float* out) {
+  const int chunks = in / kSums;
+  for (int t = 0; t < rows; t += kTileRows<false>) {
+    const int items = std::min(kTileRows<false>, rows - t);
+    float* tile = out + static_cast<size_t>(t) * in;
+    for (int i = 0; i < items; ++i) {
+      const float* row = x + static_cast<size_t>(t + i) * in;
+      for (int c = 0; c < chunks; ++c) {
+        __m256 v[4];
+        for (int j = 0; j < 4; ++j) {
+          v[j] = _mm256_loadu_ps(row + c * kSums + j * kLanes);
+        }
+        if constexpr (BITS == 4) {
+          const __m256 u[4] = {v[0], v[1], v[2], v[3]};
+          v[0] = evens_avx2(u[0], u[1]);
+          v[1] = evens_avx2(u[2], u[3]);
+          v[2] = odds_avx2(u[0], u[1]);
+          v[3] = odds_avx2(u[2], u[3]);
+        }
+        for (int j = 0; j < 4; ++j) {
+          _mm256_storeu_ps(tile + packed_at(j, c, i, chunks, items, kLanes), v[j]);
         }
       }
     }
   }
-  for (int r = 0; r < R; ++r) {
-    for (int o = 0; o < NO; ++o) {
-      y[static_cast<size_t>(r) * out + o] = tree_sum_avx2(acc[r][o]);
+}
+
+// Chunk c of output i of a packed group of outputs: the weights of sums 0-15 (w0) and 16-31 (w1).
+MLXINFER_AVX512 inline void store_chunk_avx512(float* part, int c, int i, int chunks, __m512 w0, __m512 w1) {
+  _mm512_storeu_ps(part + packed_at(0, c, i, chunks, kTileOutputs, 16), w0);
+  _mm512_storeu_ps(part + packed_at(1, c, i, chunks, kTileOutputs, 16), w1);
+}
+
+// Outputs [n, n + count) dequantized into a panel, kTileOutputs to a packed group (group j at
+// panel + j * kTileOutputs * in), the group's missing outputs zeros: per chunk the weights of sums
+// 0-15 and 16-31, each fma(q, s, b) (looked up for 4 bits, as the block loop does).
+template <int BITS>
+MLXINFER_AVX512 void dequantize_panel_avx512(const QuantizedMatrix& m, int n, int count, float* panel) {
+  const size_t row_bytes = static_cast<size_t>(m.in) * BITS / 8;
+  const int groups = m.in / m.group, chunks = m.in / kSums, per_group = m.group / kSums;
+  const int padded = (count + kTileOutputs - 1) / kTileOutputs * kTileOutputs;
+  for (int o = 0; o < padded; ++o) {
+    float* part = panel + static_cast<size_t>(o / kTileOutputs) * kTileOutputs * m.in;
+    const int i = o % kTileOutputs;
+    if (o >= count) {
+      for (int c = 0; c < chunks; ++c) {
+        store_chunk_avx512(part, c, i, chunks, _mm512_setzero_ps(), _mm512_setzero_ps());
+      }
+      continue;
+    }
+    const uint8_t* w = m.packed + (n + o) * row_bytes;
+    for (int g = 0; g < groups; ++g) {
+      const size_t at = static_cast<size_t>(n + o) * groups + g;
+      const __m512 s = _mm512_set1_ps(scale_at_avx2(m.scales, m.scale_type, at));
+      const __m512 b = _mm512_set1_ps(scale_at_avx2(m.biases, m.scale_type, at));
+      const __m512 table = group_table(s, b);
+      for (int c = g * per_group; c < (g + 1) * per_group; ++c) {
+        __m512 w0, w1;
+        if constexpr (BITS == 4) {
+          lookup32(w, c * kSums, table, w0, w1);
+        } else if constexpr (BITS == 8) {
+          unpack32_8bit_avx512(w, c * kSums, w0, w1);
+          w0 = _mm512_fmadd_ps(w0, s, b);
+          w1 = _mm512_fmadd_ps(w1, s, b);
+        } else {  // other widths unpack 8 at a time: each half of a slice as AVX2 writes it
+          __m256 q[4];
+          unpack32_avx2<BITS>(w, c * kSums, q);
+          for (int v = 0; v < 4; ++v) {
+            _mm256_storeu_ps(part + packed_at(v / 2, c, i, chunks, kTileOutputs, 16) + v % 2 * kLanes,
+                             _mm256_fmadd_ps(q[v], _mm512_castps512_ps256(s), _mm512_castps512_ps256(b)));
+          }
+          continue;
+        }
+        store_chunk_avx512(part, c, i, chunks, w0, w1);
+      }
     }
   }
 }
 
-template <int R, int NO>
-MLXINFER_AVX512 inline void tile_avx512(const float* x, int in, const float* const* w, float* y, int out) {
-  __m512 acc[R][NO][2];
-  for (int r = 0; r < R; ++r) {
-    for (int o = 0; o < NO; ++o) {
-      acc[r][o][0] = acc[r][o][1] = _mm512_setzero_ps();
+// dequantize_panel_avx512 in four slices of 8 (unpack32_avx2's vectors, in the order of the sums).
+template <int BITS>
+MLXINFER_AVX2 void dequantize_panel_avx2(const QuantizedMatrix& m, int n, int count, float* panel) {
+  const size_t row_bytes = static_cast<size_t>(m.in) * BITS / 8;
+  const int groups = m.in / m.group, chunks = m.in / kSums, per_group = m.group / kSums;
+  const int padded = (count + kTileOutputs - 1) / kTileOutputs * kTileOutputs;
+  for (int o = 0; o < padded; ++o) {
+    float* part = panel + static_cast<size_t>(o / kTileOutputs) * kTileOutputs * m.in;
+    const int i = o % kTileOutputs;
+    const uint8_t* w = m.packed + (n + o) * row_bytes;
+    for (int g = 0; g < groups; ++g) {
+      const size_t at = static_cast<size_t>(n + o) * groups + g;
+      const bool real = o < count;
+      const __m256 s = _mm256_set1_ps(real ? scale_at_avx2(m.scales, m.scale_type, at) : 0.0f);
+      const __m256 b = _mm256_set1_ps(real ? scale_at_avx2(m.biases, m.scale_type, at) : 0.0f);
+      for (int c = g * per_group; c < (g + 1) * per_group; ++c) {
+        __m256 q[4] = {};
+        if (real) {
+          unpack32_avx2<BITS>(w, c * kSums, q);
+        }
+        for (int v = 0; v < 4; ++v) {
+          _mm256_storeu_ps(part + packed_at(v, c, i, chunks, kTileOutputs, kLanes), _mm256_fmadd_ps(q[v], s, b));
+        }
+      }
     }
   }
-  for (int k = 0; k < in; k += kSums) {
-    __m512 w0[NO], w1[NO];
-    for (int o = 0; o < NO; ++o) {
-      w0[o] = _mm512_loadu_ps(w[o] + k);
-      w1[o] = _mm512_loadu_ps(w[o] + k + 16);
-    }
+}
+
+// tree_sum_avx512's last steps for 16 pairs at once: v[4 * o + r] holds pair (r, o)'s sums 0-15 plus
+// 16-31, and lane 4 * r + o of the result its total. Each step adds lane j + half to lane j of every
+// pair (half = 8, 4, 2, 1; the last two as (0 + 2) + (1 + 3)), with the pairs' halves gathered by
+// shuffles so that one add serves several pairs: 45 operations where 16 tree_sum_avx512 took ~140, a
+// sixth of a tile's time over 576 inputs.
+MLXINFER_AVX512 inline __m512 tree_sums_avx512(const __m512 v[16]) {
+  __m512 h[8], q[4], p[2];
+  for (int i = 0; i < 8; ++i) {  // 256-bit halves of two pairs: [a lo, b lo] + [a hi, b hi]
+    h[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
+                         _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xee));
+  }
+  for (int i = 0; i < 4; ++i) {  // 128-bit blocks of four pairs
+    q[i] = _mm512_add_ps(_mm512_shuffle_f32x4(h[2 * i], h[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(h[2 * i], h[2 * i + 1], 0xdd));
+  }
+  for (int i = 0; i < 2; ++i) {  // within blocks: lanes (0 + 2), (1 + 3)
+    p[i] = _mm512_add_ps(_mm512_shuffle_ps(q[2 * i], q[2 * i + 1], 0x44), _mm512_shuffle_ps(q[2 * i], q[2 * i + 1], 0xee));
+  }
+  return _mm512_add_ps(_mm512_shuffle_ps(p[0], p[1], 0x88), _mm512_shuffle_ps(p[0], p[1], 0xdd));
+}
+
+// R rows (packed at x) by kTileOutputs outputs (packed at w): one pass over the input per slice,
+// then each pair's two slices added up as tree_sum_avx512 does; y[r * out + o] for o < outputs.
+template <int R>
+MLXINFER_AVX512 void tile_avx512(const float* x, const float* w, int chunks, float* y, int out, int outputs) {
+  __m512 first[R][kTileOutputs], acc[R][kTileOutputs];
+  for (int v = 0; v < 2; ++v) {
     for (int r = 0; r < R; ++r) {
-      const __m512 x0 = _mm512_loadu_ps(x + static_cast<size_t>(r) * in + k);
-      const __m512 x1 = _mm512_loadu_ps(x + static_cast<size_t>(r) * in + k + 16);
-      for (int o = 0; o < NO; ++o) {
-        acc[r][o][0] = _mm512_fmadd_ps(x0, w0[o], acc[r][o][0]);
-        acc[r][o][1] = _mm512_fmadd_ps(x1, w1[o], acc[r][o][1]);
+      for (int o = 0; o < kTileOutputs; ++o) {
+        acc[r][o] = _mm512_setzero_ps();
       }
     }
+    const float* xv = x + packed_at(v, 0, 0, chunks, R, 16);
+    const float* wv = w + packed_at(v, 0, 0, chunks, kTileOutputs, 16);
+    for (int c = 0; c < chunks; ++c, xv += R * 16, wv += kTileOutputs * 16) {
+      __m512 xr[R];
+      for (int r = 0; r < R; ++r) {
+        xr[r] = _mm512_loadu_ps(xv + r * 16);
+        in_register(xr[r]);
+      }
+      for (int o = 0; o < kTileOutputs; ++o) {
+        const __m512 wo = _mm512_loadu_ps(wv + o * 16);
+        for (int r = 0; r < R; ++r) {
+          acc[r][o] = _mm512_fmadd_ps(xr[r], wo, acc[r][o]);
+        }
+      }
+    }
+    if (v == 0) {
+      std::memcpy(first, acc, sizeof acc);
+    }
+  }
+  __m512 pairs[kTileOutputs * 4];
+  for (int o = 0; o < kTileOutputs; ++o) {
+    for (int r = 0; r < 4; ++r) {
+      pairs[o * 4 + r] = r < R ? _mm512_add_ps(first[r][o], acc[r][o]) : _mm512_setzero_ps();
+    }
+  }
+  alignas(64) float sums[16];
+  _mm512_store_ps(sums, tree_sums_avx512(pairs));
+  for (int r = 0; r < R; ++r) {
+    for (int o = 0; o < outputs; ++o) {
+      y[static_cast<size_t>(r) * out + o] = sums[4 * r + o];
+    }
+  }
+}
+
+// tile_avx512 with four slices of 8 lanes, added up as tree_sum_avx2 does.
+template <int R>
+MLXINFER_AVX2 void tile_avx2(const float* x, const float* w, int chunks, float* y, int out, int outputs) {
+  __m256 sums[4][R][kTileOutputs];
+  for (int v = 0; v < 4; ++v) {
+    __m256 acc[R][kTileOutputs];
+    for (int r = 0; r < R; ++r) {
+      for (int o = 0; o < kTileOutputs; ++o) {
+        acc[r][o] = _mm256_setzero_ps();
+      }
+    }
+    const float* xv = x + packed_at(v, 0, 0, chunks, R, kLanes);
+    const float* wv = w + packed_at(v, 0, 0, chunks, kTileOutputs, kLanes);
+    for (int c = 0; c < chunks; ++c, xv += R * kLanes, wv += kTileOutputs * kLanes) {
+      __m256 xr[R];
+      for (int r = 0; r < R; ++r) {
+        xr[r] = _mm256_loadu_ps(xv + r * kLanes);
+        in_register(xr[r]);
+      }
+      for (int o = 0; o < kTileOutputs; ++o) {
+        const __m256 wo = _mm256_loadu_ps(wv + o * kLanes);
+        for (int r = 0; r < R; ++r) {
+          acc[r][o] = _mm256_fmadd_ps(xr[r], wo, acc[r][o]);
+        }
+      }
+    }
+    std::memcpy(sums[v], acc, sizeof acc);
   }
   for (int r = 0; r < R; ++r) {
-    for (int o = 0; o < NO; ++o) {
-      y[static_cast<size_t>(r) * out + o] = tree_sum_avx512(acc[r][o][0], acc[r][o][1]);
-    }
-  }
-}
-
-// A tile of R rows against the dequantized outputs w[0..outputs) (1 or 2).
-template <int R, bool WIDE>
-void tile(const float* x, int in, const float* const* w, int outputs, float* y, int out) {
-  if constexpr (WIDE) {
-    outputs == 2 ? tile_avx512<R, 2>(x, in, w, y, out) : tile_avx512<R, 1>(x, in, w, y, out);
-  } else {
-    outputs == 2 ? tile_avx2<R, 2>(x, in, w, y, out) : tile_avx2<R, 1>(x, in, w, y, out);
-  }
-}
-
-// Outputs dequantized together in many_rows: as many (even, 2 to 8) as fit in L1 with the
-// inputs of a tile of rows (40 of its 48 KB: 8 outputs of 576 inputs, 2 of 1536).
-constexpr int kDequantRows = 8;
-constexpr int kTileBytes = 40 << 10;
-
-// Rows r0..r0+R against the `outputs` dequantized rows at w, two at a time.
-template <int R, bool WIDE>
-void rows_by_outputs(const float* x, int in, int r0, const float* w, int outputs, float* y, int out) {
-  const float* xr = x + static_cast<size_t>(r0) * in;
-  float* yr = y + static_cast<size_t>(r0) * out;
-  for (int o = 0; o < outputs; o += 2) {
-    const float* pair[2] = {w + static_cast<size_t>(o) * in, w + static_cast<size_t>(o + 1) * in};
-    tile<R, WIDE>(xr, in, pair, std::min(2, outputs - o), yr + o, out);
-  }
-}
-
-// Many rows: every few outputs (up to kDequantRows) are dequantized once for all rows, then each
-// tile of rows runs against all of them while its inputs stay in L1, where the block loops unpack
-// again for every 4 rows. Pairs of outputs at a time read a 41-row prompt's inputs from L2 again
-// for every pair; eight at a time read them a quarter as often (1.3x on 576-input products).
-template <int BITS, bool WIDE>
-void many_rows(const QuantizedMatrix& m, const float* x, int rows, float* y, int n0, int n1) {
-  thread_local std::vector<float> buffer;
-  constexpr int R = WIDE ? 4 : 1;
-  const int together = std::clamp((kTileBytes / (4 * m.in) - R) / 2 * 2, 2, kDequantRows);
-  buffer.resize(together * static_cast<size_t>(m.in));
-  for (int n = n0; n < n1; n += together) {
-    const int outputs = std::min(together, n1 - n);
     for (int o = 0; o < outputs; ++o) {
-      float* row = buffer.data() + static_cast<size_t>(o) * m.in;
-      if constexpr (WIDE && BITS == 4) {
-        dequantized_row_avx512(m, n + o, row);
+      const __m256 a[4] = {sums[0][r][o], sums[1][r][o], sums[2][r][o], sums[3][r][o]};
+      y[static_cast<size_t>(r) * out + o] = tree_sum_avx2(a);
+    }
+  }
+}
+
+// A tile of `rows` (1 to kTileRows) packed rows.
+template <bool WIDE>
+void tile(int rows, const float* x, const float* w, int chunks, float* y, int out, int outputs) {
+  if constexpr (WIDE) {
+    switch (rows) {
+      case 1: return tile_avx512<1>(x, w, chunks, y, out, outputs);
+      case 2: return tile_avx512<2>(x, w, chunks, y, out, outputs);
+      case 3: return tile_avx512<3>(x, w, chunks, y, out, outputs);
+      default: return tile_avx512<4>(x, w, chunks, y, out, outputs);
+    }
+  } else {
+    switch (rows) {
+      case 1: return tile_avx2<1>(x, w, chunks, y, out, outputs);
+      case 2: return tile_avx2<2>(x, w, chunks, y, out, outputs);
+      default: return tile_avx2<3>(x, w, chunks, y, out, outputs);
+    }
+  }
+}
+
+// Outputs dequantized at once: as many (in fours) as fit in L1 beside one tile's inputs.
+template <bool WIDE>
+int panel_outputs(int in) {
+  const int fit = kPanelBytes / (static_cast<int>(sizeof(float)) * in) - kTileRows<WIDE>;
+  return std::max(kTileOutputs, fit / kTileOutputs * kTileOutputs);
+}
+
+template <int BITS, bool WIDE>
+void gemm(const QuantizedMatrix& m, const float* x, int rows, float* y, int n0, int n1) {
+  thread_local std::vector<float> inputs, weights;
+  const int block = std::min(rows, gemm_block_rows(m.in)), panel = panel_outputs<WIDE>(m.in);
+  const int chunks = m.in / kSums;
+  inputs.resize(static_cast<size_t>(block) * m.in);
+  weights.resize(static_cast<size_t>(panel) * m.in);
+  for (int r0 = 0; r0 < rows; r0 += block) {
+    const int count = std::min(block, rows - r0);
+    if constexpr (WIDE) {
+      pack_rows_avx512<BITS>(x + static_cast<size_t>(r0) * m.in, m.in, count, inputs.data());
+    } else {
+      pack_rows_avx2<BITS>(x + static_cast<size_t>(r0) * m.in, m.in, count, inputs.data());
+    }
+    for (int n = n0; n < n1; n += panel) {
+      const int outputs = std::min(panel, n1 - n);
+      if constexpr (WIDE) {
+        dequantize_panel_avx512<BITS>(m, n, outputs, weights.data());
       } else {
-        dequantized_row<BITS>(m, n + o, row);
+        dequantize_panel_avx2<BITS>(m, n, outputs, weights.data());
       }
-    }
-    int r = 0;
-    for (; r + R <= rows; r += R) {
-      rows_by_outputs<R, WIDE>(x, m.in, r, buffer.data(), outputs, y + n, m.out);
-    }
-    if constexpr (WIDE) {  // the last 1-3 rows as one tile
-      switch (rows - r) {
-        case 3: rows_by_outputs<3, WIDE>(x, m.in, r, buffer.data(), outputs, y + n, m.out); break;
-        case 2: rows_by_outputs<2, WIDE>(x, m.in, r, buffer.data(), outputs, y + n, m.out); break;
-        case 1: rows_by_outputs<1, WIDE>(x, m.in, r, buffer.data(), outputs, y + n, m.out); break;
-        default: break;
+      for (int t = 0; t < count; t += kTileRows<WIDE>) {
+        float* yt = y + static_cast<size_t>(r0 + t) * m.out + n;
+        for (int j = 0; j < outputs; j += kTileOutputs) {
+          tile<WIDE>(std::min(kTileRows<WIDE>, count - t), inputs.data() + static_cast<size_t>(t) * m.in,
+                     weights.data() + static_cast<size_t>(j) * m.in, chunks, yt + j, m.out,
+                     std::min(kTileOutputs, outputs - j));
+        }
       }
     }
   }
@@ -624,10 +811,45 @@ void rows_vector(const QuantizedMatrix& m, const float* x, int rows, float* y, i
   if constexpr (BITS == 4) {
     x = deinterleaved<WIDE>(x, rows, m.in);
   }
-  if (rows >= kManyRows) {
-    return many_rows<BITS, WIDE>(m, x, rows, y, n0, n1);
-  }
   blocks<BITS, WIDE>(m, x, rows, y, n0, n1);
+}
+
+// The peak: kChains independent multiply-add chains in registers, enough to keep two FMA units of
+// 4-5 cycles' latency busy (and few enough for AVX2's 16 registers beside the two constants).
+constexpr int kChains = 12;
+
+MLXINFER_AVX512 float fma_chains_avx512(long rounds) {
+  __m512 acc[kChains];
+  const __m512 m = _mm512_set1_ps(0.999f), a = _mm512_set1_ps(1e-3f);
+  for (int c = 0; c < kChains; ++c) {
+    acc[c] = _mm512_set1_ps(c + 0.5f);  // (1 would be a fixed point, folded by the compiler)
+  }
+  for (long i = 0; i < rounds; ++i) {
+    for (int c = 0; c < kChains; ++c) {
+      acc[c] = _mm512_fmadd_ps(acc[c], m, a);
+    }
+  }
+  for (int c = 1; c < kChains; ++c) {
+    acc[0] = _mm512_add_ps(acc[0], acc[c]);
+  }
+  return _mm512_reduce_add_ps(acc[0]);
+}
+
+MLXINFER_AVX2 float fma_chains_avx2(long rounds) {
+  __m256 acc[kChains];
+  const __m256 m = _mm256_set1_ps(0.999f), a = _mm256_set1_ps(1e-3f);
+  for (int c = 0; c < kChains; ++c) {
+    acc[c] = _mm256_set1_ps(c + 0.5f);
+  }
+  for (long i = 0; i < rounds; ++i) {
+    for (int c = 0; c < kChains; ++c) {
+      acc[c] = _mm256_fmadd_ps(acc[c], m, a);
+    }
+  }
+  for (int c = 1; c < kChains; ++c) {
+    acc[0] = _mm256_add_ps(acc[0], acc[c]);
+  }
+  return _mm_cvtss_f32(_mm256_castps256_ps128(acc[0]));
 }
 
 bool cpu_has(Simd level) {
@@ -659,6 +881,9 @@ template <int BITS>
 void rows_for(const QuantizedMatrix& m, const float* x, int rows, float* y, int n0, int n1) {
 #if defined(__x86_64__)
   const Simd level = active();
+  if (level != Simd::scalar && rows >= kGemmRows) {  // every width's panel dequantizes with AVX2 at least
+    return level == Simd::avx512 ? gemm<BITS, true>(m, x, rows, y, n0, n1) : gemm<BITS, false>(m, x, rows, y, n0, n1);
+  }
   if (level == Simd::avx512 && (BITS == 4 || BITS == 8)) {
     return rows_vector<BITS, true>(m, x, rows, y, n0, n1);
   }
@@ -670,6 +895,12 @@ void rows_for(const QuantizedMatrix& m, const float* x, int rows, float* y, int 
 }
 
 } // namespace
+
+int gemm_block_rows(int in) {
+  static_assert(kGemmRowsAlign % kTileRows<true> == 0 && kGemmRowsAlign % kTileRows<false> == 0);
+  const int fit = kBlockBytes / (static_cast<int>(sizeof(float)) * in);
+  return std::max(kGemmRowsAlign, fit / kGemmRowsAlign * kGemmRowsAlign);
+}
 
 void quantized_matmul_range(const QuantizedMatrix& m, const float* x, int rows, float* y, int n0, int n1) {
   switch (m.bits) {
@@ -692,6 +923,27 @@ const char* simd_name() {
 
 bool simd_avx2() {
   return active() != Simd::scalar;
+}
+
+double fma_flops(long rounds) {
+  static std::atomic<float> sink;  // the chains' result, kept so they are not optimised away
+#if defined(__x86_64__)
+  switch (active()) {
+    case Simd::avx512:
+      sink.store(fma_chains_avx512(rounds), std::memory_order_relaxed);
+      return 2.0 * 16 * kChains * rounds;
+    case Simd::avx2:
+      sink.store(fma_chains_avx2(rounds), std::memory_order_relaxed);
+      return 2.0 * kLanes * kChains * rounds;
+    default: break;
+  }
+#endif
+  float acc = 0.5f;  // scalar loops: one chain's fused multiply-adds, a floor rather than a peak
+  for (long i = 0; i < rounds; ++i) {
+    acc = std::fma(acc, 0.999f, 1e-3f);
+  }
+  sink.store(acc, std::memory_order_relaxed);
+  return 2.0 * rounds;
 }
 
 bool simd_avx512() {

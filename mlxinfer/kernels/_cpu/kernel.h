@@ -41,9 +41,24 @@ constexpr bool supported_group(int group) {
 // `rows` nor on [n0, n1), so a row's result is the same whatever shares its batch.
 void quantized_matmul_range(const QuantizedMatrix& m, const float* x, int rows, float* y, int n0, int n1);
 
+// From this many rows quantized_matmul_range dequantizes the weights once per block of rows and
+// multiplies them as a cache-blocked GEMM (the same operations in the same order per output).
+constexpr int kGemmRows = 5;
+
+// The rows of such a block for `in` inputs: as many as keep their inputs in L2, in whole tiles of
+// rows (a multiple of kGemmRowsAlign). Callers that split a product's rows across threads split at
+// such blocks.
+constexpr int kGemmRowsAlign = 12;
+int gemm_block_rows(int in);
+
 // "avx512", "avx2+fma" or "scalar": the widest loop quantized_matmul_range runs on this
 // CPU (AVX-512 for 4- and 8-bit weights; other widths take the AVX2 loop there).
 const char* simd_name();
+
+// Floating-point operations done by `rounds` rounds of independent multiply-add chains held in
+// registers at the widest vector width in use: timed on every thread, the FLOP rate the products
+// are measured against (their roofline).
+double fma_flops(long rounds);
 
 // Whether the AVX2 loops run (the CPU has them and `limit_simd` allows them).
 bool simd_avx2();

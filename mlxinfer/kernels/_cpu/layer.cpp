@@ -67,7 +67,7 @@ Projection projection(const std::vector<mx::array>& inputs, size_t at, const Lin
 }
 
 // y [rows, out] = x [rows, in] @ W.T (+ bias) (+ B[s] (A[s] x) for row i's adapter slot
-// s = slots[i], where given and not 0), outputs split across the pool; the bias and then the
+// s = slots[i], where given and not 0), split across the pool (product_tasks); the bias and then the
 // update are added after the product, as `y + bias` and `y + delta` are on the per-op path.
 void project(const Projection& p, const float* x, int rows, float* y, const std::vector<int>& slots = {}) {
   const bool adapted = p.lora_a != nullptr && !slots.empty();
@@ -78,23 +78,25 @@ void project(const Projection& p, const float* x, int rows, float* y, const std:
       low[static_cast<size_t>(i) * p.rank + j] = dot(a + static_cast<size_t>(j) * p.in, x + static_cast<size_t>(i) * p.in, p.in);
     }
   }
-  const int chunk = output_chunk(p.out, p.in);
-  pool().run((p.out + chunk - 1) / chunk, [&](int c) {
-    const int n0 = c * chunk, n1 = std::min(p.out, n0 + chunk);
+  const ProductTasks tasks = product_tasks(rows, p.out, p.in);
+  pool().run(tasks.count(), [&](int t) {
+    const auto [r0, r1, n0, n1] = tasks.at(t);
+    const float* xt = x + static_cast<size_t>(r0) * p.in;
+    float* yt = y + static_cast<size_t>(r0) * p.out;
     if (p.spec.bits) {
-      quantized_matmul_range(p.q, x, rows, y, n0, n1);
+      quantized_matmul_range(p.q, xt, r1 - r0, yt, n0, n1);
     } else {
-      float_matmul_range(p.w, p.in, x, rows, y, p.out, n0, n1);
+      float_matmul_range(p.w, p.in, xt, r1 - r0, yt, p.out, n0, n1);
     }
     if (p.bias != nullptr) {
-      for (int r = 0; r < rows; ++r) {
+      for (int r = r0; r < r1; ++r) {
         for (int n = n0; n < n1; ++n) {
           y[static_cast<size_t>(r) * p.out + n] += p.bias[n];
         }
       }
     }
     std::vector<float> delta(adapted ? n1 - n0 : 0);
-    for (int i = 0; adapted && i < rows; ++i) {
+    for (int i = r0; adapted && i < r1; ++i) {
       if (slots[i] == 0) {
         continue;
       }

@@ -1,6 +1,8 @@
 #include "primitive.h"
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <memory>
 #include <sstream>
 #include <string>
@@ -93,6 +95,20 @@ int output_chunk(int out, int in) {
       : std::max(kOutputAlign, out / (kChunksPerThread * pool().size()) / kOutputAlign * kOutputAlign);
 }
 
+ProductTasks product_tasks(int rows, int out, int in) {
+  if (rows < kGemmRows) {
+    return {rows, out, rows, output_chunk(out, in)};
+  }
+  if (static_cast<size_t>(rows) * out * in < kSplitFrom) {
+    return {rows, out, rows, out};
+  }
+  const int blocks = (rows + gemm_block_rows(in) - 1) / gemm_block_rows(in);
+  const int row_block = ((rows + blocks - 1) / blocks + kGemmRowsAlign - 1) / kGemmRowsAlign * kGemmRowsAlign;
+  const int chunks = std::max(1, (kChunksPerThread * pool().size() + blocks - 1) / blocks);
+  const int chunk = ((out + chunks - 1) / chunks + kOutputAlign - 1) / kOutputAlign * kOutputAlign;
+  return {rows, out, row_block, std::max(kOutputAlign, chunk)};
+}
+
 namespace {
 
 // `experts`: 1 when w, scales and biases are stacked per expert (gather), else 0.
@@ -182,14 +198,17 @@ void AffineQuantizedMatmul::eval_cpu(const std::vector<mx::array>& inputs, std::
                       group};
     const auto* xs = static_cast<const float*>(row_major(x, keep[0]));
     const int rows = static_cast<int>(x.size() / m.in);
-    const int chunk = output_chunk(m.out, m.in);
-    const int per_matrix = (m.out + chunk - 1) / chunk;
     if (!gather) {
-      pool().run(per_matrix, [&](int c) {
-        quantized_matmul_range(m, xs, rows, y, c * chunk, std::min(m.out, (c + 1) * chunk));
+      const ProductTasks tasks = product_tasks(rows, m.out, m.in);
+      pool().run(tasks.count(), [&](int t) {
+        const auto [r0, r1, n0, n1] = tasks.at(t);
+        quantized_matmul_range(m, xs + static_cast<size_t>(r0) * m.in, r1 - r0, y + static_cast<size_t>(r0) * m.out,
+                               n0, n1);
       });
       return;
     }
+    const int chunk = output_chunk(m.out, m.in);
+    const int per_matrix = (m.out + chunk - 1) / chunk;
     // One row per routed token, against its expert's matrix: chunks over (row, outputs).
     const auto* experts = static_cast<const uint32_t*>(row_major(inputs[4], keep[4]));
     const size_t packed_size = static_cast<size_t>(m.out) * m.in * bits / 8;
@@ -315,6 +334,19 @@ void LogSumExp::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&)
 
 int threads() {
   return pool().size();
+}
+
+double peak_gflops() {
+  constexpr long kRounds = 1 << 22;  // ~10-20 ms a thread
+  double best = 0;
+  for (int attempt = 0; attempt < 3; ++attempt) {
+    std::atomic<double> flops{0};
+    const auto start = std::chrono::steady_clock::now();
+    pool().run(pool().size(), [&](int) { flops.fetch_add(fma_flops(kRounds)); });
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    best = std::max(best, flops.load() / seconds / 1e9);
+  }
+  return best;
 }
 
 void set_threads(int n) {

@@ -98,6 +98,10 @@ class LogSumExp : public mx::Primitive {
 
 // Threads the matmuls split across (the calling thread included).
 int threads();
+
+// The pool's peak FLOP rate in billions a second: every thread running multiply-add chains in
+// registers at the widest vector width in use (fma_flops), best of three ~20 ms runs.
+double peak_gflops();
 void set_threads(int n);
 
 } // namespace mlxinfer
