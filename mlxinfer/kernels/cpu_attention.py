@@ -26,4 +26,4 @@ def decode_attention(q: mx.array, caches: list[tuple[mx.array, mx.array, int]], 
     """q [B, heads, 1, dims] over row b's (keys, values, live slots): buffers
     [1, kv_heads, slots, dims] whose first `live` slots hold its keys and values."""
     buffers = [a for keys, values, _ in caches for a in (keys, values)]
-    return extension().decode_attention(q, buffers, [n for _, _, n in caches], scale)
+    return extension().attention(q, buffers, [n for _, _, n in caches], scale)

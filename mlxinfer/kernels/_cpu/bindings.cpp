@@ -34,9 +34,12 @@ NB_MODULE(_cpu_qmm, m) {
   m.def("affine_gather_quantized_matmul", &mlxinfer::affine_gather_quantized_matmul, "x"_a, "w"_a, "scales"_a,
         "biases"_a, "indices"_a, "group_size"_a, "bits"_a,
         "Row m of x [rows, in] @ dequantize(w[indices[m]]).T: one row per routed token (MoE experts).");
-  m.def("decode_attention", &mlxinfer::decode_attention, "q"_a, "caches"_a, "lengths"_a, "scale"_a,
-        "One query per head of each row b over the first lengths[b] slots of its own float32 K/V buffers "
-        "(caches = [keys_0, values_0, keys_1, ...]), each (row, head) in one fixed order.");
+  m.def("attention",
+        static_cast<mx::array (*)(const mx::array&, const std::vector<mx::array>&, const std::vector<int>&, float, int)>(
+            &mlxinfer::attention), "q"_a, "caches"_a, "lengths"_a, "scale"_a, "window"_a = 0,
+        "Causal attention of q [rows, heads, tokens, dims] (each row's newest tokens) over the first lengths[b] "
+        "slots of row b's own float32 K/V buffers (caches = [keys_0, values_0, keys_1, ...]), the last `window` "
+        "slots up to each query when window > 0; tiled, each query in one fixed order.");
   m.def(
       "decode_layer_in",
       [](const mx::array& x, const mx::array& norm, const std::vector<mx::array>& qkv, int qkv_bits, int qkv_group,
@@ -68,7 +71,7 @@ NB_MODULE(_cpu_qmm, m) {
          const std::vector<mx::array>& down, int down_bits, int down_group,
          const std::vector<std::vector<mx::array>>& loras, const std::vector<mx::array>& caches,
          const std::vector<int>& lengths, const std::vector<int>& slots, int heads, int kv_heads, int head_dim,
-         float scale, float eps, bool gelu) {
+         float scale, float eps, bool gelu, int window) {
         mlxinfer::LayerOutSpec spec;
         spec.heads = heads;
         spec.kv_heads = kv_heads;
@@ -80,14 +83,15 @@ NB_MODULE(_cpu_qmm, m) {
         spec.down = linear(down, down_bits, down_group);
         spec.gelu = gelu;
         spec.lengths = lengths;
+        spec.window = window;
         spec.slots = slots;
         return mlxinfer::decode_layer_out(x, q, o, norms, gate_up, down, loras, caches, std::move(spec));
       },
       "x"_a, "q"_a, "o"_a, "o_bits"_a, "o_group"_a, "norms"_a, "gate_up"_a, "gate_up_bits"_a, "gate_up_group"_a,
       "down"_a, "down_bits"_a, "down_group"_a, "loras"_a, "caches"_a, "lengths"_a, "slots"_a, "heads"_a, "kv_heads"_a, "head_dim"_a,
-      "scale"_a, "eps"_a, "gelu"_a,
-      "A step's second half: causal attention over each row's stored cache, O, residual, norm, gated MLP, "
-      "residual -> the block's output. norms: [pre-MLP] or [post-attention, pre-MLP, post-MLP] (sandwich).");
+      "scale"_a, "eps"_a, "gelu"_a, "window"_a = 0,
+      "A step's second half: causal attention over each row's stored cache (the last `window` slots when > 0), "
+      "O, residual, norm, gated MLP, residual -> the block's output. norms: [pre-MLP] or [post-attention, pre-MLP, post-MLP] (sandwich).");
   m.def("logsumexp", static_cast<mx::array (*)(const mx::array&)>(&mlxinfer::logsumexp), "x"_a,
         "[rows, 1]: log(sum(exp(x))) of each float32 row, shifted by its maximum (AVX-512: 16 exps at once).");
   m.def("threads", &mlxinfer::threads, "Threads a matmul is split across (the calling one included).");
