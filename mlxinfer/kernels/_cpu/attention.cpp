@@ -268,6 +268,7 @@ constexpr float kExpFloor = -87.0f;
 // The most queries a loop's tile holds, and the queries of one task of a prompt chunk (they
 // share each segment's transposed keys).
 constexpr int kMaxTile = 8;
+constexpr int kStateLanes = 16;
 constexpr int kGroupQueries = 96;
 // Below this many multiply-adds a call runs on the calling thread alone.
 constexpr int64_t kParallelFrom = 1 << 16;
@@ -314,9 +315,10 @@ struct Group {
 };
 
 // One tile's working rows: q' [tile, dims], scores then p [tile, kKeyBlock], o [tile, dims], and
-// each query's running max m, sum l and this block's carry c.
+// each query's running max m, sum l, this block's max top and carry c (kStateLanes each, so a
+// loop may read a whole vector of them).
 struct TileState {
-  float *q, *s, *o, *m, *l, *c;
+  float *q, *s, *o, *m, *l, *top, *c;
 };
 
 // A thread's buffers, kept between calls.
@@ -328,15 +330,15 @@ struct Scratch {
     return kt.data();
   }
   TileState tile(int dims) {
-    rows.resize(static_cast<size_t>(kMaxTile) * (2 * dims + kKeyBlock + 3));
-    float* at = rows.data();
+    rows.resize(static_cast<size_t>(kMaxTile) * (2 * dims + kKeyBlock) + 4 * kStateLanes);
     TileState t;
-    t.q = at;
-    t.o = at + kMaxTile * dims;
+    t.q = rows.data();
+    t.o = t.q + kMaxTile * dims;
     t.s = t.o + kMaxTile * dims;
     t.m = t.s + kMaxTile * kKeyBlock;
-    t.l = t.m + kMaxTile;
-    t.c = t.l + kMaxTile;
+    t.l = t.m + kStateLanes;
+    t.top = t.l + kStateLanes;
+    t.c = t.top + kStateLanes;
     return t;
   }
 };

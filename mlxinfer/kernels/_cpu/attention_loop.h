@@ -140,7 +140,7 @@ void accumulate_queries(int count, const float* p, const float* c, float* o, int
 }
 
 // The block's softmax step for each of the tile's `count` queries: scores outside [lo, hi) masked,
-// the new maximum, the carry c of the old sums, p in place of the scores, and l.
+// the new maximum, the carry c of the old sums (N queries' at once), p in place of the scores, and l.
 void softmax(int count, int j0, const int* lo, const int* hi, TileState& t) {
   constexpr int NV = kKeyBlock / N;
   for (int m = 0; m < count; ++m) {
@@ -152,21 +152,28 @@ void softmax(int count, int j0, const int* lo, const int* hi, TileState& t) {
     if (j0 < lo[m] || j0 + kKeyBlock > hi[m]) {
       for (int v = 0; v < NV; ++v) {
         s[v] = Ops::keep_lanes(s[v], lo[m] - j0 - v * N, hi[m] - j0 - v * N);
+        Ops::store(row + v * N, s[v]);
       }
     }
     V most = s[0];
     for (int v = 1; v < NV; ++v) {
       most = Ops::max(most, s[v]);
     }
-    const float top = larger(t.m[m], Ops::lane_max(most));
-    const V shift = Ops::set1(top);
+    t.top[m] = larger(t.m[m], Ops::lane_max(most));
+  }
+  for (int m = 0; m < count; m += N) {
+    Ops::store(t.c + m, exp_nonpositive(Ops::sub(Ops::load(t.m + m), Ops::load(t.top + m))));
+  }
+  for (int m = 0; m < count; ++m) {
+    float* row = t.s + m * kKeyBlock;
+    const V shift = Ops::set1(t.top[m]);
+    V p[NV];
     for (int v = 0; v < NV; ++v) {
-      s[v] = exp_nonpositive(Ops::sub(s[v], shift));
-      Ops::store(row + v * N, s[v]);
+      p[v] = exp_nonpositive(Ops::sub(Ops::load(row + v * N), shift));
+      Ops::store(row + v * N, p[v]);
     }
-    t.c[m] = exp_scalar(t.m[m] - top);
-    t.l[m] = std::fma(t.l[m], t.c[m], tree_sum(s));
-    t.m[m] = top;
+    t.l[m] = std::fma(t.l[m], t.c[m], tree_sum(p));
+    t.m[m] = t.top[m];
   }
 }
 

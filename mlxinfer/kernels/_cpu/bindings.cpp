@@ -71,7 +71,7 @@ NB_MODULE(_cpu_qmm, m) {
          const std::vector<mx::array>& down, int down_bits, int down_group,
          const std::vector<std::vector<mx::array>>& loras, const std::vector<mx::array>& caches,
          const std::vector<int>& lengths, const std::vector<int>& slots, int heads, int kv_heads, int head_dim,
-         float scale, float eps, bool gelu, int window) {
+         float scale, float eps, bool gelu) {
         mlxinfer::LayerOutSpec spec;
         spec.heads = heads;
         spec.kv_heads = kv_heads;
@@ -83,15 +83,14 @@ NB_MODULE(_cpu_qmm, m) {
         spec.down = linear(down, down_bits, down_group);
         spec.gelu = gelu;
         spec.lengths = lengths;
-        spec.window = window;
         spec.slots = slots;
         return mlxinfer::decode_layer_out(x, q, o, norms, gate_up, down, loras, caches, std::move(spec));
       },
       "x"_a, "q"_a, "o"_a, "o_bits"_a, "o_group"_a, "norms"_a, "gate_up"_a, "gate_up_bits"_a, "gate_up_group"_a,
       "down"_a, "down_bits"_a, "down_group"_a, "loras"_a, "caches"_a, "lengths"_a, "slots"_a, "heads"_a, "kv_heads"_a, "head_dim"_a,
-      "scale"_a, "eps"_a, "gelu"_a, "window"_a = 0,
-      "A step's second half: causal attention over each row's stored cache (the last `window` slots when > 0), "
-      "O, residual, norm, gated MLP, residual -> the block's output. norms: [pre-MLP] or [post-attention, pre-MLP, post-MLP] (sandwich).");
+      "scale"_a, "eps"_a, "gelu"_a,
+      "A step's second half: causal attention over each row's stored cache, O, residual, norm, gated MLP, "
+      "residual -> the block's output. norms: [pre-MLP] or [post-attention, pre-MLP, post-MLP] (sandwich).");
   m.def("logsumexp", static_cast<mx::array (*)(const mx::array&)>(&mlxinfer::logsumexp), "x"_a,
         "[rows, 1]: log(sum(exp(x))) of each float32 row, shifted by its maximum (AVX-512: 16 exps at once).");
   m.def("threads", &mlxinfer::threads, "Threads a matmul is split across (the calling one included).");

@@ -370,7 +370,6 @@ mx::array decode_layer_out(const mx::array& x, const mx::array& q, const std::ve
   check(q.dtype() == mx::float32 && q.shape() == mx::Shape{rows, spec.heads, tokens, dims},
         "q must be float32 [rows, heads, tokens, head_dim], got " + shape_text(q));
   check(spec.kv_heads > 0 && spec.heads % spec.kv_heads == 0, "heads must be a multiple of kv_heads");
-  check(spec.window >= 0, "window must be 0 (none) or positive");
   check(static_cast<int>(spec.lengths.size()) == rows && static_cast<int>(caches.size()) == 2 * rows,
         "need keys, values and a length for each row");
   for (size_t i = 0; i < caches.size(); ++i) {
@@ -434,7 +433,7 @@ void DecodeLayerOut::eval_cpu(const std::vector<mx::array>& inputs, std::vector<
       values.push_back(cached_heads(inputs[i + 1], keep[i + 1]));
     }
     std::vector<float> attended(static_cast<size_t>(all) * heads * dims);
-    const AttentionShape shape{heads, spec.kv_heads, dims, tokens, spec.scale, spec.window};
+    const AttentionShape shape{heads, spec.kv_heads, dims, tokens, spec.scale};
     const AttentionOutput into{attended.data(), static_cast<int64_t>(tokens) * heads * dims,
                                static_cast<int64_t>(heads) * dims, dims};
     attention(qs, keys.data(), values.data(), spec.lengths.data(), rows, shape, into, pool());

@@ -61,7 +61,6 @@ struct LayerOutSpec {
   LinearSpec o, gate_up, down;
   bool gelu = false; // tanh-approximated GELU (GeGLU) instead of SiLU
   std::vector<int> lengths; // each row's live cache slots, the new ones (its last `tokens`) included
-  int window = 0;           // > 0: each token attends only the last `window` slots up to itself
   std::vector<int> slots;   // each row's adapter slot (empty: no projection has adapters)
   bool operator==(const LayerOutSpec&) const = default;
 };
@@ -76,8 +75,7 @@ std::vector<mx::array> decode_layer_in(const mx::array& x, const mx::array& norm
 
 // x [rows, tokens, hidden] the block's input (the residual), q from decode_layer_in, `caches`
 // [keys_0, values_0, keys_1, ...] each row's float32 buffers [1, kv_heads, slots, dims] with
-// the new entries stored; each new token attends causally (to its row's slots up to itself, the
-// last spec.window of them when it is > 0; slots in position order, see AttentionShape).
+// the new entries stored; each new token attends causally (to its row's slots up to itself).
 // `norms`: [pre-MLP norm], or [post-attention, pre-MLP, post-MLP] for sandwich norms.
 // -> the block's output [rows, tokens, hidden].
 // `loras`: for o, gate_up and down, empty or that projection's [A, B] stacks (see LinearSpec).
