@@ -197,3 +197,18 @@ def test_attention_reads_strided_buffers_and_refuses_bad_arguments():
         ext.attention(mx.array(q).astype(mx.float16), [mx.array(k), mx.array(v)], [12], SCALE)
     with pytest.raises(ValueError, match="window"):
         ext.attention(mx.array(q), [mx.array(k), mx.array(v)], [12], SCALE, -1)
+
+
+def test_doctor_says_which_attention_runs_where(monkeypatch):
+    from click.testing import CliRunner
+
+    from mlxinfer.cli.main import main
+
+    def line() -> str:
+        result = CliRunner().invoke(main, ["doctor"])
+        assert result.exit_code == 0, result.output
+        return next(line for line in result.output.splitlines() if line.startswith("attention:"))
+
+    assert ("CPU extension, tiled" in line()) == (ext is not None)
+    monkeypatch.setenv("MLXINFER_CPU_QMM", "off")
+    assert "MLX's attention per op" in line()
