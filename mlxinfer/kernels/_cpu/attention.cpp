@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <cstring>
 #include <functional>
+#include <memory>
 #include <vector>
 
 #include "kernel.h"
@@ -684,27 +685,34 @@ void attention(const float* q, const CachedHeads* keys, const CachedHeads* value
       pool.run(n, fn);
     }
   };
+  // A task's queries: the states of its segments (`state(segment)`) merged in order, then o / l.
+  auto gather = [&](const Task& k, auto state) {
+    Scratch& s = scratch();
+    s.total.resize(static_cast<size_t>(k.count) * stride);
+    for (int i = 0; i < k.count; ++i) {
+      empty_state(s.total.data() + i * stride, dims);
+    }
+    const auto [from, to] = segments_of(k.g, k.first, k.count);
+    for (int seg = from; seg < to; ++seg) {
+      loop.merge(state(seg), s.total.data(), k.count, dims);
+    }
+    loop.finish(k.g, s.total.data(), k.first, k.count);
+  };
   if (tasks >= 2 * pool.size() || most_segments == 1 || work < kParallelFrom) {
-    // Enough tasks for the threads: each merges its segments as it goes.
+    // Enough tasks for the threads: each computes its segments one after the other.
     run(tasks, [&](int t) {
       const Task k = task(t);
-      Scratch& s = scratch();
-      s.part.resize(static_cast<size_t>(k.count) * stride);
-      s.total.resize(static_cast<size_t>(k.count) * stride);
-      for (int i = 0; i < k.count; ++i) {
-        empty_state(s.total.data() + i * stride, dims);
-      }
-      const auto [from, to] = segments_of(k.g, k.first, k.count);
-      for (int seg = from; seg < to; ++seg) {
+      gather(k, [&](int seg) {
+        Scratch& s = scratch();
+        s.part.resize(static_cast<size_t>(k.count) * stride);
         loop.segment(k.g, seg, k.first, k.count, s, s.part.data());
-        loop.merge(s.part.data(), s.total.data(), k.count, dims);
-      }
-      loop.finish(k.g, s.total.data(), k.first, k.count);
+        return s.part.data();
+      });
     });
     return;
   }
   // Few tasks over long caches (a decode step): every segment its own task, then each task's
-  // segment states merged in order, as the loop above merges them.
+  // states merged here (a few queries' worth of work, not worth waking the threads again).
   std::vector<int> first_part(tasks + 1, 0);
   std::vector<std::pair<int, int>> parts;  // (task, segment)
   for (int t = 0; t < tasks; ++t) {
@@ -715,23 +723,16 @@ void attention(const float* q, const CachedHeads* keys, const CachedHeads* value
     }
     first_part[t + 1] = static_cast<int>(parts.size());
   }
-  std::vector<float> states(parts.size() * size * stride);
+  const std::unique_ptr<float[]> states(new float[parts.size() * size * stride]);
   run(static_cast<int>(parts.size()), [&](int p) {
     const Task k = task(parts[p].first);
-    loop.segment(k.g, parts[p].second, k.first, k.count, scratch(), states.data() + p * size * stride);
+    loop.segment(k.g, parts[p].second, k.first, k.count, scratch(), states.get() + p * size * stride);
   });
-  run(tasks, [&](int t) {
+  for (int t = 0; t < tasks; ++t) {
     const Task k = task(t);
-    Scratch& s = scratch();
-    s.total.resize(static_cast<size_t>(k.count) * stride);
-    for (int i = 0; i < k.count; ++i) {
-      empty_state(s.total.data() + i * stride, dims);
-    }
-    for (int p = first_part[t]; p < first_part[t + 1]; ++p) {
-      loop.merge(states.data() + p * size * stride, s.total.data(), k.count, dims);
-    }
-    loop.finish(k.g, s.total.data(), k.first, k.count);
-  });
+    const int from = segments_of(k.g, k.first, k.count).first;
+    gather(k, [&](int seg) { return states.get() + (first_part[t] + seg - from) * size * stride; });
+  }
 }
 
 } // namespace mlxinfer
