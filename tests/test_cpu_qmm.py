@@ -336,65 +336,6 @@ def test_doctor_reports_the_active_path():
     assert ("4-bit GEMM:" in result.output and "of the" in result.output) == (ext is not None)
 
 
-def decode_attention_numpy(q: np.ndarray, caches: list[tuple[np.ndarray, np.ndarray, int]], scale: float):
-    """Softmax attention in float64 over each row's first `live` slots, grouped-query heads."""
-    out = np.zeros(q.shape, np.float64)
-    heads = q.shape[1]
-    for b, (k, v, live) in enumerate(caches):
-        group = heads // k.shape[1]
-        k, v = np.repeat(k[0, :, :live], group, axis=0), np.repeat(v[0, :, :live], group, axis=0)
-        s = np.einsum("hd,hjd->hj", q[b, :, 0].astype(np.float64), k) * scale
-        p = np.exp(s - s.max(-1, keepdims=True))
-        out[b, :, 0] = np.einsum("hj,hjd->hd", p / p.sum(-1, keepdims=True), v)
-    return out
-
-
-def attention_case(seed: int, slots=(10, 300, 64), live=(7, 300, 1), heads=8, kv_heads=2, dims=64):
-    rng = np.random.default_rng(seed)
-    q = rng.standard_normal((len(slots), heads, 1, dims)).astype(np.float32)
-    caches = [(rng.standard_normal((1, kv_heads, n, dims)).astype(np.float32),
-               rng.standard_normal((1, kv_heads, n, dims)).astype(np.float32), m) for n, m in zip(slots, live)]
-    return q, caches
-
-
-def run_decode_attention(q, caches, scale=0.125):
-    return np.array(ext.decode_attention(mx.array(q), [mx.array(a) for k, v, _ in caches for a in (k, v)],
-                                         [n for _, _, n in caches], scale))
-
-
-@needs_extension
-@pytest.mark.parametrize("dims", [64, 36])
-def test_decode_attention_matches_numpy(dims):
-    q, caches = attention_case(1, dims=dims)
-    np.testing.assert_allclose(run_decode_attention(q, caches), decode_attention_numpy(q, caches, 0.125), atol=2e-6)
-
-
-@needs_extension
-def test_decode_attention_rows_are_the_same_alone_and_batched_scalar_too():
-    q, caches = attention_case(2, slots=(40, 5000, 9), live=(33, 4096, 9))  # the long row runs on all threads
-    for level in ("best", "scalar"):
-        with simd(level):
-            batch = run_decode_attention(q, caches)
-            alone = [run_decode_attention(q[b : b + 1], caches[b : b + 1])[0] for b in range(len(caches))]
-        assert all(np.array_equal(batch[b], alone[b]) for b in range(len(caches)))
-        np.testing.assert_allclose(batch, decode_attention_numpy(q, caches, 0.125), atol=2e-6)
-
-
-@needs_extension
-def test_decode_attention_reads_strided_buffers_and_refuses_bad_arguments():
-    q, caches = attention_case(3, slots=(12,), live=(12,))
-    k, v, n = caches[0]
-    strided = mx.array(np.ascontiguousarray(k.transpose(0, 1, 3, 2))).transpose(0, 1, 3, 2)  # dims not innermost
-    got = np.array(ext.decode_attention(mx.array(q), [strided, mx.array(v)], [n], 0.125))
-    np.testing.assert_allclose(got, decode_attention_numpy(q, caches, 0.125), atol=2e-6)
-    with pytest.raises(ValueError, match="live slots"):
-        ext.decode_attention(mx.array(q), [mx.array(k), mx.array(v)], [13], 0.125)
-    with pytest.raises(ValueError, match="a length for each"):
-        ext.decode_attention(mx.array(q), [mx.array(k)], [12], 0.125)
-    with pytest.raises(ValueError, match="float32"):
-        ext.decode_attention(mx.array(q).astype(mx.float16), [mx.array(k), mx.array(v)], [12], 0.125)
-
-
 @needs_extension
 def test_logsumexp_matches_float64_and_mlx():
     """Against numpy in float64 (within 1e-6 plus a float32 sum's rounding over the row) on rows of every

@@ -230,6 +230,33 @@ def test_thread_count_does_not_change_a_step(hf_checkpoint):
 
 
 @needs_primitives
+@pytest.mark.parametrize("bits", [None, 4])
+def test_a_position_gets_the_same_numbers_in_a_prompt_chunk_and_a_decode_step(bits, hf_checkpoint, tmp_path, calls):
+    """Every part of a fused step is computed per token in one fixed order (the products row by row,
+    attention query by query), so the last layer's output at each position is the same bits whether
+    the prompt came as one chunk, as chunks of other sizes, or a token at a time."""
+    src = hf_checkpoint("qwen3", head_dim=32)
+    if bits is None:
+        model, _ = mlxinfer.load(src, dtype="float32")
+    else:
+        convert(src, tmp_path / "q", quantize=True, bits=bits, group_size=32)
+        model, _ = mlxinfer.load(tmp_path / "q")
+    ids = ids_of(9)
+
+    def hidden(chunks: list[int]) -> np.ndarray:
+        cache, out, at = make_cache(model), [], 0
+        for n in chunks:
+            out.append(model.model.blocks(model.model.embed(mx.array([ids[at : at + n]])), cache))
+            at += n
+        return np.array(mx.concatenate(out, axis=1))[0]
+
+    whole = hidden([LENGTH])
+    assert calls, "the chunk was not fused"
+    for chunks in ([9, 7] + [1] * (LENGTH - 16), [1] * LENGTH):
+        assert np.array_equal(hidden(chunks), whole), chunks
+
+
+@needs_primitives
 def test_layers_the_primitives_cannot_run_take_the_per_op_path(hf_checkpoint, calls):
     """Gemma 2's soft-capped scores and MoE feed-forwards are not fused (their own family tests
     check their numbers)."""

@@ -13,7 +13,7 @@ import mlx.core as mx
 
 from .. import kernels
 from ..base import blas
-from ..kernels import quantized_matmul
+from ..kernels import cpu_attention, quantized_matmul
 from ..kernels.selfcheck import CASES, SMALL, Check, Sizes  # noqa: F401  (SMALL: doctor.SMALL, the quick sizes)
 
 
@@ -44,7 +44,7 @@ def environment() -> list[tuple[str, str]]:
     rows += [("BLAS", blas.describe()), ("float32 matmul", f"{matmul_gflops():.1f} GFLOP/s (1024 x 1024, CPU)")]
     advice = blas.hint() or blas.core_hint()
     rows += [("BLAS advice", advice)] if advice else []
-    rows += [("quantized matmul", quantized_matmul.describe()),
+    rows += [("quantized matmul", quantized_matmul.describe()), ("attention", cpu_attention.describe()),
              ("4-bit matvec", f"{quantized_matvec_rate():.2f} GB/s of weights read (4096 x 4096, group 64)")]
     ext = quantized_matmul.extension()
     if ext is not None and mx.default_device().type == mx.DeviceType.cpu:

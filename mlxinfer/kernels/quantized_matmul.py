@@ -41,7 +41,7 @@ BITS = (2, 3, 4, 5, 6, 8)
 GROUP_SIZES = (32, 64, 128)
 MODES = ("auto", "off")
 # What this package calls in the extension: a build from older sources lacks some.
-ENTRY_POINTS = ("affine_quantized_matmul", "affine_gather_quantized_matmul", "decode_attention", "decode_layer_in",
+ENTRY_POINTS = ("affine_quantized_matmul", "affine_gather_quantized_matmul", "attention", "decode_layer_in",
                 "decode_layer_out", "logsumexp", "peak_gflops")
 _loaded: list[ModuleType | None] = []
 _why_not: list[str] = []

@@ -34,9 +34,12 @@ NB_MODULE(_cpu_qmm, m) {
   m.def("affine_gather_quantized_matmul", &mlxinfer::affine_gather_quantized_matmul, "x"_a, "w"_a, "scales"_a,
         "biases"_a, "indices"_a, "group_size"_a, "bits"_a,
         "Row m of x [rows, in] @ dequantize(w[indices[m]]).T: one row per routed token (MoE experts).");
-  m.def("decode_attention", &mlxinfer::decode_attention, "q"_a, "caches"_a, "lengths"_a, "scale"_a,
-        "One query per head of each row b over the first lengths[b] slots of its own float32 K/V buffers "
-        "(caches = [keys_0, values_0, keys_1, ...]), each (row, head) in one fixed order.");
+  m.def("attention",
+        static_cast<mx::array (*)(const mx::array&, const std::vector<mx::array>&, const std::vector<int>&, float, int)>(
+            &mlxinfer::attention), "q"_a, "caches"_a, "lengths"_a, "scale"_a, "window"_a = 0,
+        "Causal attention of q [rows, heads, tokens, dims] (each row's newest tokens) over the first lengths[b] "
+        "slots of row b's own float32 K/V buffers (caches = [keys_0, values_0, keys_1, ...]), the last `window` "
+        "slots up to each query when window > 0; tiled, each query in one fixed order.");
   m.def(
       "decode_layer_in",
       [](const mx::array& x, const mx::array& norm, const std::vector<mx::array>& qkv, int qkv_bits, int qkv_group,

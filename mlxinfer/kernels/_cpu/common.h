@@ -58,4 +58,8 @@ const void* row_major(const mx::array& a, std::vector<uint8_t>& keep);
 
 std::string shape_text(const mx::array& a);
 
+// A float32 cache buffer [1, kv_heads, slots, dims] as attention reads it: in place when its dims
+// are contiguous, else copied row major into `keep`.
+CachedHeads cached_heads(const mx::array& c, std::vector<uint8_t>& keep);
+
 } // namespace mlxinfer

@@ -66,20 +66,44 @@ bool simd_avx2();
 // Whether the AVX-512 loops run (the CPU has them and `limit_simd` allows them).
 bool simd_avx512();
 
-// One sequence's cached keys or values for one decode step: float32, entry (head h,
-// slot j, dim d) at data[h * head_stride + j * slot_stride + d], slots [0, length) live.
+// One sequence's cached keys or values: float32, entry (head h, slot j, dim d) at
+// data[h * head_stride + j * slot_stride + d].
 struct CachedHeads {
   const float* data;
   int64_t head_stride;
   int64_t slot_stride;
 };
 
-// softmax(q . k_j * scale) . v_j over the `length` live slots of one query head against
-// kv head `kv_head`; q and out are `dims` floats. One fixed order of arithmetic per head,
-// the same whatever else is computed beside it (batch invariance); `scores` has room
-// for `length` floats.
-void decode_attention_head(const float* q, const CachedHeads& keys, const CachedHeads& values, int kv_head,
-                           int length, int dims, float scale, float* out, float* scores);
+// The queries of an attention call: each row brings `tokens` new positions, the last `tokens` of
+// its cache's live slots; position t of a row with `length` live slots sits at slot
+// length - tokens + t and attends the slots up to itself (causal), only the last `window` of them
+// when window > 0. Query head h reads KV head h / (heads / kv_heads).
+struct AttentionShape {
+  int heads = 0;
+  int kv_heads = 0;
+  int dims = 0;
+  int tokens = 0;
+  float scale = 0;
+  int window = 0;
+};
+
+// Where attention writes: row r, position t, head h at data + r * row + t * token + h * head.
+struct AttentionOutput {
+  float* data;
+  int64_t row;
+  int64_t token;
+  int64_t head;
+};
+
+class Pool;
+
+// softmax(q . k_j * scale) . v_j for every row r (cache keys[r], values[r] with lengths[r] live
+// slots), head and position of q [rows, heads, tokens, dims], over the slots each attends (see
+// AttentionShape), split across `pool`. Tiled with an online softmax (attention.cpp); each
+// query's arithmetic is fixed, the same whatever the batch, the tokens beside it and the loop
+// (AVX-512, AVX2 and the scalar one give the same bits).
+void attention(const float* q, const CachedHeads* keys, const CachedHeads* values, const int* lengths, int rows,
+               const AttentionShape& shape, const AttentionOutput& out, Pool& pool);
 
 // a . b over n floats in one fixed order (AVX2 lanes then a fixed tree where the CPU has
 // them, else a plain loop).

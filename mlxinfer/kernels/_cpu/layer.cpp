@@ -428,37 +428,17 @@ void DecodeLayerOut::eval_cpu(const std::vector<mx::array>& inputs, std::vector<
     const Projection down = projection(inputs, at, spec.down, keep);
     at += spec.down.count();
 
-    // Attention: each (row, head) by decode_attention_head, as the DecodeAttention primitive does.
-    std::vector<CachedHeads> caches;
-    size_t work = 0;
-    for (size_t i = at; i < inputs.size(); ++i) {
-      const mx::array& c = inputs[i];
-      if (c.strides()[3] == 1) {
-        caches.push_back({c.data<float>(), c.strides()[1], c.strides()[2]});
-      } else {
-        const auto* data = static_cast<const float*>(row_major(c, keep[i]));
-        caches.push_back({data, static_cast<int64_t>(c.shape(2)) * dims, dims});
-      }
-      work += static_cast<size_t>(spec.lengths[(i - at) / 2]) * dims;
+    // Attention: the tiled kernel over each row's cache, written [rows * tokens, heads * dims] for o.
+    std::vector<CachedHeads> keys, values;
+    for (size_t i = at; i < inputs.size(); i += 2) {
+      keys.push_back(cached_heads(inputs[i], keep[i]));
+      values.push_back(cached_heads(inputs[i + 1], keep[i + 1]));
     }
-    // Token t of a row attends to its cache up to itself: the last `tokens` live slots are the new ones.
     std::vector<float> attended(static_cast<size_t>(all) * heads * dims);
-    const int group = heads / spec.kv_heads;
-    auto head = [&](int task) {
-      const int i = task / heads, hd = task % heads, r = i / tokens, t = i % tokens;
-      const int length = spec.lengths[r] - tokens + 1 + t;
-      std::vector<float> scores(length);
-      decode_attention_head(qs + ((static_cast<size_t>(r) * heads + hd) * tokens + t) * dims, caches[2 * r],
-                            caches[2 * r + 1], hd / group, length, dims, spec.scale,
-                            attended.data() + (static_cast<size_t>(i) * heads + hd) * dims, scores.data());
-    };
-    if (work * heads * tokens < kSplitFrom) {
-      for (int task = 0; task < all * heads; ++task) {
-        head(task);
-      }
-    } else {
-      pool().run(all * heads, head);
-    }
+    const AttentionShape shape{heads, spec.kv_heads, dims, tokens, spec.scale};
+    const AttentionOutput into{attended.data(), static_cast<int64_t>(tokens) * heads * dims,
+                               static_cast<int64_t>(heads) * dims, dims};
+    attention(qs, keys.data(), values.data(), spec.lengths.data(), rows, shape, into, pool());
 
     // x + o(attention), then + down(act(gate) * up) of its norm; sandwich norms also norm each
     // sublayer's output before its residual add (Gemma).

@@ -235,19 +235,22 @@ bool AffineQuantizedMatmul::is_equivalent(const mx::Primitive& other) const {
   return group_size_ == o.group_size_ && bits_ == o.bits_ && gather_ == o.gather_;
 }
 
-mx::array decode_attention(const mx::array& q, const std::vector<mx::array>& caches,
-                           const std::vector<int>& lengths, float scale) {
+mx::array attention(const mx::array& q, const std::vector<mx::array>& caches, const std::vector<int>& lengths,
+                    float scale, int window) {
   std::ostringstream err;
-  if (q.dtype() != mx::float32 || q.ndim() != 4 || q.shape(2) != 1) {
-    err << "q must be float32 [rows, heads, 1, dims], got " << shape_text(q);
+  if (q.dtype() != mx::float32 || q.ndim() != 4) {
+    err << "q must be float32 [rows, heads, tokens, dims], got " << shape_text(q);
   } else if (caches.size() != 2 * static_cast<size_t>(q.shape(0)) || lengths.size() != static_cast<size_t>(q.shape(0))) {
     err << "need keys and values and a length for each of the " << q.shape(0) << " rows";
+  } else if (window < 0) {
+    err << "window must be 0 (none) or positive, got " << window;
   } else {
     for (size_t i = 0; i < caches.size() && err.str().empty(); ++i) {
       const mx::array& c = caches[i];
       const int length = lengths[i / 2];
-      if (c.dtype() != mx::float32 || c.ndim() != 4 || c.shape(0) != 1 || c.shape(3) != q.shape(3) ||
-          c.shape(1) < 1 || q.shape(1) % c.shape(1) != 0 || length < 1 || length > c.shape(2)) {
+      if (c.dtype() != mx::float32 || c.ndim() != 4 || c.shape(0) != 1 || c.shape(1) != caches[0].shape(1) ||
+          c.shape(3) != q.shape(3) || c.shape(1) < 1 || q.shape(1) % c.shape(1) != 0 || length < q.shape(2) ||
+          length > c.shape(2)) {
         err << "row " << i / 2 << "'s cache is " << shape_text(c) << " with " << length
             << " live slots for q " << shape_text(q);
       }
@@ -259,54 +262,43 @@ mx::array decode_attention(const mx::array& q, const std::vector<mx::array>& cac
   const mx::Stream cpu = mx::default_stream(mx::Device::cpu);
   std::vector<mx::array> inputs{q};
   inputs.insert(inputs.end(), caches.begin(), caches.end());
-  return mx::array(q.shape(), mx::float32, std::make_shared<DecodeAttention>(cpu, lengths, scale), inputs);
+  return mx::array(q.shape(), mx::float32, std::make_shared<Attention>(cpu, lengths, scale, window), inputs);
 }
 
-void DecodeAttention::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
+CachedHeads cached_heads(const mx::array& c, std::vector<uint8_t>& keep) {
+  if (c.strides()[3] == 1) {
+    return {c.data<float>(), c.strides()[1], c.strides()[2]};
+  }
+  const auto* data = static_cast<const float*>(row_major(c, keep));  // a strided view
+  return {data, static_cast<int64_t>(c.shape(2)) * c.shape(3), c.shape(3)};
+}
+
+void Attention::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
   mx::array& out = outputs[0];
-  queue_on_cpu(stream(), inputs, out, [inputs, lengths = lengths_, scale = scale_](float* y) {
+  queue_on_cpu(stream(), inputs, out, [inputs, lengths = lengths_, scale = scale_, window = window_](float* y) {
     const mx::array& q = inputs[0];
-    std::vector<uint8_t> keep_q;
-    const auto* qs = static_cast<const float*>(row_major(q, keep_q));
-    const int rows = q.shape(0), heads = q.shape(1), dims = q.shape(3);
     std::vector<std::vector<uint8_t>> keep(inputs.size());
-    std::vector<CachedHeads> caches;
-    size_t work = 0;
-    for (size_t i = 1; i < inputs.size(); ++i) {
-      const mx::array& c = inputs[i];
-      if (c.strides()[3] == 1) {
-        caches.push_back({c.data<float>(), c.strides()[1], c.strides()[2]});
-      } else {  // a strided view: copied row major
-        const auto* data = static_cast<const float*>(row_major(c, keep[i]));
-        caches.push_back({data, static_cast<int64_t>(c.shape(2)) * dims, dims});
-      }
-      work += static_cast<size_t>(lengths[(i - 1) / 2]) * dims;
+    const auto* qs = static_cast<const float*>(row_major(q, keep[0]));
+    const int rows = q.shape(0), heads = q.shape(1), tokens = q.shape(2), dims = q.shape(3);
+    std::vector<CachedHeads> keys, values;
+    for (size_t i = 1; i < inputs.size(); i += 2) {
+      keys.push_back(cached_heads(inputs[i], keep[i]));
+      values.push_back(cached_heads(inputs[i + 1], keep[i + 1]));
     }
-    auto head = [&](int task) {
-      const int r = task / heads, h = task % heads;
-      const int kv_heads = inputs[1 + 2 * r].shape(1);
-      std::vector<float> scores(lengths[r]);
-      const size_t at = (static_cast<size_t>(r) * heads + h) * dims;
-      decode_attention_head(qs + at, caches[2 * r], caches[2 * r + 1], h / (heads / kv_heads), lengths[r], dims,
-                            scale, y + at, scores.data());
-    };
-    if (work * heads < kSplitFrom) {
-      for (int t = 0; t < rows * heads; ++t) {
-        head(t);
-      }
-      return;
-    }
-    pool().run(rows * heads, head);
+    const AttentionShape shape{heads, inputs[1].shape(1), dims, tokens, scale, window};
+    const AttentionOutput into{y, static_cast<int64_t>(heads) * tokens * dims, dims,
+                               static_cast<int64_t>(tokens) * dims};
+    mlxinfer::attention(qs, keys.data(), values.data(), lengths.data(), rows, shape, into, pool());
   });
 }
 
-void DecodeAttention::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
-  throw std::runtime_error("MlxinferDecodeAttention runs on the CPU only");
+void Attention::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
+  throw std::runtime_error("MlxinferAttention runs on the CPU only");
 }
 
-bool DecodeAttention::is_equivalent(const mx::Primitive& other) const {
-  const auto& o = static_cast<const DecodeAttention&>(other);
-  return lengths_ == o.lengths_ && scale_ == o.scale_;
+bool Attention::is_equivalent(const mx::Primitive& other) const {
+  const auto& o = static_cast<const Attention&>(other);
+  return lengths_ == o.lengths_ && scale_ == o.scale_ && window_ == o.window_;
 }
 
 mx::array logsumexp(const mx::array& x) {

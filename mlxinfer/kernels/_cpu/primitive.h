@@ -52,30 +52,32 @@ class AffineQuantizedMatmul : public mx::Primitive {
   bool gather_;
 };
 
-// Decode attention for a batch of sequences, each over its own cache: q [B, heads, 1, dims]
-// float32; `caches` holds keys then values of each row b, float32 [1, kv_heads, slots, dims]
-// (the cache buffers as they lie), of which the first lengths[b] slots are live. Every
-// (row, head) is computed by one fixed loop (decode_attention_head), so a row's output
-// does not depend on the others. -> [B, heads, 1, dims] float32.
-mx::array decode_attention(const mx::array& q, const std::vector<mx::array>& caches,
-                           const std::vector<int>& lengths, float scale);
+// Causal attention for a batch of sequences, each over its own cache: q [B, heads, tokens, dims]
+// float32 (each row's newest `tokens` positions); `caches` holds keys then values of each row b,
+// float32 [1, kv_heads, slots, dims] (the cache buffers as they lie, in position order), of which
+// the first lengths[b] slots are live, the new ones last. Each query attends the slots up to its
+// own, the last `window` of them when window > 0 (see kernel.h's `attention`); a row's output does
+// not depend on the others. -> [B, heads, tokens, dims] float32.
+mx::array attention(const mx::array& q, const std::vector<mx::array>& caches, const std::vector<int>& lengths,
+                    float scale, int window);
 
-class DecodeAttention : public mx::Primitive {
+class Attention : public mx::Primitive {
  public:
-  DecodeAttention(mx::Stream stream, std::vector<int> lengths, float scale)
-      : mx::Primitive(stream), lengths_(std::move(lengths)), scale_(scale) {}
+  Attention(mx::Stream stream, std::vector<int> lengths, float scale, int window)
+      : mx::Primitive(stream), lengths_(std::move(lengths)), scale_(scale), window_(window) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
   void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
 
   const char* name() const override {
-    return "MlxinferDecodeAttention";
+    return "MlxinferAttention";
   }
   bool is_equivalent(const mx::Primitive& other) const override;
 
  private:
   std::vector<int> lengths_;
   float scale_;
+  int window_;
 };
 
 // [rows, 1]: each row of x [rows, n] (float32) as log(sum(exp(x))), for log-probabilities.

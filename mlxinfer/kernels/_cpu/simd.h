@@ -8,4 +8,18 @@
 
 #define MLXINFER_AVX2 __attribute__((target("avx2,fma,f16c")))
 #define MLXINFER_AVX512 __attribute__((target("avx512f,avx2,fma,f16c")))
+
+// The same lists for a region of code: every function defined between a BEGIN and
+// MLXINFER_TARGET_END, templates included, is compiled for them (one source for several loops).
+#if defined(__clang__)
+#define MLXINFER_AVX2_BEGIN \
+  _Pragma("clang attribute push(__attribute__((target(\"avx2,fma,f16c\"))), apply_to = function)")
+#define MLXINFER_AVX512_BEGIN \
+  _Pragma("clang attribute push(__attribute__((target(\"avx512f,avx2,fma,f16c\"))), apply_to = function)")
+#define MLXINFER_TARGET_END _Pragma("clang attribute pop")
+#else
+#define MLXINFER_AVX2_BEGIN _Pragma("GCC push_options") _Pragma("GCC target(\"avx2,fma,f16c\")")
+#define MLXINFER_AVX512_BEGIN _Pragma("GCC push_options") _Pragma("GCC target(\"avx512f,avx2,fma,f16c\")")
+#define MLXINFER_TARGET_END _Pragma("GCC pop_options")
+#endif
 #endif
