@@ -14,6 +14,7 @@ import click
 
 from .. import __version__
 from ..base.errors import InvalidOptionError, MlxinferError
+from ..engine.options import PREFILL_STEP
 
 
 class Group(click.Group):
@@ -564,7 +565,7 @@ def bench(model_argument, model, dtype, prompt_tokens, gen_tokens, repeat, max_k
 @click.option("--pixels-per-request", type=click.IntRange(1), default=None,
               help="Pixels one request's images may hold together, width x height summed (default: 128000000; "
                    "each image: at most 64000000).")
-@click.option("--prefill-step", type=click.IntRange(1), default=512, show_default=True,
+@click.option("--prefill-step", type=click.IntRange(1), default=PREFILL_STEP, show_default=True,
               help="Prompt tokens per prefill chunk (one chunk's activations are held at once).")
 @PIPELINE_OPTION
 def serve(model, dtype, host, port, max_concurrency, max_queue, max_kv_size, kv_bits, prompt_cache_bytes,

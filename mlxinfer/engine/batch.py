@@ -44,7 +44,7 @@ from .fairness import SlotShares
 from .prepared import Prepared, count, prepare
 from .sequence import SequenceState, SharedPrompt
 from .text_stream import Chunk
-from .options import Prompt
+from .options import PREFILL_STEP, Prompt
 from ..models.vision import check_takes_images
 from .pool import PromptCachePool
 from .request import Request
@@ -83,7 +83,7 @@ class BatchGenerator:
     Not thread-safe: drive it from one thread.
     """
 
-    def __init__(self, model, tokenizer: Tokenizer, max_batch: int = 8, prefill_step: int = 512,
+    def __init__(self, model, tokenizer: Tokenizer, max_batch: int = 8, prefill_step: int = PREFILL_STEP,
                  pool: PromptCachePool | None = None, image_sources: frozenset[str] = LOCAL,
                  image_limits: ImageLimits = LIMITS, **defaults: Any):
         integer("max_batch", max_batch, 1)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from .quantized_matmul import EXTENSION_ROWS, extension, mode
+from .quantized_matmul import extension, mode
 
 
 def available(q: mx.array) -> bool:
@@ -39,6 +39,7 @@ def describe() -> str:
     if mode() == "off" or extension() is None:
         return "MLX's attention per op (the CPU extension is off or not built: see quantized matmul)"
     ext = extension()
-    return (f"CPU extension, tiled ({ext.simd()}, {ext.threads()} threads): decode steps, and prompt chunks of up to "
-            f"{EXTENSION_ROWS} tokens in standard blocks, over float32 K/V; MLX per op: the rest (longer chunks, "
-            "other blocks, chunks through a sliding window or a bounded cache, sinks, soft-capping, quantized K/V)")
+    return (f"CPU extension, tiled ({ext.simd()}, {ext.threads()} threads): decode steps and prompt chunks of "
+            "standard blocks over float32 K/V (chunks of any size with quantized projections); MLX per op: the rest "
+            "(other blocks, long chunks with float32 projections, chunks through a sliding window or a bounded "
+            "cache, sinks, soft-capping, quantized K/V)")
