@@ -21,6 +21,7 @@ from test_parity import VARIANTS as PARITY
 
 import mlxinfer
 from mlxinfer.engine.batch import BatchGenerator
+from mlxinfer.engine.sequence import SCORED_COST
 from mlxinfer.base.errors import InvalidOptionError
 from mlxinfer.engine.text_stream import Chunk
 
@@ -302,6 +303,24 @@ def test_a_step_prefills_at_most_one_chunk(loaded):
         assert engine.stats.prefilled_tokens - done <= 8
         done = engine.stats.prefilled_tokens
     assert done == 5 + 9 + 9
+
+
+def test_a_scored_prompt_counts_its_extra_work_against_the_chunk(loaded):
+    """A scored chunk also runs the LM head, a log-softmax and a top-k over the vocabulary for every
+    position (2.5x a plain chunk's time on the demo model), so it is cut `SCORED_COST` times shorter
+    and counts that much: a step with a scored prompt going in still costs one plain chunk at most."""
+    model, tok = loaded
+    engine = BatchGenerator(model, tok, prefill_step=16)
+    engine.submit(prompt(40, seed=3), max_tokens=0, echo=True, prompt_logprobs=1)
+    engine.submit(prompt(30, seed=4), **GREEDY)
+    scored = 16 // SCORED_COST
+    done, steps = 0, 0
+    while engine.active:
+        engine.step()
+        ran = engine.stats.prefilled_tokens - done
+        assert ran <= (scored if steps < -(-39 // scored) else 16), f"step {steps} prefilled {ran} tokens"
+        done, steps = engine.stats.prefilled_tokens, steps + 1
+    assert done == 39 + 29
 
 
 # 4. cache kinds

@@ -107,7 +107,7 @@ def scored_prefill(model, cache: PromptCache, tokens: Sequence[int], following: 
     every position, takes the float32 log-softmax over the whole vocabulary (as evaluators
     compute a log-likelihood) and reads the chosen and the `top` best entries of each row."""
     logits = finite(cache.run(model, tokens).astype(mx.float32))
-    rows = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    rows = logits - logsumexp(logits)
     chosen = mx.take_along_axis(rows, mx.array([int(t) for t in following])[:, None], axis=-1)[:, 0]
     k = min(top, rows.shape[-1])
     best = mx.argpartition(-rows, k - 1, axis=-1)[:, :k] if k else mx.zeros((len(tokens), 0), mx.int32)

@@ -358,10 +358,10 @@ class BatchGenerator:
             try:
                 while s.prompt_pending and budget > 0:
                     chunk = s.next_chunk()
-                    if len(chunk) > budget and budget < self.prefill_step:  # the next step runs it
+                    if s.cost(chunk) > budget and budget < self.prefill_step:  # the next step runs it
                         break
                     s.prefill(self.model, chunk)
-                    budget -= len(chunk)
+                    budget -= s.cost(chunk)
                     self.stats.prefilled_tokens += len(chunk)
             except Exception as e:  # noqa: BLE001 - one sequence's failure ends that sequence only
                 self._fail(s, e, out)

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 import mlx.core as mx
 import numpy as np
 
-from ..models.cache import make_cache
+from ..models.cache import LayerRows, make_cache
 from ..base.checks import integer, is_integer, token_ids
 from ..base.errors import ConfigError, InvalidOptionError
 from ..models import CausalLM
@@ -123,15 +123,18 @@ def _batches(ids: Sequence[Sequence[int]], batch_size: int, chunk: int) -> list[
 
 def _pooled(model: CausalLM, rows: list[Sequence[int]], modes: tuple[str, ...], chunk: int) -> Slices[np.ndarray]:
     """The pooled vectors of one batch, right-padded (with token 0: any id would do, no real token
-    sees it), a forward pass at a time: the whole batch, or a text longer than `chunk` in pieces
-    through a KV cache."""
+    sees it), a forward pass at a time: the whole batch, or a text longer than `chunk` in pieces.
+    Each row runs through a KV cache of its own, as a prompt chunk does, so the pass takes the same
+    path as prefill (on the CPU the fused layer: 500 tokens in 0.42 s where the cacheless per-op
+    pass took 1.5 s) and holds K/V, not a [heads, tokens, tokens] score matrix."""
     longest = max(map(len, rows))
     tokens = mx.array([list(r) + [0] * (longest - len(r)) for r in rows], dtype=mx.int32)
     pooling = Pooling([len(r) for r in rows], modes)
-    cache = make_cache(model) if longest > chunk else None
+    caches = [make_cache(model) for _ in rows]
+    layers = caches[0] if len(rows) == 1 else [LayerRows(list(layer)) for layer in zip(*caches)]
     for start in range(0, longest, chunk):
-        pooling.add(model.hidden_states(tokens[:, start : start + chunk], cache), start)
-        mx.eval(pooling.arrays(), [c.arrays() for c in cache or ()])
+        pooling.add(model.hidden_states(tokens[:, start : start + chunk], layers), start)
+        mx.eval(pooling.arrays(), [c.arrays() for cache in caches for c in cache])
         yield
     return np.array(pooling.vectors())
 
