@@ -18,7 +18,7 @@ from mlxinfer.loading.checkpoint import check_weights, resolve
 from mlxinfer.models import build_model
 from mlxinfer.text.tokenizer import load_tokenizer_from_dir
 
-from . import perplexity
+from . import perplexity, texts
 from .gguf_file import Packed
 from .gguf_source import open_gguf
 from .plan import Job, parameter_count, plan, quantization_config
@@ -93,7 +93,7 @@ def convert(
     started = time.perf_counter()
     mx.reset_peak_memory()
     check_output(output, force)
-    text = perplexity.read_text(eval_ppl) if eval_ppl is not None else None
+    text = texts.read_text(eval_ppl, "--eval-ppl") if eval_ppl is not None else None
     src = open_source(source, revision)
     try:
         check_not_source(output, src.location)

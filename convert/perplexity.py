@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import os
 from pathlib import Path
 
 import mlx.core as mx
@@ -49,17 +48,6 @@ def source_model(source: Source) -> CausalLM:
     model.load_weights(list(weights.items()))
     mx.eval(model.parameters())
     return model
-
-
-def read_text(file: str | os.PathLike) -> str:
-    """The --eval-ppl text, read before converting so a bad path fails before any work."""
-    try:
-        text = Path(file).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise InvalidOptionError(f"cannot read --eval-ppl file '{file}' ({e}); pass a UTF-8 text file") from None
-    if not text.strip():
-        raise InvalidOptionError(f"--eval-ppl file '{file}' is empty; pass a text to measure perplexity on")
-    return text
 
 
 def compare(source: Source, output: Path, text: str) -> tuple[float, float]:
