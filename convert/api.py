@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import resource
 import sys
@@ -15,6 +16,7 @@ import mlx.core as mx
 from mlxinfer.loading.adapters import fused_weights
 from mlxinfer.base.errors import ConversionError, MlxinferError, ModelNotFoundError
 from mlxinfer.loading.checkpoint import check_weights, resolve
+from mlxinfer.loading.quant_summary import quantization_summary
 from mlxinfer.models import build_model
 from mlxinfer.text.tokenizer import load_tokenizer_from_dir
 
@@ -40,6 +42,7 @@ from .writer import (
 )
 
 _DROP_KEYS = ("quantization", "quantization_config", "_name_or_path")
+BUILTIN_TEXT = "python-reference"  # --eval-ppl's name for `texts.evaluation_text()`
 
 
 def open_source(source: str | os.PathLike, revision: str | None = None) -> Source:
@@ -83,6 +86,8 @@ def convert(
     become the nearest MLX width, MXFP4 experts stay MXFP4); with them, layers are quantized at
     `bits`/`group_size` (default 4 and 64) or by the recipe, in affine mode or the floating-point
     `q_mode` (mxfp4, mxfp8, nvfp4: each fixes bits and group size). `dequantize` writes floats.
+    `eval_ppl`: a text file, or "python-reference" for the built-in evaluation text, on which the
+    report compares the output with the source (perplexity, KL divergence, same top token).
     Nothing is written unless the whole conversion succeeds; `progress` (default: stderr is a
     TTY) shows a bar. `adapter`: a LoRA adapter folder (PEFT or mlx-lm, DoRA included) merged
     into the weights before anything is quantized, so the output runs without it. A vision-language
@@ -93,7 +98,7 @@ def convert(
     started = time.perf_counter()
     mx.reset_peak_memory()
     check_output(output, force)
-    text = texts.read_text(eval_ppl, "--eval-ppl") if eval_ppl is not None else None
+    text = evaluation_text(eval_ppl)
     src = open_source(source, revision)
     try:
         check_not_source(output, src.location)
@@ -117,14 +122,27 @@ def convert(
             write_json(tmp / INDEX_FILE, index(jobs, weight_map, parameter_count(jobs)))
             verify(tmp, jobs, weight_map)
         report = _report(str(source), src, output, jobs, len(set(weight_map.values())), started)
+        written = json.loads((output / "config.json").read_text(encoding="utf-8"))
+        report.quantized = quantization_summary(written.get("quantization"), weight_map)
+        report.method = written.get("quantization_method")
         if text is not None:
             try:
-                report.perplexity = perplexity.compare(src, output, text)
+                report.comparison = perplexity.compare(src, output, text)
             except KeyboardInterrupt:  # the output is complete: Ctrl-C only skips the comparison
                 report.perplexity_skipped = True
         return report
     finally:
         src.close()
+
+
+def evaluation_text(eval_ppl: str | os.PathLike | None) -> str | None:
+    """The text `--eval-ppl` names, read before any work: a UTF-8 file, or BUILTIN_TEXT for the
+    evaluation half of the Python reference every install has (`texts.evaluation_text`)."""
+    if eval_ppl is None:
+        return None
+    if str(eval_ppl) == BUILTIN_TEXT:
+        return texts.evaluation_text()
+    return texts.read_text(eval_ppl, "--eval-ppl")
 
 
 def fuse_adapter(model, src: Source, adapter: str | os.PathLike) -> None:

@@ -42,7 +42,10 @@ def _choices(values) -> str:
 @click.option("--dequantize", is_flag=True, help="Write floats from a quantized source.")
 @click.option("--force", is_flag=True, help="Replace a non-empty output folder.")
 @click.option("--shard-size", default="5GB", show_default=True, help="Largest safetensors file.")
-@click.option("--eval-ppl", type=click.Path(path_type=Path), help="Text file: compare perplexity with the source.")
+@click.option("--eval-ppl", metavar="FILE|python-reference",
+              help="Compare the output with the source on this text: perplexity of both, mean KL divergence of "
+                   "the next-token distribution and the share of the same top token. A UTF-8 text file, or "
+                   "python-reference: the built-in evaluation half of the Python reference every install has.")
 @click.option("--revision", help="Hub revision (branch, tag or commit) for a hub id.")
 @click.option("--adapter", type=click.Path(path_type=Path),
               help="LoRA adapter folder (PEFT or mlx-lm) to merge into the weights before quantizing.")

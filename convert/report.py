@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
 
+from .perplexity import Comparison
+
 
 @dataclass
 class Report:
@@ -27,31 +29,42 @@ class Report:
     seconds: float
     peak_memory: int  # MLX's peak allocation during the conversion
     peak_rss: int  # the process's peak resident memory
-    perplexity: tuple[float, float] | None = None  # (source, converted)
+    comparison: Comparison | None = None  # --eval-ppl: the output against the source
     perplexity_skipped: bool = False  # Ctrl-C stopped the comparison after the output was written
     source_precisions: Counter = field(default_factory=Counter)
+    quantized: str = ""  # the bits chosen per layer, as config.json records them (`quantization_summary`)
+    method: dict | None = None  # config.json's "quantization_method": how a calibrated conversion chose them
 
     @property
     def bits_per_weight(self) -> float:
-        """Effective bits per parameter, as mlx-lm computes it."""
+        """Bits of every tensor written (quantized weights with their scales and biases, float
+        tensors, the embedding and LM head included) per parameter of the float model: the size a
+        user pays for, as llama.cpp's BPW counts it (mlx-lm's figure covers the same tensors)."""
         return self.weight_bytes * 8 / self.parameters
 
     def lines(self) -> list[str]:
         out = [
             f"converted {self.source_kind} {self.source} -> {self.output}",
             f"  size:       {_size(self.source_bytes)} -> {_size(self.output_bytes)} in {self.shards} shard(s)",
-            f"  bits/weight: {self.bits_per_weight:.3f} effective (scales and biases included), "
-            f"{self.parameters / 1e6:.1f}M parameters",
+            f"  bits/weight: {self.bits_per_weight:.3f} (all tensors written, scales, biases, embedding and "
+            f"LM head included, over the float model's {self.parameters / 1e6:.1f}M parameters)",
             f"  source:     {_counts(self.source_precisions)}",
             f"  output:     {_counts(self.precisions)}",
         ]
+        if self.quantized:
+            out.append(f"  quantized:  {self.quantized}")
+        if self.method:
+            out.append(f"  method:     {method_text(self.method)}")
         if self.kept_float:
             first, why = next(iter(self.kept_float.items()))
             more = f" and {len(self.kept_float) - 1} more" if len(self.kept_float) > 1 else ""
             out.append(f"  unquantized: {len(self.kept_float)} layer(s) kept in float ({first}{more}: {why})")
-        if self.perplexity:
-            src, dst = self.perplexity
+        if self.comparison:
+            c = self.comparison
+            src, dst = c.source_perplexity, c.perplexity
             out.append(f"  perplexity: source {src:.3f}  converted {dst:.3f}  ({(dst / src - 1) * 100:+.2f}%)")
+            out.append(f"  KL:         {c.kl_divergence:.5f} nats mean KL(source || converted) of the next token, "
+                       f"same top token at {c.same_top:.2%} of {c.tokens} positions")
         if self.perplexity_skipped:
             out.append("  perplexity: not measured (interrupted)")
         out.append(
@@ -59,6 +72,12 @@ class Report:
             f"{_size(self.peak_rss)} (process RSS)"
         )
         return out
+
+
+def method_text(method: dict) -> str:
+    """config.json's "quantization_method" as one line: 'gptq (calibration: python-reference, ...)'."""
+    rest = ", ".join(f"{k}: {v}" for k, v in method.items() if k != "method")
+    return f"{method.get('method', '?')}" + (f" ({rest})" if rest else "")
 
 
 def _counts(counter: Counter) -> str:
