@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
 
+from mlxinfer.loading.quant_summary import method_text
+
 from .perplexity import Comparison
 
 
@@ -72,12 +74,6 @@ class Report:
             f"{_size(self.peak_rss)} (process RSS)"
         )
         return out
-
-
-def method_text(method: dict) -> str:
-    """config.json's "quantization_method" as one line: 'gptq (calibration: python-reference, ...)'."""
-    rest = ", ".join(f"{k}: {v}" for k, v in method.items() if k != "method")
-    return f"{method.get('method', '?')}" + (f" ({rest})" if rest else "")
 
 
 def _counts(counter: Counter) -> str:

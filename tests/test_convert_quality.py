@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -110,3 +111,22 @@ def test_a_missing_eval_text_is_one_line_before_any_work(hf_checkpoint, tmp_path
     result = run_cli(hf_checkpoint("llama"), "-o", tmp_path / "out", "-q", "--eval-ppl", tmp_path / "nope.txt")
     assert result.exit_code != 0 and "cannot read --eval-ppl file" in result.output
     assert not (tmp_path / "out").exists()
+
+
+def test_inspect_says_how_the_weights_were_quantized(converted, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    src, written, _, _ = converted
+    out = shutil.copytree(written, tmp_path / "out")
+    config = json.loads((out / "config.json").read_text())
+    config["quantization_method"] = {"method": "gptq", "calibration": "python-reference", "target_bpw": 3.5}
+    (out / "config.json").write_text(json.dumps(config))
+    result = CliRunner().invoke(main, ["inspect", "-m", str(out), "hi", "--steps", "1"])
+    assert result.exit_code == 0, result.output
+    weights = line(result.output, "weights:")
+    parameters = AutoModelForCausalLM.from_pretrained(src).num_parameters()
+    assert numbers(weights)[0] == pytest.approx(stored_bytes(out) * 8 / parameters, abs=5e-4)
+    assert "16 x 2-bit g64 (16 layers); embedding 2-bit g64; LM head 2-bit g64" in weights
+    assert "method gptq (calibration: python-reference, target_bpw: 3.5)" in weights
+    as_json = json.loads(CliRunner().invoke(main, ["inspect", "-m", str(out), "hi", "--steps", "1", "--json"]).output)
+    assert as_json["weights"]["method"]["method"] == "gptq"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..loading.quant_summary import method_text
 from .terminal import size
 
 
@@ -24,11 +25,19 @@ def render(report: dict[str, Any], title: str, width: int = 100) -> str:
     """The report as text that reads well in a terminal."""
     split = [_sharding_text(report["sharding"])] if report.get("sharding") else []
     split += [_images_text(report["images"])] if report.get("images") else []
-    sections = [title, *split, _tokens_text(report["tokens"], width), _embedding_text(report["embedding"]),
+    head = f"{title}\n{_weights_text(report['weights'])}" if report.get("weights") else title
+    sections = [head, *split, _tokens_text(report["tokens"], width), _embedding_text(report["embedding"]),
                 _layers_text(report["layers"], report["embedding"]["shape"]),
                 _cache_text(report["kv_cache"], report["layers"]), _timing_text(report["timing"]),
                 _steps_text(report["steps"], report["sampling"]), f"   generated: {report['generated']!r}"]
     return "\n\n".join(sections)
+
+
+def _weights_text(w: dict[str, Any]) -> str:
+    """How the weights were quantized: bits per weight over every stored tensor, the bits per layer, the method."""
+    how = f"; method {method_text(w['method'])}" if w.get("method") else ""
+    return (f"   weights: {w['bits_per_weight']:.3f} bits/weight (every stored tensor, embedding and LM head "
+            f"included); {w['precision']}{how}")
 
 
 def _sharding_text(s: dict[str, Any]) -> str:

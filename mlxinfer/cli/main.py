@@ -472,7 +472,7 @@ def inspect_command(prompt, model, dtype, steps, top, temp, top_p, system, raw, 
     from ..engine.batch import BatchGenerator
     from ..engine.inspection import inspect_pipeline
     from .inspect_report import render
-    from .store import open_model
+    from .store import open_model, stored_weights
     from .terminal import typed_text
 
     prompt, system = typed_text(prompt), typed_text(system) if system is not None else None
@@ -481,6 +481,7 @@ def inspect_command(prompt, model, dtype, steps, top, temp, top_p, system, raw, 
     prepared = engine.prepare(engine.request(chat_prompt(tokenizer, prompt, system, raw, images)))
     report = inspect_pipeline(m, tokenizer, prepared.ids, steps=steps, top=top, temperature=temp, top_p=top_p,
                               images=prepared.images)
+    report["weights"] = stored_weights(where)
     if as_json:
         click.echo(json.dumps({"model": str(where), "prompt": prompt, **report}))
     else:

@@ -22,6 +22,7 @@ from .demo import convert_into, demo_model
 from ..base.errors import MlxinferError, ModelNotFoundError
 from ..loading.model import load
 from ..loading.checkpoint import read_config, weight_files
+from ..loading.quant_summary import bits_per_weight, quantization_summary
 from ..base.safetensors import safetensors_header
 from ..models import FAMILIES
 from ..models.shard import launched
@@ -182,6 +183,21 @@ def parameter_count(tensors: dict[str, Any], config: dict[str, Any]) -> int:
             n *= 2
         total += n
     return total
+
+
+def stored_weights(path: Path) -> dict[str, Any]:
+    """How a model folder's weights are stored, for `mlxinfer inspect`: the bits chosen per layer
+    (or the float type), bits per weight over every stored tensor, and config.json's
+    "quantization_method" (how a calibrated conversion chose them) when it has one."""
+    config = read_config(path)
+    headers = {k: v for f in weight_files(path) for k, v in safetensors_header(f).items()}
+    quant = config.get("quantization")
+    sizes = {name: (tuple(e["shape"]), e["data_offsets"][1] - e["data_offsets"][0]) for name, e in headers.items()}
+    return {
+        "precision": quantization_summary(quant, headers) or quantization(headers, config),
+        "bits_per_weight": bits_per_weight(quant, sizes),
+        "method": config.get("quantization_method"),
+    }
 
 
 def quantization(tensors: dict[str, Any], config: dict[str, Any]) -> str:

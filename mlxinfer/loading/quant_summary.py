@@ -67,3 +67,9 @@ def bits_per_weight(quant: Mapping[str, Any] | None, tensors: Mapping[str, tuple
             count = count * 32 // int(layer_spec(quant, layer).get("bits", 4))
         parameters += count
     return sum(nbytes for _, nbytes in tensors.values()) * 8 / max(parameters, 1)
+
+
+def method_text(method: Mapping[str, Any]) -> str:
+    """config.json's "quantization_method" as one line: 'gptq (calibration: python-reference, ...)'."""
+    rest = ", ".join(f"{k}: {v}" for k, v in method.items() if k != "method")
+    return f"{method.get('method', '?')}" + (f" ({rest})" if rest else "")
