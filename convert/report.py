@@ -41,7 +41,7 @@ class Report:
     def bits_per_weight(self) -> float:
         """Bits of every tensor written (quantized weights with their scales and biases, float
         tensors, the embedding and LM head included) per parameter of the float model: the size a
-        user pays for, as llama.cpp's BPW counts it (mlx-lm's figure covers the same tensors)."""
+        user pays for, so that formats which spend their bits differently compare."""
         return self.weight_bytes * 8 / self.parameters
 
     def lines(self) -> list[str]:
