@@ -39,6 +39,7 @@ from __future__ import annotations
 import argparse
 import ast
 import ctypes
+import inspect
 import logging
 import shutil
 import sys
@@ -95,6 +96,9 @@ def parse_ours(spec: str) -> tuple[str, dict]:
             kwargs[key.strip()] = value.strip()
     if not name:
         raise SystemExit(f"--ours {spec!r} has no name; write NAME=key=value,...")
+    unknown = set(kwargs) - set(inspect.signature(convert).parameters)
+    if unknown:  # refused before minutes of other rows, not after
+        raise SystemExit(f"--ours {spec!r}: convert() takes no {', '.join(sorted(unknown))}")
     return name, kwargs
 
 
@@ -245,12 +249,12 @@ def run(args, extra: list[tuple[str, dict]], work: Path) -> tuple[list[Row], int
 
     add("float32 source", safetensors_bytes(floats), source)
     for name, kwargs in [*OURS, *extra]:
-        out = work / f"ours-{len(rows)}"
+        out = fresh(work / f"ours-{len(rows)}")
         seconds = ours(floats, out, kwargs)
         add(f"mlxinfer {name}", safetensors_bytes(out), load_model(out, dtype="float32"), seconds)
     if not args.no_mlx_lm:
         for name, bits, group_size in MLX_LM:
-            out = work / f"mlx-lm-{len(rows)}"
+            out = fresh(work / f"mlx-lm-{len(rows)}")
             seconds = mlx_lm_convert(floats, out, bits, group_size)
             add(f"mlx-lm {name}", safetensors_bytes(out), load_model(out, dtype="float32"), seconds)
     if not args.no_llama_cpp:
@@ -265,6 +269,12 @@ def run(args, extra: list[tuple[str, dict]], work: Path) -> tuple[list[Row], int
             finally:
                 llm.close()
     return rows, parameters
+
+
+def fresh(folder: Path) -> Path:
+    """`folder`, emptied: a --keep folder is reused by the next run."""
+    shutil.rmtree(folder, ignore_errors=True)
+    return folder
 
 
 def llama_cpp_files(f32: Path, work: Path, threads: int) -> list[tuple[str, bool, Path, float]]:

@@ -130,3 +130,17 @@ def test_inspect_says_how_the_weights_were_quantized(converted, tmp_path):
     assert "method gptq (calibration: python-reference, target_bpw: 3.5)" in weights
     as_json = json.loads(CliRunner().invoke(main, ["inspect", "-m", str(out), "hi", "--steps", "1", "--json"]).output)
     assert as_json["weights"]["method"]["method"] == "gptq"
+
+
+def test_the_summary_names_the_tied_embedding_of_a_real_gguf(smollm2_gguf, tmp_path):
+    """SmolLM2's Q4_1 GGUF converted as stored: the summary counts what the gguf package reads."""
+    gguf = pytest.importorskip("gguf")
+    from mlxinfer.convert import convert
+
+    matrices = {t.name: t.tensor_type.name for t in gguf.GGUFReader(smollm2_gguf).tensors if len(t.shape) == 2}
+    types = list(matrices.values())
+    assert matrices["token_embd.weight"] == "Q8_0" and types.count("Q8_0") == 1
+    assert "output.weight" not in matrices  # tied: the embedding is the output layer
+    report = convert(smollm2_gguf, tmp_path / "out")
+    assert report.quantized == (f"{types.count('Q4_1')} x 4-bit g32, 1 x 8-bit g32 ({len(types)} layers); "
+                                "embedding 8-bit g32, also the LM head")
