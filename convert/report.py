@@ -30,6 +30,8 @@ class Report:
     perplexity: tuple[float, float] | None = None  # (source, converted)
     perplexity_skipped: bool = False  # Ctrl-C stopped the comparison after the output was written
     source_precisions: Counter = field(default_factory=Counter)
+    chosen: dict[str, str] = field(default_factory=dict)  # quantized layer -> its precision
+    quantization_method: dict | None = None  # how a calibrated conversion chose the precisions
 
     @property
     def bits_per_weight(self) -> float:
@@ -45,6 +47,8 @@ class Report:
             f"  source:     {_counts(self.source_precisions)}",
             f"  output:     {_counts(self.precisions)}",
         ]
+        if self.quantization_method:
+            out.extend(self._method_lines())
         if self.kept_float:
             first, why = next(iter(self.kept_float.items()))
             more = f" and {len(self.kept_float) - 1} more" if len(self.kept_float) > 1 else ""
@@ -59,6 +63,19 @@ class Report:
             f"{_size(self.peak_rss)} (process RSS)"
         )
         return out
+
+
+    def _method_lines(self) -> list[str]:
+        """What the method did and, per kind of layer (q_proj, down_proj...), the precisions it chose."""
+        m = self.quantization_method
+        head = f"  method:     {m['method']}"
+        if "target_bpw" in m:
+            head += f" to {m['target_bpw']:g} bits/weight"
+        head += f", calibrated on {m['calibration_tokens']} tokens of {m['calibration']}"
+        kinds: dict[str, Counter] = {}
+        for path, precision in self.chosen.items():
+            kinds.setdefault(path.rpartition(".")[2], Counter())[precision] += 1
+        return [head, *(f"    {kind:<14} {_counts(c)}" for kind, c in kinds.items())]
 
 
 def _counts(counter: Counter) -> str:
