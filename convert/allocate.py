@@ -289,10 +289,10 @@ def _measurable(module) -> bool:
 
 
 def allocate_source(jobs: list[Job], source: Source, tokenizer: Tokenizer, text: str, name: str,
-                    target_bpw: float, tokens: int = CALIBRATION_TOKENS) -> tuple[list[Job], dict]:
-    """`allocate` for a conversion: the source in float32 run over `tokens` tokens of `text`
+                    target_bpw: float) -> tuple[list[Job], dict]:
+    """`allocate` for a conversion: the source in float32 run over CALIBRATION_TOKENS tokens of `text`
     (named `name` in the output's config), and what was done, for config["quantization_method"]."""
-    windows = calibration_windows(tokenizer, text, tokens)
+    windows = calibration_windows(tokenizer, text, CALIBRATION_TOKENS)
     model = source_model(source)
     allocated = allocate(jobs, model, windows, target_bpw)
     del model
