@@ -173,31 +173,49 @@ def eval_perplexity(folder: Path, source: Path) -> float:
     return perplexity(load_model(folder, dtype="float32"), ids)
 
 
-def test_smollm2_allocation_beats_plain_rounding_and_recipes_of_the_same_size(smollm2_float, tmp_path, monkeypatch):
-    src = smollm2_float
-    plain = {}
-    for name, kwargs in {"4g64": {"bits": 4, "group_size": 64}, "3g32": {"bits": 3, "group_size": 32},
-                         "mixed-3-6": {"recipe": "mixed-3-6"}}.items():
-        convert(src, tmp_path / name, quantize=True, **kwargs)
-        plain[name] = (bits_per_weight(tmp_path / name, src), eval_perplexity(tmp_path / name, src))
-    for target, rivals in ((plain["4g64"][0], ["4g64"]), (3.5, ["3g32", "mixed-3-6"])):
-        out = tmp_path / f"bpw{target:.3f}"
-        convert(src, out, target_bpw=target)
-        bpw = bits_per_weight(out, src)
-        assert target - 0.02 <= bpw <= target
-        ppl = eval_perplexity(out, src)
-        for rival in rivals:
-            assert plain[rival][0] >= bpw and ppl < plain[rival][1], (target, ppl, rival, plain[rival])
+@pytest.fixture(scope="module")
+def smollm2_outputs(smollm2_float, tmp_path_factory) -> dict[str, Path]:
+    """Plain rounding at 4-bit g64, 3-bit g32 and 3-bit g64, and an allocation at each one's size
+    (computed from its files) and at 3.5 bits/weight, on 512 calibration tokens."""
+    src, root = smollm2_float, tmp_path_factory.mktemp("allocated")
+    outputs = {}
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(allocate, "CALIBRATION_TOKENS", 512)
+        for bits, group in ((4, 64), (3, 32), (3, 64)):
+            plain = outputs[f"{bits}g{group}"] = root / f"{bits}g{group}"
+            convert(src, plain, quantize=True, bits=bits, group_size=group)
+            if (bits, group) != (3, 64):
+                target = bits_per_weight(plain, src)
+                convert(src, root / f"at{bits}g{group}", target_bpw=target)
+                outputs[f"at {bits}g{group}"] = root / f"at{bits}g{group}"
+        convert(src, root / "3.5", target_bpw=3.5)
+        outputs["3.5"] = root / "3.5"
+    return outputs
 
 
-def test_smollm2_allocated_folder_loads_in_mlx_lm_with_our_logits(smollm2_float, tmp_path):
+@pytest.mark.parametrize("rival", ["4g64", "3g32"])
+def test_smollm2_allocation_beats_plain_rounding_of_the_same_size(smollm2_float, smollm2_outputs, rival):
+    src, plain, ours = smollm2_float, smollm2_outputs[rival], smollm2_outputs[f"at {rival}"]
+    target = bits_per_weight(plain, src)
+    assert target - 0.02 <= bits_per_weight(ours, src) <= target
+    assert eval_perplexity(ours, src) < eval_perplexity(plain, src)
+
+
+def test_smollm2_at_3_5_bits_beats_plain_3_bit(smollm2_float, smollm2_outputs):
+    """3-bit g64 is 3.5 bits/weight with float16 scales: the same size, spent evenly."""
+    src, ours = smollm2_float, smollm2_outputs["3.5"]
+    assert 3.48 <= bits_per_weight(ours, src) <= 3.5
+    assert bits_per_weight(smollm2_outputs["3g64"], src) >= bits_per_weight(ours, src)
+    assert eval_perplexity(ours, src) < 0.8 * eval_perplexity(smollm2_outputs["3g64"], src)
+
+
+def test_smollm2_allocated_folder_loads_in_mlx_lm_with_our_logits(smollm2_outputs):
     import mlx_lm
     from mlx.utils import tree_map
 
-    out = tmp_path / "out"
-    convert(smollm2_float, out, target_bpw=4.0)
-    assert len({(v["bits"], v["group_size"]) for v in json.loads((out / "config.json").read_text())["quantization"]
-                .values() if isinstance(v, dict)}) > 1  # a mixed file, per-layer settings as mlx-lm writes them
+    out = smollm2_outputs["at 3g32"]
+    quant = json.loads((out / "config.json").read_text())["quantization"]
+    assert len({(v["bits"], v["group_size"]) for v in quant.values() if isinstance(v, dict)}) > 1  # mixed, per layer
     ids = mx.array([[1, 4093, 198, 1780, 314, 260, 3575, 282]])
     theirs, _ = mlx_lm.load(str(out))
     theirs.update(tree_map(lambda p: p.astype(mx.float32) if p.dtype == mx.float16 else p, theirs.parameters()))
