@@ -26,7 +26,6 @@ worse than any uniform assignment that fits.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import mlx.core as mx
@@ -227,7 +226,12 @@ def _fill(options: list[list[Option]], pick: list[int], left: int) -> None:
 
 
 def _best_uniform(options: list[list[Option]], pick: list[int], budget: int) -> list[int]:
-    """`pick`, or the uniform assignment (every tensor its k-th option) that fits with less error."""
+    """`pick`, or the uniform assignment (every tensor its k-th option) that fits with less error.
+    Only when every tensor has the same number of options: the group sizes that fit a width are
+    nested (128 | n implies 64 | n implies 32 | n), so then the k-th options are the same setting."""
+    if len({len(opts) for opts in options}) > 1:
+        return pick
+
     def total(ks):
         return sum(opts[k][0] for opts, k in zip(options, ks)), sum(opts[k][1] for opts, k in zip(options, ks))
 
@@ -245,8 +249,7 @@ def _floats(job: Job) -> mx.array:
     return tensor.dequantize(mx.float32) if isinstance(tensor, Packed) else tensor.astype(mx.float32)
 
 
-def allocate(jobs: list[Job], model: CausalLM, windows: list[list[int]], target_bpw: float,
-             on_tensor: Callable[[], None] = lambda: None) -> list[Job]:
+def allocate(jobs: list[Job], model: CausalLM, windows: list[list[int]], target_bpw: float) -> list[Job]:
     """`jobs` with each quantizable tensor's precision chosen so that every written byte adds up
     to at most `target_bpw` bits per parameter, from `model` (the float source) run on `windows`."""
     layers = dict(model.named_modules())
@@ -270,7 +273,6 @@ def allocate(jobs: list[Job], model: CausalLM, windows: list[list[int]], target_
         mx.eval(errors)
         options.append([(replace(job, target=s, kept_float=None).nbytes, e.item()) for s, e in zip(specs[-1], errors)])
         del weight
-        on_tensor()
     smallest = fixed + sum(min(b for b, _ in opts) for opts in options)
     if smallest > budget:
         raise InvalidOptionError(f"--target-bpw {target_bpw:g} is below the smallest this model can be stored in "
