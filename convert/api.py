@@ -14,13 +14,13 @@ from pathlib import Path
 import mlx.core as mx
 
 from mlxinfer.loading.adapters import fused_weights
-from mlxinfer.base.errors import ConversionError, MlxinferError, ModelNotFoundError
+from mlxinfer.base.errors import ConversionError, InvalidOptionError, MlxinferError, ModelNotFoundError
 from mlxinfer.loading.checkpoint import check_weights, resolve
 from mlxinfer.loading.quant_summary import quantization_summary
 from mlxinfer.models import build_model
 from mlxinfer.text.tokenizer import load_tokenizer_from_dir
 
-from . import perplexity, texts
+from . import allocate, perplexity, texts
 from .gguf_file import Packed
 from .gguf_source import open_gguf
 from .plan import Job, parameter_count, plan, quantization_config
@@ -78,6 +78,8 @@ def convert(
     progress: bool | None = None,
     adapter: str | os.PathLike | None = None,
     quantize_vision: bool = False,
+    target_bpw: float | None = None,
+    calibration: str | os.PathLike | None = None,
 ) -> Report:
     """Convert a Hugging Face folder or hub id, an MLX folder or a GGUF file into an MLX folder
     that mlxinfer and mlx-lm both load.
@@ -91,14 +93,22 @@ def convert(
     Nothing is written unless the whole conversion succeeds; `progress` (default: stderr is a
     TTY) shows a bar. `adapter`: a LoRA adapter folder (PEFT or mlx-lm, DoRA included) merged
     into the weights before anything is quantized, so the output runs without it. A vision-language
-    model's vision tower stays float unless `quantize_vision`.
+    model's vision tower stays float unless `quantize_vision`. `target_bpw`: each tensor's bits and
+    group size chosen from its sensitivity, measured on `calibration` (a text file; default: half
+    of the Python reference, `texts.calibration_text`), so every written byte comes to at most
+    that many bits per parameter (`allocate`).
     """
-    options = Options(quantize, bits, group_size, recipe, dtype, dequantize, shard_size, q_mode, quantize_vision)
+    options = Options(quantize, bits, group_size, recipe, dtype, dequantize, shard_size, q_mode, quantize_vision,
+                      target_bpw)
+    if calibration is not None and target_bpw is None:
+        raise InvalidOptionError("--calibration is the text --target-bpw measures on; pass --target-bpw or drop "
+                                 "--calibration")
     output = Path(output_dir).expanduser()
     started = time.perf_counter()
     mx.reset_peak_memory()
     check_output(output, force)
     text = evaluation_text(eval_ppl)
+    calibration_text = texts.read_text(calibration, "--calibration") if calibration is not None else None
     src = open_source(source, revision)
     try:
         check_not_source(output, src.location)
@@ -108,12 +118,21 @@ def convert(
             fuse_adapter(model, src, adapter)
         jobs = plan(model, src, options)
         total = sum(job.nbytes for job in jobs)
+        if target_bpw is not None:
+            total = max(total, int(target_bpw * parameter_count(jobs) / 8))
+        method = None
         with staged(output, force) as tmp:
             check_space(output, total)
             with writing("the tokenizer files"):
                 src.write_extras(tmp)
             write_json(tmp / "config.json", output_config(src, jobs, options))
             check_tokenizer(tmp, str(source))
+            if target_bpw is not None:
+                jobs, method = allocate.allocate_source(
+                    jobs, src, load_tokenizer_from_dir(tmp),
+                    calibration_text if calibration_text is not None else texts.calibration_text(),
+                    Path(calibration).name if calibration is not None else "python-reference", target_bpw)
+                write_json(tmp / "config.json", output_config(src, jobs, options, method))
             bar = Progress(len(jobs), total, progress)
             try:
                 weight_map = write_weights(tmp, jobs, options.shard_size, bar.advance)
@@ -169,8 +188,9 @@ def check_tokenizer(stage: Path, source: str) -> None:
         raise ConversionError(f"the tokenizer of '{source}' does not load ({reason}); nothing was written") from None
 
 
-def output_config(source: Source, jobs: list[Job], options: Options) -> dict:
-    """The source's config.json with its quantization replaced, keys sorted as mlx-lm saves them."""
+def output_config(source: Source, jobs: list[Job], options: Options, method: dict | None = None) -> dict:
+    """The source's config.json with its quantization replaced, keys sorted as mlx-lm saves them;
+    `method`: how a calibrated conversion chose it (config["quantization_method"])."""
     config = {k: v for k, v in source.config.items() if k not in _DROP_KEYS}
     floats = dtype_name(options.float_dtype(source.dtype))
     for key in ("torch_dtype", "dtype"):
@@ -179,6 +199,8 @@ def output_config(source: Source, jobs: list[Job], options: Options) -> dict:
     quant = quantization_config(jobs, options)
     if quant:
         config["quantization"] = config["quantization_config"] = quant
+    if method is not None:
+        config["quantization_method"] = method
     return dict(sorted(config.items()))
 
 

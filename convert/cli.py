@@ -50,8 +50,12 @@ def _choices(values) -> str:
 @click.option("--adapter", type=click.Path(path_type=Path),
               help="LoRA adapter folder (PEFT or mlx-lm) to merge into the weights before quantizing.")
 @click.option("--quantize-vision", is_flag=True, help="Quantize a vision-language model's vision tower too.")
+@click.option("--target-bpw", type=float,
+              help="Bits per weight of the whole file: each tensor's bits chosen from its measured sensitivity.")
+@click.option("--calibration", type=click.Path(path_type=Path),
+              help="Text file --target-bpw measures sensitivity on (default: part of the Python reference).")
 def convert_command(source, output, quantize, bits, group_size, recipe, q_mode, dtype, dequantize, force,
-                    shard_size, eval_ppl, revision, adapter, quantize_vision) -> None:
+                    shard_size, eval_ppl, revision, adapter, quantize_vision, target_bpw, calibration) -> None:
     """Convert SOURCE (Hugging Face/MLX folder, hub id or .gguf file) into an MLX folder."""
     report = convert(
         source,
@@ -69,5 +73,7 @@ def convert_command(source, output, quantize, bits, group_size, recipe, q_mode, 
         revision=revision,
         adapter=adapter,
         quantize_vision=quantize_vision,
+        target_bpw=target_bpw,
+        calibration=calibration,
     )
     click.echo("\n".join(report.lines()))

@@ -18,6 +18,7 @@ from mlxinfer.loading.checkpoint import FLOAT_MODES, parse_dtype
 BITS = (2, 3, 4, 5, 6, 8)
 GROUP_SIZES = (32, 64, 128)
 DTYPES = ("float16", "bfloat16", "float32")
+MAX_TARGET_BPW = 8.5
 _LAYER = re.compile(r"\.layers\.(\d+)\.")
 
 
@@ -92,8 +93,10 @@ class Options:
     shard_size: int = 5 << 30
     mode: str = "affine"
     quantize_vision: bool = False  # a vision-language model's vision tower too (`CausalLM.unquantized`)
+    target_bpw: float | None = None  # `allocate` chooses each tensor's bits and group size for this size
 
     def __post_init__(self) -> None:
+        self._check_target()
         if self.mode not in MODES:
             raise InvalidOptionError(f"--q-mode {self.mode!r} is not an MLX quantization mode; choose one of "
                                      f"{_list(MODES)}")
@@ -118,13 +121,27 @@ class Options:
             raise InvalidOptionError(f"unknown recipe '{self.recipe}'; choose one of {_list(RECIPES)}")
         parse_dtype(self.dtype)
         if self.dequantize and self.quantizing:
-            raise InvalidOptionError("--dequantize cannot be combined with -q/--recipe/--q-mode; choose one")
+            raise InvalidOptionError("--dequantize cannot be combined with -q/--recipe/--q-mode/--target-bpw; "
+                                     "choose one")
         if self.shard_size <= 0:
             raise InvalidOptionError(f"--shard-size must be positive, got {self.shard_size} bytes")
 
+    def _check_target(self) -> None:
+        """--target-bpw chooses bits and group sizes itself: refuse what would also choose them."""
+        if self.target_bpw is None:
+            return
+        for flag, given in (("--bits", self.bits), ("--group-size", self.group_size), ("--recipe", self.recipe)):
+            if given is not None:
+                raise InvalidOptionError(f"--target-bpw chooses each tensor's bits and group size; drop {flag}")
+        if self.mode != "affine":
+            raise InvalidOptionError(f"--target-bpw allocates affine widths; drop --q-mode {self.mode}")
+        if not 0 < self.target_bpw <= MAX_TARGET_BPW:
+            raise InvalidOptionError(f"--target-bpw {self.target_bpw:g} is out of range; pass bits per weight "
+                                     f"above 0 and at most {MAX_TARGET_BPW} (8-bit with its scales)")
+
     @property
     def quantizing(self) -> bool:
-        return self.quantize or self.recipe is not None or self.mode != "affine"
+        return self.quantize or self.recipe is not None or self.mode != "affine" or self.target_bpw is not None
 
     def target(self, path: str, num_layers: int) -> QuantSpec:
         """The precision a quantizable layer at `path` should get when quantizing."""
