@@ -13,12 +13,14 @@ from pathlib import Path
 import mlx.core as mx
 
 from mlxinfer.loading.adapters import fused_weights
-from mlxinfer.base.errors import ConversionError, MlxinferError, ModelNotFoundError
+from mlxinfer.base.errors import ConversionError, InvalidOptionError, MlxinferError, ModelNotFoundError
 from mlxinfer.loading.checkpoint import check_weights, resolve
 from mlxinfer.models import build_model
-from mlxinfer.text.tokenizer import load_tokenizer_from_dir
+from mlxinfer.text.tokenizer import Tokenizer, load_tokenizer_from_dir
 
 from . import perplexity, texts
+from .calibrate import DEFAULT_TOKENS, CalibrationText, calibrate, check_calibratable, read_calibration, windows
+from .calibrate import Progress as CalibrationProgress
 from .gguf_file import Packed
 from .gguf_source import open_gguf
 from .plan import Job, parameter_count, plan, quantization_config
@@ -75,6 +77,9 @@ def convert(
     progress: bool | None = None,
     adapter: str | os.PathLike | None = None,
     quantize_vision: bool = False,
+    method: str = "rtn",
+    calibration: str | os.PathLike | None = None,
+    calibration_tokens: int | None = None,
 ) -> Report:
     """Convert a Hugging Face folder or hub id, an MLX folder or a GGUF file into an MLX folder
     that mlxinfer and mlx-lm both load.
@@ -86,9 +91,15 @@ def convert(
     Nothing is written unless the whole conversion succeeds; `progress` (default: stderr is a
     TTY) shows a bar. `adapter`: a LoRA adapter folder (PEFT or mlx-lm, DoRA included) merged
     into the weights before anything is quantized, so the output runs without it. A vision-language
-    model's vision tower stays float unless `quantize_vision`.
+    model's vision tower stays float unless `quantize_vision`. `method` "gptq" rounds the layers
+    inside the model's blocks by GPTQ, calibrated on `calibration_tokens` tokens of `calibration`
+    (a text file, or .jsonl chats; default: `texts.calibration_text()`), see `calibrate`.
     """
-    options = Options(quantize, bits, group_size, recipe, dtype, dequantize, shard_size, q_mode, quantize_vision)
+    options = Options(quantize, bits, group_size, recipe, dtype, dequantize, shard_size, q_mode, quantize_vision,
+                      method, calibration_tokens)
+    if calibration is not None and options.method == "rtn":
+        raise InvalidOptionError("--calibration needs a calibrated --method (gptq)")
+    calibration_text = read_calibration(calibration) if options.method != "rtn" else None
     output = Path(output_dir).expanduser()
     started = time.perf_counter()
     mx.reset_peak_memory()
@@ -102,13 +113,18 @@ def convert(
         if adapter is not None:
             fuse_adapter(model, src, adapter)
         jobs = plan(model, src, options)
+        if calibration_text is not None:
+            check_calibratable(model, jobs)
         total = sum(job.nbytes for job in jobs)
         with staged(output, force) as tmp:
             check_space(output, total)
             with writing("the tokenizer files"):
                 src.write_extras(tmp)
-            write_json(tmp / "config.json", output_config(src, jobs, options))
             check_tokenizer(tmp, str(source))
+            method = None
+            if calibration_text is not None:
+                jobs, method = _calibrated(src, jobs, options, calibration_text, load_tokenizer_from_dir(tmp), progress)
+            write_json(tmp / "config.json", output_config(src, jobs, options, method))
             bar = Progress(len(jobs), total, progress)
             try:
                 weight_map = write_weights(tmp, jobs, options.shard_size, bar.advance)
@@ -151,8 +167,20 @@ def check_tokenizer(stage: Path, source: str) -> None:
         raise ConversionError(f"the tokenizer of '{source}' does not load ({reason}); nothing was written") from None
 
 
-def output_config(source: Source, jobs: list[Job], options: Options) -> dict:
-    """The source's config.json with its quantization replaced, keys sorted as mlx-lm saves them."""
+def _calibrated(src: Source, jobs: list[Job], options: Options, text: CalibrationText, tokenizer: Tokenizer,
+                progress: bool | None) -> tuple[list[Job], dict]:
+    """The jobs with the block linears' GPTQ results in place of their plain rounding (the writer
+    stores a source already in its target precision as it is), and what was done, for the config."""
+    ids = windows(text.ids(tokenizer), options.calibration_tokens or DEFAULT_TOKENS)
+    done = calibrate(src, jobs, ids, options.float_dtype(src.dtype), CalibrationProgress(progress))
+    jobs = [replace(job, source=replace(job.source, read=lambda p=done[job.path]: p)) if job.path in done else job
+            for job in jobs]
+    return jobs, {"method": options.method, "calibration": text.name, "calibration_tokens": int(ids.size)}
+
+
+def output_config(source: Source, jobs: list[Job], options: Options, method: dict | None = None) -> dict:
+    """The source's config.json with its quantization replaced, keys sorted as mlx-lm saves them;
+    a calibrated conversion says how under "quantization_method"."""
     config = {k: v for k, v in source.config.items() if k not in _DROP_KEYS}
     floats = dtype_name(options.float_dtype(source.dtype))
     for key in ("torch_dtype", "dtype"):
@@ -161,6 +189,8 @@ def output_config(source: Source, jobs: list[Job], options: Options) -> dict:
     quant = quantization_config(jobs, options)
     if quant:
         config["quantization"] = config["quantization_config"] = quant
+    if method is not None:
+        config["quantization_method"] = method
     return dict(sorted(config.items()))
 
 

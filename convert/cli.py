@@ -10,7 +10,8 @@ import click
 from mlxinfer.base.errors import InvalidOptionError
 
 from .api import convert
-from .quantize import BITS, DTYPES, GROUP_SIZES, MODES, RECIPES
+from .calibrate import DEFAULT_TOKENS
+from .quantize import BITS, DTYPES, GROUP_SIZES, METHODS, MODES, RECIPES
 
 _UNITS = {"": 1, "B": 1, "KB": 1 << 10, "MB": 1 << 20, "GB": 1 << 30}
 _SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([KMG]?B?)\s*", re.IGNORECASE)
@@ -47,8 +48,16 @@ def _choices(values) -> str:
 @click.option("--adapter", type=click.Path(path_type=Path),
               help="LoRA adapter folder (PEFT or mlx-lm) to merge into the weights before quantizing.")
 @click.option("--quantize-vision", is_flag=True, help="Quantize a vision-language model's vision tower too.")
+@click.option("--method", default="rtn", show_default=True,
+              help=f"Quantization method ({_choices(METHODS)}): rtn rounds to the nearest level; gptq compensates "
+                   "rounding errors, calibrated on text.")
+@click.option("--calibration", type=click.Path(path_type=Path),
+              help="Calibration text file, or .jsonl chats ({\"messages\": [...]} a line); default: Python's "
+                   "own reference documentation.")
+@click.option("--calibration-tokens", type=int, help=f"Calibration tokens (default {DEFAULT_TOKENS}).")
 def convert_command(source, output, quantize, bits, group_size, recipe, q_mode, dtype, dequantize, force,
-                    shard_size, eval_ppl, revision, adapter, quantize_vision) -> None:
+                    shard_size, eval_ppl, revision, adapter, quantize_vision, method, calibration,
+                    calibration_tokens) -> None:
     """Convert SOURCE (Hugging Face/MLX folder, hub id or .gguf file) into an MLX folder."""
     report = convert(
         source,
@@ -66,5 +75,8 @@ def convert_command(source, output, quantize, bits, group_size, recipe, q_mode, 
         revision=revision,
         adapter=adapter,
         quantize_vision=quantize_vision,
+        method=method,
+        calibration=calibration,
+        calibration_tokens=calibration_tokens,
     )
     click.echo("\n".join(report.lines()))

@@ -22,6 +22,7 @@ _LAYER = re.compile(r"\.layers\.(\d+)\.")
 
 
 MODES = ("affine", *FLOAT_MODES)
+METHODS = ("rtn", "gptq")  # plain rounding to the nearest level; GPTQ's error-compensating rounding (calibrate.py)
 
 
 @dataclass(frozen=True)
@@ -92,6 +93,8 @@ class Options:
     shard_size: int = 5 << 30
     mode: str = "affine"
     quantize_vision: bool = False  # a vision-language model's vision tower too (`CausalLM.unquantized`)
+    method: str = "rtn"
+    calibration_tokens: int | None = None  # default: calibrate.DEFAULT_TOKENS
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -118,13 +121,27 @@ class Options:
             raise InvalidOptionError(f"unknown recipe '{self.recipe}'; choose one of {_list(RECIPES)}")
         parse_dtype(self.dtype)
         if self.dequantize and self.quantizing:
-            raise InvalidOptionError("--dequantize cannot be combined with -q/--recipe/--q-mode; choose one")
+            raise InvalidOptionError("--dequantize cannot be combined with -q/--recipe/--q-mode/--method; choose one")
+        self._check_method()
         if self.shard_size <= 0:
             raise InvalidOptionError(f"--shard-size must be positive, got {self.shard_size} bytes")
 
+    def _check_method(self) -> None:
+        if self.method not in METHODS:
+            raise InvalidOptionError(f"--method {self.method!r} is unknown; choose one of {_list(METHODS)}")
+        if self.method == "rtn":
+            if self.calibration_tokens is not None:
+                raise InvalidOptionError("--calibration-tokens needs a calibrated --method (gptq)")
+            return
+        if self.mode != "affine":
+            raise InvalidOptionError(f"--method {self.method} quantizes to the affine grid; drop --q-mode {self.mode}")
+        if self.calibration_tokens is not None and self.calibration_tokens < 2:
+            raise InvalidOptionError(f"--calibration-tokens {self.calibration_tokens} is too few; give at least 2 "
+                                     "(a few thousand calibrate well)")
+
     @property
     def quantizing(self) -> bool:
-        return self.quantize or self.recipe is not None or self.mode != "affine"
+        return self.quantize or self.recipe is not None or self.mode != "affine" or self.method != "rtn"
 
     def target(self, path: str, num_layers: int) -> QuantSpec:
         """The precision a quantizable layer at `path` should get when quantizing."""
