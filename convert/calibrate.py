@@ -127,12 +127,14 @@ def calibrate(source: Source, jobs: list[Job], ids: np.ndarray, dtype: mx.Dtype,
         block.load_weights([(name[len(prefix) + 1:], _floats(source, name)) for name in names])
         linears = {path: m for path, m in block.named_modules()
                    if f"{prefix}.{path}" in targets and isinstance(m, nn.Linear)}
-        hessians = _hessians(block, linears, x)
-        for path, linear in linears.items():
-            packed = gptq(np.asarray(linear.weight, dtype=np.float64), hessians.pop(path),
-                          targets[f"{prefix}.{path}"], dtype)
-            out[f"{prefix}.{path}"] = packed
-            linear.weight = packed.dequantize(mx.float32)
+        inputs = _hessians(block, linears, x)
+        for key, hessian in inputs.hessians().items():
+            factor = inverse_factor(hessian)
+            for path in (p for p, k in inputs.reader.items() if k == key):
+                packed = rounded(np.asarray(linears[path].weight, dtype=np.float64), factor,
+                                 targets[f"{prefix}.{path}"], dtype)
+                out[f"{prefix}.{path}"] = packed
+                linears[path].weight = packed.dequantize(mx.float32)
         x = [_run(block, h) for h in x]
         mx.eval(x)
         block.update(tree_map(lambda _: mx.zeros((0,)), block.parameters()))  # free its floats
@@ -154,35 +156,55 @@ def _run(block: nn.Module, x: mx.array) -> mx.array:
     return block(x, mask)
 
 
-class _Recorder(nn.Module):
-    """A linear layer that adds XᵀX of every input it sees to a running sum."""
+class _Inputs:
+    """XᵀX of the inputs of a block's linears, one sum per distinct input: q, k and v (gate and
+    up) read the same array, so they share a Hessian and its factorization."""
 
-    def __init__(self, linear: nn.Linear):
-        super().__init__()
-        self.linear = linear
-        self.sum = mx.zeros((linear.weight.shape[1],) * 2)
-        self.rows = 0
+    def __init__(self) -> None:
+        self.sums: dict[str, mx.array] = {}  # by the first linear that read the input
+        self.rows: dict[str, int] = {}
+        self.reader: dict[str, str] = {}  # linear -> the key of its input's sum
+        self._seen: dict[int, tuple[mx.array, str]] = {}  # this forward's inputs, kept alive so ids stay theirs
 
-    def __call__(self, x: mx.array) -> mx.array:
+    def wrap(self, path: str, linear: nn.Linear) -> Callable[[mx.array], mx.array]:
+        def recorded(x: mx.array) -> mx.array:
+            self._add(path, x)
+            return linear(x)
+        return recorded
+
+    def _add(self, path: str, x: mx.array) -> None:
+        seen = self._seen.get(id(x))
+        if seen is not None and seen[0] is x:
+            self.reader[path] = seen[1]
+            return
+        self._seen[id(x)] = (x, path)
+        self.reader[path] = path
         flat = x.reshape(-1, x.shape[-1]).astype(mx.float32)
-        self.sum = self.sum + flat.T @ flat
-        self.rows += flat.shape[0]
-        return self.linear(x)
+        self.sums[path] = self.sums.get(path, 0) + flat.T @ flat
+        self.rows[path] = self.rows.get(path, 0) + flat.shape[0]
+
+    def forward_done(self) -> None:
+        self._seen.clear()
+        mx.eval(list(self.sums.values()))
+
+    def hessians(self) -> dict[str, np.ndarray]:
+        """H = 2 XᵀX / n by input key."""
+        return {key: np.asarray(s, dtype=np.float64) * (2 / self.rows[key]) for key, s in self.sums.items()}
 
 
-def _hessians(block: nn.Module, linears: dict[str, nn.Linear], x: list[mx.array]) -> dict[str, np.ndarray]:
-    """H = 2 XᵀX / n of each linear's inputs as the float block runs over `x`."""
-    recorders = {path: _Recorder(m) for path, m in linears.items()}
-    for path, r in recorders.items():
-        _set(block, path, r)
+def _hessians(block: nn.Module, linears: dict[str, nn.Linear], x: list[mx.array]) -> _Inputs:
+    """The Hessians of the linears' inputs as the float block runs over `x`."""
+    inputs = _Inputs()
+    for path, m in linears.items():
+        _set(block, path, inputs.wrap(path, m))
     try:
         for h in x:
             _run(block, h)
-            mx.eval([r.sum for r in recorders.values()])
+            inputs.forward_done()
     finally:
         for path, m in linears.items():
             _set(block, path, m)
-    return {path: np.asarray(r.sum, dtype=np.float64) * (2 / r.rows) for path, r in recorders.items()}
+    return inputs
 
 
 def _set(root: nn.Module, path: str, module: nn.Module) -> None:
@@ -194,17 +216,35 @@ def _set(root: nn.Module, path: str, module: nn.Module) -> None:
 
 
 def gptq(weight: np.ndarray, hessian: np.ndarray, spec: QuantSpec, dtype: mx.Dtype = mx.float32) -> Packed:
+    """`weight` [out, in] quantized by GPTQ for inputs whose Hessian is `hessian`."""
+    return rounded(weight, inverse_factor(hessian), spec, dtype)
+
+
+@dataclass(frozen=True)
+class Factor:
+    """U, upper triangular with H⁻¹ = UᵀU for the dampened H, and the inputs H says are never used."""
+
+    upper: np.ndarray
+    dead: np.ndarray
+
+
+def inverse_factor(hessian: np.ndarray) -> Factor:
+    """The Cholesky factor of the dampened H⁻¹ that GPTQ's updates read (once per distinct input)."""
+    h = hessian.astype(np.float64).copy()
+    dead = np.diag(h) == 0  # inputs never seen: nothing to preserve
+    h[dead, dead] = 1
+    h[np.diag_indices_from(h)] += DAMP * np.mean(np.diag(h))
+    return Factor(np.linalg.cholesky(np.linalg.inv(h)).T, dead)
+
+
+def rounded(weight: np.ndarray, factor: Factor, spec: QuantSpec, dtype: mx.Dtype) -> Packed:
     """`weight` [out, in] quantized by GPTQ (the paper's Algorithm 1 with lazy batch updates):
     columns in order, each rounded to its group's grid, its error spread over the columns not yet
     rounded through the Cholesky factor of H⁻¹. A group's scale and bias are MLX's for the group's
     columns as they stand when the group begins (rounded to `dtype`, as they will be stored)."""
     w = weight.astype(np.float64).copy()
-    h = hessian.astype(np.float64).copy()
-    dead = np.diag(h) == 0  # inputs never seen: nothing to preserve
-    h[dead, dead] = 1
-    w[:, dead] = 0
-    h[np.diag_indices_from(h)] += DAMP * np.mean(np.diag(h))
-    u = np.linalg.cholesky(np.linalg.inv(h)).T  # upper: H⁻¹ = UᵀU
+    w[:, factor.dead] = 0
+    u = factor.upper
     rows, cols = w.shape
     top = 2**spec.bits - 1
     codes = np.zeros((rows, cols), dtype=np.uint32)
