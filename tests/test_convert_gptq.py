@@ -200,3 +200,12 @@ def _same_logits_in_mlx_lm(folder, ids):
     ours = load_model(folder, dtype="float32")
     tokens = mx.array([ids])
     np.testing.assert_allclose(np.asarray(ours(tokens)), np.asarray(theirs(tokens)), atol=5e-4, rtol=0)
+
+
+def test_mixture_of_experts_refused_in_one_line(hf_checkpoint, tmp_path):
+    src = hf_checkpoint("qwen3_moe", intermediate_size=128, moe_intermediate_size=32, num_experts=4,
+                        num_experts_per_tok=2, head_dim=32, norm_topk_prob=True)
+    with pytest.raises(InvalidOptionError, match="plain linear layers.*--method rtn") as caught:
+        convert(src, tmp_path / "out", bits=4, group_size=32, method="gptq")
+    assert "\n" not in str(caught.value)
+    assert not (tmp_path / "out").exists()
