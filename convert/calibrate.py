@@ -5,8 +5,9 @@ The source model runs one block at a time over calibration tokens: each quantiza
 block accumulates H = 2 XᵀX / n over its inputs X, its weight is quantized column by column in
 MLX's affine grid (so MLX dequantizes exactly the values GPTQ assumed), and the block then runs
 again with its quantized weights to give the next block its inputs, as the paper does. Only one
-block's float weights, its inputs and its Hessians are in memory at a time. The embedding and LM
-head are outside the blocks and keep plain rounding.
+block's float weights, its inputs and its Hessians are in memory at a time (besides the packed
+results, the size of the output). A quantized source is dequantized to float32 first. The
+embedding and LM head are outside the blocks and keep plain rounding.
 """
 
 from __future__ import annotations
