@@ -34,18 +34,12 @@ import numpy as np
 
 from mlxinfer.base.errors import InvalidOptionError
 from mlxinfer.models import CausalLM
-from mlxinfer.text.tokenizer import Tokenizer
 
 from .gguf_file import Packed
 from .perplexity import source_model
 from .plan import Job
 from .quantize import BITS, GROUP_SIZES, QuantSpec
 from .sources import Source
-
-CALIBRATION_TOKENS = 4096
-WINDOW = 512
-SEED = 0
-
 
 @dataclass
 class Use:
@@ -56,19 +50,6 @@ class Use:
 
     rows: mx.array
     cols: mx.array
-
-
-def calibration_windows(tokenizer: Tokenizer, text: str, tokens: int = CALIBRATION_TOKENS,
-                        seed: int = SEED) -> list[list[int]]:
-    """`tokens` tokens of `text` as windows of WINDOW tokens at seeded random places (all of it
-    when it is shorter): a spread of the text, the same every run."""
-    ids = tokenizer.encode(text)
-    if len(ids) < 2:
-        raise InvalidOptionError("the --calibration text has fewer than 2 tokens; pass a longer text")
-    starts = list(range(0, max(len(ids) - WINDOW, 0) + 1, WINDOW))
-    count = min(len(starts), max(1, -(-tokens // WINDOW)))
-    chosen = sorted(np.random.default_rng(seed).choice(starts, count, replace=False).tolist())
-    return [ids[s : s + WINDOW] for s in chosen]
 
 
 class _Recorder:
@@ -290,15 +271,10 @@ def _measurable(module) -> bool:
     return isinstance(module, (nn.Linear, nn.Embedding, nn.QuantizedLinear, nn.QuantizedEmbedding))
 
 
-def allocate_source(jobs: list[Job], source: Source, tokenizer: Tokenizer, text: str, name: str,
-                    target_bpw: float) -> tuple[list[Job], dict]:
-    """`allocate` for a conversion: the source in float32 run over CALIBRATION_TOKENS tokens of `text`
-    (named `name` in the output's config), and what was done, for config["quantization_method"]."""
-    windows = calibration_windows(tokenizer, text, CALIBRATION_TOKENS)
+def allocate_source(jobs: list[Job], source: Source, windows: list[list[int]], target_bpw: float) -> list[Job]:
+    """`allocate` for a conversion: the source in float32 run over the calibration `windows`."""
     model = source_model(source)
     allocated = allocate(jobs, model, windows, target_bpw)
     del model
     mx.clear_cache()
-    method = {"method": "allocate", "target_bpw": target_bpw, "calibration": name,
-              "calibration_tokens": sum(map(len, windows))}
-    return allocated, method
+    return allocated

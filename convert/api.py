@@ -18,9 +18,11 @@ from mlxinfer.base.errors import ConversionError, InvalidOptionError, MlxinferEr
 from mlxinfer.loading.checkpoint import check_weights, resolve
 from mlxinfer.loading.quant_summary import quantization_summary
 from mlxinfer.models import build_model
-from mlxinfer.text.tokenizer import load_tokenizer_from_dir
+from mlxinfer.text.tokenizer import Tokenizer, load_tokenizer_from_dir
 
 from . import allocate, perplexity, texts
+from .calibrate import DEFAULT_TOKENS, CalibrationText, calibrate, check_calibratable, read_calibration, windows
+from .calibrate import Progress as CalibrationProgress
 from .gguf_file import Packed
 from .gguf_source import open_gguf
 from .plan import Job, parameter_count, plan, quantization_config
@@ -79,7 +81,9 @@ def convert(
     adapter: str | os.PathLike | None = None,
     quantize_vision: bool = False,
     target_bpw: float | None = None,
+    method: str = "rtn",
     calibration: str | os.PathLike | None = None,
+    calibration_tokens: int | None = None,
 ) -> Report:
     """Convert a Hugging Face folder or hub id, an MLX folder or a GGUF file into an MLX folder
     that mlxinfer and mlx-lm both load.
@@ -93,22 +97,24 @@ def convert(
     Nothing is written unless the whole conversion succeeds; `progress` (default: stderr is a
     TTY) shows a bar. `adapter`: a LoRA adapter folder (PEFT or mlx-lm, DoRA included) merged
     into the weights before anything is quantized, so the output runs without it. A vision-language
-    model's vision tower stays float unless `quantize_vision`. `target_bpw`: each tensor's bits and
-    group size chosen from its sensitivity, measured on `calibration` (a text file; default: half
-    of the Python reference, `texts.calibration_text`), so every written byte comes to at most
-    that many bits per parameter (`allocate`).
+    model's vision tower stays float unless `quantize_vision`. A calibrated conversion measures the
+    source on `calibration_tokens` tokens of `calibration` (a text file, or .jsonl chats; default:
+    `texts.calibration_text()`): `target_bpw` chooses each tensor's bits and group size from its
+    sensitivity, so every written byte comes to at most that many bits per parameter (`allocate`);
+    `method` "gptq" rounds the layers inside the model's blocks by GPTQ (`calibrate`), at the
+    precisions chosen either way.
     """
     options = Options(quantize, bits, group_size, recipe, dtype, dequantize, shard_size, q_mode, quantize_vision,
-                      target_bpw)
-    if calibration is not None and target_bpw is None:
-        raise InvalidOptionError("--calibration is the text --target-bpw measures on; pass --target-bpw or drop "
-                                 "--calibration")
+                      target_bpw, method, calibration_tokens)
+    if calibration is not None and not options.calibrated:
+        raise InvalidOptionError("--calibration is the text a calibrated conversion measures; pass --method gptq or "
+                                 "--target-bpw, or drop --calibration")
+    calibration_text = read_calibration(calibration) if options.calibrated else None
     output = Path(output_dir).expanduser()
     started = time.perf_counter()
     mx.reset_peak_memory()
     check_output(output, force)
     text = evaluation_text(eval_ppl)
-    calibration_text = texts.read_text(calibration, "--calibration") if calibration is not None else None
     src = open_source(source, revision)
     try:
         check_not_source(output, src.location)
@@ -117,22 +123,20 @@ def convert(
         if adapter is not None:
             fuse_adapter(model, src, adapter)
         jobs = plan(model, src, options)
+        if options.method != "rtn":
+            check_calibratable(model, jobs)
         total = sum(job.nbytes for job in jobs)
         if target_bpw is not None:
             total = max(total, int(target_bpw * parameter_count(jobs) / 8))
-        method = None
         with staged(output, force) as tmp:
             check_space(output, total)
             with writing("the tokenizer files"):
                 src.write_extras(tmp)
-            write_json(tmp / "config.json", output_config(src, jobs, options))
             check_tokenizer(tmp, str(source))
-            if target_bpw is not None:
-                jobs, method = allocate.allocate_source(
-                    jobs, src, load_tokenizer_from_dir(tmp),
-                    calibration_text if calibration_text is not None else texts.calibration_text(),
-                    Path(calibration).name if calibration is not None else "python-reference", target_bpw)
-                write_json(tmp / "config.json", output_config(src, jobs, options, method))
+            method = None
+            if calibration_text is not None:
+                jobs, method = _calibrated(src, jobs, options, calibration_text, load_tokenizer_from_dir(tmp), progress)
+            write_json(tmp / "config.json", output_config(src, jobs, options, method))
             bar = Progress(len(jobs), total, progress)
             try:
                 weight_map = write_weights(tmp, jobs, options.shard_size, bar.advance)
@@ -188,9 +192,29 @@ def check_tokenizer(stage: Path, source: str) -> None:
         raise ConversionError(f"the tokenizer of '{source}' does not load ({reason}); nothing was written") from None
 
 
+def _calibrated(src: Source, jobs: list[Job], options: Options, text: CalibrationText, tokenizer: Tokenizer,
+                progress: bool | None) -> tuple[list[Job], dict]:
+    """The jobs as a calibrated conversion makes them, and what was done, for the config: with
+    --target-bpw each tensor's precision chosen from its measured sensitivity; with --method gptq
+    the block linears' GPTQ results at those precisions in place of their plain rounding (the
+    writer stores a source already in its target precision as it is)."""
+    ids = windows(text.ids(tokenizer), options.calibration_tokens or DEFAULT_TOKENS)
+    measured = {"calibration": text.name, "calibration_tokens": int(ids.size)}
+    record = {"method": options.method, **measured}
+    if options.target_bpw is not None:
+        jobs = allocate.allocate_source(jobs, src, ids.tolist(), options.target_bpw)
+        chosen_by = "allocate" if options.method == "rtn" else f"allocate+{options.method}"
+        record = {"method": chosen_by, "target_bpw": options.target_bpw, **measured}
+    if options.method != "rtn":
+        done = calibrate(src, jobs, ids, options.float_dtype(src.dtype), CalibrationProgress(progress))
+        jobs = [replace(job, source=replace(job.source, read=lambda p=done[job.path]: p)) if job.path in done else job
+                for job in jobs]
+    return jobs, record
+
+
 def output_config(source: Source, jobs: list[Job], options: Options, method: dict | None = None) -> dict:
     """The source's config.json with its quantization replaced, keys sorted as mlx-lm saves them;
-    `method`: how a calibrated conversion chose it (config["quantization_method"])."""
+    a calibrated conversion says how under "quantization_method"."""
     config = {k: v for k, v in source.config.items() if k not in _DROP_KEYS}
     floats = dtype_name(options.float_dtype(source.dtype))
     for key in ("torch_dtype", "dtype"):

@@ -10,7 +10,8 @@ import click
 from mlxinfer.base.errors import InvalidOptionError
 
 from .api import convert
-from .quantize import BITS, DTYPES, GROUP_SIZES, MODES, RECIPES
+from .calibrate import DEFAULT_TOKENS
+from .quantize import BITS, DTYPES, GROUP_SIZES, METHODS, MODES, RECIPES
 
 _UNITS = {"": 1, "B": 1, "KB": 1 << 10, "MB": 1 << 20, "GB": 1 << 30}
 _SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([KMG]?B?)\s*", re.IGNORECASE)
@@ -52,10 +53,16 @@ def _choices(values) -> str:
 @click.option("--quantize-vision", is_flag=True, help="Quantize a vision-language model's vision tower too.")
 @click.option("--target-bpw", type=float,
               help="Bits per weight of the whole file: each tensor's bits chosen from its measured sensitivity.")
+@click.option("--method", default="rtn", show_default=True,
+              help=f"Quantization method ({_choices(METHODS)}): rtn rounds to the nearest level; gptq compensates "
+                   "rounding errors, calibrated on text.")
 @click.option("--calibration", type=click.Path(path_type=Path),
-              help="Text file --target-bpw measures sensitivity on (default: part of the Python reference).")
+              help="Text file (or .jsonl chats, {\"messages\": [...]} a line) that --target-bpw and --method gptq "
+                   "measure on; default: Python's own reference documentation.")
+@click.option("--calibration-tokens", type=int, help=f"Calibration tokens (default {DEFAULT_TOKENS}).")
 def convert_command(source, output, quantize, bits, group_size, recipe, q_mode, dtype, dequantize, force,
-                    shard_size, eval_ppl, revision, adapter, quantize_vision, target_bpw, calibration) -> None:
+                    shard_size, eval_ppl, revision, adapter, quantize_vision, target_bpw, method, calibration,
+                    calibration_tokens) -> None:
     """Convert SOURCE (Hugging Face/MLX folder, hub id or .gguf file) into an MLX folder."""
     report = convert(
         source,
@@ -74,6 +81,8 @@ def convert_command(source, output, quantize, bits, group_size, recipe, q_mode, 
         adapter=adapter,
         quantize_vision=quantize_vision,
         target_bpw=target_bpw,
+        method=method,
         calibration=calibration,
+        calibration_tokens=calibration_tokens,
     )
     click.echo("\n".join(report.lines()))

@@ -23,6 +23,7 @@ _LAYER = re.compile(r"\.layers\.(\d+)\.")
 
 
 MODES = ("affine", *FLOAT_MODES)
+METHODS = ("rtn", "gptq")  # plain rounding to the nearest level; GPTQ's error-compensating rounding (calibrate.py)
 
 
 @dataclass(frozen=True)
@@ -94,6 +95,8 @@ class Options:
     mode: str = "affine"
     quantize_vision: bool = False  # a vision-language model's vision tower too (`CausalLM.unquantized`)
     target_bpw: float | None = None  # `allocate` chooses each tensor's bits and group size for this size
+    method: str = "rtn"  # how each tensor is rounded (METHODS)
+    calibration_tokens: int | None = None  # default: calibrate.DEFAULT_TOKENS
 
     def __post_init__(self) -> None:
         self._check_target()
@@ -121,8 +124,9 @@ class Options:
             raise InvalidOptionError(f"unknown recipe '{self.recipe}'; choose one of {_list(RECIPES)}")
         parse_dtype(self.dtype)
         if self.dequantize and self.quantizing:
-            raise InvalidOptionError("--dequantize cannot be combined with -q/--recipe/--q-mode/--target-bpw; "
+            raise InvalidOptionError("--dequantize cannot be combined with -q/--recipe/--q-mode/--target-bpw/--method; "
                                      "choose one")
+        self._check_method()
         if self.shard_size <= 0:
             raise InvalidOptionError(f"--shard-size must be positive, got {self.shard_size} bytes")
 
@@ -139,9 +143,28 @@ class Options:
             raise InvalidOptionError(f"--target-bpw {self.target_bpw:g} is out of range; pass bits per weight "
                                      f"above 0 and at most {MAX_TARGET_BPW} (8-bit with its scales)")
 
+    def _check_method(self) -> None:
+        if self.method not in METHODS:
+            raise InvalidOptionError(f"--method {self.method!r} is unknown; choose one of {_list(METHODS)}")
+        if not self.calibrated:
+            if self.calibration_tokens is not None:
+                raise InvalidOptionError("--calibration-tokens is for a calibrated conversion; pass --method gptq or "
+                                         "--target-bpw, or drop --calibration-tokens")
+            return
+        if self.mode != "affine":
+            raise InvalidOptionError(f"--method {self.method} quantizes to the affine grid; drop --q-mode {self.mode}")
+        if self.calibration_tokens is not None and self.calibration_tokens < 2:
+            raise InvalidOptionError(f"--calibration-tokens {self.calibration_tokens} is too few; give at least 2 "
+                                     "(a few thousand calibrate well)")
+
+    @property
+    def calibrated(self) -> bool:
+        """Whether the conversion measures the source on calibration text first."""
+        return self.method != "rtn" or self.target_bpw is not None
+
     @property
     def quantizing(self) -> bool:
-        return self.quantize or self.recipe is not None or self.mode != "affine" or self.target_bpw is not None
+        return self.quantize or self.recipe is not None or self.mode != "affine" or self.calibrated
 
     def target(self, path: str, num_layers: int) -> QuantSpec:
         """The precision a quantizable layer at `path` should get when quantizing."""

@@ -8,7 +8,6 @@ fixed recipes on real text for the quality; mlx-lm's loader for the output's log
 from __future__ import annotations
 
 import itertools
-import math
 import json
 import struct
 from pathlib import Path
@@ -16,6 +15,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
+from perplexity_oracle import perplexity
 from click.testing import CliRunner
 
 import mlxinfer
@@ -112,14 +112,12 @@ def test_weighted_error_is_the_fisher_weighted_rounding_error():
 
 # --- whole conversions -----------------------------------------------------------------------------
 
-@pytest.fixture(autouse=True)
-def few_tokens(monkeypatch):
-    monkeypatch.setattr(allocate, "CALIBRATION_TOKENS", 512)
+FEW = 512  # calibration tokens: enough to rank the tensors, quick to measure
 
 
 def test_tiny_model_meets_the_target_and_records_the_method(hf_checkpoint, tmp_path):
     src = hf_checkpoint("llama", head_dim=32)
-    report = convert(src, tmp_path / "out", target_bpw=5.0)
+    report = convert(src, tmp_path / "out", target_bpw=5.0, calibration_tokens=FEW)
     assert bits_per_weight(tmp_path / "out", src) <= 5.0
     config = json.loads((tmp_path / "out" / "config.json").read_text())
     assert config["quantization_method"] == {"method": "allocate", "target_bpw": 5.0,
@@ -133,7 +131,7 @@ def test_calibration_file_and_cli(hf_checkpoint, tmp_path):
     text = tmp_path / "notes.txt"
     text.write_text(texts.evaluation_text()[:20000], encoding="utf-8")
     result = CliRunner().invoke(main, ["convert", str(src), "-o", str(tmp_path / "out"), "--target-bpw", "6",
-                                       "--calibration", str(text)])
+                                       "--calibration-tokens", "512", "--calibration", str(text)])
     assert result.exit_code == 0, result.output
     assert "method:     allocate (target_bpw: 6" in result.output
     method = json.loads((tmp_path / "out" / "config.json").read_text())["quantization_method"]
@@ -149,7 +147,7 @@ def test_calibration_file_and_cli(hf_checkpoint, tmp_path):
     ({"target_bpw": 9.0}, "at most 8.5"),
     ({"target_bpw": 0.0}, "out of range"),
     ({"target_bpw": 1.0}, "below the smallest"),
-    ({"calibration": "x.txt"}, "pass --target-bpw or drop --calibration"),
+    ({"calibration": "x.txt"}, "pass --method gptq or --target-bpw, or drop --calibration"),
 ])
 def test_refusals(hf_checkpoint, tmp_path, kwargs, words):
     src = hf_checkpoint("llama", head_dim=32)
@@ -169,16 +167,8 @@ def smollm2_float(smollm2_gguf, tmp_path_factory) -> Path:
 
 
 def eval_perplexity(folder: Path, source: Path) -> float:
-    """exp(mean next-token NLL) over two 512-token windows, the log-softmax in numpy (float64)."""
     ids = load_tokenizer_from_dir(source).encode(texts.evaluation_text())[: 2 * 512 + 1]
-    model, nll = load_model(folder, dtype="float32"), 0.0
-    for start in range(0, len(ids) - 1, 512):
-        chunk = ids[start : start + 513]
-        logits = np.array(model(mx.array([chunk[:-1]]))[0].astype(mx.float32), dtype=np.float64)
-        top = logits.max(axis=-1, keepdims=True)
-        logp = logits - top - np.log(np.exp(logits - top).sum(axis=-1, keepdims=True))
-        nll -= logp[np.arange(len(chunk) - 1), chunk[1:]].sum()
-    return math.exp(nll / (len(ids) - 1))
+    return perplexity(load_model(folder, dtype="float32"), ids)
 
 
 @pytest.fixture(scope="module")
@@ -187,17 +177,15 @@ def smollm2_outputs(smollm2_float, tmp_path_factory) -> dict[str, Path]:
     (computed from its files) and at 3.5 bits/weight, on 512 calibration tokens."""
     src, root = smollm2_float, tmp_path_factory.mktemp("allocated")
     outputs = {}
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(allocate, "CALIBRATION_TOKENS", 512)
-        for bits, group in ((4, 64), (3, 32), (3, 64)):
-            plain = outputs[f"{bits}g{group}"] = root / f"{bits}g{group}"
-            convert(src, plain, quantize=True, bits=bits, group_size=group)
-            if (bits, group) != (3, 64):
-                target = bits_per_weight(plain, src)
-                convert(src, root / f"at{bits}g{group}", target_bpw=target)
-                outputs[f"at {bits}g{group}"] = root / f"at{bits}g{group}"
-        convert(src, root / "3.5", target_bpw=3.5)
-        outputs["3.5"] = root / "3.5"
+    for bits, group in ((4, 64), (3, 32), (3, 64)):
+        plain = outputs[f"{bits}g{group}"] = root / f"{bits}g{group}"
+        convert(src, plain, quantize=True, bits=bits, group_size=group)
+        if (bits, group) != (3, 64):
+            target = bits_per_weight(plain, src)
+            convert(src, root / f"at{bits}g{group}", target_bpw=target, calibration_tokens=FEW)
+            outputs[f"at {bits}g{group}"] = root / f"at{bits}g{group}"
+    convert(src, root / "3.5", target_bpw=3.5, calibration_tokens=FEW)
+    outputs["3.5"] = root / "3.5"
     return outputs
 
 
@@ -229,3 +217,19 @@ def test_smollm2_allocated_folder_loads_in_mlx_lm_with_our_logits(smollm2_output
     theirs.update(tree_map(lambda p: p.astype(mx.float32) if p.dtype == mx.float16 else p, theirs.parameters()))
     ours, _ = mlxinfer.load(out, dtype="float32")
     np.testing.assert_allclose(np.array(ours(ids)), np.array(theirs(ids)), atol=5e-4, rtol=0)
+
+
+def test_allocation_and_gptq_compose(hf_checkpoint, tmp_path):
+    """--target-bpw chooses the precisions, then GPTQ rounds the block layers at them: the same
+    per-layer precisions as the allocation alone, a different rounding, the target still met."""
+    src = hf_checkpoint("llama", head_dim=32)
+    convert(src, tmp_path / "alone", target_bpw=4.5, calibration_tokens=FEW)
+    convert(src, tmp_path / "both", target_bpw=4.5, method="gptq", calibration_tokens=FEW)
+    alone, both = (json.loads((tmp_path / name / "config.json").read_text()) for name in ("alone", "both"))
+    assert both["quantization_method"] == {"method": "allocate+gptq", "target_bpw": 4.5,
+                                           "calibration": "python-reference", "calibration_tokens": FEW}
+    assert both["quantization"] == alone["quantization"]
+    assert bits_per_weight(tmp_path / "both", src) <= 4.5
+    a, b = (mx.load(str(tmp_path / name / "model.safetensors")) for name in ("alone", "both"))
+    block = [k for k in a if ".layers." in k and k.endswith(".weight") and a[k].dtype == mx.uint32]
+    assert block and any(not mx.array_equal(a[k], b[k]).item() for k in block)
