@@ -13,28 +13,17 @@ in registers at the widest vector width the loops use. Both paths run alternatel
 from __future__ import annotations
 
 import argparse
-import time
-from collections.abc import Callable
 
 import mlxinfer  # noqa: F401  (first: it binds a fast BLAS before mlx.core loads)
 import mlx.core as mx
 
 from mlxinfer.cli.bench import Quiet
+from mlxinfer.cli.doctor import best_cpu_seconds
 from mlxinfer.kernels import quantized_matmul
 
 # (name, outputs, inputs) of one layer's products
 SMOLLM2 = [("qkv", 960, 576), ("o", 576, 576), ("gate_up", 3072, 576), ("down", 576, 1536)]
 QWEN_1_5B = [("qkv", 2048, 1536), ("o", 1536, 1536), ("gate_up", 17920, 1536), ("down", 1536, 8960)]
-
-
-def best_seconds(product: Callable[[], mx.array], repeat: int) -> float:
-    mx.eval(product())
-    best = float("inf")
-    for _ in range(repeat):
-        start = time.perf_counter()
-        mx.eval(product())
-        best = min(best, time.perf_counter() - start)
-    return best
 
 
 def main() -> None:
@@ -64,9 +53,9 @@ def main() -> None:
             for rows in args.rows:
                 x = mx.random.normal((rows, inputs), key=mx.random.key(rows))
                 mx.eval(x, packed, scales, biases, *half)
-                ours = best_seconds(lambda: ext.affine_quantized_matmul(x, packed, *half, args.group, args.bits),
+                ours = best_cpu_seconds(lambda: ext.affine_quantized_matmul(x, packed, *half, args.group, args.bits),
                                     args.repeat)
-                blas = best_seconds(lambda: x @ mx.dequantize(packed, scales, biases, group_size=args.group,
+                blas = best_cpu_seconds(lambda: x @ mx.dequantize(packed, scales, biases, group_size=args.group,
                                                               bits=args.bits).T, args.repeat)
                 flops = 2 * rows * out * inputs / 1e9
                 print(f"{model:<9}{name:<9}{rows:>6}{ours * 1e3:>10.2f}{flops / ours:>9.0f}{flops / ours / peak:>9.0%}"

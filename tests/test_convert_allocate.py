@@ -16,9 +16,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from perplexity_oracle import perplexity
+from test_convert_smollm2 import assert_mlx_lm_gives_our_logits
 from click.testing import CliRunner
 
-import mlxinfer
 from mlxinfer.base.errors import InvalidOptionError
 from mlxinfer.cli.main import main
 from mlxinfer.convert import allocate, convert, texts
@@ -206,17 +206,10 @@ def test_smollm2_at_3_5_bits_beats_plain_3_bit(smollm2_float, smollm2_outputs):
 
 
 def test_smollm2_allocated_folder_loads_in_mlx_lm_with_our_logits(smollm2_outputs):
-    import mlx_lm
-    from mlx.utils import tree_map
-
     out = smollm2_outputs["at 3g32"]
     quant = json.loads((out / "config.json").read_text())["quantization"]
     assert len({(v["bits"], v["group_size"]) for v in quant.values() if isinstance(v, dict)}) > 1  # mixed, per layer
-    ids = mx.array([[1, 4093, 198, 1780, 314, 260, 3575, 282]])
-    theirs, _ = mlx_lm.load(str(out))
-    theirs.update(tree_map(lambda p: p.astype(mx.float32) if p.dtype == mx.float16 else p, theirs.parameters()))
-    ours, _ = mlxinfer.load(out, dtype="float32")
-    np.testing.assert_allclose(np.array(ours(ids)), np.array(theirs(ids)), atol=5e-4, rtol=0)
+    assert_mlx_lm_gives_our_logits(out)
 
 
 def test_allocation_and_gptq_compose(hf_checkpoint, tmp_path):

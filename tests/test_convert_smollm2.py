@@ -82,18 +82,21 @@ def test_greedy_answer_is_paris(smollm2):
     assert "Paris" in tokenizer.decode(answer)
 
 
-def test_mlx_lm_loads_it_with_the_same_logits(smollm2):
+def assert_mlx_lm_gives_our_logits(out) -> None:
+    """mlx-lm loads the SmolLM2 folder `out` and, both in float32, gives our logits: float32 sums
+    reassociate over 30 layers (logits span about 40; the largest difference seen is 1.7e-4)."""
     import mlx_lm
     from mlx.utils import tree_map
 
-    _, out, _ = smollm2
     ids = mx.array([[1, 4093, 198, 1780, 314, 260, 3575, 282]])
     theirs, _ = mlx_lm.load(str(out))
     theirs.update(tree_map(lambda p: p.astype(mx.float32) if p.dtype == mx.float16 else p, theirs.parameters()))
     ours, _ = mlxinfer.load(out, dtype="float32")
-    # 8 rows take our CPU dequantize-then-BLAS path: float32 sums reassociate over 30 layers
-    # (logits span about 40; the largest difference seen is 1.7e-4).
     np.testing.assert_allclose(np.array(ours(ids)), np.array(theirs(ids)), atol=5e-4, rtol=0)
+
+
+def test_mlx_lm_loads_it_with_the_same_logits(smollm2):
+    assert_mlx_lm_gives_our_logits(smollm2[1])
 
 
 def test_tokenizer_rebuilt_from_gguf_matches_reference(smollm2, smollm2_tokenizer):

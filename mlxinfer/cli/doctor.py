@@ -60,7 +60,7 @@ def quantized_gemm_gflops(rows: int = 512, n: int = 1536, repeat: int = 5) -> fl
     packed, scales, biases = mx.quantize(mx.random.normal((n, n), key=mx.random.key(0)), group_size=64, bits=4)
     x = mx.random.normal((rows, n), key=mx.random.key(1))
     mx.eval(packed, scales, biases, x)
-    return 2 * rows * n * n / _best_cpu_seconds(
+    return 2 * rows * n * n / best_cpu_seconds(
         lambda: quantized_matmul.quantized_matmul(x, packed, scales, biases, 64, 4), repeat) / 1e9
 
 
@@ -71,17 +71,17 @@ def quantized_matvec_rate(n: int = 4096, repeat: int = 5) -> float:
     x = mx.random.normal((1, n), key=mx.random.key(1))
     mx.eval(packed, scales, biases, x)
     nbytes = packed.nbytes + scales.nbytes + biases.nbytes
-    return nbytes / _best_cpu_seconds(lambda: quantized_matmul.quantized_matmul(x, packed, scales, biases, 64, 4),
+    return nbytes / best_cpu_seconds(lambda: quantized_matmul.quantized_matmul(x, packed, scales, biases, 64, 4),
                                       repeat) / 1e9
 
 
 def matmul_gflops(n: int = 1024, repeat: int = 3) -> float:
     """Best float32 matmul rate on the CPU: the number that tells a fast BLAS from the reference one."""
     a, b = (mx.random.normal((n, n), key=mx.random.key(i)) for i in range(2))
-    return 2 * n**3 / _best_cpu_seconds(lambda: a @ b, repeat) / 1e9
+    return 2 * n**3 / best_cpu_seconds(lambda: a @ b, repeat) / 1e9
 
 
-def _best_cpu_seconds(product: Callable[[], mx.array], repeat: int) -> float:
+def best_cpu_seconds(product: Callable[[], mx.array], repeat: int) -> float:
     """The fastest of `repeat` evaluations of `product()` on the CPU, after one warm-up."""
     with mx.stream(mx.cpu):
         mx.eval(product())

@@ -15,6 +15,7 @@ its batch.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -64,10 +65,10 @@ def available(x: mx.array) -> bool:
     return cpu_attention.available(x)
 
 
-def takes(projections: tuple[Projection, ...], rows: int) -> bool:
-    """Whether a step of `rows` rows (tokens of all sequences) through these projections is theirs:
-    any count when all are quantized, up to FLOAT_ROWS with a float32 one."""
-    return rows <= FLOAT_ROWS or all(p.bits for p in projections)
+def most_rows(projections: Sequence[Projection]) -> int | None:
+    """The most rows (tokens of all sequences) a step through these projections takes: any count
+    (None) when all are quantized, FLOAT_ROWS with a float32 one."""
+    return None if all(p.bits for p in projections) else FLOAT_ROWS
 
 
 def rope_table(base: float | None, freqs: mx.array | None, dims: int) -> mx.array:

@@ -399,7 +399,7 @@ class Block(nn.Module):
         where the per-op path has ~60. None where they do not apply, and the per-op path runs: a
         recurrent mixer, a row with a mask other than the plain causal one (windows past their
         length) or a quantized cache, a block `_fused_plan` cannot take, float32 projections over
-        more rows than `decode_layer.takes`, or rows running a DoRA adapter."""
+        more rows than `decode_layer.most_rows`, or rows running a DoRA adapter."""
         if not self.attends:  # a recurrent mixer's cache keeps a state, not keys
             return None
         rows = getattr(cache, "rows", None)
@@ -408,8 +408,7 @@ class Block(nn.Module):
         if len(caches) != x.shape[0] or not all(map(plain, masks)) or any(c.bits is not None for c in caches):
             return None
         plan = self._fused_plan()
-        if plan is None or not decode_layer.takes((plan.qkv, plan.o, plan.gate_up, plan.down),
-                                                  x.shape[0] * x.shape[1]):
+        if plan is None or (plan.most_rows is not None and x.shape[0] * x.shape[1] > plan.most_rows):
             return None
         adapters = _step_adapters(plan.tables, x.shape[0])
         if adapters is None:
@@ -488,6 +487,7 @@ class FusedPlan:
     scale: float
     gelu: bool
     tables: tuple  # the LoRA table of each of (qkv, o, gate_up, down) that an adapter wraps, else None
+    most_rows: int | None  # the most rows a step may have (`decode_layer.most_rows`), None: any
 
     @classmethod
     def of(cls, block: Block, attn: nn.Module, mlp: nn.Module) -> FusedPlan | None:
@@ -509,7 +509,7 @@ class FusedPlan:
                    qk=(qk[0], qk[1], attn["q_norm"].eps) if qk else None,
                    rope=None if table is None else (table, attn.rope.attention_factor),
                    heads=decode_layer.Heads(attn.n_heads, attn.n_kv_heads, attn.head_dim), scale=attn.scale,
-                   gelu=mlp.act is nn.gelu_approx, tables=tables)
+                   gelu=mlp.act is nn.gelu_approx, tables=tables, most_rows=decode_layer.most_rows(projections))
 
 
 def _step_adapters(tables: tuple, rows: int) -> decode_layer.Adapters | None:
