@@ -26,6 +26,7 @@ worse than any uniform assignment that fits.
 from __future__ import annotations
 
 import heapq
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import mlx.core as mx
@@ -33,10 +34,9 @@ import mlx.nn as nn
 import numpy as np
 
 from mlxinfer.base.errors import InvalidOptionError
-from mlxinfer.models import CausalLM
 
+from .blockwise import Blockwise, run_block, set_module
 from .gguf_file import Packed
-from .perplexity import source_model
 from .plan import Job
 from .quantize import BITS, GROUP_SIZES, QuantSpec
 from .sources import Source
@@ -61,10 +61,6 @@ class _Recorder:
         self.module, self.path, self.pass_ = module, path, pass_
 
     def __call__(self, x: mx.array) -> mx.array:
-        if x.dtype in (mx.int32, mx.uint32, mx.int64):  # an embedding's lookup: the rows read
-            rows = self.module.weight.shape[0]
-            self.pass_.inputs[f"{self.path}#lookup"] = mx.zeros(rows).at[x.reshape(-1)].add(1.0) / x.size
-            return self.pass_.probe(f"{self.path}#lookup", self.module(x))
         self.pass_.inputs[self.path] = _mean_square(x)
         return self.pass_.probe(self.path, self.module(x))
 
@@ -79,7 +75,7 @@ def _mean_square(x: mx.array) -> mx.array:
 
 
 class _Pass:
-    """The probes and recorded inputs of one window's forward pass."""
+    """The probes and recorded inputs of one window's pass through one part of the model."""
 
     def __init__(self):
         self.probes: dict[str, mx.array] = {}
@@ -90,42 +86,147 @@ class _Pass:
         self.shapes[key] = y.shape
         return y + self.probes[key] if key in self.probes else y
 
+    def zeros(self) -> dict[str, mx.array]:
+        return {key: mx.zeros(shape) for key, shape in self.shapes.items()}
 
-def measure(model: CausalLM, windows: list[list[int]], paths: list[str]) -> dict[str, list[Use]]:
-    """How each layer at `paths` is used on `windows` (float32, one forward and backward pass a
-    window): for each use, the loss's summed squared gradient on its outputs and its mean
-    squared input, the two factors of a diagonal Fisher approximation of the loss's curvature
-    in the weights (F_ij ~ sum_t g_ti^2 x_tj^2 ~ (sum_t g_ti^2)(mean_t x_tj^2))."""
-    modules = dict(model.named_modules())
-    pass_ = _Pass()
-    for path in paths:
-        parent, _, name = path.rpartition(".")
-        modules[parent][name] = _Recorder(modules[path], path, pass_)
 
-    def loss(probes: dict[str, mx.array], tokens: mx.array):
-        pass_.probes = probes
-        logits = model(tokens[None, :-1])[0].astype(mx.float32)
-        nll = mx.logsumexp(logits, axis=-1) - mx.take_along_axis(logits, tokens[1:, None], axis=-1)[:, 0]
-        return nll.sum(), dict(pass_.inputs)
+class _Sums:
+    """Per key: the squared gradient on the outputs summed over every window's tokens, and the mean
+    squared input averaged over the windows."""
 
-    sums: dict[str, tuple[mx.array, mx.array]] = {}
-    for window in windows:
-        tokens = mx.array(window)
-        pass_.probes = {}
-        model(tokens[None, :-1])  # learns the output shapes the probes need
-        probes = {key: mx.zeros(shape) for key, shape in pass_.shapes.items()}
-        (_, inputs), grads = mx.value_and_grad(loss)(probes, tokens)
+    def __init__(self, windows: int):
+        self.windows = windows
+        self.sums: dict[str, tuple[mx.array, mx.array]] = {}
+
+    def add(self, grads: dict[str, mx.array], inputs: dict[str, mx.array]) -> None:
         for key, g in grads.items():
             g2 = mx.square(g).reshape(-1, g.shape[-1]).sum(axis=0)
-            x2 = inputs[key]
-            old = sums.get(key)
-            sums[key] = (g2, x2 / len(windows)) if old is None else (old[0] + g2, old[1] + x2 / len(windows))
-        mx.eval(sums)
+            x2 = inputs[key] / self.windows
+            old = self.sums.get(key)
+            self.sums[key] = (g2, x2) if old is None else (old[0] + g2, old[1] + x2)
+        mx.eval(self.sums)
+
+
+def _probed(part: nn.Module, paths: dict[str, str], pass_: _Pass) -> Callable[[], None]:
+    """Put recorders at `paths` (path under `part` -> key) and return what puts the layers back."""
+    modules = dict(part.named_modules())
+    for path, key in paths.items():
+        set_module(part, path, _Recorder(modules[path], key, pass_))
+    return lambda: [set_module(part, path, modules[path]) for path in paths]
+
+
+def measure(source: Source, windows: list[list[int]], paths: list[str],
+            progress: Callable[[int, int], None] = lambda done, total: None) -> dict[str, list[Use]]:
+    """How each layer at `paths` is used on `windows`: for each use, the loss's summed squared
+    gradient on its outputs and its mean squared input, the two factors of a diagonal Fisher
+    approximation of the loss's curvature in the weights (F_ij ~ sum_t g_ti^2 x_tj^2 ~
+    (sum_t g_ti^2)(mean_t x_tj^2)).
+
+    The float32 source runs one block at a time (`Blockwise`): forward over every window, keeping
+    each block's input; then the loss's gradient on the last hidden state; then backward, block by
+    block from the last, each block's forward recomputed from its kept input and its gradient on
+    that input (the chain rule, so the same gradients as one backward pass through the whole
+    model) handed to the block before. Memory: one block's weights, the embedding and LM head,
+    and every block's input over the calibration tokens (tokens x hidden x 4 bytes a block)."""
+    model = Blockwise(source, "--target-bpw")
+    _check_measurable(model, paths)
+    embed = model.path(model.backbone.embed_tokens)
+    steps, done = 2 * len(model.prefixes) + 1, 0
+    model.load_outer()
+    tokens = [mx.array(w) for w in windows]
+    reads = sum(mx.zeros(model.backbone.embed_tokens.weight.shape[0]).at[t[:-1]].add(1.0) / (len(t) - 1)
+                for t in tokens) / len(tokens)  # how often the text reads each row of the embedding
+    inputs = [[model.backbone.embed(t[None, :-1]) for t in tokens]]
+    mx.eval(inputs)
+    if not model.model.config.tie_word_embeddings:
+        model.drop_embedding()  # the LM head is its own layer: the table is not needed again
+    for i, block, _ in model.blocks():
+        inputs.append([run_block(block, x) for x in inputs[-1]])
+        mx.eval(inputs[-1])
+        done += 1
+        progress(done, steps)
+    sums = _Sums(len(windows))
+    grads = _head(model, paths, embed, tokens, inputs.pop(), sums)
+    done += 1
+    progress(done, steps)
+    for i, block, prefix in model.blocks(range(len(model.prefixes) - 1, -1, -1)):
+        grads = _block(block, {p[len(prefix) + 1:]: p for p in paths if p.startswith(f"{prefix}.")},
+                       inputs.pop(), grads, sums)
+        done += 1
+        progress(done, steps)
     uses: dict[str, list[Use]] = {}
-    for key, (g2, x2) in sums.items():
-        path, _, lookup = key.partition("#")
-        uses.setdefault(path, []).append(Use(x2, g2) if lookup else Use(g2, x2))
+    for key, (g2, x2) in sums.sums.items():
+        uses.setdefault(key, []).append(Use(g2, x2))
+    if embed in paths:
+        scale = model.backbone.embed_scale  # the lookup's output is scaled before the first block
+        g2 = sum(mx.square(g * scale).reshape(-1, g.shape[-1]).sum(axis=0) for g in grads)
+        uses.setdefault(embed, []).append(Use(reads, g2))
     return uses
+
+
+def _head(model: Blockwise, paths: list[str], embed: str, tokens: list[mx.array], hidden: list[mx.array],
+          sums: _Sums) -> list[mx.array]:
+    """The text's loss from the last block's outputs: records the LM head's use and returns the
+    loss's gradient on each window's last hidden state."""
+    pass_ = _Pass()
+    head = embed if model.model.config.tie_word_embeddings else "lm_head"
+    restore = _probed(model.model, {head: head} if head in paths else {}, pass_)
+
+    def loss(h: mx.array, probes: dict[str, mx.array], t: mx.array):
+        pass_.probes = probes
+        logits = model.model.logits(model.backbone.norm(h))[0].astype(mx.float32)
+        nll = mx.logsumexp(logits, axis=-1) - mx.take_along_axis(logits, t[1:, None], axis=-1)[:, 0]
+        return nll.sum(), dict(pass_.inputs)
+
+    out = []
+    try:
+        for h, t in zip(hidden, tokens):
+            pass_.probes = {}
+            loss(h, {}, t)  # learns the output shapes the probes need
+            (_, inputs), (g, probe_grads) = mx.value_and_grad(loss, argnums=(0, 1))(h, pass_.zeros(), t)
+            sums.add(probe_grads, inputs)
+            out.append(g)
+            mx.eval(g)
+    finally:
+        restore()
+    return out
+
+
+def _block(block: nn.Module, paths: dict[str, str], inputs: list[mx.array], grads: list[mx.array],
+           sums: _Sums) -> list[mx.array]:
+    """One block recomputed over each window from its input: records its layers' uses and returns
+    the loss's gradient on its inputs (the vector-Jacobian product with `grads`, its outputs')."""
+    pass_ = _Pass()
+    restore = _probed(block, paths, pass_)
+
+    def through(x: mx.array, probes: dict[str, mx.array], g: mx.array):
+        pass_.probes = probes
+        return (run_block(block, x) * g).sum(), dict(pass_.inputs)
+
+    out = []
+    try:
+        pass_.probes = {}
+        run_block(block, inputs[0])  # learns the output shapes (every window has the same length)
+        for x, g in zip(inputs, grads):
+            (_, recorded), (gx, probe_grads) = mx.value_and_grad(through, argnums=(0, 1))(x, pass_.zeros(), g)
+            sums.add(probe_grads, recorded)
+            out.append(gx)
+            mx.eval(gx)
+    finally:
+        restore()
+    return out
+
+
+def _check_measurable(model: Blockwise, paths: list[str]) -> None:
+    """Refuse, before any work, a layer the pass cannot see: it measures plain linear layers in
+    the blocks and the embedding and LM head (a mixture of experts' stacked layers route each
+    token to a few and are not measured yet)."""
+    outer = {model.path(model.backbone.embed_tokens), "lm_head"}
+    for path in paths:
+        module = model.modules.get(path)
+        if not (isinstance(module, (nn.Linear, nn.Embedding)) and (path in outer or model.in_block(path))):
+            raise InvalidOptionError(f"--target-bpw cannot measure '{path}' ({type(module).__name__}) yet; "
+                                     "use --bits or --recipe")
 
 
 def candidates(shape: tuple[int, ...]) -> list[QuantSpec]:
@@ -230,18 +331,14 @@ def _floats(job: Job) -> mx.array:
     return tensor.dequantize(mx.float32) if isinstance(tensor, Packed) else tensor.astype(mx.float32)
 
 
-def allocate(jobs: list[Job], model: CausalLM, windows: list[list[int]], target_bpw: float) -> list[Job]:
+def allocate(jobs: list[Job], source: Source, windows: list[list[int]], target_bpw: float,
+             progress: Callable[[int, int], None] = lambda done, total: None) -> list[Job]:
     """`jobs` with each quantizable tensor's precision chosen so that every written byte adds up
-    to at most `target_bpw` bits per parameter, from `model` (the float source) run on `windows`."""
-    layers = dict(model.named_modules())
+    to at most `target_bpw` bits per parameter, from the float `source` run on `windows`."""
     free = [i for i, job in enumerate(jobs) if (job.target is not None or job.kept_float) and candidates(job.source.shape)]
     if not free:
         raise InvalidOptionError("--target-bpw: this model has no layer that can be quantized; drop --target-bpw")
-    unmeasurable = [jobs[i].path for i in free if not _measurable(layers.get(jobs[i].path))]
-    if unmeasurable:
-        raise InvalidOptionError(f"--target-bpw cannot measure '{unmeasurable[0]}' "
-                                 f"({type(layers.get(unmeasurable[0])).__name__}) yet; use --bits or --recipe")
-    uses = measure(model, windows, [jobs[i].path for i in free])
+    uses = measure(source, windows, [jobs[i].path for i in free], progress)
     parameters = sum(int(np.prod(job.source.shape)) for job in jobs)
     budget = int(target_bpw * parameters // 8)
     fixed = sum(job.nbytes for i, job in enumerate(jobs) if i not in set(free))  # norms, biases: as stored
@@ -263,18 +360,3 @@ def allocate(jobs: list[Job], model: CausalLM, windows: list[list[int]], target_
     for i, spec_list, k in zip(free, specs, pick):
         out[i] = replace(jobs[i], target=spec_list[k], kept_float=None)
     return out
-
-
-def _measurable(module) -> bool:
-    """Layers whose input the sensitivity pass sees: plain linear layers and embeddings
-    (a mixture of experts' stacked layers route each token to a few and are not measured yet)."""
-    return isinstance(module, (nn.Linear, nn.Embedding, nn.QuantizedLinear, nn.QuantizedEmbedding))
-
-
-def allocate_source(jobs: list[Job], source: Source, windows: list[list[int]], target_bpw: float) -> list[Job]:
-    """`allocate` for a conversion: the source in float32 run over the calibration `windows`."""
-    model = source_model(source)
-    allocated = allocate(jobs, model, windows, target_bpw)
-    del model
-    mx.clear_cache()
-    return allocated

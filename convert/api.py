@@ -22,11 +22,11 @@ from mlxinfer.text.tokenizer import Tokenizer, load_tokenizer_from_dir
 
 from . import allocate, perplexity, texts
 from .calibrate import DEFAULT_TOKENS, CalibrationText, calibrate, check_calibratable, read_calibration, windows
-from .calibrate import Progress as CalibrationProgress
 from .gguf_file import Packed
 from .gguf_source import open_gguf
 from .plan import Job, parameter_count, plan, quantization_config
 from .quantize import Options, dtype_name
+from .blockwise import BlockProgress
 from .report import Progress, Report
 from .sources import Source, is_gguf, open_folder
 from .writer import (
@@ -202,11 +202,12 @@ def _calibrated(src: Source, jobs: list[Job], options: Options, text: Calibratio
     measured = {"calibration": text.name, "calibration_tokens": int(ids.size)}
     record = {"method": options.method, **measured}
     if options.target_bpw is not None:
-        jobs = allocate.allocate_source(jobs, src, ids.tolist(), options.target_bpw)
+        jobs = allocate.allocate(jobs, src, ids.tolist(), options.target_bpw,
+                                  BlockProgress("measuring sensitivity", progress))
         chosen_by = "allocate" if options.method == "rtn" else f"allocate+{options.method}"
         record = {"method": chosen_by, "target_bpw": options.target_bpw, **measured}
     if options.method != "rtn":
-        done = calibrate(src, jobs, ids, options.float_dtype(src.dtype), CalibrationProgress(progress))
+        done = calibrate(src, jobs, ids, options.float_dtype(src.dtype), BlockProgress("calibrating (GPTQ)", progress))
         jobs = [replace(job, source=replace(job.source, read=lambda p=done[job.path]: p)) if job.path in done else job
                 for job in jobs]
     return jobs, record

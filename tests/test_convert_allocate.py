@@ -110,6 +110,61 @@ def test_weighted_error_is_the_fisher_weighted_rounding_error():
     assert ours == pytest.approx(rounding_error(w, 3, 32, rows, cols), rel=1e-5)
 
 
+@pytest.mark.parametrize("tied", [False, True])
+def test_sensitivity_is_torchs_gradients_and_inputs(hf_checkpoint, tied):
+    """The block-by-block pass against one backward pass of the transformers model in torch: per
+    linear layer, the squared gradient of the text's summed NLL on each output summed over tokens
+    and the mean squared input averaged over windows; the embedding's rows read and the squared
+    gradient on its output; a tied embedding's LM-head use from the logits and the final hidden state."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from mlxinfer.convert.sources import open_folder
+
+    src = hf_checkpoint("llama", head_dim=32, tie_word_embeddings=tied)
+    hf = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    rng = np.random.default_rng(0)
+    windows = [rng.integers(0, hf.config.vocab_size, 24).tolist() for _ in range(2)]
+    seen: dict[str, list] = {}
+
+    def keep(name):
+        def hook(module, args, output):
+            output.retain_grad()
+            seen.setdefault(name, []).append((args[0], output))
+        return hook
+
+    linears = {name: m for name, m in hf.named_modules() if isinstance(m, torch.nn.Linear)}
+    for name, m in linears.items():
+        m.register_forward_hook(keep(name))
+    hf.model.embed_tokens.register_forward_hook(keep("model.embed_tokens#lookup"))
+    for w in windows:
+        ids = torch.tensor([w])
+        logits = hf(ids[:, :-1]).logits[0]
+        torch.nn.functional.cross_entropy(logits, ids[0, 1:], reduction="sum").backward()
+
+    def expected(name):
+        calls = seen[name]
+        g2 = sum(y.grad.reshape(-1, y.shape[-1]).square().sum(0) for _, y in calls).numpy()
+        x2 = sum(x.detach().reshape(-1, x.shape[-1]).double().square().mean(0) for x, _ in calls).numpy() / len(calls)
+        return g2, x2
+
+    paths = [n for n in linears if n != "lm_head"] + ["model.embed_tokens"] + ([] if tied else ["lm_head"])
+    uses = allocate.measure(open_folder(src), windows, paths)
+    for name in linears:
+        g2, x2 = expected(name)
+        use = uses["model.embed_tokens" if name == "lm_head" and tied else name][0]
+        np.testing.assert_allclose(np.asarray(use.rows), g2, rtol=2e-3, atol=1e-9 * g2.max())
+        np.testing.assert_allclose(np.asarray(use.cols), x2, rtol=2e-4)
+    reads = np.zeros(hf.config.vocab_size)
+    for w in windows:
+        np.add.at(reads, w[:-1], 1 / (len(w) - 1) / len(windows))
+    lookup = uses["model.embed_tokens"][-1]
+    g2 = sum(y.grad.reshape(-1, y.shape[-1]).square().sum(0) for _, y in seen["model.embed_tokens#lookup"]).numpy()
+    np.testing.assert_allclose(np.asarray(lookup.rows), reads, rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(lookup.cols), g2, rtol=2e-3)
+    assert len(uses["model.embed_tokens"]) == (2 if tied else 1)
+
+
 # --- whole conversions -----------------------------------------------------------------------------
 
 FEW = 512  # calibration tokens: enough to rank the tensors, quick to measure

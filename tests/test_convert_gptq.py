@@ -75,7 +75,7 @@ def test_pack_is_mlx_packing(bits):
 @pytest.mark.parametrize(("seed", "bits", "group"), [(0, 4, 64), (1, 3, 32), (2, 2, 128), (3, 8, 64)])
 def test_gptq_is_the_papers_algorithm(seed, bits, group):
     w, h = _problem(seed)
-    ours = _dequantized(gptq(w, h, QuantSpec(bits, group)))
+    ours = _dequantized(gptq(w, h, QuantSpec(bits, group), fit=False))
     expected = reference_gptq(w, h, bits, group)
     np.testing.assert_allclose(ours, expected, rtol=0, atol=1e-6)
 
@@ -209,3 +209,49 @@ def test_mixture_of_experts_refused_in_one_line(hf_checkpoint, tmp_path):
         convert(src, tmp_path / "out", bits=4, group_size=32, method="gptq")
     assert "\n" not in str(caught.value)
     assert not (tmp_path / "out").exists()
+
+
+def _weighted_error(w: np.ndarray, c: np.ndarray, scale: np.ndarray, bias: np.ndarray, bits: int) -> np.ndarray:
+    """Per row: sum_j c_j (w_j - Q(w_j))^2, with codes rounded to nearest on the grid (scale, bias)."""
+    codes = np.clip(np.round((w - bias[:, None]) / scale[:, None]), 0, 2**bits - 1)
+    return (c * np.square(w - (scale[:, None] * codes + bias[:, None]))).sum(axis=1)
+
+
+def _heavy_tailed(seed: int, rows: int, n: int) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return rng.standard_t(3, (rows, n)) * 0.02, rng.uniform(0.1, 3, n) ** 2
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_fitted_grid_is_never_worse_than_mlx_and_nears_a_brute_force_optimum(bits):
+    from mlxinfer.convert.grid import fitted, mlx_grid
+
+    w, c = _heavy_tailed(bits, 32, 32)
+    ours = _weighted_error(w, c, *fitted(w, c, bits, mx.float32), bits)
+    mlx = _weighted_error(w, c, *mlx_grid(w, bits, mx.float32), bits)
+    assert np.all(ours <= mlx * (1 + 1e-9))
+    assert ours.sum() < 0.8 * mlx.sum()
+    # brute force: every (scale, bias) on a dense grid around each row's range, codes nearest
+    best = np.full(len(w), np.inf)
+    for row in range(len(w)):
+        lo, hi = w[row].min(), w[row].max()
+        scales = np.linspace(0.3, 1.5, 241) * (hi - lo) / (2**bits - 1)
+        biases = lo + np.linspace(-0.5, 0.5, 241) * (hi - lo) / 2
+        s, b = np.meshgrid(scales, biases)
+        errs = _weighted_error(np.broadcast_to(w[row], (s.size, w.shape[1])), c, s.ravel(), b.ravel(), bits)
+        best[row] = errs.min()
+    assert ours.sum() < 1.1 * best.sum()
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_gptq_with_fitted_grids_beats_gptq_on_mlx_grids(seed):
+    w, h = _problem(20 + seed)
+    w = w * np.random.default_rng(seed).standard_t(3, w.shape)  # heavy tails, as trained weights have
+
+    def error(q):
+        d = w - q
+        return np.trace(d @ h @ d.T)
+
+    fit = error(_dequantized(gptq(w, h, QuantSpec(3, 64))))
+    plain = error(_dequantized(gptq(w, h, QuantSpec(3, 64), fit=False)))
+    assert fit < 0.9 * plain
