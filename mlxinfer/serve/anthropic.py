@@ -18,7 +18,7 @@ from fastapi.responses import Response
 
 from ..decode.sources import Stats
 from ..engine.text_stream import Chunk
-from ..text.tools import ToolCall, call_opener
+from ..text.tools import ToolCall, call_opener, may_open_call
 from .anthropic_schema import CountTokens, CreateMessage, parse
 from .api import Api, Route
 from .bodies import parsed
@@ -119,7 +119,7 @@ class Reply:
         """The events one chunk adds (none while its text is held back)."""
         events = self._add("thinking", chunk.reasoning)
         self.held += chunk.text
-        self.free = self.free or not self._could_call()
+        self.free = self.free or not may_open_call(self.held, self.opener)
         if chunk.tool_calls and not self.free:  # what was held back were the calls
             self.held = chunk.content or ""
         if self.free or chunk.finish_reason:
@@ -134,10 +134,6 @@ class Reply:
         events = self._add("text", self.held)
         self.held = ""
         return [*events, *self._close()]
-
-    def _could_call(self) -> bool:
-        start = self.held.lstrip()
-        return self.opener is not None and (start.startswith(self.opener) or self.opener.startswith(start))
 
     def _add(self, kind: str, text: str) -> list[Event]:
         """`text` appended to the open block of `kind` ("text" or "thinking"), opened if need be."""

@@ -31,6 +31,7 @@ from .errors import RequestError, dotted, refusal
 from .guard import LocalOnly, guarded_protocol
 from .health import HealthApi, MetricsApi
 from .inspect import InspectApi
+from .ollama import OllamaApi
 from .openai import OpenAIApi
 from .page import PageApi
 from .responses import ResponsesApi
@@ -45,7 +46,7 @@ __all__ = ["EngineThread", "ServerConfig", "create_app", "run"]
 # Every API the server offers (the web page joins them unless `serve --no-web`); adding one is
 # adding its module and its class here.
 APIS: tuple[type[Api], ...] = (HealthApi, OpenAIApi, ResponsesApi, MessagesApi, EmbeddingsApi, AdaptersApi,
-                               InspectApi, TokensApi, MetricsApi)
+                               InspectApi, TokensApi, MetricsApi, OllamaApi)
 
 
 class _Uvicorn(uvicorn.Server):

@@ -15,7 +15,7 @@ from fastapi.responses import Response
 from ..decode.sources import Stats
 from ..engine.text_stream import Chunk
 from ..models.lora import adapters_of
-from ..text.tools import call_opener
+from ..text.tools import call_opener, may_open_call
 from .api import Api, Context, Route
 from .bodies import parsed
 from .errors import RequestError
@@ -135,10 +135,6 @@ class Reply:
         return self._object([self._choice(k, choices[k], delta=False) for k in sorted(choices)], chunk=False,
                             **self._accounting({k: cs[-1] for k, cs in choices.items()}))
 
-    def _could_call(self, text: str) -> bool:
-        start = text.lstrip()
-        return self.opener is not None and (start.startswith(self.opener) or self.opener.startswith(start))
-
     async def events(self, firsts: list[Chunk | None], streams: list[AsyncIterator[Chunk]],
                      include_usage: bool) -> AsyncIterator[bytes]:
         """The stream, each event one choice's chunk (its `index` says whose); with tools,
@@ -155,7 +151,8 @@ class Reply:
                 i = stream * self.n + chunk.index
                 last[i] = chunk
                 pending, streamed = [*held.pop(i, ()), chunk], i in sent
-                if i not in sent and self._could_call("".join(c.text for c in pending)) and not chunk.finish_reason:
+                text = "".join(c.text for c in pending)
+                if i not in sent and may_open_call(text, self.opener) and not chunk.finish_reason:
                     if not chunk.reasoning or any(c.text for c in pending):
                         held[i] = pending
                         continue

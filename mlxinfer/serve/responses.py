@@ -29,7 +29,7 @@ from fastapi.responses import Response
 from ..engine.text_stream import Chunk
 from ..engine.request import Request as TypedRequest
 from ..text.tokenizer import Tokenizer
-from ..text.tools import ToolCall, call_opener
+from ..text.tools import ToolCall, call_opener, may_open_call
 from .api import Api, Context, Route
 from .bodies import parsed
 from .errors import RequestError
@@ -387,10 +387,6 @@ class Reply:
         text = (last.content or "") if last.tool_calls else "".join(c.text for c in chunks)
         return self.finished(chunks, "".join(c.reasoning for c in chunks), text)
 
-    def _could_call(self, text: str) -> bool:
-        start = text.lstrip()
-        return self.opener is not None and (start.startswith(self.opener) or self.opener.startswith(start))
-
     async def events(self, first: Chunk | None, stream: AsyncIterator[Chunk],
                      keep: Callable[[dict[str, Any]], None]) -> AsyncIterator[bytes]:
         """The stream of events; with tools, text that may be the start of a call is held
@@ -409,7 +405,7 @@ class Reply:
                     held.append(chunk)
                     text = "".join(c.text for c in held)
                     if chunk.tool_calls or (out.said is None and not chunk.finish_reason
-                                            and (not text or self._could_call(text))):
+                                            and (not text or may_open_call(text, self.opener))):
                         continue
                     for event in out.say(text, held):
                         yield event
