@@ -1,0 +1,315 @@
+"""Ollama's native API (`/api/...`) driven as its users drive it: the official `ollama` Python
+client on its default settings against the real `mlxinfer serve` in a subprocess, and raw NDJSON
+read with `httpx`.
+
+Oracles: Ollama's docs/api.md and the client's own response types for what each field holds
+(types, units: durations are integer nanoseconds); the same conversation through
+`/v1/chat/completions` (greedy; itself proved against the engine elsewhere) for the reply, its
+token counts and its thinking; transformers' rendering of the chat template, tokenized by the
+`tokenizers` library, for prompt token counts; `jsonschema` for structured output. All traffic
+goes to 127.0.0.1."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from serving import Server, post
+
+ollama = pytest.importorskip("ollama")
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("fastapi")
+
+USER = [{"role": "user", "content": "why is the sky blue?"}]
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "description": "The city"}},
+           "required": ["city"]}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Get the weather in a given city",
+                                           "parameters": WEATHER}}]
+DURATIONS = ("total_duration", "load_duration", "prompt_eval_duration", "eval_duration")
+
+
+@pytest.fixture(scope="module")
+def server(tiny):
+    s = Server(["-m", str(tiny), "--dtype", "float32"])
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return ollama.Client(host=server.url)
+
+
+@pytest.fixture(scope="module")
+def name(server):
+    return json.loads(httpx.get(f"{server.url}/api/tags").text)["models"][0]["name"]
+
+
+@pytest.fixture(scope="module")
+def thinker(hf_checkpoint, qwen3_tokenizer, tmp_path_factory) -> Path:
+    """A random-weight Qwen3 with Qwen3's real tokenizer and chat template (tools, thinking switch)."""
+    src = hf_checkpoint("qwen3", vocab_size=151936, tie_word_embeddings=True, head_dim=32,
+                        max_position_embeddings=1024)
+    folder = tmp_path_factory.mktemp("thinker") / "model"
+    shutil.copytree(src, folder)
+    for file in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(qwen3_tokenizer / file, folder / file)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def qwen(thinker):
+    s = Server(["-m", str(thinker), "--dtype", "float32"])
+    yield s, ollama.Client(host=s.url), json.loads(httpx.get(f"{s.url}/api/tags").text)["models"][0]["name"]
+    s.stop()
+
+
+def chat_completion(url: str, messages: list[dict], **options) -> dict:
+    """The oracle: the same conversation through OpenAI's chat completions, greedy."""
+    status, body, _ = post(url, {"messages": messages, "temperature": 0, **options}, key=None)
+    assert status == 200, body
+    return body
+
+
+def reference_count(folder: Path, messages: list[dict], **template) -> int:
+    from tokenizers import Tokenizer
+    from transformers import AutoTokenizer
+
+    text = AutoTokenizer.from_pretrained(folder).apply_chat_template(messages, add_generation_prompt=True,
+                                                                     tokenize=False, **template)
+    return len(Tokenizer.from_file(str(folder / "tokenizer.json")).encode(text, add_special_tokens=False).ids)
+
+
+def check_final(r, prompt_tokens: int | None = None) -> None:
+    """The last object as Ollama documents it: done, why, and measured integer nanoseconds, the
+    parts within the whole."""
+    assert r.done is True and r.done_reason in ("stop", "length")
+    for key in DURATIONS:
+        assert isinstance(r[key], int) and r[key] >= 0, key
+    assert r.total_duration > 0 and r.prompt_eval_duration > 0
+    assert r.load_duration + r.prompt_eval_duration + r.eval_duration <= r.total_duration
+    assert isinstance(r.eval_count, int) and r.eval_count >= 1
+    if prompt_tokens is not None:
+        assert r.prompt_eval_count == prompt_tokens
+    assert r.created_at.endswith("Z")
+
+
+# --- chat and generate ---
+
+def test_chat_equals_the_chat_completion_streamed_and_not(client, server, name, tiny):
+    want = chat_completion(server.url, USER, max_tokens=12)
+    r = client.chat(model=name, messages=USER, options={"temperature": 0, "num_predict": 12})
+    assert r.message.role == "assistant" and r.message.content == want["choices"][0]["message"]["content"]
+    check_final(r, reference_count(tiny, USER))
+    assert r.eval_count == want["usage"]["completion_tokens"]
+    assert r.done_reason == {"stop": "stop", "length": "length"}[want["choices"][0]["finish_reason"]]
+
+    parts = list(client.chat(model=name, messages=USER, stream=True, options={"temperature": 0, "num_predict": 12}))
+    assert all(p.done is False for p in parts[:-1]) and parts[-1].done is True
+    assert "".join(p.message.content or "" for p in parts) == r.message.content
+    check_final(parts[-1], r.prompt_eval_count)
+    assert parts[-1].eval_count == r.eval_count
+
+
+def test_generate_renders_the_prompt_as_a_user_turn_and_raw_as_it_is(client, server, name, tiny):
+    system = "Be brief."
+    want = chat_completion(server.url, [{"role": "system", "content": system}, *USER], max_tokens=8)
+    r = client.generate(model=name, prompt=USER[0]["content"], system=system,
+                        options={"temperature": 0, "num_predict": 8})
+    assert r.response == want["choices"][0]["message"]["content"]
+    check_final(r, reference_count(tiny, [{"role": "system", "content": system}, *USER]))
+
+    status, text, _ = post(server.url, {"prompt": "Once upon a time", "max_tokens": 8, "temperature": 0}, key=None,
+                           path="/v1/completions")
+    raw = client.generate(model=name, prompt="Once upon a time", raw=True, options={"temperature": 0,
+                                                                                 "num_predict": 8})
+    assert raw.response == text["choices"][0]["text"] and raw.eval_count == text["usage"]["completion_tokens"]
+    assert raw.prompt_eval_count == text["usage"]["prompt_tokens"]
+
+
+def test_raw_ndjson_each_line_an_object_the_last_done(server, name):
+    lines = []
+    with httpx.stream("POST", f"{server.url}/api/generate", json={"model": name, "prompt": "hi",
+                                                                  "options": {"num_predict": 5}}) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("application/x-ndjson")
+        lines = [json.loads(line) for line in r.iter_lines() if line]
+    assert all(isinstance(x, dict) for x in lines) and len(lines) >= 2
+    assert [x["done"] for x in lines] == [False] * (len(lines) - 1) + [True]
+    assert all(isinstance(x["response"], str) for x in lines)
+    assert lines[-1]["eval_count"] == 5 and lines[-1]["done_reason"] == "length"
+
+
+def test_options_are_honoured_and_load_time_ones_change_nothing(client, name):
+    ask = dict(model=name, messages=USER)
+    base = client.chat(**ask, options={"temperature": 0, "num_predict": 10})
+    same = client.chat(**ask, options={"temperature": 0, "num_predict": 10, "num_gpu": 99, "num_thread": 2,
+                                       "use_mmap": True, "num_batch": 8, "num_ctx": 2048, "typical_p": 1.0})
+    assert same.message.content == base.message.content
+    seeded = [client.chat(**ask, options={"temperature": 1.0, "seed": 7, "top_k": 40, "top_p": 0.9, "min_p": 0.05,
+                                          "repeat_penalty": 1.1, "repeat_last_n": 16, "presence_penalty": 0.5,
+                                          "frequency_penalty": 0.5, "num_predict": 10}).message.content
+              for _ in range(2)]
+    assert seeded[0] == seeded[1]
+    stop = base.message.content[3:6]
+    stopped = client.chat(**ask, options={"temperature": 0, "num_predict": 10, "stop": [stop]})
+    assert stop and stopped.message.content == base.message.content[:base.message.content.index(stop)]
+    assert stopped.done_reason == "stop"
+
+
+def test_an_empty_request_loads_the_model_and_keep_alive_0_answers_unload(client, server, name):
+    r = client.generate(model=name)
+    assert r.done is True and r.done_reason == "load" and r.response == ""
+    r = client.chat(model=name, messages=[], keep_alive=0)
+    assert r.done is True and r.done_reason == "unload" and r.message.content == ""
+    status, body, _ = post(server.url, {"model": name, "keep_alive": "5m"}, key=None, path="/api/generate")
+    assert status == 200 and body["done_reason"] == "load"
+
+
+# --- tools, structured output, thinking (Qwen3's template) ---
+
+def test_a_tool_result_round_trip_renders_and_answers_as_the_chat_completion(qwen, thinker):
+    s, client, name = qwen
+    history = [*USER, {"role": "assistant", "content": "",
+                       "tool_calls": [{"function": {"name": "get_weather", "arguments": {"city": "Toronto"}}}]},
+               {"role": "tool", "content": "11 degrees celsius", "tool_name": "get_weather"}]
+    r = client.chat(model=name, messages=history, tools=TOOLS, options={"temperature": 0, "num_predict": 8},
+                    think=False)
+    openai_history = [*USER, {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Toronto"}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "11 degrees celsius"}]
+    want = chat_completion(s.url, openai_history, max_tokens=8, tools=TOOLS, reasoning_effort="none")
+    assert r.message.content == (want["choices"][0]["message"]["content"] or "")
+    rendered = [*USER, {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Toronto"}}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "11 degrees celsius"}]
+    assert r.prompt_eval_count == reference_count(thinker, rendered, tools=TOOLS, enable_thinking=False)
+
+
+def test_format_holds_the_reply_to_a_pydantic_models_schema(qwen):
+    jsonschema = pytest.importorskip("jsonschema")
+    from pydantic import BaseModel
+
+    class Weather(BaseModel):
+        city: str
+        degrees: int
+
+    s, client, name = qwen
+    schema = Weather.model_json_schema()
+    r = client.chat(model=name, messages=USER, format=schema, think=False,
+                    options={"temperature": 0, "num_predict": 60})
+    want = chat_completion(s.url, USER, max_tokens=60, reasoning_effort="none",
+                           response_format={"type": "json_schema", "json_schema": {"name": "w", "schema": schema}})
+    assert r.message.content == want["choices"][0]["message"]["content"]
+    if r.done_reason == "stop":
+        jsonschema.validate(json.loads(r.message.content), schema)
+        Weather.model_validate_json(r.message.content)
+    js = client.generate(model=name, prompt="a JSON object", format="json", think=False,
+                         options={"temperature": 0, "num_predict": 40})
+    if js.done_reason == "stop":
+        assert isinstance(json.loads(js.response), dict)
+
+
+def test_think_splits_the_thinking_into_its_own_field(qwen, thinker, tmp_path_factory):
+    """Under an R1-style template the reply starts inside <think>: everything the random model
+    writes before </think> is thinking, which `think` returns apart as the OpenAI path does."""
+    folder = tmp_path_factory.mktemp("r1") / "model"
+    shutil.copytree(thinker, folder)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config["chat_template"] = config["chat_template"].replace("'<|im_start|>assistant\\n' }}",
+                                                              "'<|im_start|>assistant\\n<think>\\n' }}")
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    s = Server(["-m", str(folder), "--dtype", "float32"])
+    try:
+        client = ollama.Client(host=s.url)
+        name = client.list().models[0].model
+        want = chat_completion(s.url, USER, max_tokens=10, reasoning_effort="medium")["choices"][0]["message"]
+        r = client.chat(model=name, messages=USER, think=True, options={"temperature": 0, "num_predict": 10})
+        assert r.message.thinking == want["reasoning_content"] and r.message.thinking
+        assert (r.message.content or "") == (want["content"] or "")
+        parts = list(client.chat(model=name, messages=USER, think=True, stream=True,
+                                 options={"temperature": 0, "num_predict": 10}))
+        assert "".join(p.message.thinking or "" for p in parts) == r.message.thinking
+        g = client.generate(model=name, prompt=USER[0]["content"], think=True,
+                            options={"temperature": 0, "num_predict": 10})
+        assert g.thinking == r.message.thinking
+        assert "thinking" in client.show(name).capabilities
+    finally:
+        s.stop()
+
+
+def test_think_on_a_model_that_cannot_think_is_400(client, name):
+    with pytest.raises(ollama.ResponseError) as e:
+        client.chat(model=name, messages=USER, think=True)
+    assert e.value.status_code == 400 and "thinking" in e.value.error
+
+
+# --- models: list, show, ps, embed, version ---
+
+def test_list_show_ps_and_version(client, name, tiny):
+    config = json.loads((tiny / "config.json").read_text())
+    listed = client.list().models
+    assert [m.model for m in listed] == [name] and listed[0].size > 0 and listed[0].modified_at is not None
+    details = listed[0].details
+    assert details.family == config["model_type"] and details.families == [config["model_type"]]
+    assert details.parameter_size and details.quantization_level == "F32"
+
+    shown = client.show(name)
+    arch = shown.modelinfo["general.architecture"]
+    assert arch == config["model_type"]
+    assert shown.modelinfo[f"{arch}.context_length"] == config["max_position_embeddings"]
+    assert shown.modelinfo[f"{arch}.embedding_length"] == config["hidden_size"]
+    assert shown.modelinfo[f"{arch}.block_count"] == config["num_hidden_layers"]
+    assert shown.modelinfo[f"{arch}.attention.head_count"] == config["num_attention_heads"]
+    assert "completion" in shown.capabilities and "thinking" not in shown.capabilities
+    from transformers import AutoModelForCausalLM
+
+    assert shown.modelinfo["general.parameter_count"] == AutoModelForCausalLM.from_pretrained(tiny).num_parameters()
+    assert isinstance(shown.template, str)
+
+    running = client.ps().models
+    assert [m.model for m in running] == [name] and running[0].size_vram == running[0].size > 0
+    assert running[0].expires_at is not None and running[0].context_length == config["max_position_embeddings"]
+    version = httpx.get(f"{client._client.base_url}/api/version").json()["version"]
+    assert isinstance(version, str) and version.count(".") >= 2
+
+
+def test_embed_and_the_legacy_embeddings_equal_the_openai_vectors(client, server, name):
+    texts = ["Why is the sky blue?", "Why is the grass green?"]
+    status, want, _ = post(server.url, {"input": texts}, key=None, path="/v1/embeddings")
+    assert status == 200
+    r = client.embed(model=name, input=texts)
+    assert len(r.embeddings) == 2
+    for got, expected in zip(r.embeddings, want["data"]):
+        assert got == pytest.approx(expected["embedding"], abs=1e-6)
+    assert r.prompt_eval_count == want["usage"]["prompt_tokens"]
+    assert isinstance(r.total_duration, int) and 0 <= r.load_duration <= r.total_duration
+    one = client.embed(model=name, input=texts[0], dimensions=8)
+    assert len(one.embeddings) == 1 and len(one.embeddings[0]) == 8
+    legacy = client.embeddings(model=name, prompt=texts[0])
+    assert legacy.embedding == pytest.approx(want["data"][0]["embedding"], abs=1e-6)
+
+
+# --- errors, in Ollama's shape ---
+
+def test_unknown_model_is_404_and_bad_options_400_naming_them(client, server, name):
+    with pytest.raises(ollama.ResponseError) as e:
+        client.chat(model="no-such-model", messages=USER)
+    assert e.value.status_code == 404 and "no-such-model" in e.value.error
+    with pytest.raises(ollama.ResponseError) as e:
+        client.show("no-such-model")
+    assert e.value.status_code == 404
+    for options, word in (({"temperature": "hot"}, "temperature"), ({"no_such_option": 1}, "no_such_option"),
+                          ({"mirostat": 2}, "mirostat"), ({"top_p": 5.0}, "top_p")):
+        with pytest.raises(ollama.ResponseError) as e:
+            client.chat(model=name, messages=USER, options=options)
+        assert e.value.status_code == 400 and word in e.value.error, e.value.error
+    for extra, word in (({"suffix": "return x"}, "suffix"), ({"template": "{{ .Prompt }}"}, "template"),
+                        ({"context": [1, 2]}, "context"), ({"keep_alive": "soon"}, "keep_alive")):
+        status, body, _ = post(server.url, {"model": name, "prompt": "hi", **extra}, key=None, path="/api/generate")
+        assert status == 400 and list(body) == ["error"] and word in body["error"], body
+    r = httpx.post(f"{server.url}/api/chat", content=b"{not json", headers={"Content-Type": "application/json"})
+    assert r.status_code == 400 and list(r.json()) == ["error"]
+    r = httpx.get(f"{server.url}/api/nothing")
+    assert r.status_code == 404 and list(r.json()) == ["error"]
