@@ -2,12 +2,23 @@
 
 mlxinfer's own cache (`cachedir.models_dir`, where conversions and pulls land) is listed by
 folder name; the Hugging Face cache by repo id; other folders by path. Below the CLI and the
-server so both list and resolve the same names; what converts or fetches lives above it.
+server so both list, resolve, copy and delete by the same names; what converts or fetches
+(`convert.pull`) lives above it.
+
+A model pulled into the cache is named by `cache_name`: the repo's (or file's) name in lowercase
+and how it is stored, `smollm2-135m-instruct-4bit`, so the name is the same on every run and on
+every machine. The demo model keeps the name it always had (`SmolLM2-135M-Instruct`), and a
+`.gguf` given to `--model` keeps its content-keyed name (`tiny.Q4_1-1a2b3c4d`), so caches made
+before stay valid.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import re
+import secrets
+import shutil
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -15,7 +26,8 @@ from pathlib import Path
 from typing import Any
 
 from ..base.cachedir import is_model_folder, models_dir
-from ..base.errors import MlxinferError
+from ..base.errors import MlxinferError, ModelNotFoundError, StoreError
+from ..base.files import checkpoint_file, write_problem
 from ..base.safetensors import safetensors_header
 from ..models import FAMILIES
 from .checkpoint import read_config, weight_files
@@ -43,7 +55,8 @@ def local_models(folders: Iterable[Path] = ()) -> list[LocalModel]:
     """Models in our cache, the Hugging Face cache, and in (or directly under) `folders`."""
     found: list[tuple[str, str, Path]] = []
     if models_dir().is_dir():
-        found += [(p.name, "mlxinfer", p) for p in sorted(models_dir().iterdir()) if is_model_folder(p)]
+        found += [(p.name, "mlxinfer", p) for p in sorted(models_dir().iterdir())
+                  if not p.name.startswith(".") and is_model_folder(p)]  # a dot folder is a copy or conversion under way
     found += [(repo, "huggingface", p) for repo, p in huggingface_models()]
     for folder in folders:
         candidates = [folder] if is_model_folder(folder) else sorted(p for p in folder.iterdir() if p.is_dir())
@@ -154,3 +167,101 @@ def quantization(tensors: dict[str, Any], config: dict[str, Any]) -> str:
     dtypes = Counter(info["dtype"] for info in tensors.values())
     names = {"F16": "float16", "BF16": "bfloat16", "F32": "float32"}
     return names.get(dtypes.most_common(1)[0][0], "?") if dtypes else "?"
+
+
+# names, and changes to our cache
+
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:+-]{0,127}")
+_UNSAFE = re.compile(r"[^a-z0-9._+-]+")
+
+
+def cache_name(base: str, precision: str) -> str:
+    """The name a model pulled into our cache gets: `base` (a repo or file name) in lowercase with
+    anything but letters, digits and `._+-` made a dash, then how it is stored (`4bit`,
+    `mixed-4-6`, `bf16`, a GGUF's `q4_k_m`), unless the base already ends with it
+    (`SmolLM2-135M-Instruct-4bit` stays `smollm2-135m-instruct-4bit`)."""
+    stem = _UNSAFE.sub("-", base.lower()).strip("-.") or "model"
+    tag = _UNSAFE.sub("-", precision.lower()).strip("-.")
+    return stem if not tag or stem.endswith(f"-{tag}") else f"{stem}-{tag}"
+
+
+def check_new_name(name: str) -> Path:
+    """The folder in our cache a new model called `name` takes; refused when the name is not one
+    a folder and `--model` can carry, or when a model (or anything else) already has it."""
+    if not _NAME.fullmatch(name):
+        raise StoreError(f"'{name}' cannot name a model: use letters, digits and . _ : + - (no /), "
+                         "starting with a letter or digit, at most 128 characters")
+    folder = models_dir() / name
+    if os.path.lexists(folder):
+        raise StoreError(f"a model named '{name}' is already in mlxinfer's cache ({folder}); "
+                         f"`mlxinfer rm {name}` first to replace it, or choose another name")
+    return folder
+
+
+def find(name: str) -> LocalModel | None:
+    """The model `name` stands for, as `mlxinfer models` lists it: a folder in our cache, a repo id
+    in the Hugging Face cache, or a model folder's path; None when it is none of these."""
+    if _NAME.fullmatch(name) and is_model_folder(models_dir() / name):
+        return describe(name, "mlxinfer", models_dir() / name)
+    hub = dict(huggingface_models()) if "/" in name else {}
+    if name in hub:
+        return describe(name, "huggingface", hub[name])
+    path = Path(name).expanduser()
+    return describe(name, "folder", path) if is_model_folder(path) else None
+
+
+def remove(name: str) -> LocalModel:
+    """Delete the model `name` from our cache and return what it was. Only our cache: a Hugging
+    Face cache snapshot or a folder of the user's is refused, saying how to delete it. The folder
+    is first renamed to a hidden name, so a crash halfway leaves nothing listed half-deleted."""
+    found = find(name)
+    if found is None:
+        raise ModelNotFoundError(f"no model named '{name}' in mlxinfer's cache; `mlxinfer models` lists the names")
+    if found.where == "huggingface":
+        raise StoreError(f"'{name}' is in the Hugging Face cache, not mlxinfer's; delete it with "
+                         "`hf cache delete` (huggingface-cli delete-cache)")
+    if found.where != "mlxinfer":
+        raise StoreError(f"'{name}' is a folder of yours ({found.path}), not in mlxinfer's cache; "
+                         "mlxinfer deletes only what it made: remove the folder yourself")
+    doomed = found.path.with_name(f".{found.path.name}.removing-{os.getpid()}-{secrets.token_hex(4)}")
+    try:
+        os.rename(found.path, doomed)
+    except OSError as e:
+        raise StoreError(f"cannot delete '{name}' ({write_problem(e)}); check {models_dir()}") from None
+    shutil.rmtree(doomed, ignore_errors=True)
+    return found
+
+
+def copy(source_name: str, new_name: str) -> LocalModel:
+    """A copy of the model `source_name` (any name `mlxinfer models` lists) in our cache under
+    `new_name`, as Ollama's `/api/copy` makes one. Files are hard-linked where the file system
+    allows (a copy costs no space; every writer replaces files, never edits them) and copied
+    otherwise; a file linking outside its folder is refused as loading refuses it. The copy
+    appears whole or not at all."""
+    found = find(source_name)
+    if found is None:
+        raise ModelNotFoundError(f"no model named '{source_name}'; `mlxinfer models` lists the names")
+    target = check_new_name(new_name)
+    stage = target.with_name(f".{new_name}.copy-{os.getpid()}-{secrets.token_hex(4)}")
+    try:
+        stage.mkdir(parents=True)
+        for entry in sorted(found.path.iterdir()):
+            src = checkpoint_file(found.path, entry.name)  # refuses a link that leaves the folder
+            if src is not None:
+                _link_or_copy(src.resolve(), stage / entry.name)
+        os.rename(stage, target)  # fails, rather than merging, if the name was taken meanwhile
+    except OSError as e:
+        shutil.rmtree(stage, ignore_errors=True)
+        raise StoreError(f"cannot copy '{source_name}' to '{new_name}' ({write_problem(e)}); "
+                         f"check the space and permissions of {models_dir()}") from None
+    except BaseException:
+        shutil.rmtree(stage, ignore_errors=True)
+        raise
+    return describe(new_name, "mlxinfer", target)
+
+
+def _link_or_copy(src: Path, dst: Path) -> None:
+    with contextlib.suppress(OSError):
+        os.link(src, dst)
+        return
+    shutil.copy2(src, dst)
