@@ -61,3 +61,13 @@ class SamplingError(MlxinferError):
 class ImageError(InvalidOptionError):
     """An image that cannot be used: not an image, too large, a decompression bomb, or given to a
     model that takes none (a request's own fault: a 400 from the server)."""
+
+
+class StoreError(MlxinferError):
+    """A change to mlxinfer's model cache that cannot go ahead: a name already taken or not
+    allowed, or a model the cache does not hold (in the Hugging Face cache, a folder of yours)."""
+
+
+class DownloadError(MlxinferError):
+    """A download the user asked for (`mlxinfer pull`) that failed or stopped; what arrived is kept
+    so the same command resumes it."""

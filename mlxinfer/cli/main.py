@@ -414,7 +414,7 @@ def models_command(folders: tuple[Path, ...], supported: bool, as_json: bool) ->
     """Models on this machine: mlxinfer's cache, the Hugging Face cache, and model folders
     in FOLDERS (default: the current directory). The NAME column is what --model accepts.
     With --supported, the model families mlxinfer runs instead."""
-    from .store import local_models
+    from ..loading.store import local_models
     from .terminal import size
 
     if supported:
@@ -472,7 +472,8 @@ def inspect_command(prompt, model, dtype, steps, top, temp, top_p, system, raw, 
     from ..engine.batch import BatchGenerator
     from ..engine.inspection import inspect_pipeline
     from .inspect_report import render
-    from .store import open_model, stored_weights
+    from ..loading.store import stored_weights
+    from .store import open_model
     from .terminal import typed_text
 
     prompt, system = typed_text(prompt), typed_text(system) if system is not None else None
