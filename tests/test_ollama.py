@@ -315,3 +315,23 @@ def test_unknown_model_is_404_and_bad_options_400_naming_them(client, server, na
     assert r.status_code == 400 and list(r.json()) == ["error"]
     r = httpx.get(f"{server.url}/api/nothing")
     assert r.status_code == 404 and list(r.json()) == ["error"]
+
+
+# --- the model store: copy and delete ---
+
+def test_copy_and_delete_go_through_mlxinfers_cache(client, tiny):
+    r = client.copy(str(tiny), "tiny-copy")
+    assert r.status == "success"
+    with pytest.raises(ollama.ResponseError) as e:  # the name is taken now
+        client.copy(str(tiny), "tiny-copy")
+    assert e.value.status_code == 400 and "tiny-copy" in e.value.error
+    with pytest.raises(ollama.ResponseError) as e:
+        client.copy("no-such-model", "other")
+    assert e.value.status_code == 404
+    with pytest.raises(ollama.ResponseError) as e:  # a folder of the user's is never deleted
+        client.delete(str(tiny))
+    assert e.value.status_code == 400 and (tiny / "config.json").exists()
+    assert client.delete("tiny-copy").status == "success"
+    with pytest.raises(ollama.ResponseError) as e:
+        client.delete("tiny-copy")
+    assert e.value.status_code == 404

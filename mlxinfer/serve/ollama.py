@@ -12,11 +12,12 @@ the last; `prompt_eval_count` the prompt's tokens, `eval_count` the tokens gener
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hashlib
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from typing import Any
@@ -26,6 +27,9 @@ from fastapi.responses import JSONResponse, Response
 from mlx.utils import tree_flatten
 
 from .. import __version__
+from ..base.errors import ModelNotFoundError
+from ..loading import store
+from ..loading.store import LocalModel
 from ..engine.text_stream import Chunk
 from ..models.layers import CausalLM
 from ..text.reasoning import tags_for
@@ -36,7 +40,7 @@ from .bodies import parsed
 from .embeddings import embedded
 from .engine_thread import EngineThread
 from .errors import RequestError
-from .ollama_schema import Chat, Embed, Embeddings, Generate, Show, parse
+from .ollama_schema import Chat, Copy, Embed, Embeddings, Generate, Named, Show, parse
 from .replies import ClientGone, json_reply, respond
 
 NDJSON = "application/x-ndjson"
@@ -63,7 +67,8 @@ class OllamaApi(Api):
     def routes(self) -> tuple[Route, ...]:
         return (Route("/chat", self.chat), Route("/generate", self.generate), Route("/embed", self.embed),
                 Route("/embeddings", self.embeddings), Route("/tags", self.tags, ("GET",)),
-                Route("/show", self.show), Route("/ps", self.ps, ("GET",)), Route("/version", self.version, ("GET",)))
+                Route("/show", self.show), Route("/ps", self.ps, ("GET",)), Route("/version", self.version, ("GET",)),
+                Route("/delete", self.delete, ("DELETE",)), Route("/copy", self.copy))
 
     @staticmethod
     def error_body(e: RequestError) -> dict[str, Any]:
@@ -160,10 +165,31 @@ class OllamaApi(Api):
     async def version(self) -> dict[str, str]:
         return {"version": __version__}
 
+    async def delete(self, request: Request) -> Response:
+        """Delete a model from mlxinfer's cache (only there: `store.remove`)."""
+        body = await parsed(request, self.ctx.config.max_body, parse, Named)
+        await stored(store.remove, body.target)
+        return Response(status_code=200)
+
+    async def copy(self, request: Request) -> Response:
+        """Copy a model into mlxinfer's cache under a new name (`store.copy`)."""
+        body = await parsed(request, self.ctx.config.max_body, parse, Copy)
+        await stored(store.copy, body.source, body.destination)
+        return Response(status_code=200)
+
     def listed(self, model: CausalLM, name: str) -> dict[str, Any]:
         """What /api/tags and /api/ps say of a model."""
         return {"name": name, "model": name, "size": memory(model), "digest": digest(name),
                 "details": details(model)}
+
+
+async def stored(change: Callable[..., LocalModel], *names: str) -> LocalModel:
+    """A change to the model store, made on a worker thread (it moves files); a model it does not
+    find is a 404, as Ollama answers."""
+    try:
+        return await asyncio.to_thread(change, *names)
+    except ModelNotFoundError as e:
+        raise RequestError(str(e), "model", status=404) from None
 
 
 def rfc3339(when: datetime) -> str:
