@@ -335,3 +335,59 @@ def test_copy_and_delete_go_through_mlxinfers_cache(client, tiny):
     with pytest.raises(ollama.ResponseError) as e:
         client.delete("tiny-copy")
     assert e.value.status_code == 404
+
+
+# --- tool calls and thinking in chunks a tiny random model cannot be made to produce ---
+
+def chunk(text="", finish=None, reasoning="", calls=None, content=None):
+    from mlxinfer.decode.sources import Stats
+    from mlxinfer.engine.text_stream import Chunk
+
+    return Chunk(text, 1, None, finish, Stats(prompt_tokens=9, prefill_tokens=9, generated_tokens=5, ttft=0.01),
+                 reasoning=reasoning, tool_calls=calls, content=content)
+
+
+def call(name: str, **arguments):
+    from mlxinfer.text.tools import ToolCall
+
+    return ToolCall(name, arguments, f"call_{name}")
+
+
+@pytest.mark.parametrize("chunks, content, thinking, calls", [
+    ([chunk(reasoning="Let me "), chunk(reasoning="think."), chunk("The answer"), chunk(" is 4.", "stop")],
+     "The answer is 4.", "Let me think.", []),
+    ([chunk('{"name": "f", '), chunk('"arguments": {}}', "tool_calls", calls=[call("f")], content="")], "", "",
+     [("f", {})]),
+    ([chunk(reasoning="hm"), chunk("{"), chunk("}", "tool_calls", calls=[call("f", x=1), call("g")], content="x")],
+     "x", "hm", [("f", {"x": 1}), ("g", {})]),
+    ([chunk("{"), chunk("", "length")], "{", "", []),
+])
+def test_streamed_lines_add_up_to_the_whole_reply_in_the_clients_types(chunks, content, thinking, calls):
+    """Each NDJSON line parses as the client's ChatResponse; the lines' content, thinking and
+    calls add up to the non-streamed message, whose calls carry arguments as objects with their
+    index, as Ollama's documentation shows them."""
+    import asyncio
+
+    from mlxinfer.serve.ollama import Reply
+
+    async def rest():
+        for c in chunks[1:]:
+            yield c
+
+    async def lines() -> list[dict]:
+        reply = Reply(model="m", chat=True, arrived=0, loaded=0, opener="{")
+        return [json.loads(line) async for line in reply.lines(chunks[0], rest())]
+
+    whole = ollama.ChatResponse(**Reply(model="m", chat=True, arrived=0, loaded=0, opener="{").whole(chunks))
+    raw = asyncio.run(lines())
+    parts = [ollama.ChatResponse(**line) for line in raw]
+    assert [p.done for p in parts] == [False] * (len(parts) - 1) + [True]
+    assert whole.message.content == content and (whole.message.thinking or "") == thinking
+    assert "".join(p.message.content or "" for p in parts) == content
+    assert "".join(p.message.thinking or "" for p in parts) == thinking
+    got = [c for p in parts for c in p.message.tool_calls or ()]
+    for listed in (got, whole.message.tool_calls or []):
+        assert [(c.function.name, dict(c.function.arguments)) for c in listed] == calls
+    indices = [c["function"]["index"] for line in raw for c in line["message"].get("tool_calls", ())]
+    assert indices == list(range(len(calls)))
+    assert whole.done_reason == ("length" if chunks[-1].finish_reason == "length" else "stop")
