@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 from serving import Server, post
+from test_images_server import vlm  # noqa: F401 - a tiny vision-language model's folder
 
 ollama = pytest.importorskip("ollama")
 httpx = pytest.importorskip("httpx")
@@ -391,3 +392,50 @@ def test_streamed_lines_add_up_to_the_whole_reply_in_the_clients_types(chunks, c
     indices = [c["function"]["index"] for line in raw for c in line["message"].get("tool_calls", ())]
     assert indices == list(range(len(calls)))
     assert whole.done_reason == ("length" if chunks[-1].finish_reason == "length" else "stop")
+
+
+# --- images, on a tiny vision-language model ---
+
+def test_images_reach_a_vision_model_as_the_chat_completions_image_parts(vlm):
+    """The client's base64 `images` go to the template after the message's text, as the same
+    image in an image_url part there does on /v1/chat/completions."""
+    import base64
+
+    from test_images import encoded, picture
+
+    png = encoded(picture(64, 48))
+    s = Server(["-m", str(vlm), "--dtype", "float32"])
+    try:
+        client = ollama.Client(host=s.url)
+        name = client.list().models[0].model
+        assert "vision" in client.show(name).capabilities
+        url = "data:image/png;base64," + base64.b64encode(png).decode()
+        want = chat_completion(s.url, [{"role": "user", "content": [
+            {"type": "text", "text": "what is this?"}, {"type": "image_url", "image_url": {"url": url}}]}],
+            max_tokens=6)
+        r = client.chat(model=name, messages=[{"role": "user", "content": "what is this?", "images": [png]}],
+                        options={"temperature": 0, "num_predict": 6})
+        assert r.message.content == want["choices"][0]["message"]["content"]
+        assert r.prompt_eval_count == want["usage"]["prompt_tokens"]
+        g = client.generate(model=name, prompt="what is this?", images=[png], options={"temperature": 0,
+                                                                                      "num_predict": 6})
+        assert g.response == r.message.content
+    finally:
+        s.stop()
+
+
+def test_logprobs_equal_the_chat_completions(client, server, name):
+    want = chat_completion(server.url, USER, max_tokens=6, logprobs=True, top_logprobs=3)
+    expected = [(t["token"], t["logprob"], [(a["token"], a["logprob"]) for a in t["top_logprobs"]])
+                for t in want["choices"][0]["logprobs"]["content"]]
+    for stream in (False, True):
+        r = client.chat(model=name, messages=USER, logprobs=True, top_logprobs=3, stream=stream,
+                        options={"temperature": 0, "num_predict": 6})
+        got = [t for part in (r if stream else [r]) for t in part.logprobs or ()]
+        assert len(got) == len(expected) == 6
+        for t, (token, logprob, top) in zip(got, expected):
+            assert t.token == token and t.logprob == pytest.approx(logprob, abs=1e-5)
+            assert [a.token for a in t.top_logprobs] == [a for a, _ in top]
+            assert [a.logprob for a in t.top_logprobs] == pytest.approx([lp for _, lp in top], abs=1e-5)
+    plain = client.chat(model=name, messages=USER, options={"temperature": 0, "num_predict": 6})
+    assert plain.logprobs is None

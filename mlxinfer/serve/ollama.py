@@ -115,7 +115,8 @@ class OllamaApi(Api):
             o = typed.options
             calls = chat and o.tools and o.tool_choice != "none"
             reply = Reply(model=served.name, chat=chat, arrived=arrived, loaded=loaded,
-                          opener=call_opener(served.tokenizer) if calls else None)
+                          opener=call_opener(served.tokenizer) if calls else None, top=body.top,
+                          tokenizer=served.tokenizer)
             return await respond(request, reply.timed(served.engine.chunks(typed)), body.streamed, reply.whole,
                                  reply.lines, NDJSON)
 
@@ -309,6 +310,8 @@ class Reply:
     arrived: int  # perf_counter_ns at the request's arrival
     loaded: int  # ... once its model was there
     opener: str | None = None  # with tools: the text a call starts with
+    top: int | None = None  # logprobs: alternatives per token (None: no logprobs)
+    tokenizer: Tokenizer | None = None  # with logprobs: what names the tokens
     first: int | None = field(default=None, init=False)  # ... at its first chunk
     last: int | None = field(default=None, init=False)  # ... at its last
 
@@ -322,7 +325,21 @@ class Reply:
         finally:
             await chunks.aclose()
 
-    def _object(self, text: str, thinking: str, calls: list[ToolCall] | None, done: bool) -> dict[str, Any]:
+    def _logprobs(self, chunks: list[Chunk]) -> list[dict[str, Any]]:
+        """The tokens' logprobs in Ollama's shape, with `top` alternatives each."""
+        decode = self.tokenizer.decode
+
+        def entry(token: int, logprob: float) -> dict[str, Any]:
+            return {"token": decode([token]), "logprob": logprob}
+
+        return [{**entry(c.token, c.logprob),
+                 **({"top_logprobs": [entry(t, lp) for t, lp in c.top_logprobs[: self.top]]} if self.top else {})}
+                for c in chunks if c.token is not None and c.logprob is not None]
+
+    def _object(self, text: str, thinking: str, calls: list[ToolCall] | None, done: bool,
+                chunks: list[Chunk] = ()) -> dict[str, Any]:
+        """One reply object (a line, or the whole) from its text, thinking, calls, and the chunks
+        whose logprobs it carries."""
         out: dict[str, Any] = {"model": self.model, "created_at": now()}
         if self.chat:
             message: dict[str, Any] = {"role": "assistant", "content": text}
@@ -335,6 +352,8 @@ class Reply:
             out["response"] = text
             if thinking:
                 out["thinking"] = thinking
+        if self.top is not None and chunks:
+            out["logprobs"] = self._logprobs(chunks)
         out["done"] = done
         return out
 
@@ -350,8 +369,8 @@ class Reply:
     def whole(self, chunks: list[Chunk]) -> dict[str, Any]:
         last = chunks[-1]
         text = last.content if last.tool_calls else "".join(c.text for c in chunks)
-        return self._final(self._object(text or "", "".join(c.reasoning for c in chunks), last.tool_calls, True),
-                           last)
+        return self._final(self._object(text or "", "".join(c.reasoning for c in chunks), last.tool_calls, True,
+                                        chunks), last)
 
     async def lines(self, first: Chunk | None, rest: AsyncIterator[Chunk]) -> AsyncIterator[bytes]:
         """The NDJSON stream: a line per chunk that adds something, then the final one. With tools,
@@ -359,11 +378,13 @@ class Reply:
         as `tool_calls`, anything else as text; thinking is never held. A failure mid-stream is
         an `{"error"}` line, which Ollama's clients raise."""
         held: list[Chunk] = []
+        unsent: list[Chunk] = []  # chunks whose logprobs have not gone out yet
         sent = False  # answer text went out: it is not a call
         last: Chunk | None = None
         try:
             async for chunk in _chained(first, rest):
                 last = chunk
+                unsent.append(chunk)
                 pending = [*held, chunk]
                 text = "".join(c.text for c in pending)
                 if not sent and may_open_call(text, self.opener) and not chunk.finish_reason \
@@ -377,9 +398,10 @@ class Reply:
                 sent = sent or bool(text)
                 thinking = "".join(c.reasoning for c in pending)
                 if text or thinking or calls:
-                    yield _line(self._object(text, thinking, calls, False))
+                    yield _line(self._object(text, thinking, calls, False, unsent))
+                    unsent = []
             if last is not None:
-                yield _line(self._final(self._object("", "", None, True), last))
+                yield _line(self._final(self._object("", "", None, True, unsent), last))
         except RequestError as e:
             yield _line({"error": str(e)})
 

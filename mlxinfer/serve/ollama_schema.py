@@ -142,17 +142,16 @@ class Generation(Strict):
             raise PydanticCustomError("duration", "keep_alive must be a finite number of seconds", {})
         return value
 
-    @field_validator("logprobs")
-    @classmethod
-    def no_logprobs(cls, value: bool | None) -> bool | None:
-        if value:
-            raise PydanticCustomError("not_honoured", "logprobs are not offered on Ollama's API here; use "
-                                      "/v1/chat/completions with logprobs: true, or leave it out", {})
-        return value
-
     @property
     def streamed(self) -> bool:
         return self.stream is not False
+
+    @property
+    def top(self) -> int | None:
+        """Alternatives each token's logprobs list (None: no logprobs asked for)."""
+        if self.top_logprobs and not self.logprobs:
+            raise RequestError("top_logprobs needs logprobs: true", "top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @property
     def keep_alive_seconds(self) -> float | None:
@@ -166,7 +165,9 @@ class Generation(Strict):
             {"type": "json_schema", "json_schema": {"name": "format", "schema": fmt}} if fmt is not None else None
         effort = None if self.think is None else ("none" if self.think is False else
                                                   "medium" if self.think is True else self.think)
-        return replace(base, response_format=response_format, reasoning_effort=effort)
+        # the chosen token's logprob needs one row of alternatives (and asks for nothing more)
+        rows = max(self.top, 1) if self.top is not None else None
+        return replace(base, response_format=response_format, reasoning_effort=effort, logprobs=rows)
 
 
 def data_url(image: str) -> str:
