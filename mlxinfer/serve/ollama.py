@@ -23,7 +23,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from mlx.utils import tree_flatten
 
 from .. import __version__
@@ -99,15 +99,16 @@ class OllamaApi(Api):
         arrived = time.perf_counter_ns()
         body = await parsed(request, self.ctx.config.max_body, parse, kind)
         keep_alive = body.keep_alive_seconds
-        async with self.served(body.model, keep_alive) as served:
+        async with contextlib.AsyncExitStack() as hold:
+            served = await hold.enter_async_context(self.served(body.model, keep_alive))
             loaded = time.perf_counter_ns()
             chat = kind is Chat
             if body.loads_only:
                 return JSONResponse(loaded_reply(served.name, chat, keep_alive == 0))
-            options = body.request_options(served.max_tokens)
             if body.think and tags_for(served.tokenizer) is None:
                 raise RequestError(f'"{served.name}" does not support thinking: its chat template has no thinking '
                                    "part; leave think out", "think")
+            options = body.request_options(served.max_tokens)
             if options.max_tokens is None:
                 options = replace(options, max_tokens=served.max_tokens)
             prompt = body.prompt() if isinstance(body, Chat) else body.engine_prompt()
@@ -117,8 +118,11 @@ class OllamaApi(Api):
             reply = Reply(model=served.name, chat=chat, arrived=arrived, loaded=loaded,
                           opener=call_opener(served.tokenizer) if calls else None, top=body.top,
                           tokenizer=served.tokenizer)
-            return await respond(request, reply.timed(served.engine.chunks(typed)), body.streamed, reply.whole,
-                                 reply.lines, NDJSON)
+            response = await respond(request, reply.timed(served.engine.chunks(typed)), body.streamed, reply.whole,
+                                     reply.lines, NDJSON)
+            if isinstance(response, StreamingResponse):  # the model stays held until the stream ends
+                response.body_iterator = held(response.body_iterator, hold.pop_all())
+            return response
 
     async def embed(self, request: Request) -> Response:
         arrived = time.perf_counter_ns()
@@ -404,6 +408,15 @@ class Reply:
                 yield _line(self._final(self._object("", "", None, True, unsent), last))
         except RequestError as e:
             yield _line({"error": str(e)})
+
+
+async def held(lines: AsyncIterator[bytes], hold: contextlib.AsyncExitStack) -> AsyncIterator[bytes]:
+    """`lines`, the model they come from held (`hold`) until the last has gone or the client left."""
+    try:
+        async for line in lines:
+            yield line
+    finally:
+        await hold.aclose()
 
 
 async def _chained(first: Chunk | None, rest: AsyncIterator[Chunk]) -> AsyncIterator[Chunk]:
