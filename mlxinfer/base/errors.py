@@ -66,3 +66,8 @@ class ImageError(InvalidOptionError):
 class StoreError(MlxinferError):
     """A change to mlxinfer's model cache that cannot go ahead: a name already taken or not
     allowed, or a model the cache does not hold (in the Hugging Face cache, a folder of yours)."""
+
+
+class DownloadError(MlxinferError):
+    """A download the user asked for (`mlxinfer pull`) that failed or stopped; what arrived is kept
+    so the same command resumes it."""

@@ -1,0 +1,235 @@
+"""`mlxinfer.convert.pull`: models pulled into our cache from a local Hugging Face folder, a GGUF
+file and a GGUF URL (a local HTTP server on 127.0.0.1; nothing leaves the machine), then loaded
+and run. Oracles: mlx-lm's converter (a pulled float model is what `mlx_lm.convert -q` makes), the
+float weights transformers wrote (parameter counts), the served file's own SHA-256 (a resumed
+download), and the HTTP Range rules of RFC 9110 (what a resume asks for)."""
+
+from __future__ import annotations
+
+import hashlib
+import http.server
+import json
+import os
+import shutil
+import threading
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import mlxinfer
+from mlxinfer.base.errors import DownloadError, ModelNotFoundError, StoreError
+from mlxinfer.convert.pull import PullProgress, download, pull
+from mlxinfer.loading import store
+
+IDS = np.random.default_rng(0).integers(0, 500, size=(2, 16))
+TOL = 1e-5
+
+
+@pytest.fixture
+def isolated_home(tmp_path, monkeypatch) -> Path:
+    monkeypatch.setenv("MLXINFER_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # nothing here may reach the hub
+    monkeypatch.chdir(tmp_path)
+    return tmp_path / "home"
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(hf_checkpoint, tmp_path_factory) -> Path:
+    """A Q4_1 GGUF of the tiny llama, written with llama.cpp's gguf package."""
+    pytest.importorskip("gguf")
+    from test_convert_gguf import Q, matrices_as, write_gguf
+
+    path = tmp_path_factory.mktemp("gguf") / "Tiny-Chat.Q4_1.gguf"
+    write_gguf(path, hf_checkpoint("llama"), matrices_as(Q.Q4_1))
+    return path
+
+
+def float_parameters(folder: Path) -> int:
+    """The oracle: parameters of the float checkpoint transformers wrote."""
+    return sum(int(np.prod(v.shape)) for v in mx.load(str(folder / "model.safetensors")).values())
+
+
+def logits(model) -> np.ndarray:
+    return np.array(model(mx.array(IDS)).astype(mx.float32))
+
+
+def generates(path: Path, n: int = 4) -> None:
+    model, tokenizer = mlxinfer.load(path)
+    chunks = list(mlxinfer.stream_generate(model, tokenizer, "Hello", max_tokens=n, temperature=0.0, ignore_eos=True))
+    assert len(chunks) == n
+
+
+def test_pull_a_float_folder_makes_what_mlx_lm_makes(hf_checkpoint, mlx_lm_quantized, isolated_home, tmp_path):
+    import mlx_lm
+
+    src = tmp_path / "SmolLM2-Tiny-Instruct"
+    shutil.copytree(hf_checkpoint("llama"), src)
+    events: list[PullProgress] = []
+    model = pull(str(src), progress=events.append)
+    # the issue's naming: the repo name in lowercase and how it is stored (4-bit by default)
+    assert (model.name, model.where) == ("smollm2-tiny-instruct-4bit", "mlxinfer")
+    assert model.path == isolated_home / "models" / model.name
+    assert events[0].status.startswith("converting") and events[-1] == PullProgress("success")
+    ref = mlx_lm_quantized(hf_checkpoint("llama"), bits=4, group_size=64)  # mlx-lm's defaults for -q
+    ours = mlxinfer.load(model.path)[0]
+    np.testing.assert_allclose(logits(ours), logits(mlx_lm.load(str(ref))[0]), atol=TOL, rtol=0)
+    generates(model.path)
+    listed = {m.name: m for m in store.local_models()}
+    assert listed[model.name].parameters == float_parameters(src)
+    # a second pull is refused before any work, saying how to replace it; after rm, the same name
+    with pytest.raises(StoreError, match="already in mlxinfer's cache.*mlxinfer rm smollm2-tiny-instruct-4bit"):
+        pull(str(src))
+    store.remove(model.name)
+    assert pull(str(src), bits=8).name == "smollm2-tiny-instruct-8bit"
+    assert pull(str(src)).name == model.name
+    assert pull(str(src), name="mine").name == "mine"
+
+
+def test_pull_a_gguf_file_keeps_its_precision_and_runs(tiny_gguf, hf_checkpoint, isolated_home):
+    model = pull(str(tiny_gguf))
+    assert model.name == "tiny-chat-q4_1" and model.family == "llama"
+    assert model.parameters == float_parameters(hf_checkpoint("llama"))
+    assert model.quantization == "4-bit g32"  # Q4_1: 32 weights a block, a scale and a minimum each
+    generates(model.path)
+    assert tiny_gguf.is_file()  # a local source is never moved or deleted
+
+
+def test_pull_refuses_what_it_cannot_use(tmp_path, isolated_home):
+    (tmp_path / "notes.txt").write_text("hi")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ModelNotFoundError, match="not a GGUF file"):
+        pull(str(tmp_path / "notes.txt"))
+    with pytest.raises(ModelNotFoundError, match="without config.json"):
+        pull(str(tmp_path / "empty"))
+    with pytest.raises(ModelNotFoundError, match="not a hub id"):
+        pull(str(tmp_path / "missing.gguf"))
+    with pytest.raises(Exception, match="--bits and --recipe"):
+        pull("org/model", bits=4, recipe="mixed-4-6")
+    with pytest.raises(ModelNotFoundError, match="does not name a .gguf file"):
+        pull("http://127.0.0.1:9/model.bin")
+    assert not (isolated_home / "models").exists()
+
+
+# downloading a GGUF URL, with resume
+
+
+class FileServer:
+    """Serves `data` at /<name> on 127.0.0.1 with an ETag and byte ranges (RFC 9110: `Range` is
+    honoured only while `If-Range` matches the current ETag). `cut` makes the next full response
+    stop after that many bytes and drop the connection, as a network failure does."""
+
+    def __init__(self, name: str, data: bytes) -> None:
+        self.name, self.data, self.cut, self.requests = name, data, None, []
+        outer = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                outer.requests.append(dict(self.headers))
+                if self.path != f"/{outer.name}":
+                    self.send_error(404)
+                    return
+                etag = f'"{hashlib.sha256(outer.data).hexdigest()[:16]}"'
+                start = 0
+                ranged = self.headers.get("Range")
+                if ranged and self.headers.get("If-Range", etag) == etag:
+                    start = int(ranged.removeprefix("bytes=").rstrip("-"))
+                    if start >= len(outer.data):
+                        self.send_response(416)
+                        self.send_header("Content-Range", f"bytes */{len(outer.data)}")
+                        self.send_header("Content-Length", "0")
+                        self.end_headers()
+                        return
+                    self.send_response(206)
+                    self.send_header("Content-Range", f"bytes {start}-{len(outer.data) - 1}/{len(outer.data)}")
+                else:
+                    self.send_response(200)
+                self.send_header("ETag", etag)
+                self.send_header("Content-Length", str(len(outer.data) - start))
+                self.end_headers()
+                body = outer.data[start:]
+                if outer.cut is not None:
+                    body, outer.cut = body[: outer.cut], None
+                    self.wfile.write(body)
+                    self.wfile.flush()
+                    self.close_connection = True
+                    return
+                self.wfile.write(body)
+
+            def log_message(self, *args) -> None:
+                pass
+
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        self.thread.start()
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/{name}"
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+        self.thread.join(timeout=10)
+
+
+@pytest.fixture
+def serve():
+    servers: list[FileServer] = []
+
+    def start(name: str, data: bytes) -> FileServer:
+        servers.append(FileServer(name, data))
+        return servers[-1]
+
+    yield start
+    for s in servers:
+        s.close()
+
+
+def test_an_interrupted_download_resumes_where_it_stopped(serve, tmp_path):
+    data = np.random.default_rng(1).integers(0, 256, size=(3 << 20) + 12345, dtype=np.uint8).tobytes()
+    server = serve("model.gguf", data)
+    dest = tmp_path / "downloads" / "model.gguf"
+    server.cut = len(data) // 2
+    events: list[PullProgress] = []
+    with pytest.raises(DownloadError, match="run the same pull again"):
+        download(server.url, dest, events.append)
+    part = dest.with_name("model.gguf.part")
+    assert not dest.exists() and part.stat().st_size == len(data) // 2
+    assert all(e.total == len(data) for e in events) and events[-1].completed == len(data) // 2
+    events.clear()
+    assert download(server.url, dest, events.append) == dest
+    assert hashlib.sha256(dest.read_bytes()).hexdigest() == hashlib.sha256(data).hexdigest()
+    resumed = server.requests[-1]
+    assert resumed["Range"] == f"bytes={len(data) // 2}-" and resumed["If-Range"].startswith('"')
+    assert events[0].completed == len(data) // 2 and events[-1] == PullProgress(
+        "downloading model.gguf", len(data), len(data))
+    assert not part.exists() and sorted(p.name for p in dest.parent.iterdir()) == ["model.gguf"]
+
+
+def test_a_changed_file_is_downloaded_again_not_spliced(serve, tmp_path):
+    old = bytes(range(256)) * 4096
+    server = serve("model.gguf", old)
+    dest = tmp_path / "model.gguf"
+    server.cut = 1000
+    with pytest.raises(DownloadError):
+        download(server.url, dest)
+    server.data = bytes(reversed(range(256))) * 5000  # a new version: its ETag differs, If-Range fails
+    download(server.url, dest)
+    assert dest.read_bytes() == server.data
+
+
+def test_pull_a_gguf_url_then_nothing_is_left_but_the_model(serve, tiny_gguf, hf_checkpoint, isolated_home):
+    server = serve("Tiny-Chat.Q4_1.gguf", tiny_gguf.read_bytes())
+    server.cut = 4096
+    with pytest.raises(DownloadError):
+        pull(server.url)
+    assert store.local_models() == []  # an interrupted pull: a resumable part file, no model
+    events: list[PullProgress] = []
+    model = pull(server.url, progress=events.append)
+    assert model.name == "tiny-chat-q4_1" and model.parameters == float_parameters(hf_checkpoint("llama"))
+    downloads = [e for e in events if e.status.startswith("downloading")]
+    assert downloads[0].completed == 4096 and downloads[-1].completed == tiny_gguf.stat().st_size
+    assert list((isolated_home / "downloads").iterdir()) == []
+    generates(model.path)
+    assert json.loads((model.path / "config.json").read_text())["model_type"] == "llama"
+    assert os.listdir(isolated_home / "models") == [model.name]
