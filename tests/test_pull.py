@@ -233,3 +233,36 @@ def test_pull_a_gguf_url_then_nothing_is_left_but_the_model(serve, tiny_gguf, hf
     generates(model.path)
     assert json.loads((model.path / "config.json").read_text())["model_type"] == "llama"
     assert os.listdir(isolated_home / "models") == [model.name]
+
+
+def test_the_pull_bar_shows_bytes_and_rate_on_a_terminal_and_few_lines_elsewhere():
+    import io
+
+    from mlxinfer.cli.terminal import PullBar
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    total = 10 << 20
+    events = [PullProgress("pulling manifest of org/model")]
+    events += [PullProgress("downloading org/model", total, n) for n in range(0, total + 1, 1 << 18)]
+    events += [PullProgress("converting model into model-4bit"), PullProgress("success")]
+    log = io.StringIO()
+    ticks = iter(range(10**6))
+    bar = PullBar(log, clock=lambda: next(ticks) / 4)  # a quarter second an event: 1 MiB a second
+    for e in events:
+        bar(e)
+    bar.close()
+    lines = log.getvalue().splitlines()
+    downloads = [line for line in lines if line.startswith("downloading")]
+    assert len(downloads) == 11 and "100%" in downloads[-1] and "10.5 MB / 10.5 MB" in downloads[-1]
+    assert downloads[-1].endswith("1.0 MB/s") and downloads[5].startswith("downloading org/model  50%")
+    assert lines[0] == "pulling manifest of org/model" and lines[-2:] == ["converting model into model-4bit", "success"]
+    tty = Terminal()
+    bar = PullBar(tty, interval=0)
+    for e in events:
+        bar(e)
+    bar.close()
+    drawn = tty.getvalue()
+    assert drawn.count("\r\x1b[K") == sum(1 for e in events if e.completed is not None) and "\x1b" not in log.getvalue()
