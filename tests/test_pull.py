@@ -266,3 +266,96 @@ def test_the_pull_bar_shows_bytes_and_rate_on_a_terminal_and_few_lines_elsewhere
     bar.close()
     drawn = tty.getvalue()
     assert drawn.count("\r\x1b[K") == sum(1 for e in events if e.completed is not None) and "\x1b" not in log.getvalue()
+
+
+# a hub id, against a stand-in for the hub on 127.0.0.1 (HF_ENDPOINT), through the real huggingface_hub
+
+
+class FakeHub:
+    """The two hub routes huggingface_hub uses to download a repo: the model's info with its files
+    and sizes (`/api/models/ORG/NAME`), and each file (`/ORG/NAME/resolve/REV/FILE`, HEAD and GET,
+    with the commit and ETag headers the hub sends). Records the files asked for."""
+
+    SHA = "0123456789abcdef0123456789abcdef01234567"
+
+    def __init__(self, repo: str, files: dict[str, bytes]) -> None:
+        self.repo, self.files, self.fetched = repo, files, []
+        outer = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_HEAD(self) -> None:
+                self.answer(body=False)
+
+            def do_GET(self) -> None:
+                self.answer(body=True)
+
+            def answer(self, body: bool) -> None:
+                path = self.path.split("?")[0]
+                if path in (f"/api/models/{outer.repo}", f"/api/models/{outer.repo}/revision/main"):
+                    siblings = [{"rfilename": f, "size": len(d), "blobId": hashlib.sha1(d).hexdigest()}
+                                for f, d in outer.files.items()]
+                    data = json.dumps({"id": outer.repo, "modelId": outer.repo, "sha": outer.SHA,
+                                       "private": False, "siblings": siblings}).encode()
+                    self.send(data, {"Content-Type": "application/json"}, body)
+                    return
+                prefix = f"/{outer.repo}/resolve/{outer.SHA}/"
+                name = path.removeprefix(prefix)
+                if not path.startswith(prefix) or name not in outer.files:
+                    self.send(b"{}", {"X-Error-Code": "EntryNotFound"}, body, 404)
+                    return
+                if body:
+                    outer.fetched.append(name)
+                data = outer.files[name]
+                self.send(data, {"X-Repo-Commit": outer.SHA, "ETag": f'"{hashlib.sha256(data).hexdigest()}"'}, body)
+
+            def send(self, data: bytes, headers: dict, body: bool, code: int = 200) -> None:
+                self.send_response(code)
+                for k, v in {**headers, "Content-Length": str(len(data))}.items():
+                    self.send_header(k, v)
+                self.end_headers()
+                if body:
+                    self.wfile.write(data)
+
+            def log_message(self, *args) -> None:
+                pass
+
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        self.thread.start()
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+        self.thread.join(timeout=10)
+
+
+def test_pull_a_hub_id_downloads_what_loading_needs_and_converts_it(hf_checkpoint, tmp_path):
+    import subprocess
+    import sys
+
+    src = hf_checkpoint("llama")
+    files = {p.name: p.read_bytes() for p in src.iterdir() if p.is_file()}
+    files["pytorch_model.bin"] = b"pickled weights are never fetched"
+    hub = FakeHub("org/Tiny-Hub", files)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGINGFACE"))}
+    env |= {"HF_ENDPOINT": hub.url, "HF_HOME": str(tmp_path / "hf-home"), "HF_HUB_CACHE": str(tmp_path / "hf"),
+            "MLXINFER_HOME": str(tmp_path / "home"), "HF_HUB_DISABLE_XET": "1", "HF_HUB_DISABLE_TELEMETRY": "1",
+            "NO_PROXY": "127.0.0.1", "no_proxy": "127.0.0.1"}
+    try:
+        done = subprocess.run([sys.executable, "-m", "mlxinfer", "pull", "org/Tiny-Hub"], env=env, cwd=tmp_path,
+                              capture_output=True, text=True, timeout=300)
+    finally:
+        hub.close()
+    assert done.returncode == 0, done.stderr
+    assert "pulled tiny-hub-4bit" in done.stdout
+    assert sorted(hub.fetched) == sorted(f for f in files if f != "pytorch_model.bin")
+    downloads = [line for line in done.stderr.splitlines() if line.startswith("downloading org/Tiny-Hub")]
+    assert downloads and "100%" in downloads[-1], done.stderr
+    folder = tmp_path / "home" / "models" / "tiny-hub-4bit"
+    assert json.loads((folder / "config.json").read_text())["quantization"]["bits"] == 4
+    listed = subprocess.run([sys.executable, "-m", "mlxinfer", "models", "--json"], env=env, cwd=tmp_path,
+                            capture_output=True, text=True, timeout=120)
+    names = {m["name"]: m for m in json.loads(listed.stdout)}
+    assert names["tiny-hub-4bit"]["where"] == "mlxinfer" and names["org/Tiny-Hub"]["where"] == "huggingface"
+    assert names["tiny-hub-4bit"]["parameters"] == float_parameters(src)
