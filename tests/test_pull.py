@@ -22,6 +22,7 @@ import mlxinfer
 from mlxinfer.base.errors import DownloadError, ModelNotFoundError, StoreError
 from mlxinfer.convert.pull import PullProgress, download, pull
 from mlxinfer.loading import store
+from test_cli import float_parameters, tiny_gguf  # noqa: F401  (a fixture: the tiny llama as a Q4_1 GGUF)
 
 IDS = np.random.default_rng(0).integers(0, 500, size=(2, 16))
 TOL = 1e-5
@@ -34,22 +35,6 @@ def isolated_home(tmp_path, monkeypatch) -> Path:
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # nothing here may reach the hub
     monkeypatch.chdir(tmp_path)
     return tmp_path / "home"
-
-
-@pytest.fixture(scope="module")
-def tiny_gguf(hf_checkpoint, tmp_path_factory) -> Path:
-    """A Q4_1 GGUF of the tiny llama, written with llama.cpp's gguf package."""
-    pytest.importorskip("gguf")
-    from test_convert_gguf import Q, matrices_as, write_gguf
-
-    path = tmp_path_factory.mktemp("gguf") / "Tiny-Chat.Q4_1.gguf"
-    write_gguf(path, hf_checkpoint("llama"), matrices_as(Q.Q4_1))
-    return path
-
-
-def float_parameters(folder: Path) -> int:
-    """The oracle: parameters of the float checkpoint transformers wrote."""
-    return sum(int(np.prod(v.shape)) for v in mx.load(str(folder / "model.safetensors")).values())
 
 
 def logits(model) -> np.ndarray:
@@ -90,7 +75,7 @@ def test_pull_a_float_folder_makes_what_mlx_lm_makes(hf_checkpoint, mlx_lm_quant
 
 def test_pull_a_gguf_file_keeps_its_precision_and_runs(tiny_gguf, hf_checkpoint, isolated_home):
     model = pull(str(tiny_gguf))
-    assert model.name == "tiny-chat-q4_1" and model.family == "llama"
+    assert model.name == "tiny-q4_1" and model.family == "llama"
     assert model.parameters == float_parameters(hf_checkpoint("llama"))
     assert model.quantization == "4-bit g32"  # Q4_1: 32 weights a block, a scale and a minimum each
     generates(model.path)
@@ -116,7 +101,22 @@ def test_pull_refuses_what_it_cannot_use(tmp_path, isolated_home):
 # downloading a GGUF URL, with resume
 
 
-class FileServer:
+class LocalServer:
+    """`handler` serving on 127.0.0.1 on a free port, in a thread, until `close`."""
+
+    def __init__(self, handler: type[http.server.BaseHTTPRequestHandler]) -> None:
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        self.thread.start()
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+        self.thread.join(timeout=10)
+
+
+class FileServer(LocalServer):
     """Serves `data` at /<name> on 127.0.0.1 with an ETag and byte ranges (RFC 9110: `Range` is
     honoured only while `If-Range` matches the current ETag). `cut` makes the next full response
     stop after that many bytes and drop the connection, as a network failure does."""
@@ -161,15 +161,8 @@ class FileServer:
             def log_message(self, *args) -> None:
                 pass
 
-        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
-        self.thread.start()
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/{name}"
-
-    def close(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
-        self.thread.join(timeout=10)
+        super().__init__(Handler)
+        self.url += f"/{name}"
 
 
 @pytest.fixture
@@ -219,14 +212,14 @@ def test_a_changed_file_is_downloaded_again_not_spliced(serve, tmp_path):
 
 
 def test_pull_a_gguf_url_then_nothing_is_left_but_the_model(serve, tiny_gguf, hf_checkpoint, isolated_home):
-    server = serve("Tiny-Chat.Q4_1.gguf", tiny_gguf.read_bytes())
+    server = serve("tiny.Q4_1.gguf", tiny_gguf.read_bytes())
     server.cut = 4096
     with pytest.raises(DownloadError):
         pull(server.url)
     assert store.local_models() == []  # an interrupted pull: a resumable part file, no model
     events: list[PullProgress] = []
     model = pull(server.url, progress=events.append)
-    assert model.name == "tiny-chat-q4_1" and model.parameters == float_parameters(hf_checkpoint("llama"))
+    assert model.name == "tiny-q4_1" and model.parameters == float_parameters(hf_checkpoint("llama"))
     downloads = [e for e in events if e.status.startswith("downloading")]
     assert downloads[0].completed == 4096 and downloads[-1].completed == tiny_gguf.stat().st_size
     assert list((isolated_home / "downloads").iterdir()) == []
@@ -271,7 +264,7 @@ def test_the_pull_bar_shows_bytes_and_rate_on_a_terminal_and_few_lines_elsewhere
 # a hub id, against a stand-in for the hub on 127.0.0.1 (HF_ENDPOINT), through the real huggingface_hub
 
 
-class FakeHub:
+class FakeHub(LocalServer):
     """The two hub routes huggingface_hub uses to download a repo: the model's info with its files
     and sizes (`/api/models/ORG/NAME`), and each file (`/ORG/NAME/resolve/REV/FILE`, HEAD and GET,
     with the commit and ETag headers the hub sends). Records the files asked for."""
@@ -319,15 +312,7 @@ class FakeHub:
             def log_message(self, *args) -> None:
                 pass
 
-        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
-        self.thread.start()
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-
-    def close(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
-        self.thread.join(timeout=10)
+        super().__init__(Handler)
 
 
 def test_pull_a_hub_id_downloads_what_loading_needs_and_converts_it(hf_checkpoint, tmp_path):
