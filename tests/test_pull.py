@@ -95,6 +95,8 @@ def test_pull_refuses_what_it_cannot_use(tmp_path, isolated_home):
         pull("org/model", bits=4, recipe="mixed-4-6")
     with pytest.raises(ModelNotFoundError, match="does not name a .gguf file"):
         pull("http://127.0.0.1:9/model.bin")
+    with pytest.raises(DownloadError, match="HF_HUB_OFFLINE is set; unset it"):
+        pull("org/model")
     assert not (isolated_home / "models").exists()
 
 

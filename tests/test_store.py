@@ -64,8 +64,9 @@ def test_find_resolves_each_kind_of_name(hf_checkpoint, isolated_home, tmp_path)
     assert hub.where == "huggingface" and hub.path.parent.name == "snapshots"
     assert (folder.where, folder.path) == ("folder", src)
     assert store.find("nothing-here") is None and store.find("org/nothing") is None
+    in_cache(src, ".tiny-8bit.partial-1-0a1b2c3d")  # a conversion or copy under way: not a model yet
     listed = {m.name for m in store.local_models()}
-    assert {"tiny-4bit", "org/tiny-hf"} <= listed
+    assert listed == {"tiny-4bit", "org/tiny-hf"}
 
 
 def test_remove_deletes_only_what_our_cache_holds(hf_checkpoint, isolated_home, tmp_path):
