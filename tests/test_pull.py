@@ -22,6 +22,7 @@ import mlxinfer
 from mlxinfer.base.errors import DownloadError, ModelNotFoundError, StoreError
 from mlxinfer.convert.pull import PullProgress, download, pull
 from mlxinfer.loading import store
+from test_cli import float_parameters, tiny_gguf  # noqa: F401  (a fixture: the tiny llama as a Q4_1 GGUF)
 
 IDS = np.random.default_rng(0).integers(0, 500, size=(2, 16))
 TOL = 1e-5
@@ -34,22 +35,6 @@ def isolated_home(tmp_path, monkeypatch) -> Path:
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # nothing here may reach the hub
     monkeypatch.chdir(tmp_path)
     return tmp_path / "home"
-
-
-@pytest.fixture(scope="module")
-def tiny_gguf(hf_checkpoint, tmp_path_factory) -> Path:
-    """A Q4_1 GGUF of the tiny llama, written with llama.cpp's gguf package."""
-    pytest.importorskip("gguf")
-    from test_convert_gguf import Q, matrices_as, write_gguf
-
-    path = tmp_path_factory.mktemp("gguf") / "Tiny-Chat.Q4_1.gguf"
-    write_gguf(path, hf_checkpoint("llama"), matrices_as(Q.Q4_1))
-    return path
-
-
-def float_parameters(folder: Path) -> int:
-    """The oracle: parameters of the float checkpoint transformers wrote."""
-    return sum(int(np.prod(v.shape)) for v in mx.load(str(folder / "model.safetensors")).values())
 
 
 def logits(model) -> np.ndarray:
@@ -90,7 +75,7 @@ def test_pull_a_float_folder_makes_what_mlx_lm_makes(hf_checkpoint, mlx_lm_quant
 
 def test_pull_a_gguf_file_keeps_its_precision_and_runs(tiny_gguf, hf_checkpoint, isolated_home):
     model = pull(str(tiny_gguf))
-    assert model.name == "tiny-chat-q4_1" and model.family == "llama"
+    assert model.name == "tiny-q4_1" and model.family == "llama"
     assert model.parameters == float_parameters(hf_checkpoint("llama"))
     assert model.quantization == "4-bit g32"  # Q4_1: 32 weights a block, a scale and a minimum each
     generates(model.path)
@@ -110,13 +95,30 @@ def test_pull_refuses_what_it_cannot_use(tmp_path, isolated_home):
         pull("org/model", bits=4, recipe="mixed-4-6")
     with pytest.raises(ModelNotFoundError, match="does not name a .gguf file"):
         pull("http://127.0.0.1:9/model.bin")
+    with pytest.raises(DownloadError, match="HF_HUB_OFFLINE is set; unset it"):
+        pull("org/model")
     assert not (isolated_home / "models").exists()
 
 
 # downloading a GGUF URL, with resume
 
 
-class FileServer:
+class LocalServer:
+    """`handler` serving on 127.0.0.1 on a free port, in a thread, until `close`."""
+
+    def __init__(self, handler: type[http.server.BaseHTTPRequestHandler]) -> None:
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        self.thread.start()
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+        self.thread.join(timeout=10)
+
+
+class FileServer(LocalServer):
     """Serves `data` at /<name> on 127.0.0.1 with an ETag and byte ranges (RFC 9110: `Range` is
     honoured only while `If-Range` matches the current ETag). `cut` makes the next full response
     stop after that many bytes and drop the connection, as a network failure does."""
@@ -161,15 +163,8 @@ class FileServer:
             def log_message(self, *args) -> None:
                 pass
 
-        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
-        self.thread.start()
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/{name}"
-
-    def close(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
-        self.thread.join(timeout=10)
+        super().__init__(Handler)
+        self.url += f"/{name}"
 
 
 @pytest.fixture
@@ -219,17 +214,135 @@ def test_a_changed_file_is_downloaded_again_not_spliced(serve, tmp_path):
 
 
 def test_pull_a_gguf_url_then_nothing_is_left_but_the_model(serve, tiny_gguf, hf_checkpoint, isolated_home):
-    server = serve("Tiny-Chat.Q4_1.gguf", tiny_gguf.read_bytes())
+    server = serve("tiny.Q4_1.gguf", tiny_gguf.read_bytes())
     server.cut = 4096
     with pytest.raises(DownloadError):
         pull(server.url)
     assert store.local_models() == []  # an interrupted pull: a resumable part file, no model
     events: list[PullProgress] = []
     model = pull(server.url, progress=events.append)
-    assert model.name == "tiny-chat-q4_1" and model.parameters == float_parameters(hf_checkpoint("llama"))
+    assert model.name == "tiny-q4_1" and model.parameters == float_parameters(hf_checkpoint("llama"))
     downloads = [e for e in events if e.status.startswith("downloading")]
     assert downloads[0].completed == 4096 and downloads[-1].completed == tiny_gguf.stat().st_size
     assert list((isolated_home / "downloads").iterdir()) == []
     generates(model.path)
     assert json.loads((model.path / "config.json").read_text())["model_type"] == "llama"
     assert os.listdir(isolated_home / "models") == [model.name]
+
+
+def test_the_pull_bar_shows_bytes_and_rate_on_a_terminal_and_few_lines_elsewhere():
+    import io
+
+    from mlxinfer.cli.terminal import PullBar
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    total = 10 << 20
+    events = [PullProgress("pulling manifest of org/model")]
+    events += [PullProgress("downloading org/model", total, n) for n in range(0, total + 1, 1 << 18)]
+    events += [PullProgress("converting model into model-4bit"), PullProgress("success")]
+    log = io.StringIO()
+    ticks = iter(range(10**6))
+    bar = PullBar(log, clock=lambda: next(ticks) / 4)  # a quarter second an event: 1 MiB a second
+    for e in events:
+        bar(e)
+    bar.close()
+    lines = log.getvalue().splitlines()
+    downloads = [line for line in lines if line.startswith("downloading")]
+    assert len(downloads) == 11 and "100%" in downloads[-1] and "10.5 MB / 10.5 MB" in downloads[-1]
+    assert downloads[-1].endswith("1.0 MB/s") and downloads[5].startswith("downloading org/model  50%")
+    assert lines[0] == "pulling manifest of org/model" and lines[-2:] == ["converting model into model-4bit", "success"]
+    tty = Terminal()
+    bar = PullBar(tty, interval=0)
+    for e in events:
+        bar(e)
+    bar.close()
+    drawn = tty.getvalue()
+    assert drawn.count("\r\x1b[K") == sum(1 for e in events if e.completed is not None) and "\x1b" not in log.getvalue()
+
+
+# a hub id, against a stand-in for the hub on 127.0.0.1 (HF_ENDPOINT), through the real huggingface_hub
+
+
+class FakeHub(LocalServer):
+    """The two hub routes huggingface_hub uses to download a repo: the model's info with its files
+    and sizes (`/api/models/ORG/NAME`), and each file (`/ORG/NAME/resolve/REV/FILE`, HEAD and GET,
+    with the commit and ETag headers the hub sends). Records the files asked for."""
+
+    SHA = "0123456789abcdef0123456789abcdef01234567"
+
+    def __init__(self, repo: str, files: dict[str, bytes]) -> None:
+        self.repo, self.files, self.fetched = repo, files, []
+        outer = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_HEAD(self) -> None:
+                self.answer(body=False)
+
+            def do_GET(self) -> None:
+                self.answer(body=True)
+
+            def answer(self, body: bool) -> None:
+                path = self.path.split("?")[0]
+                if path in (f"/api/models/{outer.repo}", f"/api/models/{outer.repo}/revision/main"):
+                    siblings = [{"rfilename": f, "size": len(d), "blobId": hashlib.sha1(d).hexdigest()}
+                                for f, d in outer.files.items()]
+                    data = json.dumps({"id": outer.repo, "modelId": outer.repo, "sha": outer.SHA,
+                                       "private": False, "siblings": siblings}).encode()
+                    self.send(data, {"Content-Type": "application/json"}, body)
+                    return
+                prefix = f"/{outer.repo}/resolve/{outer.SHA}/"
+                name = path.removeprefix(prefix)
+                if not path.startswith(prefix) or name not in outer.files:
+                    self.send(b"{}", {"X-Error-Code": "EntryNotFound"}, body, 404)
+                    return
+                if body:
+                    outer.fetched.append(name)
+                data = outer.files[name]
+                self.send(data, {"X-Repo-Commit": outer.SHA, "ETag": f'"{hashlib.sha256(data).hexdigest()}"'}, body)
+
+            def send(self, data: bytes, headers: dict, body: bool, code: int = 200) -> None:
+                self.send_response(code)
+                for k, v in {**headers, "Content-Length": str(len(data))}.items():
+                    self.send_header(k, v)
+                self.end_headers()
+                if body:
+                    self.wfile.write(data)
+
+            def log_message(self, *args) -> None:
+                pass
+
+        super().__init__(Handler)
+
+
+def test_pull_a_hub_id_downloads_what_loading_needs_and_converts_it(hf_checkpoint, tmp_path):
+    import subprocess
+    import sys
+
+    src = hf_checkpoint("llama")
+    files = {p.name: p.read_bytes() for p in src.iterdir() if p.is_file()}
+    files["pytorch_model.bin"] = b"pickled weights are never fetched"
+    hub = FakeHub("org/Tiny-Hub", files)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGINGFACE"))}
+    env |= {"HF_ENDPOINT": hub.url, "HF_HOME": str(tmp_path / "hf-home"), "HF_HUB_CACHE": str(tmp_path / "hf"),
+            "MLXINFER_HOME": str(tmp_path / "home"), "HF_HUB_DISABLE_XET": "1", "HF_HUB_DISABLE_TELEMETRY": "1",
+            "NO_PROXY": "127.0.0.1", "no_proxy": "127.0.0.1"}
+    try:
+        done = subprocess.run([sys.executable, "-m", "mlxinfer", "pull", "org/Tiny-Hub"], env=env, cwd=tmp_path,
+                              capture_output=True, text=True, timeout=300)
+    finally:
+        hub.close()
+    assert done.returncode == 0, done.stderr
+    assert "pulled tiny-hub-4bit" in done.stdout
+    assert sorted(hub.fetched) == sorted(f for f in files if f != "pytorch_model.bin")
+    downloads = [line for line in done.stderr.splitlines() if line.startswith("downloading org/Tiny-Hub")]
+    assert downloads and "100%" in downloads[-1], done.stderr
+    folder = tmp_path / "home" / "models" / "tiny-hub-4bit"
+    assert json.loads((folder / "config.json").read_text())["quantization"]["bits"] == 4
+    listed = subprocess.run([sys.executable, "-m", "mlxinfer", "models", "--json"], env=env, cwd=tmp_path,
+                            capture_output=True, text=True, timeout=120)
+    names = {m["name"]: m for m in json.loads(listed.stdout)}
+    assert names["tiny-hub-4bit"]["where"] == "mlxinfer" and names["org/Tiny-Hub"]["where"] == "huggingface"
+    assert names["tiny-hub-4bit"]["parameters"] == float_parameters(src)

@@ -214,21 +214,28 @@ def remove(name: str) -> LocalModel:
     """Delete the model `name` from our cache and return what it was. Only our cache: a Hugging
     Face cache snapshot or a folder of the user's is refused, saying how to delete it. The folder
     is first renamed to a hidden name, so a crash halfway leaves nothing listed half-deleted."""
-    found = find(name)
-    if found is None:
-        raise ModelNotFoundError(f"no model named '{name}' in mlxinfer's cache; `mlxinfer models` lists the names")
-    if found.where == "huggingface":
-        raise StoreError(f"'{name}' is in the Hugging Face cache, not mlxinfer's; delete it with "
-                         "`hf cache delete` (huggingface-cli delete-cache)")
-    if found.where != "mlxinfer":
-        raise StoreError(f"'{name}' is a folder of yours ({found.path}), not in mlxinfer's cache; "
-                         "mlxinfer deletes only what it made: remove the folder yourself")
+    found = removable(name)
     doomed = found.path.with_name(f".{found.path.name}.removing-{os.getpid()}-{secrets.token_hex(4)}")
     try:
         os.rename(found.path, doomed)
     except OSError as e:
         raise StoreError(f"cannot delete '{name}' ({write_problem(e)}); check {models_dir()}") from None
     shutil.rmtree(doomed, ignore_errors=True)
+    return found
+
+
+def removable(name: str) -> LocalModel:
+    """The model `remove(name)` would delete, or the error it would raise: so a command can ask
+    "delete this?" only about what it may delete."""
+    found = find(name)
+    if found is None:
+        raise ModelNotFoundError(f"no model named '{name}' in mlxinfer's cache; `mlxinfer models` lists the names")
+    if found.where == "huggingface":
+        raise StoreError(f"'{name}' is in the Hugging Face cache, not mlxinfer's; delete it with "
+                         f"`hf cache rm model/{name}` (older huggingface_hub: `huggingface-cli delete-cache`)")
+    if found.where != "mlxinfer":
+        raise StoreError(f"'{name}' is a folder of yours ({found.path}), not in mlxinfer's cache; "
+                         "mlxinfer deletes only what it made: remove the folder yourself")
     return found
 
 
@@ -265,3 +272,44 @@ def _link_or_copy(src: Path, dst: Path) -> None:
         os.link(src, dst)
         return
     shutil.copy2(src, dst)
+
+
+@dataclass(frozen=True)
+class ModelDetails:
+    """What `mlxinfer show` (and Ollama's `/api/show`) say about one model: its listing, how it
+    was quantized (per layer, bits per weight, and config.json's "quantization_method" when a
+    calibrated conversion chose the bits), the context it runs with, and its chat template."""
+
+    model: LocalModel
+    context_length: int | None
+    precision: str  # `quantization_summary`: '180 x 4-bit g64 (180 layers); embedding ...', or the float type
+    bits_per_weight: float
+    method: dict[str, Any] | None
+    template: str | None
+    config: dict[str, Any]
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**self.model.as_dict(), "context_length": self.context_length, "precision": self.precision,
+                "bits_per_weight": self.bits_per_weight, "quantization_method": self.method,
+                "template": self.template}
+
+
+def details(name: str) -> ModelDetails:
+    """The details of the model `name` (any name `mlxinfer models` lists), read from its files
+    without loading its weights."""
+    from ..models import model_config
+    from ..text.tokenizer import load_tokenizer_from_dir
+
+    found = find(name)
+    if found is None:
+        raise ModelNotFoundError(f"no model named '{name}'; `mlxinfer models` lists the names")
+    if found.error is not None:
+        raise ModelNotFoundError(f"'{name}' cannot be read ({found.error}); pull or convert it again")
+    config = read_config(found.path)
+    weights = stored_weights(found.path)
+    try:
+        context = model_config(config).max_position_embeddings
+    except MlxinferError:  # a family we do not run: the listing says so; its context is unknown
+        context = None
+    return ModelDetails(found, context, weights["precision"], weights["bits_per_weight"], weights["method"],
+                        load_tokenizer_from_dir(found.path).chat_template, config)
