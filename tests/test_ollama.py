@@ -439,3 +439,28 @@ def test_logprobs_equal_the_chat_completions(client, server, name):
             assert [a.logprob for a in t.top_logprobs] == pytest.approx([lp for _, lp in top], abs=1e-5)
     plain = client.chat(model=name, messages=USER, options={"temperature": 0, "num_predict": 6})
     assert plain.logprobs is None
+
+
+def test_pull_a_local_folder_streams_progress_lines_and_lands_in_the_cache(client, server, tiny):
+    from mlxinfer.loading import store
+
+    before = {m.name for m in store.local_models() if m.where == "mlxinfer"}
+    steps = list(client.pull(str(tiny), stream=True))
+    assert steps and all(isinstance(s, ollama.ProgressResponse) and s.status for s in steps)
+    assert steps[-1].status == "success"
+    pulled = [m for m in store.local_models() if m.where == "mlxinfer" and m.name not in before]
+    assert len(pulled) == 1 and pulled[0].quantization.startswith("4-bit")  # a float source is quantized, as `pull`
+    with pytest.raises(ollama.ResponseError) as e:  # the name is taken now: refused before any step
+        list(client.pull(str(tiny), stream=True))
+    assert e.value.status_code == 400 and pulled[0].name in e.value.error
+    assert client.delete(pulled[0].name).status == "success"
+    assert client.pull(str(tiny)).status == "success"  # not streamed: one object
+    assert client.delete(pulled[0].name).status == "success"
+    with pytest.raises(ollama.ResponseError) as e:
+        client.pull(str(tiny / "no-such-folder"))
+    assert e.value.status_code == 404
+    with httpx.stream("POST", f"{server.url}/api/pull", json={"model": str(tiny)}) as r:  # streamed by default
+        lines = [json.loads(line) for line in r.iter_lines() if line]
+    assert r.headers["content-type"].startswith("application/x-ndjson") and lines[-1] == {"status": "success"}
+    assert all(set(line) <= {"status", "digest", "total", "completed"} for line in lines)
+    client.delete(pulled[0].name)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hashlib
 import json
 import time
@@ -27,7 +28,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from mlx.utils import tree_flatten
 
 from .. import __version__
-from ..base.errors import ModelNotFoundError
+from ..base.errors import MlxinferError, ModelNotFoundError
+from ..convert.pull import PullProgress, pull
 from ..loading import store
 from ..loading.store import LocalModel
 from ..engine.text_stream import Chunk
@@ -40,7 +42,7 @@ from .bodies import parsed
 from .embeddings import embedded
 from .engine_thread import EngineThread
 from .errors import RequestError
-from .ollama_schema import Chat, Copy, Embed, Embeddings, Generate, Named, Show, parse
+from .ollama_schema import Chat, Copy, Embed, Embeddings, Generate, Named, Pull, Show, parse
 from .replies import ClientGone, json_reply, respond
 
 NDJSON = "application/x-ndjson"
@@ -68,7 +70,7 @@ class OllamaApi(Api):
         return (Route("/chat", self.chat), Route("/generate", self.generate), Route("/embed", self.embed),
                 Route("/embeddings", self.embeddings), Route("/tags", self.tags, ("GET",)),
                 Route("/show", self.show), Route("/ps", self.ps, ("GET",)), Route("/version", self.version, ("GET",)),
-                Route("/delete", self.delete, ("DELETE",)), Route("/copy", self.copy))
+                Route("/delete", self.delete, ("DELETE",)), Route("/copy", self.copy), Route("/pull", self.pull))
 
     @staticmethod
     def error_body(e: RequestError) -> dict[str, Any]:
@@ -170,6 +172,27 @@ class OllamaApi(Api):
     async def version(self) -> dict[str, str]:
         return {"version": __version__}
 
+    async def pull(self, request: Request) -> Response:
+        """Pull a model into mlxinfer's cache (`convert.pull.pull`: a hub id, a model folder, a GGUF
+        file or URL, converted on the way) on a worker thread; its steps as NDJSON status lines,
+        or `{"status": "success"}` alone with stream false. A source refused before any step is a
+        4xx; a failure later, an `{"error"}` line. A client that leaves does not stop the pull: it
+        runs to its end (a half-made model is never listed), as Ollama's does."""
+        body = await parsed(request, self.ctx.config.max_body, parse, Pull)
+        loop = asyncio.get_running_loop()
+        steps: asyncio.Queue[PullProgress] = asyncio.Queue()
+        work = asyncio.ensure_future(stored(functools.partial(
+            pull, progress=lambda step: loop.call_soon_threadsafe(steps.put_nowait, step)), body.target))
+        if not body.streamed:
+            await work
+            return JSONResponse({"status": "success"})
+        first = asyncio.ensure_future(steps.get())
+        await asyncio.wait({work, first}, return_when=asyncio.FIRST_COMPLETED)
+        if work.done() and work.exception() is not None:
+            first.cancel()
+            await work  # refused before any step: its status code
+        return StreamingResponse(pull_lines(await first, steps, work), media_type=NDJSON)
+
     async def delete(self, request: Request) -> Response:
         """Delete a model from mlxinfer's cache (only there: `store.remove`)."""
         body = await parsed(request, self.ctx.config.max_body, parse, Named)
@@ -189,12 +212,35 @@ class OllamaApi(Api):
 
 
 async def stored(change: Callable[..., LocalModel], *names: str) -> LocalModel:
-    """A change to the model store, made on a worker thread (it moves files); a model it does not
-    find is a 404, as Ollama answers."""
+    """A change to the model store, made on a worker thread (it moves and writes files); a model it
+    does not find is a 404, as Ollama answers, any other refusal a 400."""
     try:
         return await asyncio.to_thread(change, *names)
     except ModelNotFoundError as e:
         raise RequestError(str(e), "model", status=404) from None
+    except MlxinferError as e:
+        raise RequestError.of(e, "model") from None
+
+
+async def pull_lines(first: PullProgress, steps: asyncio.Queue[PullProgress],
+                     work: asyncio.Future) -> AsyncIterator[bytes]:
+    """A pull's steps as Ollama's progress lines (`status`, and `total` / `completed` bytes for a
+    download), until it ends; a failure is an `{"error"}` line."""
+    step: PullProgress | None = first
+    while step is not None:
+        yield _line({"status": step.status, **({"total": step.total} if step.total is not None else {}),
+                     **({"completed": step.completed} if step.completed is not None else {})})
+        following = asyncio.ensure_future(steps.get())
+        await asyncio.wait({work, following}, return_when=asyncio.FIRST_COMPLETED)
+        if following.done():
+            step = following.result()
+            continue
+        following.cancel()
+        step = steps.get_nowait() if not steps.empty() else None
+    try:
+        await work
+    except RequestError as e:
+        yield _line({"error": str(e)})
 
 
 def rfc3339(when: datetime) -> str:

@@ -358,6 +358,10 @@ class Pull(Named):
     username: str | None = None
     password: str | None = None
 
+    @property
+    def streamed(self) -> bool:
+        return self.stream is not False
+
 
 class Copy(Strict):
     source: str = Field(min_length=1)
