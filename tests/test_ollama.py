@@ -159,13 +159,27 @@ def test_options_are_honoured_and_load_time_ones_change_nothing(client, name):
     assert stopped.done_reason == "stop"
 
 
-def test_an_empty_request_loads_the_model_and_keep_alive_0_answers_unload(client, server, name):
-    r = client.generate(model=name)
-    assert r.done is True and r.done_reason == "load" and r.response == ""
+def test_an_empty_request_loads_the_model_keep_alive_0_unloads_it_and_ps_shows_the_expiry(client, server, name):
+    import time
+
     r = client.chat(model=name, messages=[], keep_alive=0)
     assert r.done is True and r.done_reason == "unload" and r.message.content == ""
-    status, body, _ = post(server.url, {"model": name, "keep_alive": "5m"}, key=None, path="/api/generate")
+    assert client.ps().models == []
+    r = client.generate(model=name)
+    assert r.done is True and r.done_reason == "load" and r.response == ""
+    assert [m.model for m in client.ps().models] == [name]
+    before = time.time()
+    status, body, _ = post(server.url, {"model": name, "keep_alive": "10m"}, key=None, path="/api/generate")
     assert status == 200 and body["done_reason"] == "load"
+    expires = client.ps().models[0].expires_at
+    assert before + 600 - 5 <= expires.timestamp() <= time.time() + 600
+    client.chat(model=name, messages=USER, keep_alive=-1, options={"num_predict": 1})
+    assert client.ps().models[0].expires_at.year == 9999  # negative: kept loaded
+    client.generate(model=name, prompt="hi", keep_alive=0, options={"num_predict": 1})
+    deadline = time.time() + 60  # unloaded once idle: the registry does it as the reply ends
+    while client.ps().models and time.time() < deadline:
+        time.sleep(0.05)
+    assert client.ps().models == []
 
 
 # --- tools, structured output, thinking (Qwen3's template) ---
@@ -271,6 +285,7 @@ def test_list_show_ps_and_version(client, name, tiny):
     assert shown.modelinfo["general.parameter_count"] == AutoModelForCausalLM.from_pretrained(tiny).num_parameters()
     assert isinstance(shown.template, str)
 
+    client.generate(model=name)  # loaded
     running = client.ps().models
     assert [m.model for m in running] == [name] and running[0].size_vram == running[0].size > 0
     assert running[0].expires_at is not None and running[0].context_length == config["max_position_embeddings"]
@@ -464,3 +479,33 @@ def test_pull_a_local_folder_streams_progress_lines_and_lands_in_the_cache(clien
     assert r.headers["content-type"].startswith("application/x-ndjson") and lines[-1] == {"status": "success"}
     assert all(set(line) <= {"status", "digest", "total", "completed"} for line in lines)
     client.delete(pulled[0].name)
+
+
+def test_a_server_of_the_store_serves_what_is_pulled_and_forgets_what_is_deleted(tiny, tmp_path):
+    """With no --model the server serves mlxinfer's cache: a model pulled through /api/pull is
+    listed and answers by its name at once; deleted, it is gone from the listing."""
+    from mlxinfer.loading import store
+
+    s = Server([], env={"MLXINFER_HOME": str(tmp_path / "home")})
+    try:
+        client = ollama.Client(host=s.url)
+        before = {m.model for m in client.list().models}
+        assert client.pull(str(tiny)).status == "success"
+        new = [m for m in client.list().models if m.model not in before]
+        assert len(new) == 1 and new[0].details.quantization_level.startswith("4-bit")
+        name = new[0].model
+        r = client.chat(model=name, messages=USER, options={"num_predict": 3})
+        assert r.done and r.eval_count == 3 and r.model == name
+        assert name in [m.model for m in client.ps().models]
+        assert client.copy(name, "copied").status == "success"
+        assert "copied" in {m.model for m in client.list().models}
+        for gone in (name, "copied"):
+            assert client.delete(gone).status == "success"
+        assert {m.model for m in client.list().models} == before
+        assert name not in [m.model for m in client.ps().models]
+        with pytest.raises(ollama.ResponseError) as e:
+            client.chat(model=name, messages=USER)
+        assert e.value.status_code == 404
+        assert store.find(name) is None or store.find(name).where != "mlxinfer"
+    finally:
+        s.stop()

@@ -28,6 +28,7 @@ from .api import Api, Route
 from .engine_thread import EngineThread
 from .bodies import parsed
 from .errors import RequestError
+from .models import Served
 from .replies import ClientGone, hung_up, json_reply, unless_gone
 from .openai_schema import Strict, parse
 
@@ -70,15 +71,19 @@ class EmbeddingsApi(Api):
         return (Route("/embeddings", self.embeddings),)
 
     async def embeddings(self, request: Request) -> Response:
-        model, tokenizer, engine, config = self.ctx.model, self.ctx.tokenizer, self.ctx.engine, self.ctx.config
-        body = await parsed(request, config.max_body, parse, Embeddings)
+        body = await parsed(request, self.ctx.config.max_body, parse, Embeddings)
+        async with self.ctx.models.use(body.model) as served:
+            return await self.embedded(request, body, served)
+
+    async def embedded(self, request: Request, body: Embeddings, served: Served) -> Response:
+        model, tokenizer, engine = served.model, served.tokenizer, served.engine
         try:
             result, tokens = await embedded(request, engine, model, tokenizer, body.texts(), body.dimensions)
         except ClientGone:
             return Response(status_code=499)
         return await json_reply(lambda: {
             "object": "list", "data": [item(i, v, body.encoding_format) for i, v in enumerate(result)],
-            "model": config.model_name, "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
+            "model": served.name, "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
 
 
 async def embedded(request: Request, engine: EngineThread, model: CausalLM, tokenizer: Tokenizer,

@@ -19,13 +19,13 @@ import hashlib
 import json
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
+from pathlib import Path
 from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from mlx.utils import tree_flatten
 
 from .. import __version__
 from ..base.errors import MlxinferError, ModelNotFoundError
@@ -33,32 +33,22 @@ from ..convert.pull import PullProgress, pull
 from ..loading import store
 from ..loading.store import LocalModel
 from ..engine.text_stream import Chunk
-from ..models.layers import CausalLM
+from ..loading.checkpoint import read_config
+from ..models import model_config
+from ..models.config import ModelConfig
 from ..text.reasoning import tags_for
-from ..text.tokenizer import Tokenizer
+from ..text.tokenizer import Tokenizer, load_tokenizer_from_dir
 from ..text.tools import ToolCall, call_opener, may_open_call
 from .api import Api, Route
 from .bodies import parsed
 from .embeddings import embedded
-from .engine_thread import EngineThread
+from .models import ModelEntry, Served
 from .errors import RequestError
 from .ollama_schema import Chat, Copy, Embed, Embeddings, Generate, Named, Pull, Show, parse
 from .replies import ClientGone, json_reply, respond
 
 NDJSON = "application/x-ndjson"
-FOREVER = datetime(9999, 12, 31, tzinfo=timezone.utc)  # the expiry of a model kept loaded for good
-STARTED = datetime.now(timezone.utc)  # when the server's model was loaded: its listing's modified_at
-
-
-@dataclass(frozen=True)
-class Served:
-    """The model a request runs on, and its name as this API reports it."""
-
-    name: str
-    engine: EngineThread
-    model: CausalLM
-    tokenizer: Tokenizer
-    max_tokens: int
+FOREVER = "9999-12-31T23:59:59Z"  # the expiry of a model kept loaded for good
 
 
 class OllamaApi(Api):
@@ -76,18 +66,19 @@ class OllamaApi(Api):
     def error_body(e: RequestError) -> dict[str, Any]:
         return {"error": str(e)}
 
-    def names(self) -> list[str]:
-        return [self.ctx.config.model_name]
-
-    @contextlib.asynccontextmanager
-    async def served(self, name: str, keep_alive: float | None = None) -> AsyncIterator[Served]:
-        """The model `name` names (its `:latest` tag optional, as Ollama's names have one), held
-        for the block; a name this server does not serve is a 404."""
-        config = self.ctx.config
-        if name.removesuffix(":latest") not in self.names():
-            raise RequestError(f'model "{name[:200]}" not found; this server serves {", ".join(self.names())} '
-                               "(GET /api/tags lists them)", "model", status=404)
-        yield Served(config.model_name, self.ctx.engine, self.ctx.model, self.ctx.tokenizer, config.max_tokens)
+    def entry(self, name: str) -> ModelEntry:
+        """The servable model `name` names, its `:latest` tag optional (Ollama's names carry one),
+        or `NAME:ADAPTER` for an adapter on model NAME. Unlike OpenAI's clients, Ollama's name a
+        model they listed, so any other name is a 404, as Ollama answers it, even when the server
+        has one model."""
+        entries = {e.name: e for e in self.ctx.models.listing()}
+        base = name.removesuffix(":latest")
+        found = entries.get(base) or entries.get(base.partition(":")[0])
+        if found is None:
+            raise RequestError(f'model "{name[:200]}" not found; this server serves '
+                               f'{", ".join(entries)[:1000] or "none"} (GET /api/tags lists them; `mlxinfer pull` '
+                               "adds one)", "model", status=404)
+        return found
 
     async def chat(self, request: Request) -> Response:
         return await self.complete(request, Chat)
@@ -96,40 +87,52 @@ class OllamaApi(Api):
         return await self.complete(request, Generate)
 
     async def complete(self, request: Request, kind: type[Chat] | type[Generate]) -> Response:
-        """A chat or generation: its chunks as NDJSON lines, or one object; no messages (or no
-        prompt) only loads the model, or with keep_alive 0 lets it go."""
+        """A chat or generation: its chunks as NDJSON lines, or one object, the model held until
+        the last; no messages (or no prompt) only loads the model, or with keep_alive 0 unloads it."""
         arrived = time.perf_counter_ns()
         body = await parsed(request, self.ctx.config.max_body, parse, kind)
         keep_alive = body.keep_alive_seconds
-        async with contextlib.AsyncExitStack() as hold:
-            served = await hold.enter_async_context(self.served(body.model, keep_alive))
-            loaded = time.perf_counter_ns()
-            chat = kind is Chat
-            if body.loads_only:
-                return JSONResponse(loaded_reply(served.name, chat, keep_alive == 0))
-            if body.think and tags_for(served.tokenizer) is None:
-                raise RequestError(f'"{served.name}" does not support thinking: its chat template has no thinking '
-                                   "part; leave think out", "think")
-            options = body.request_options(served.max_tokens)
-            if options.max_tokens is None:
-                options = replace(options, max_tokens=served.max_tokens)
-            prompt = body.prompt() if isinstance(body, Chat) else body.engine_prompt()
-            typed = await served.engine.request(prompt, options)
-            o = typed.options
-            calls = chat and o.tools and o.tool_choice != "none"
-            reply = Reply(model=served.name, chat=chat, arrived=arrived, loaded=loaded,
-                          opener=call_opener(served.tokenizer) if calls else None, top=body.top,
-                          tokenizer=served.tokenizer)
-            response = await respond(request, reply.timed(served.engine.chunks(typed)), body.streamed, reply.whole,
-                                     reply.lines, NDJSON)
-            if isinstance(response, StreamingResponse):  # the model stays held until the stream ends
-                response.body_iterator = held(response.body_iterator, hold.pop_all())
-            return response
+        name = body.model.removesuffix(":latest")
+        entry = self.entry(name)
+        if body.loads_only:
+            return JSONResponse(await self.load(entry, kind is Chat, keep_alive))
+        return await self.ctx.models.held_for(
+            entry.name, lambda served: self.answer(request, body, name, served, arrived), keep_alive)
+
+    async def load(self, entry: ModelEntry, chat: bool, keep_alive: float | None) -> dict[str, Any]:
+        """Load the model, or with keep_alive 0 unload it, as Ollama's clients ask with an empty request."""
+        if keep_alive == 0:
+            await self.ctx.models.unload(entry.name)
+        else:
+            async with self.ctx.models.use(entry.name, keep_alive):
+                pass
+        body: dict[str, Any] = {"model": entry.name, "created_at": now()}
+        body.update({"message": {"role": "assistant", "content": ""}} if chat else {"response": ""})
+        return {**body, "done": True, "done_reason": "unload" if keep_alive == 0 else "load"}
+
+    async def answer(self, request: Request, body: Chat | Generate, name: str, served: Served,
+                     arrived: int) -> Response:
+        """The reply to `body` from the model it names, loaded (`name` may name an adapter on it)."""
+        loaded = time.perf_counter_ns()
+        if body.think and tags_for(served.tokenizer) is None:
+            raise RequestError(f'"{served.name}" does not support thinking: its chat template has no thinking '
+                               "part; leave think out", "think")
+        options = served.options(body.request_options(served.max_tokens), name)
+        prompt = body.prompt() if isinstance(body, Chat) else body.engine_prompt()
+        typed = await served.engine.request(prompt, options)
+        o = typed.options
+        chat = isinstance(body, Chat)
+        calls = chat and o.tools and o.tool_choice != "none"
+        reply = Reply(model=name if options.adapter else served.name, chat=chat, arrived=arrived, loaded=loaded,
+                      opener=call_opener(served.tokenizer) if calls else None, top=body.top,
+                      tokenizer=served.tokenizer)
+        return await respond(request, reply.timed(served.engine.chunks(typed)), body.streamed, reply.whole,
+                             reply.lines, NDJSON)
 
     async def embed(self, request: Request) -> Response:
         arrived = time.perf_counter_ns()
         body = await parsed(request, self.ctx.config.max_body, parse, Embed)
-        async with self.served(body.model, body.keep_alive_seconds) as served:
+        async with self.ctx.models.use(self.entry(body.model).name, body.keep_alive_seconds) as served:
             loaded = time.perf_counter_ns()
             try:
                 vectors, tokens = await embedded(request, served.engine, served.model, served.tokenizer,
@@ -143,7 +146,7 @@ class OllamaApi(Api):
 
     async def embeddings(self, request: Request) -> Response:
         body = await parsed(request, self.ctx.config.max_body, parse, Embeddings)
-        async with self.served(body.model, body.keep_alive_seconds) as served:
+        async with self.ctx.models.use(self.entry(body.model).name, body.keep_alive_seconds) as served:
             try:
                 vectors, _ = await embedded(request, served.engine, served.model, served.tokenizer, [body.prompt],
                                             None)
@@ -152,22 +155,28 @@ class OllamaApi(Api):
         return await json_reply(lambda: {"embedding": vectors[0].tolist()})
 
     async def tags(self) -> dict[str, Any]:
-        return {"models": [{**self.listed(self.ctx.model, name), "modified_at": rfc3339(STARTED)}
-                           for name in self.names()]}
+        """Every servable model, loaded or not."""
+        return {"models": [{**listed(e), "modified_at": rfc3339(e.modified_at)} for e in self.ctx.models.listing()]}
 
     async def ps(self) -> dict[str, Any]:
-        model = self.ctx.model
-        return {"models": [{**self.listed(model, name), "expires_at": rfc3339(FOREVER), "size_vram": memory(model),
-                            "context_length": self.ctx.config.max_tokens} for name in self.names()]}
+        """The loaded models: the memory each is counted at, when it unloads if unused, its context."""
+        return {"models": [{**listed(e), "size": e.served.memory, "size_vram": e.served.memory,
+                            "expires_at": rfc3339(e.served.expires_at) if e.served.expires_at is not None
+                            else FOREVER, "context_length": e.served.max_tokens}
+                           for e in self.ctx.models.listing() if e.served is not None]}
 
     async def show(self, request: Request) -> dict[str, Any]:
+        """What a model is, read from its files (it is not loaded for this)."""
         body = await parsed(request, self.ctx.config.max_body, parse, Show)
-        async with self.served(body.target) as served:
-            model, tokenizer = served.model, served.tokenizer
-            return {"details": details(model), "model_info": model_info(model, tokenizer),
-                    "template": tokenizer.chat_template or "", "parameters": parameters(served),
-                    "capabilities": capabilities(model, tokenizer), "modified_at": rfc3339(STARTED),
-                    "license": ""}
+        entry = self.entry(body.target)
+        try:
+            config, tokenizer = await asyncio.to_thread(read_model, Path(entry.path))
+        except (MlxinferError, OSError) as e:
+            raise RequestError(f"cannot read the model '{entry.name}': {e}", "model", status=500) from None
+        return {"details": details(entry), "model_info": model_info(config, entry.parameters),
+                "template": tokenizer.chat_template or "", "parameters": f"num_ctx {config.max_position_embeddings}",
+                "capabilities": capabilities(config, tokenizer, Path(entry.path)),
+                "modified_at": rfc3339(entry.modified_at), "license": ""}
 
     async def version(self) -> dict[str, str]:
         return {"version": __version__}
@@ -177,11 +186,12 @@ class OllamaApi(Api):
         file or URL, converted on the way) on a worker thread; its steps as NDJSON status lines,
         or `{"status": "success"}` alone with stream false. A source refused before any step is a
         4xx; a failure later, an `{"error"}` line. A client that leaves does not stop the pull: it
-        runs to its end (a half-made model is never listed), as Ollama's does."""
+        runs to its end (a half-made model is never listed), as Ollama's does. The server serves
+        the model once it is in."""
         body = await parsed(request, self.ctx.config.max_body, parse, Pull)
         loop = asyncio.get_running_loop()
         steps: asyncio.Queue[PullProgress] = asyncio.Queue()
-        work = asyncio.ensure_future(stored(functools.partial(
+        work = asyncio.ensure_future(self.stored(functools.partial(
             pull, progress=lambda step: loop.call_soon_threadsafe(steps.put_nowait, step)), body.target))
         if not body.streamed:
             await work
@@ -194,32 +204,32 @@ class OllamaApi(Api):
         return StreamingResponse(pull_lines(await first, steps, work), media_type=NDJSON)
 
     async def delete(self, request: Request) -> Response:
-        """Delete a model from mlxinfer's cache (only there: `store.remove`)."""
+        """Delete a model from mlxinfer's cache (only there: `store.remove`); a loaded one is
+        unloaded once its requests end."""
         body = await parsed(request, self.ctx.config.max_body, parse, Named)
-        await stored(store.remove, body.target)
+        await self.stored(store.remove, body.target)
+        if any(e.name == body.target for e in self.ctx.models.listing()):  # still loaded: let it go
+            await self.ctx.models.unload(body.target)
         return Response(status_code=200)
 
     async def copy(self, request: Request) -> Response:
         """Copy a model into mlxinfer's cache under a new name (`store.copy`)."""
         body = await parsed(request, self.ctx.config.max_body, parse, Copy)
-        await stored(store.copy, body.source, body.destination)
+        await self.stored(store.copy, body.source, body.destination)
         return Response(status_code=200)
 
-    def listed(self, model: CausalLM, name: str) -> dict[str, Any]:
-        """What /api/tags and /api/ps say of a model."""
-        return {"name": name, "model": name, "size": memory(model), "digest": digest(name),
-                "details": details(model)}
-
-
-async def stored(change: Callable[..., LocalModel], *names: str) -> LocalModel:
-    """A change to the model store, made on a worker thread (it moves and writes files); a model it
-    does not find is a 404, as Ollama answers, any other refusal a 400."""
-    try:
-        return await asyncio.to_thread(change, *names)
-    except ModelNotFoundError as e:
-        raise RequestError(str(e), "model", status=404) from None
-    except MlxinferError as e:
-        raise RequestError.of(e, "model") from None
+    async def stored(self, change: Callable[..., LocalModel], *names: str) -> LocalModel:
+        """A change to the model store, made on a worker thread (it moves and writes files), then
+        the models rescanned; a model it does not find is a 404, as Ollama answers, any other
+        refusal a 400."""
+        try:
+            return await asyncio.to_thread(change, *names)
+        except ModelNotFoundError as e:
+            raise RequestError(str(e), "model", status=404) from None
+        except MlxinferError as e:
+            raise RequestError.of(e, "model") from None
+        finally:
+            self.ctx.models.refresh()
 
 
 async def pull_lines(first: PullProgress, steps: asyncio.Queue[PullProgress],
@@ -243,39 +253,18 @@ async def pull_lines(first: PullProgress, steps: asyncio.Queue[PullProgress],
         yield _line({"error": str(e)})
 
 
-def rfc3339(when: datetime) -> str:
-    """A time as Ollama writes it (RFC 3339, UTC)."""
-    return when.isoformat().replace("+00:00", "Z")
+def rfc3339(when: float) -> str:
+    """Epoch seconds as Ollama writes times (RFC 3339, UTC)."""
+    return datetime.fromtimestamp(when, timezone.utc).isoformat().replace("+00:00", "Z")
 
 
 def now() -> str:
-    return rfc3339(datetime.now(timezone.utc))
+    return rfc3339(time.time())
 
 
-def digest(name: str) -> str:
+def digest(entry: ModelEntry) -> str:
     """An identifier for a model, in the shape of Ollama's digests (64 hex digits)."""
-    return hashlib.sha256(name.encode()).hexdigest()
-
-
-def memory(model: CausalLM) -> int:
-    """Bytes the model's weights hold."""
-    return sum(v.nbytes for _, v in tree_flatten(model.parameters()))
-
-
-def parameter_count(model: CausalLM) -> int:
-    """Parameters as the unquantized model has them: a quantized weight packs 32/bits values a word."""
-    flat = dict(tree_flatten(model.parameters()))
-    total = 0
-    for name, value in flat.items():
-        base = name.rsplit(".", 1)[0]
-        quantized = f"{base}.scales" in flat
-        if quantized and name.endswith((".scales", ".biases")):
-            continue
-        n = value.size
-        if quantized and name.endswith(".weight"):
-            n = n * 32 // ((model.config.quantization or {}).get("bits") or 4)
-        total += n
-    return total
+    return hashlib.sha256(f"{entry.name}\0{entry.path}".encode()).hexdigest()
 
 
 def human(n: int) -> str:
@@ -286,26 +275,32 @@ def human(n: int) -> str:
     return str(n)
 
 
-def quantization(model: CausalLM) -> str:
-    q = model.config.quantization
-    if q:
-        return f"Q{q.get('bits', '?')}" + (f"_g{q['group_size']}" if q.get("group_size") else "")
-    dtype = str(model.model.embed_tokens.weight.dtype).rpartition(".")[2]
-    return {"float16": "F16", "bfloat16": "BF16", "float32": "F32"}.get(dtype, dtype.upper())
+# Ollama's names for how weights are stored, where one fits ("4-bit g64" and the like stay ours).
+LEVELS = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}
 
 
-def details(model: CausalLM) -> dict[str, Any]:
-    family = model.config.model_type
-    return {"parent_model": "", "format": "safetensors", "family": family, "families": [family],
-            "parameter_size": human(parameter_count(model)), "quantization_level": quantization(model)}
+def details(entry: ModelEntry) -> dict[str, Any]:
+    return {"parent_model": "", "format": "safetensors", "family": entry.family, "families": [entry.family],
+            "parameter_size": human(entry.parameters),
+            "quantization_level": LEVELS.get(entry.quantization, entry.quantization)}
 
 
-def model_info(model: CausalLM, tokenizer: Tokenizer) -> dict[str, Any]:
+def listed(entry: ModelEntry) -> dict[str, Any]:
+    """What /api/tags and /api/ps say of every model."""
+    return {"name": entry.name, "model": entry.name, "size": entry.size, "digest": digest(entry),
+            "details": details(entry)}
+
+
+def read_model(path: Path) -> tuple[ModelConfig, Tokenizer]:
+    """A model folder's config and tokenizer, without its weights."""
+    return model_config(read_config(path)), load_tokenizer_from_dir(path)
+
+
+def model_info(c: ModelConfig, parameters: int) -> dict[str, Any]:
     """The architecture's numbers under Ollama's (GGUF's) keys."""
-    c = model.config
     arch = c.model_type
     info: dict[str, Any] = {
-        "general.architecture": arch, "general.parameter_count": parameter_count(model),
+        "general.architecture": arch, "general.parameter_count": parameters,
         f"{arch}.context_length": c.max_position_embeddings, f"{arch}.embedding_length": c.hidden_size,
         f"{arch}.block_count": c.num_hidden_layers, f"{arch}.feed_forward_length": c.intermediate_size,
         f"{arch}.attention.head_count": c.num_attention_heads, f"{arch}.attention.head_count_kv": c.num_key_value_heads,
@@ -314,35 +309,28 @@ def model_info(model: CausalLM, tokenizer: Tokenizer) -> dict[str, Any]:
         f"{arch}.vocab_size": c.vocab_size}
     if c.sliding_window:
         info[f"{arch}.attention.sliding_window"] = c.sliding_window
-    if tokenizer.eos_token_ids:
-        info["tokenizer.ggml.eos_token_id"] = min(tokenizer.eos_token_ids)
+    if c.moe is not None:
+        info[f"{arch}.expert_count"] = c.moe.num_experts
+        info[f"{arch}.expert_used_count"] = c.moe.experts_per_token
     return info
 
 
-def capabilities(model: CausalLM, tokenizer: Tokenizer) -> list[str]:
-    """What the model can be asked for here, in Ollama's words."""
+# Files a sentence-transformers checkpoint has: a model made to embed (Ollama's "embedding" capability).
+SENTENCE_TRANSFORMERS = ("modules.json", "config_sentence_transformers.json")
+
+
+def capabilities(c: ModelConfig, tokenizer: Tokenizer, path: Path) -> list[str]:
+    """What the model can be asked for, in Ollama's words."""
     found = ["completion"]
     if "tools" in tokenizer.template_variables:
         found.append("tools")
-    if model.image_token_id is not None:
+    if "vision_config" in c.raw:
         found.append("vision")
     if tags_for(tokenizer) is not None:
         found.append("thinking")
-    if model.sentence_embedding.refusal is None:
+    if any((path / f).is_file() for f in SENTENCE_TRANSFORMERS):
         found.append("embedding")
     return found
-
-
-def parameters(served: Served) -> str:
-    """The defaults a request gets, as a Modelfile's PARAMETER lines."""
-    return f"num_ctx                        {served.max_tokens}"
-
-
-def loaded_reply(name: str, chat: bool, unload: bool) -> dict[str, Any]:
-    """The answer to a request that only loads (or unloads) the model."""
-    body: dict[str, Any] = {"model": name, "created_at": now()}
-    body.update({"message": {"role": "assistant", "content": ""}} if chat else {"response": ""})
-    return {**body, "done": True, "done_reason": "unload" if unload else "load"}
 
 
 def tool_calls(calls: list[ToolCall]) -> list[dict[str, Any]]:
