@@ -13,7 +13,6 @@ the last; `prompt_eval_count` the prompt's tokens, `eval_count` the tokens gener
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import hashlib
 import json
@@ -30,10 +29,10 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from .. import __version__
 from ..base.errors import MlxinferError, ModelNotFoundError
 from ..convert.pull import PullProgress, pull
-from ..loading import store
-from ..loading.store import LocalModel
 from ..engine.text_stream import Chunk
+from ..loading import store
 from ..loading.checkpoint import read_config
+from ..loading.store import LocalModel
 from ..models import model_config
 from ..models.config import ModelConfig
 from ..text.reasoning import tags_for
@@ -42,8 +41,8 @@ from ..text.tools import ToolCall, call_opener, may_open_call
 from .api import Api, Route
 from .bodies import parsed
 from .embeddings import embedded
-from .models import ModelEntry, Served
 from .errors import RequestError
+from .models import ModelEntry, Served
 from .ollama_schema import Chat, Copy, Embed, Embeddings, Generate, Named, Pull, Show, parse
 from .replies import ClientGone, json_reply, respond
 
@@ -442,15 +441,6 @@ class Reply:
                 yield _line(self._final(self._object("", "", None, True, unsent), last))
         except RequestError as e:
             yield _line({"error": str(e)})
-
-
-async def held(lines: AsyncIterator[bytes], hold: contextlib.AsyncExitStack) -> AsyncIterator[bytes]:
-    """`lines`, the model they come from held (`hold`) until the last has gone or the client left."""
-    try:
-        async for line in lines:
-            yield line
-    finally:
-        await hold.aclose()
 
 
 async def _chained(first: Chunk | None, rest: AsyncIterator[Chunk]) -> AsyncIterator[Chunk]:
