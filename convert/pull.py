@@ -63,37 +63,62 @@ def _quiet(_: PullProgress) -> None:
     pass
 
 
+SOURCES = frozenset({"hub", "folder", "gguf", "url"})
+_WORDS = {"hub": "a hub id", "folder": "a model folder", "gguf": "a .gguf file", "url": "a GGUF URL"}
+
+
 def pull(source: str, *, bits: int | None = None, recipe: str | None = None, name: str | None = None,
-         progress: Progress = _quiet) -> LocalModel:
+         progress: Progress = _quiet, kinds: frozenset[str] = SOURCES) -> LocalModel:
     """Convert `source` into our cache and return the model as `mlxinfer models` lists it.
     `source`: a hub id (`HuggingFaceTB/SmolLM2-135M-Instruct`), a model folder, a `.gguf` file
     or an http(s) URL of one. `bits` or `recipe` quantize as `mlxinfer convert` does; `name`
     replaces the readable name chosen from the source. A name already in the cache is refused
-    before anything is downloaded, saying how to replace it."""
+    before anything is downloaded, saying how to replace it. `kinds`: the sources this caller
+    may name (a server's clients: hub ids only, so none can make it read its files or fetch
+    from its network)."""
     if bits is not None and recipe is not None:
         raise InvalidOptionError("--bits and --recipe both choose the precision; pass one of them")
     if bits is not None and bits not in BITS:
         raise InvalidOptionError(f"--bits {bits} is not one of {', '.join(map(str, BITS))}")
     if recipe is not None and recipe not in RECIPES:
         raise InvalidOptionError(f"unknown recipe '{recipe}'; choose one of {', '.join(RECIPES)}")
+    kind = source_kind(source, local=bool(kinds & {"folder", "gguf"}))
+    if kind not in kinds:
+        allowed = " or ".join(_WORDS[k] for k in sorted(kinds))
+        raise InvalidOptionError(f"'{source}' is {_WORDS[kind]}; only {allowed} can be pulled here")
     path = Path(source).expanduser()
-    if urllib.parse.urlsplit(source).scheme in ("http", "https"):
+    if kind == "url":
         return _pull_gguf_url(source, bits, recipe, name, progress)
-    if path.is_file():
+    if kind == "gguf":
+        return _convert(path, _gguf_name(path.name, bits, recipe, name), bits, recipe, progress)
+    if kind == "folder":
+        target = name or cache_name(path.resolve().name, _precision(read_config(path), bits, recipe))
+        return _convert(path, target, *_quantization(read_config(path), bits, recipe), progress)
+    return _pull_hub(source, bits, recipe, name, progress)
+
+
+def source_kind(source: str, local: bool = True) -> str:
+    """Which of `SOURCES` `source` is: an http(s) URL, a GGUF file or a model folder (looked for
+    only when `local`), else a hub id (`org/name`); anything else is refused."""
+    if urllib.parse.urlsplit(source).scheme in ("http", "https"):
+        return "url"
+    path = Path(source).expanduser()
+    if local and path.is_file():
         if not is_gguf(path):
             raise ModelNotFoundError(f"'{source}' is a file but not a GGUF file; pull a .gguf file, a model folder "
                                      "or a hub id like 'org/model'")
-        return _convert(path, _gguf_name(path.name, bits, recipe, name), bits, recipe, progress)
-    if path.is_dir():
+        return "gguf"
+    if local and path.is_dir():
         if not is_model_folder(path):
             raise ModelNotFoundError(f"'{source}' is a folder without config.json and .safetensors weights; "
                                      "pull a model folder, a .gguf file or a hub id")
-        target = name or cache_name(path.resolve().name, _precision(read_config(path), bits, recipe))
-        return _convert(path, target, *_quantization(read_config(path), bits, recipe), progress)
+        return "folder"
     if path.suffix == ".gguf" or _REPO_ID.fullmatch(source) is None:
-        raise ModelNotFoundError(f"no file or folder at '{source}', and it is not a hub id like 'org/model'; "
-                                 "check the path or the id")
-    return _pull_hub(source, bits, recipe, name, progress)
+        if local:
+            raise ModelNotFoundError(f"no file or folder at '{source}', and it is not a hub id like 'org/model'; "
+                                     "check the path or the id")
+        raise ModelNotFoundError(f"'{source}' is not a hub id like 'org/model'; check the id")
+    return "hub"
 
 
 def _convert(source: Path, name: str, bits: int | None, recipe: str | None, progress: Progress) -> LocalModel:

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import mlxinfer
-from mlxinfer.base.errors import DownloadError, ModelNotFoundError, StoreError
+from mlxinfer.base.errors import DownloadError, MlxinferError, ModelNotFoundError, StoreError
 from mlxinfer.convert.pull import PullProgress, download, pull
 from mlxinfer.loading import store
 from test_cli import float_parameters, tiny_gguf  # noqa: F401  (a fixture: the tiny llama as a Q4_1 GGUF)
@@ -97,6 +97,13 @@ def test_pull_refuses_what_it_cannot_use(tmp_path, isolated_home):
         pull("http://127.0.0.1:9/model.bin")
     with pytest.raises(DownloadError, match="HF_HUB_OFFLINE is set; unset it"):
         pull("org/model")
+    # a caller that lets its clients name hub ids only (a server): no path is looked at, no URL fetched
+    hub_only = frozenset({"hub"})
+    for source, kind in ((str(tmp_path / "empty"), "not a hub id"), ("http://127.0.0.1:9/m.gguf", "is a GGUF URL")):
+        with pytest.raises(MlxinferError, match=kind):
+            pull(source, kinds=hub_only)
+    with pytest.raises(DownloadError, match="HF_HUB_OFFLINE"):
+        pull("org/model", kinds=hub_only)
     assert not (isolated_home / "models").exists()
 
 
