@@ -19,11 +19,13 @@ import numpy as np
 import pytest
 
 import mlxinfer
-from mlxinfer.base.errors import DownloadError, MlxinferError, ModelNotFoundError, StoreError
+from mlxinfer.base.errors import DownloadError, MlxinferError, ModelExistsError, ModelNotFoundError
 from mlxinfer.convert.pull import PullProgress, download, pull
 from mlxinfer.loading import store
-from test_cli import float_parameters, tiny_gguf  # noqa: F401  (a fixture: the tiny llama as a Q4_1 GGUF)
+import test_cli
+from test_cli import float_parameters
 
+tiny_gguf = test_cli.tiny_gguf  # the fixture: the tiny llama as a Q4_1 GGUF, written with the gguf package
 IDS = np.random.default_rng(0).integers(0, 500, size=(2, 16))
 TOL = 1e-5
 
@@ -65,8 +67,9 @@ def test_pull_a_float_folder_makes_what_mlx_lm_makes(hf_checkpoint, mlx_lm_quant
     listed = {m.name: m for m in store.local_models()}
     assert listed[model.name].parameters == float_parameters(src)
     # a second pull is refused before any work, saying how to replace it; after rm, the same name
-    with pytest.raises(StoreError, match="already in mlxinfer's cache.*mlxinfer rm smollm2-tiny-instruct-4bit"):
+    with pytest.raises(ModelExistsError, match="already in mlxinfer's cache.*mlxinfer rm smollm2-tiny-instruct-4bit") as e:
         pull(str(src))
+    assert e.value.name == model.name  # what a caller for whom "already there" is success looks up
     store.remove(model.name)
     assert pull(str(src), bits=8).name == "smollm2-tiny-instruct-8bit"
     assert pull(str(src)).name == model.name

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from ..base.cachedir import is_model_folder, models_dir
-from ..base.errors import MlxinferError, ModelNotFoundError, StoreError
+from ..base.errors import MlxinferError, ModelExistsError, ModelNotFoundError, StoreError
 from ..base.files import checkpoint_file, write_problem
 from ..base.safetensors import safetensors_header
 from ..models import FAMILIES
@@ -193,8 +193,8 @@ def check_new_name(name: str) -> Path:
                          "starting with a letter or digit, at most 128 characters")
     folder = models_dir() / name
     if os.path.lexists(folder):
-        raise StoreError(f"a model named '{name}' is already in mlxinfer's cache ({folder}); "
-                         f"`mlxinfer rm {name}` first to replace it, or choose another name")
+        raise ModelExistsError(f"a model named '{name}' is already in mlxinfer's cache ({folder}); "
+                               f"`mlxinfer rm {name}` first to replace it, or choose another name", name)
     return folder
 
 
