@@ -18,6 +18,7 @@ file) keeps its precision unless told.
 from __future__ import annotations
 
 import http.client
+import inspect
 import json
 import os
 import re
@@ -189,8 +190,10 @@ def _pull_hub(repo: str, bits: int | None, recipe: str | None, name: str | None,
     status = f"downloading {repo}"
     for f in files:
         counted = _ByteCounter.counting(lambda n, base=done: progress(PullProgress(status, total, base + n)))
+        # older huggingface_hub releases take no tqdm_class here: with them, progress comes a file at a time
+        bar = {"tqdm_class": counted} if "tqdm_class" in inspect.signature(hf_hub_download).parameters else {}
         with _hub_errors(repo):
-            hf_hub_download(repo, f.rfilename, revision=info.sha, tqdm_class=counted)
+            hf_hub_download(repo, f.rfilename, revision=info.sha, **bar)
         done += f.size or 0
         progress(PullProgress(status, total, done))
     return _convert(snapshot, target, *_quantization(read_config(snapshot), bits, recipe), progress)
