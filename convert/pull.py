@@ -17,6 +17,7 @@ file) keeps its precision unless told.
 
 from __future__ import annotations
 
+import hashlib
 import http.client
 import inspect
 import json
@@ -32,7 +33,7 @@ from pathlib import Path
 import mlxinfer
 from mlxinfer.base.cachedir import home, is_model_folder
 from mlxinfer.base.errors import DownloadError, InvalidOptionError, MlxinferError, ModelNotFoundError
-from mlxinfer.base.files import write_problem
+from mlxinfer.base.files import replacing, write_problem
 from mlxinfer.loading.checkpoint import MODEL_FILES, read_config
 from mlxinfer.loading.store import LocalModel, cache_name, check_new_name, describe
 
@@ -126,10 +127,47 @@ def _convert(source: Path, name: str, bits: int | None, recipe: str | None, prog
     """`source` converted into the cache folder `name` (refused if taken), written whole or not at all."""
     target = check_new_name(name)
     progress(PullProgress(f"converting {source.name} into {name}"))
-    convert(source, target, quantize=bits is not None or recipe is not None, bits=bits, recipe=recipe,
-            progress=False)
+    as_stored = bits is None and recipe is None
+    convert(source, target, quantize=not as_stored, bits=bits, recipe=recipe, progress=False)
+    if as_stored and source.is_file():
+        record_gguf(target, source)
     progress(PullProgress("success"))
     return describe(name, "mlxinfer", target)
+
+
+# which GGUF file a cache folder was converted from, so `--model FILE.gguf` reuses a pulled one
+
+SOURCE_RECORD = "mlxinfer_source.json"
+
+
+def gguf_key(path: Path) -> str:
+    """Identifies a GGUF file by its size and first and last MiB (its header holds the
+    metadata), so a copy elsewhere reuses the conversion without hashing gigabytes."""
+    h = hashlib.sha256(str(path.stat().st_size).encode())
+    with open(path, "rb") as f:
+        h.update(f.read(1 << 20))
+        f.seek(max(path.stat().st_size - (1 << 20), 0))
+        h.update(f.read(1 << 20))
+    return h.hexdigest()[:8]
+
+
+def record_gguf(folder: Path, gguf: Path) -> None:
+    """Note in `folder` that it is `gguf` converted as stored."""
+    with replacing(folder / SOURCE_RECORD) as tmp:
+        tmp.write_text(json.dumps({"gguf": gguf.name, "gguf_key": gguf_key(gguf)}) + "\n")
+
+
+def recorded_gguf(folder: Path) -> str | None:
+    """The `gguf_key` of the GGUF file `folder` was converted from as stored, if it says."""
+    try:
+        return json.loads((folder / SOURCE_RECORD).read_text())["gguf_key"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def gguf_cache_name(filename: str) -> str:
+    """The name a GGUF file converted as stored has in the cache: `smollm2-135m-instruct-q4_1`."""
+    return _gguf_name(filename, None, None, None)
 
 
 def _quantization(config: dict, bits: int | None, recipe: str | None) -> tuple[int | None, str | None]:

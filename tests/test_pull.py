@@ -356,3 +356,26 @@ def test_pull_a_hub_id_downloads_what_loading_needs_and_converts_it(hf_checkpoin
     names = {m["name"]: m for m in json.loads(listed.stdout)}
     assert names["tiny-hub-4bit"]["where"] == "mlxinfer" and names["org/Tiny-Hub"]["where"] == "huggingface"
     assert names["tiny-hub-4bit"]["parameters"] == float_parameters(src)
+
+
+def test_model_gguf_reuses_a_pull_and_an_older_conversion_and_keeps_two_files_apart(tiny_gguf, isolated_home,
+                                                                                    tmp_path):
+    """`--model FILE.gguf` names its conversion as pull does, so each finds the other's; a folder made
+    under the older content-keyed name is reused as it is; another file with the same name gets
+    its own folder rather than the first file's weights."""
+    from mlxinfer.cli.store import gguf_in_cache
+    from mlxinfer.convert.pull import gguf_key
+
+    said: list[str] = []
+    pulled = pull(str(tiny_gguf))
+    assert gguf_in_cache(tiny_gguf, said.append) == pulled.path and said == []  # reused: nothing converted
+    other = tmp_path / "elsewhere" / tiny_gguf.name
+    other.parent.mkdir()
+    other.write_bytes(tiny_gguf.read_bytes()[:-8] + bytes(8))  # the same name, other bytes
+    second = gguf_in_cache(other, said.append)
+    assert second == pulled.path.with_name(f"tiny-q4_1-{gguf_key(other)}") and len(said) == 1
+    assert gguf_in_cache(other, said.append) == second and len(said) == 1
+    # a folder made before under the older name (its files are what the conversion writes)
+    older = isolated_home / "models" / f"tiny.Q4_1-{gguf_key(tiny_gguf)}"
+    os.rename(pulled.path, older)
+    assert gguf_in_cache(tiny_gguf, said.append) == older and len(said) == 1

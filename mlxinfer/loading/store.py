@@ -5,11 +5,11 @@ folder name; the Hugging Face cache by repo id; other folders by path. Below the
 server so both list, resolve, copy and delete by the same names; what converts or fetches
 (`convert.pull`) lives above it.
 
-A model pulled into the cache is named by `cache_name`: the repo's (or file's) name in lowercase
-and how it is stored, `smollm2-135m-instruct-4bit`, so the name is the same on every run and on
-every machine. The demo model keeps the name it always had (`SmolLM2-135M-Instruct`), and a
-`.gguf` given to `--model` keeps its content-keyed name (`tiny.Q4_1-1a2b3c4d`), so caches made
-before stay valid.
+A model pulled into the cache, or a `.gguf` file `--model` converts, is named by `cache_name`:
+the repo's (or file's) name in lowercase and how it is stored, `smollm2-135m-instruct-4bit`, so
+the name is the same on every run and on every machine. The demo model keeps the name it always
+had (`SmolLM2-135M-Instruct`), and a GGUF conversion made before under its older content-keyed
+name (`tiny.Q4_1-1a2b3c4d`) is reused under it, so caches made before stay valid.
 """
 
 from __future__ import annotations
