@@ -416,7 +416,7 @@ def models_command(folders: tuple[Path, ...], supported: bool, as_json: bool) ->
     """Models on this machine: mlxinfer's cache, the Hugging Face cache, and model folders
     in FOLDERS (default: the current directory). The NAME column is what --model accepts.
     With --supported, the model families mlxinfer runs instead."""
-    from .store import local_models
+    from ..loading.store import local_models
     from .terminal import size
 
     if supported:
@@ -437,7 +437,7 @@ def models_command(folders: tuple[Path, ...], supported: bool, as_json: bool) ->
         click.echo(json.dumps([m.as_dict() for m in found]))
         return
     if not found:
-        click.echo("no local models yet: `mlxinfer chat` fetches the demo model; `mlxinfer convert` makes others")
+        click.echo("no local models yet: `mlxinfer pull` fetches one, `mlxinfer chat` fetches the demo model")
         return
     rows = [("NAME", "FAMILY", "PARAMS", "QUANTIZATION", "SIZE", "WHERE", "NOTE")]
     rows += [(m.name, m.family, _count(m.parameters), m.quantization, size(m.size), m.where, m.error or "")
@@ -451,6 +451,94 @@ def models_command(folders: tuple[Path, ...], supported: bool, as_json: bool) ->
 
 def _count(n: int) -> str:
     return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
+
+
+@main.command("pull")
+@click.argument("source")
+@click.option("--bits", type=int, help="Quantize to this many bits (2, 3, 4, 5, 6, 8) [default: 4 for a float "
+                                       "model; a quantized one keeps its precision].")
+@click.option("--recipe", help="Mixed precision instead of --bits: mixed-3-6, mixed-4-6 or mixed-4-8.")
+@click.option("--name", help="The name to give it [default: the source's name and precision, "
+                             "e.g. smollm2-135m-instruct-4bit].")
+def pull_command(source: str, bits: int | None, recipe: str | None, name: str | None) -> None:
+    """Convert SOURCE into mlxinfer's cache, under the name `mlxinfer models` then lists: a hub id
+    (downloaded into the Hugging Face cache, resumably), a model folder, a .gguf file, or the
+    http(s) URL of one (resumed if interrupted)."""
+    from ..convert.pull import pull
+    from .terminal import PullBar, size
+
+    bar = PullBar()
+    try:
+        model = pull(source, bits=bits, recipe=recipe, name=name, progress=bar)
+    finally:
+        bar.close()
+    click.echo(f"pulled {model.name}: {model.family}, {_count(model.parameters)} parameters, {model.quantization}, "
+               f"{size(model.size)}; run it with `mlxinfer chat -m {model.name}`")
+
+
+@main.command("rm")
+@click.argument("name")
+@click.option("--yes", "-y", is_flag=True, help="Delete without asking.")
+def rm_command(name: str, yes: bool) -> None:
+    """Delete the model NAME from mlxinfer's cache (only there: a Hugging Face cache model or a
+    folder of yours is left alone, with how to delete it)."""
+    from ..loading.store import removable, remove
+    from .terminal import size
+
+    model = removable(name)
+    if not yes:
+        click.confirm(f"delete {model.name} ({size(model.size)}, {model.path})?", abort=True, err=True)
+    remove(name)
+    click.echo(f"deleted {model.name} ({size(model.size)})")
+
+
+@main.command("cp")
+@click.argument("source")
+@click.argument("new_name")
+def cp_command(source: str, new_name: str) -> None:
+    """Copy the model SOURCE (any name `mlxinfer models` lists) into mlxinfer's cache as NEW_NAME
+    (files hard-linked where possible, so it costs no space)."""
+    from ..loading.store import copy
+
+    click.echo(f"copied {source} to {copy(source, new_name).name}")
+
+
+TEMPLATE_LINES = 8
+
+
+@main.command("show")
+@click.argument("name")
+@click.option("--template", "whole_template", is_flag=True, help="Print the whole chat template.")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output (the whole template included).")
+def show_command(name: str, whole_template: bool, as_json: bool) -> None:
+    """What the model NAME is: family, parameters, quantization and how it was chosen, context
+    length, chat template, size on disk and where it is."""
+    from ..loading.quant_summary import method_text
+    from ..loading.store import details
+    from .terminal import size
+
+    d = details(name)
+    if as_json:
+        click.echo(json.dumps(d.as_dict()))
+        return
+    m = d.model
+    rows = [("name", m.name), ("family", m.family), ("parameters", f"{_count(m.parameters)} ({m.parameters:,})"),
+            ("quantization", m.quantization), ("layers", d.precision), ("bits/weight", f"{d.bits_per_weight:.2f}")]
+    if d.method:
+        rows.append(("chosen by", method_text(d.method)))
+    rows += [("context", f"{d.context_length:,} tokens" if d.context_length else "unknown"),
+             ("size", size(m.size)), ("path", str(m.path)), ("where", m.where)]
+    width = max(len(k) for k, _ in rows)
+    for key, value in rows:
+        click.echo(f"{key:<{width}}  {value}")
+    if d.template is None:
+        click.echo(f"{'template':<{width}}  none (the model takes raw text)")
+        return
+    lines = d.template.splitlines()
+    shown = lines if whole_template else lines[:TEMPLATE_LINES]
+    click.echo(f"{'template':<{width}}  " + (f"\n{'':<{width}}  ".join(shown)))
+    if len(shown) < len(lines):
+        click.echo(f"{'':<{width}}  ... {len(lines) - len(shown)} more lines (--template shows them all)")
 
 
 @main.command("inspect")
@@ -474,7 +562,8 @@ def inspect_command(prompt, model, dtype, steps, top, temp, top_p, system, raw, 
     from ..engine.batch import BatchGenerator
     from ..engine.inspection import inspect_pipeline
     from .inspect_report import render
-    from .store import open_model, stored_weights
+    from ..loading.store import stored_weights
+    from .store import open_model
     from .terminal import typed_text
 
     prompt, system = typed_text(prompt), typed_text(system) if system is not None else None
