@@ -46,7 +46,7 @@ class Duration(click.ParamType):
 def entry(name: str, path: Path | str) -> ModelEntry:
     """A servable model's listing entry (a hub id not yet fetched: what is known before its load)."""
     from ..serve.models import ModelEntry
-    from .store import describe
+    from ..loading.store import describe
 
     if isinstance(path, Path) and is_model_folder(path):
         found = describe(name, "folder", path)
@@ -76,7 +76,7 @@ def listed() -> list[ModelEntry]:
     """Every model `mlxinfer models` lists (here: the cache, the Hugging Face cache, the current
     folder) that can be served: broken folders and unsupported families are left out."""
     from ..serve.models import ModelEntry
-    from .store import local_models
+    from ..loading.store import local_models
 
     return [ModelEntry(m.name, m.path, m.size, m.family, m.parameters, m.quantization, m.path.stat().st_mtime)
             for m in local_models((Path.cwd(),)) if m.error is None and not m.family.endswith("(unsupported)")]
