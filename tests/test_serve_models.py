@@ -464,6 +464,12 @@ def test_unload_waits_for_the_request_using_the_model():
         while models.loaded():
             await asyncio.sleep(0.01)
         assert opened["b"].stopped.is_set()
+        first = opened["b"]
+        async with models.use("b", keep_alive=-1):  # an idle model unloads at once; a later request loads it again
+            pass
+        assert opened["b"] is not first
+        await models.unload("b")
+        assert models.loaded() == [] and opened["b"].stopped.is_set()
 
     asyncio.run(run())
 
