@@ -234,6 +234,7 @@ def test_anthropics_client_lists_and_retrieves_models_in_its_shape(server):
     assert [m.id for m in models] == ["alpha", "beta"]
     for m in models:
         assert m.type == "model" and m.display_name == m.id and m.created_at.tzinfo is not None
+        assert m.model_extra["loaded"] is loaded(server)[m.id]
     page = ask.models.list()
     assert (page.first_id, page.last_id, page.has_more) == ("alpha", "beta", False)
     beta = ask.models.retrieve("beta")
