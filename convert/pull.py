@@ -17,7 +17,9 @@ file) keeps its precision unless told.
 
 from __future__ import annotations
 
+import hashlib
 import http.client
+import inspect
 import json
 import os
 import re
@@ -31,7 +33,7 @@ from pathlib import Path
 import mlxinfer
 from mlxinfer.base.cachedir import home, is_model_folder
 from mlxinfer.base.errors import DownloadError, InvalidOptionError, MlxinferError, ModelNotFoundError
-from mlxinfer.base.files import write_problem
+from mlxinfer.base.files import replacing, write_problem
 from mlxinfer.loading.checkpoint import MODEL_FILES, read_config
 from mlxinfer.loading.store import LocalModel, cache_name, check_new_name, describe
 
@@ -63,47 +65,109 @@ def _quiet(_: PullProgress) -> None:
     pass
 
 
+SOURCES = frozenset({"hub", "folder", "gguf", "url"})
+_WORDS = {"hub": "a hub id", "folder": "a model folder", "gguf": "a .gguf file", "url": "a GGUF URL"}
+
+
 def pull(source: str, *, bits: int | None = None, recipe: str | None = None, name: str | None = None,
-         progress: Progress = _quiet) -> LocalModel:
+         progress: Progress = _quiet, kinds: frozenset[str] = SOURCES) -> LocalModel:
     """Convert `source` into our cache and return the model as `mlxinfer models` lists it.
     `source`: a hub id (`HuggingFaceTB/SmolLM2-135M-Instruct`), a model folder, a `.gguf` file
     or an http(s) URL of one. `bits` or `recipe` quantize as `mlxinfer convert` does; `name`
     replaces the readable name chosen from the source. A name already in the cache is refused
-    before anything is downloaded, saying how to replace it."""
+    before anything is downloaded, saying how to replace it. `kinds`: the sources this caller
+    may name (a server's clients: hub ids only, so none can make it read its files or fetch
+    from its network)."""
     if bits is not None and recipe is not None:
         raise InvalidOptionError("--bits and --recipe both choose the precision; pass one of them")
     if bits is not None and bits not in BITS:
         raise InvalidOptionError(f"--bits {bits} is not one of {', '.join(map(str, BITS))}")
     if recipe is not None and recipe not in RECIPES:
         raise InvalidOptionError(f"unknown recipe '{recipe}'; choose one of {', '.join(RECIPES)}")
+    kind = source_kind(source, local=bool(kinds & {"folder", "gguf"}))
+    if kind not in kinds:
+        allowed = " or ".join(_WORDS[k] for k in sorted(kinds))
+        raise InvalidOptionError(f"'{source}' is {_WORDS[kind]}; only {allowed} can be pulled here")
     path = Path(source).expanduser()
-    if urllib.parse.urlsplit(source).scheme in ("http", "https"):
+    if kind == "url":
         return _pull_gguf_url(source, bits, recipe, name, progress)
-    if path.is_file():
+    if kind == "gguf":
+        return _convert(path, _gguf_name(path.name, bits, recipe, name), bits, recipe, progress)
+    if kind == "folder":
+        target = name or cache_name(path.resolve().name, _precision(read_config(path), bits, recipe))
+        return _convert(path, target, *_quantization(read_config(path), bits, recipe), progress)
+    return _pull_hub(source, bits, recipe, name, progress)
+
+
+def source_kind(source: str, local: bool = True) -> str:
+    """Which of `SOURCES` `source` is: an http(s) URL, a GGUF file or a model folder (looked for
+    only when `local`), else a hub id (`org/name`); anything else is refused."""
+    if urllib.parse.urlsplit(source).scheme in ("http", "https"):
+        return "url"
+    path = Path(source).expanduser()
+    if local and path.is_file():
         if not is_gguf(path):
             raise ModelNotFoundError(f"'{source}' is a file but not a GGUF file; pull a .gguf file, a model folder "
                                      "or a hub id like 'org/model'")
-        return _convert(path, _gguf_name(path.name, bits, recipe, name), bits, recipe, progress)
-    if path.is_dir():
+        return "gguf"
+    if local and path.is_dir():
         if not is_model_folder(path):
             raise ModelNotFoundError(f"'{source}' is a folder without config.json and .safetensors weights; "
                                      "pull a model folder, a .gguf file or a hub id")
-        target = name or cache_name(path.resolve().name, _precision(read_config(path), bits, recipe))
-        return _convert(path, target, *_quantization(read_config(path), bits, recipe), progress)
+        return "folder"
     if path.suffix == ".gguf" or _REPO_ID.fullmatch(source) is None:
-        raise ModelNotFoundError(f"no file or folder at '{source}', and it is not a hub id like 'org/model'; "
-                                 "check the path or the id")
-    return _pull_hub(source, bits, recipe, name, progress)
+        if local:
+            raise ModelNotFoundError(f"no file or folder at '{source}', and it is not a hub id like 'org/model'; "
+                                     "check the path or the id")
+        raise ModelNotFoundError(f"'{source}' is not a hub id like 'org/model'; check the id")
+    return "hub"
 
 
 def _convert(source: Path, name: str, bits: int | None, recipe: str | None, progress: Progress) -> LocalModel:
     """`source` converted into the cache folder `name` (refused if taken), written whole or not at all."""
     target = check_new_name(name)
     progress(PullProgress(f"converting {source.name} into {name}"))
-    convert(source, target, quantize=bits is not None or recipe is not None, bits=bits, recipe=recipe,
-            progress=False)
+    as_stored = bits is None and recipe is None
+    convert(source, target, quantize=not as_stored, bits=bits, recipe=recipe, progress=False)
+    if as_stored and source.is_file():
+        record_gguf(target, source)
     progress(PullProgress("success"))
     return describe(name, "mlxinfer", target)
+
+
+# which GGUF file a cache folder was converted from, so `--model FILE.gguf` reuses a pulled one
+
+SOURCE_RECORD = "mlxinfer_source.json"
+
+
+def gguf_key(path: Path) -> str:
+    """Identifies a GGUF file by its size and first and last MiB (its header holds the
+    metadata), so a copy elsewhere reuses the conversion without hashing gigabytes."""
+    h = hashlib.sha256(str(path.stat().st_size).encode())
+    with open(path, "rb") as f:
+        h.update(f.read(1 << 20))
+        f.seek(max(path.stat().st_size - (1 << 20), 0))
+        h.update(f.read(1 << 20))
+    return h.hexdigest()[:8]
+
+
+def record_gguf(folder: Path, gguf: Path) -> None:
+    """Note in `folder` that it is `gguf` converted as stored."""
+    with replacing(folder / SOURCE_RECORD) as tmp:
+        tmp.write_text(json.dumps({"gguf": gguf.name, "gguf_key": gguf_key(gguf)}) + "\n")
+
+
+def recorded_gguf(folder: Path) -> str | None:
+    """The `gguf_key` of the GGUF file `folder` was converted from as stored, if it says."""
+    try:
+        return json.loads((folder / SOURCE_RECORD).read_text())["gguf_key"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def gguf_cache_name(filename: str) -> str:
+    """The name a GGUF file converted as stored has in the cache: `smollm2-135m-instruct-q4_1`."""
+    return _gguf_name(filename, None, None, None)
 
 
 def _quantization(config: dict, bits: int | None, recipe: str | None) -> tuple[int | None, str | None]:
@@ -164,8 +228,10 @@ def _pull_hub(repo: str, bits: int | None, recipe: str | None, name: str | None,
     status = f"downloading {repo}"
     for f in files:
         counted = _ByteCounter.counting(lambda n, base=done: progress(PullProgress(status, total, base + n)))
+        # older huggingface_hub releases take no tqdm_class here: with them, progress comes a file at a time
+        bar = {"tqdm_class": counted} if "tqdm_class" in inspect.signature(hf_hub_download).parameters else {}
         with _hub_errors(repo):
-            hf_hub_download(repo, f.rfilename, revision=info.sha, tqdm_class=counted)
+            hf_hub_download(repo, f.rfilename, revision=info.sha, **bar)
         done += f.size or 0
         progress(PullProgress(status, total, done))
     return _convert(snapshot, target, *_quantization(read_config(snapshot), bits, recipe), progress)

@@ -19,11 +19,13 @@ import numpy as np
 import pytest
 
 import mlxinfer
-from mlxinfer.base.errors import DownloadError, ModelNotFoundError, StoreError
+from mlxinfer.base.errors import DownloadError, MlxinferError, ModelExistsError, ModelNotFoundError
 from mlxinfer.convert.pull import PullProgress, download, pull
 from mlxinfer.loading import store
-from test_cli import float_parameters, tiny_gguf  # noqa: F401  (a fixture: the tiny llama as a Q4_1 GGUF)
+import test_cli
+from test_cli import float_parameters
 
+tiny_gguf = test_cli.tiny_gguf  # the fixture: the tiny llama as a Q4_1 GGUF, written with the gguf package
 IDS = np.random.default_rng(0).integers(0, 500, size=(2, 16))
 TOL = 1e-5
 
@@ -65,8 +67,9 @@ def test_pull_a_float_folder_makes_what_mlx_lm_makes(hf_checkpoint, mlx_lm_quant
     listed = {m.name: m for m in store.local_models()}
     assert listed[model.name].parameters == float_parameters(src)
     # a second pull is refused before any work, saying how to replace it; after rm, the same name
-    with pytest.raises(StoreError, match="already in mlxinfer's cache.*mlxinfer rm smollm2-tiny-instruct-4bit"):
+    with pytest.raises(ModelExistsError, match="already in mlxinfer's cache.*mlxinfer rm smollm2-tiny-instruct-4bit") as e:
         pull(str(src))
+    assert e.value.name == model.name  # what a caller for whom "already there" is success looks up
     store.remove(model.name)
     assert pull(str(src), bits=8).name == "smollm2-tiny-instruct-8bit"
     assert pull(str(src)).name == model.name
@@ -97,6 +100,13 @@ def test_pull_refuses_what_it_cannot_use(tmp_path, isolated_home):
         pull("http://127.0.0.1:9/model.bin")
     with pytest.raises(DownloadError, match="HF_HUB_OFFLINE is set; unset it"):
         pull("org/model")
+    # a caller that lets its clients name hub ids only (a server): no path is looked at, no URL fetched
+    hub_only = frozenset({"hub"})
+    for source, kind in ((str(tmp_path / "empty"), "not a hub id"), ("http://127.0.0.1:9/m.gguf", "is a GGUF URL")):
+        with pytest.raises(MlxinferError, match=kind):
+            pull(source, kinds=hub_only)
+    with pytest.raises(DownloadError, match="HF_HUB_OFFLINE"):
+        pull("org/model", kinds=hub_only)
     assert not (isolated_home / "models").exists()
 
 
@@ -346,3 +356,26 @@ def test_pull_a_hub_id_downloads_what_loading_needs_and_converts_it(hf_checkpoin
     names = {m["name"]: m for m in json.loads(listed.stdout)}
     assert names["tiny-hub-4bit"]["where"] == "mlxinfer" and names["org/Tiny-Hub"]["where"] == "huggingface"
     assert names["tiny-hub-4bit"]["parameters"] == float_parameters(src)
+
+
+def test_model_gguf_reuses_a_pull_and_an_older_conversion_and_keeps_two_files_apart(tiny_gguf, isolated_home,
+                                                                                    tmp_path):
+    """`--model FILE.gguf` names its conversion as pull does, so each finds the other's; a folder made
+    under the older content-keyed name is reused as it is; another file with the same name gets
+    its own folder rather than the first file's weights."""
+    from mlxinfer.cli.store import gguf_in_cache
+    from mlxinfer.convert.pull import gguf_key
+
+    said: list[str] = []
+    pulled = pull(str(tiny_gguf))
+    assert gguf_in_cache(tiny_gguf, said.append) == pulled.path and said == []  # reused: nothing converted
+    other = tmp_path / "elsewhere" / tiny_gguf.name
+    other.parent.mkdir()
+    other.write_bytes(tiny_gguf.read_bytes()[:-8] + bytes(8))  # the same name, other bytes
+    second = gguf_in_cache(other, said.append)
+    assert second == pulled.path.with_name(f"tiny-q4_1-{gguf_key(other)}") and len(said) == 1
+    assert gguf_in_cache(other, said.append) == second and len(said) == 1
+    # a folder made before under the older name (its files are what the conversion writes)
+    older = isolated_home / "models" / f"tiny.Q4_1-{gguf_key(tiny_gguf)}"
+    os.rename(pulled.path, older)
+    assert gguf_in_cache(tiny_gguf, said.append) == older and len(said) == 1

@@ -234,6 +234,7 @@ def test_anthropics_client_lists_and_retrieves_models_in_its_shape(server):
     assert [m.id for m in models] == ["alpha", "beta"]
     for m in models:
         assert m.type == "model" and m.display_name == m.id and m.created_at.tzinfo is not None
+        assert m.model_extra["loaded"] is loaded(server)[m.id]
     page = ask.models.list()
     assert (page.first_id, page.last_id, page.has_more) == ("alpha", "beta", False)
     beta = ask.models.retrieve("beta")
@@ -391,3 +392,102 @@ def test_ps_reads_ollamas_api_ps(tmp_path):
 
     nobody = CliRunner().invoke(main, ["ps", "--port", str(free_port())])
     assert nobody.exit_code == 1 and nobody.output.count("\n") == 1 and "mlxinfer serve" in nobody.output
+
+
+# --- the registry's policy, on stand-in models ---
+
+class FakeEngine:
+    """Stands in for a model's EngineThread: what the registry calls on it."""
+
+    def __init__(self):
+        self.stopped = threading.Event()
+        self.health, self.preparing = {}, 0
+
+    def stop(self):
+        self.stopped.set()
+
+    shutdown = stop
+
+
+def registry(names=("a", "b"), **policy):
+    """A registry of stand-in models of 1000 bytes each, and the engines it opened by name."""
+    from types import SimpleNamespace
+
+    from mlxinfer.serve.models import Loaded, ModelEntry, Models, Policy
+
+    opened: dict[str, FakeEngine] = {}
+
+    def opener(entry, metrics):
+        opened[entry.name] = FakeEngine()
+        return Loaded(opened[entry.name], SimpleNamespace(config=SimpleNamespace(max_position_embeddings=64)), None)
+
+    entries = [ModelEntry(n, Path(n), 1000, "llama", 1, "float32", 0.0) for n in names]
+    return Models(lambda: entries, opener, lambda e: 1000, Policy(**{"memory_budget": 10_000, **policy})), opened
+
+
+def test_a_requests_keep_alive_sets_its_models_expiry():
+    """keep_alive per request, as Ollama's: seconds from the reply (its expiry), negative: never,
+    0: unloaded once the reply is done; None: the server's --keep-alive."""
+    import asyncio
+    import time
+
+    async def run():
+        models, opened = registry(keep_alive=300)
+        async with models.use("a", keep_alive=60):
+            pass
+        (a,) = [e.served for e in models.listing() if e.served]
+        assert 59 < a.expires_at - time.time() <= 60
+        async with models.use("a"):
+            pass
+        assert 299 < models.loaded()[0].expires_at - time.time() <= 300
+        async with models.use("a", keep_alive=-1):
+            pass
+        assert models.loaded()[0].expires_at is None
+        async with models.use("a", keep_alive=0):
+            assert models.loaded()[0].name == "a"  # held while the block runs
+        while models.loaded():
+            await asyncio.sleep(0.01)  # the unload runs on a worker thread
+        assert opened["a"].stopped.is_set()
+
+    asyncio.run(run())
+
+
+def test_unload_waits_for_the_request_using_the_model():
+    """`unload` of a model in use: it stays loaded until its request ends, whatever keep-alive
+    that request asks, then goes."""
+    import asyncio
+
+    async def run():
+        models, opened = registry()
+        async with models.use("b", keep_alive=-1):
+            await models.unload("b")
+            assert [s.name for s in models.loaded()] == ["b"] and not opened["b"].stopped.is_set()
+        while models.loaded():
+            await asyncio.sleep(0.01)
+        assert opened["b"].stopped.is_set()
+        first = opened["b"]
+        async with models.use("b", keep_alive=-1):  # an idle model unloads at once; a later request loads it again
+            pass
+        assert opened["b"] is not first
+        await models.unload("b")
+        assert models.loaded() == [] and opened["b"].stopped.is_set()
+
+    asyncio.run(run())
+
+
+def test_a_name_not_served_is_refused_and_one_model_answers_to_any():
+    import asyncio
+
+    from mlxinfer.serve.errors import RequestError
+
+    async def run():
+        models, _ = registry()
+        with pytest.raises(RequestError) as e:
+            async with models.use("c"):
+                pass
+        assert e.value.status == 404 and "'c'" in str(e.value) and "a, b" in str(e.value)
+        one, _ = registry(names=("only",))
+        async with one.use("gpt-4o") as served:  # clients send their own defaults
+            assert served.name == "only"
+
+    asyncio.run(run())

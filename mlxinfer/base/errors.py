@@ -71,3 +71,12 @@ class StoreError(MlxinferError):
 class DownloadError(MlxinferError):
     """A download the user asked for (`mlxinfer pull`) that failed or stopped; what arrived is kept
     so the same command resumes it."""
+
+
+class ModelExistsError(StoreError):
+    """A new model's name already taken in the cache; `name` says which, so a caller for whom
+    "already there" is success (Ollama's `/api/pull`) can take the model that has it."""
+
+    def __init__(self, message: str, name: str):
+        super().__init__(message)
+        self.name = name

@@ -704,7 +704,7 @@ def serve(models, dtype, keep_alive, max_loaded_models, memory_budget, host, por
     if draft_model and prompt_lookup:
         raise click.UsageError("--draft-model and --prompt-lookup are alternatives: pass one of them")
     no_drafting_across_ranks(bool(draft_model or prompt_lookup))
-    if launched() and len(models) != 1:
+    if launched() and len(models) > 1:
         raise click.UsageError("under mlx.launch the ranks serve one model together: pass one --model")
     if rank_zero():
         check_free(host, port)
@@ -713,11 +713,6 @@ def serve(models, dtype, keep_alive, max_loaded_models, memory_budget, host, por
         click.echo(f"warning: listening on {host} without --api-key: anyone who can reach it can use it", err=True)
     if len(adapters) > max_adapters:
         raise click.UsageError(f"{len(adapters)} --adapter options but --max-adapters is {max_adapters}")
-    entries = named(models) if models else listed()
-    default = entries[0].name if models else demo_default(entries)
-    if not entries:  # nothing on this machine yet: the demo model, as `serve` always offered
-        entries = [entry(*_demo())]
-        default = entries[0].name
     options: dict[str, Any] = {"prefill_step": prefill_step, "max_kv_size": max_kv_size,
                                "kv_bits": int(kv_bits) if kv_bits else None,
                                "prompt_lookup": prompt_lookup or None,
@@ -728,13 +723,11 @@ def serve(models, dtype, keep_alive, max_loaded_models, memory_budget, host, por
                                    max_request_pixels=pixels_per_request or LIMITS.max_request_pixels,
                                    allowed_hosts=frozenset(",".join(image_hosts).split(",")))}
     options = {k: v for k, v in options.items() if v is not None}
-    opening = Opening(default, dtype, max_concurrency, max_queue, prompt_cache_bytes, options, adapters, draft_model,
-                      {k: options[k] for k in ("max_kv_size", "kv_bits") if k in options})
-    policy = Policy(keep_alive, max_loaded_models, memory_budget or 0)
     limits = {"max_concurrency": max_concurrency, "max_queued": max_queue}
 
     def listen(served: Models) -> None:
-        one = served.loaded()[0] if len(entries) == 1 and served.loaded() else None
+        loaded = served.loaded()
+        one = loaded[0] if len(served.listing()) == 1 and loaded else None
         # a vision-language model's requests carry images inline: room for one of the largest, base64-encoded
         images = one is None or one.model.image_token_id is not None
         max_body = (4 << 20) + (LIMITS.max_bytes * 4 // 3 if images else 0)
@@ -743,34 +736,44 @@ def serve(models, dtype, keep_alive, max_loaded_models, memory_budget, host, por
                               max_adapters=max_adapters, max_body=max_body, web=not no_web, attention=guarded)
         split = shard_summary(one.model) if one is not None else None
         page = "" if no_web else f"; chat at http://{host}:{port}/"
-        names = ", ".join(e.name for e in entries)
+        names = ", ".join(e.name for e in served.listing())
         click.echo(f"serving {names} at http://{host}:{port}/v1{page} (Ctrl-C stops)" + (f" [{split}]" if split else ""),
                    err=True)
         run(create_app(served, config), served, host, port, max_connections)
 
-    if not launched():
-        registry = Models(lambda: entries if models else listed() or entries, opening, opening.estimate, policy,
-                          default, limits=limits)
-        if default is not None and (models or len(entries) == 1):
-            with spinner(f"loading {default}"):
-                registry.preload(default)
-        listen(registry)
+    if launched():  # every rank loads its part of the one model
+        m, tokenizer, where = open_model(models[0] if models else None, dtype, pipeline=pipeline)
+        for spec in adapters:
+            adapter, _, folder = spec.rpartition("=")
+            load_adapter(m, folder, adapter or None)
+        if prompt_cache_bytes:
+            options["pool"] = pool_for(m, prompt_cache_bytes)
+        name = named(models)[0].name if models else model_name(where)
+
+        def sharded(replica: Replica | None) -> None:
+            from ..serve.engine_thread import EngineThread
+
+            engine = EngineThread(replica, max_queued=max_queue)
+            listen(Models.of(Served(name, engine, m, tokenizer, m.config.max_position_embeddings, where, 0,
+                                    time.time())))
+
+        run_front_end(sharded, m, tokenizer, max_batch=max_concurrency, **options)
         return
-    m, tokenizer, where = open_model(models[0], dtype, pipeline=pipeline)  # every rank loads its part
-    for spec in adapters:
-        name, _, folder = spec.rpartition("=")
-        load_adapter(m, folder, name or None)
-    if prompt_cache_bytes:
-        options["pool"] = pool_for(m, prompt_cache_bytes)
-
-    def sharded(replica: Replica | None) -> None:
-        from ..serve.engine_thread import EngineThread
-
-        engine = EngineThread(replica, max_queued=max_queue)
-        name = entries[0].name
-        listen(Models.of(Served(name, engine, m, tokenizer, m.config.max_position_embeddings, where, 0, time.time())))
-
-    run_front_end(sharded, m, tokenizer, max_batch=max_concurrency, **options)
+    entries = named(models) if models else listed()
+    default = entries[0].name if models else demo_default(entries)
+    if not entries:  # nothing on this machine yet: the demo model, as `serve` always offered
+        entries = [entry(*_demo())]
+        default = entries[0].name
+    opening = Opening(default, dtype, max_concurrency, max_queue, prompt_cache_bytes, options, adapters, draft_model,
+                      {k: options[k] for k in ("max_kv_size", "kv_bits") if k in options})
+    policy = Policy(keep_alive, max_loaded_models, memory_budget or 0)
+    # with --model, those models; without, the store as it is now (`Models.refresh` after a pull or delete)
+    registry = Models(lambda: entries if models else listed() or entries, opening, opening.estimate, policy, default,
+                      limits=limits)
+    if default is not None and (models or len(entries) == 1):
+        with spinner(f"loading {default}"):
+            registry.preload(default)
+    listen(registry)
 
 
 def _demo() -> tuple[str, Path]:

@@ -5,11 +5,12 @@ file converted once into our cache, a folder, or a name `mlxinfer models` lists 
 
 from __future__ import annotations
 
-import hashlib
+import os
 from pathlib import Path
 
 from ..base.cachedir import Notify, is_model_folder, models_dir, named_model, stderr_line
 from ..base.errors import ModelNotFoundError
+from ..convert.pull import gguf_cache_name, gguf_key, record_gguf, recorded_gguf
 from ..convert.sources import is_gguf
 from ..loading.model import load
 from ..models.shard import launched
@@ -38,23 +39,23 @@ def resolve_model(spec: str | None, notify: Notify = stderr_line) -> Path | str:
     return named_model(spec) or spec
 
 
-def gguf_key(path: Path) -> str:
-    """Identifies a GGUF file by its size and first and last MiB (its header holds the
-    metadata), so a copy elsewhere reuses the conversion without hashing gigabytes."""
-    h = hashlib.sha256(str(path.stat().st_size).encode())
-    with open(path, "rb") as f:
-        h.update(f.read(1 << 20))
-        f.seek(max(path.stat().st_size - (1 << 20), 0))
-        h.update(f.read(1 << 20))
-    return h.hexdigest()[:8]
-
-
 def gguf_in_cache(path: Path, notify: Notify) -> Path:
-    """The MLX folder converted from `path`: made on first use, reused afterwards."""
-    out = models_dir() / f"{path.stem}-{gguf_key(path)}"
-    if not is_model_folder(out):
-        notify(f"mlxinfer: converting {path.name} into {out} (once; later runs reuse it)")
-        convert_into(path, out)
+    """The MLX folder converted from `path` as stored: made on first use, reused afterwards. It is
+    named as `mlxinfer pull` names it (`tiny-q4_1`), which also reuses a pulled one; the file's
+    key is added when another file has that name, and a folder made under the older name
+    (`tiny.Q4_1-<key>`) is reused as it is."""
+    key = gguf_key(path)
+    readable = models_dir() / gguf_cache_name(path.name)
+    keyed, older = readable.with_name(f"{readable.name}-{key}"), models_dir() / f"{path.stem}-{key}"
+    for out in (readable, keyed):
+        if is_model_folder(out) and recorded_gguf(out) == key:
+            return out
+    if is_model_folder(older):
+        return older
+    out = keyed if os.path.lexists(readable) else readable
+    notify(f"mlxinfer: converting {path.name} into {out} (once; later runs reuse it)")
+    convert_into(path, out)
+    record_gguf(out, path)
     return out
 
 

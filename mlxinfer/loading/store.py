@@ -5,11 +5,11 @@ folder name; the Hugging Face cache by repo id; other folders by path. Below the
 server so both list, resolve, copy and delete by the same names; what converts or fetches
 (`convert.pull`) lives above it.
 
-A model pulled into the cache is named by `cache_name`: the repo's (or file's) name in lowercase
-and how it is stored, `smollm2-135m-instruct-4bit`, so the name is the same on every run and on
-every machine. The demo model keeps the name it always had (`SmolLM2-135M-Instruct`), and a
-`.gguf` given to `--model` keeps its content-keyed name (`tiny.Q4_1-1a2b3c4d`), so caches made
-before stay valid.
+A model pulled into the cache, or a `.gguf` file `--model` converts, is named by `cache_name`:
+the repo's (or file's) name in lowercase and how it is stored, `smollm2-135m-instruct-4bit`, so
+the name is the same on every run and on every machine. The demo model keeps the name it always
+had (`SmolLM2-135M-Instruct`), and a GGUF conversion made before under its older content-keyed
+name (`tiny.Q4_1-1a2b3c4d`) is reused under it, so caches made before stay valid.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from ..base.cachedir import is_model_folder, models_dir
-from ..base.errors import MlxinferError, ModelNotFoundError, StoreError
+from ..base.errors import MlxinferError, ModelExistsError, ModelNotFoundError, StoreError
 from ..base.files import checkpoint_file, write_problem
 from ..base.safetensors import safetensors_header
 from ..models import FAMILIES
@@ -193,8 +193,8 @@ def check_new_name(name: str) -> Path:
                          "starting with a letter or digit, at most 128 characters")
     folder = models_dir() / name
     if os.path.lexists(folder):
-        raise StoreError(f"a model named '{name}' is already in mlxinfer's cache ({folder}); "
-                         f"`mlxinfer rm {name}` first to replace it, or choose another name")
+        raise ModelExistsError(f"a model named '{name}' is already in mlxinfer's cache ({folder}); "
+                               f"`mlxinfer rm {name}` first to replace it, or choose another name", name)
     return folder
 
 

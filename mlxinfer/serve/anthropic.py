@@ -64,16 +64,17 @@ class MessagesApi(Api):
             return {"input_tokens": await served.engine.count(typed)}
 
 
-def models_page(models: list[tuple[str, float]], query: Mapping[str, str]) -> dict[str, Any]:
-    """A page of `GET /v1/models` in Anthropic's shape, of `models` ((id, created epoch seconds),
-    in the order served), as its `limit` (1 to 1000, default 20), `after_id` and `before_id` ask."""
+def models_page(models: list[tuple[str, float, bool]], query: Mapping[str, str]) -> dict[str, Any]:
+    """A page of `GET /v1/models` in Anthropic's shape, of `models` ((id, created epoch seconds,
+    loaded), in the order served), as its `limit` (1 to 1000, default 20), `after_id` and
+    `before_id` ask."""
     try:
         limit = int(query.get("limit", "20"))
     except ValueError:
         limit = 0
     if not 1 <= limit <= 1000:
         raise RequestError("limit must be an integer from 1 to 1000", "limit")
-    ids = [m for m, _ in models]
+    ids = [m for m, _, _ in models]
     for cursor in ("after_id", "before_id"):
         if cursor in query and query[cursor] not in ids:
             raise RequestError(f"{cursor} '{query[cursor][:200]}' is not a model of this server", cursor)
@@ -85,15 +86,16 @@ def models_page(models: list[tuple[str, float]], query: Mapping[str, str]) -> di
         start = ids.index(query["after_id"]) + 1 if "after_id" in query else 0
         page = models[start:start + limit]
         more = start + limit < len(models)
-    data = [model_info(m, created) for m, created in page]
+    data = [model_info(m, created, loaded) for m, created, loaded in page]
     return {"data": data, "first_id": data[0]["id"] if data else None, "last_id": data[-1]["id"] if data else None,
             "has_more": more}
 
 
-def model_info(name: str, created: float) -> dict[str, Any]:
-    """Anthropic's model object; `created_at` in RFC 3339 (the model's files' time)."""
+def model_info(name: str, created: float, loaded: bool) -> dict[str, Any]:
+    """Anthropic's model object (`created_at` in RFC 3339: the model's files' time), and whether
+    it is loaded now (`loaded`, ours, as in the OpenAI-shaped list)."""
     stamp = datetime.fromtimestamp(created, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-    return {"type": "model", "id": name, "display_name": name, "created_at": stamp}
+    return {"type": "model", "id": name, "display_name": name, "created_at": stamp, "loaded": loaded}
 
 
 def asks_anthropic(headers: Mapping[str, str]) -> bool:

@@ -309,9 +309,9 @@ class Models:
             return
         if slot.loading is not None:
             await asyncio.shield(slot.loading)
-        if slot.idle:
-            await self._unload(slot)
-        elif slot.unloading is not None:
+        if slot.idle:  # marked as unloading first: a request arriving meanwhile waits and loads it again
+            slot.unloading = asyncio.ensure_future(self._unload(slot))
+        if slot.unloading is not None:
             await asyncio.shield(slot.unloading)
 
     # --- inside ---

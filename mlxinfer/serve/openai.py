@@ -49,7 +49,7 @@ class OpenAIApi(Api):
     async def models(self, request: Request) -> dict[str, Any]:
         """The models list: Anthropic's shape to an Anthropic client, OpenAI's to every other."""
         if asks_anthropic(request.headers):
-            return models_page([(n, created) for n, _, created in self.served()], request.query_params)
+            return models_page([(n, created, up) for n, up, created in self.served()], request.query_params)
         return {"object": "list", "data": [model_object(n, up) for n, up, _ in self.served()]}
 
     async def model(self, name: str, request: Request) -> dict[str, Any]:
@@ -58,7 +58,7 @@ class OpenAIApi(Api):
             raise RequestError(f"the model '{name[:200]}' does not exist; this server serves "
                                f"{', '.join(served)[:1000]}", "model", status=404, kind="not_found_error")
         up, created = served[name]
-        return model_info(name, created) if asks_anthropic(request.headers) else model_object(name, up)
+        return model_info(name, created, up) if asks_anthropic(request.headers) else model_object(name, up)
 
     async def chat_completions(self, request: Request) -> Response:
         return await self.complete(request, ChatCompletion)
