@@ -27,7 +27,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from .. import __version__
-from ..base.errors import MlxinferError, ModelNotFoundError
+from ..base.errors import MlxinferError, ModelExistsError, ModelNotFoundError
 from ..convert.pull import PullProgress, pull
 from ..engine.text_stream import Chunk
 from ..loading import store
@@ -191,7 +191,7 @@ class OllamaApi(Api):
         loop = asyncio.get_running_loop()
         steps: asyncio.Queue[PullProgress] = asyncio.Queue()
         work = asyncio.ensure_future(self.stored(functools.partial(
-            pull, progress=lambda step: loop.call_soon_threadsafe(steps.put_nowait, step)), body.target))
+            pulled, progress=lambda step: loop.call_soon_threadsafe(steps.put_nowait, step)), body.target))
         if not body.streamed:
             await work
             return JSONResponse({"status": "success"})
@@ -229,6 +229,16 @@ class OllamaApi(Api):
             raise RequestError.of(e, "model") from None
         finally:
             self.ctx.models.refresh()
+
+
+def pulled(source: str, progress: Callable[[PullProgress], None]) -> LocalModel:
+    """`source` pulled into the cache; one pulled before is there already, which is success, as
+    Ollama's pull of a model it has."""
+    try:
+        return pull(source, progress=progress)
+    except ModelExistsError as e:
+        progress(PullProgress("success"))
+        return store.find(e.name)
 
 
 async def pull_lines(first: PullProgress, steps: asyncio.Queue[PullProgress],
