@@ -18,34 +18,27 @@ import re
 from dataclasses import replace
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from ..engine.options import RequestOptions
 from .bodies import json_object
 from .content import image_part, template_content
 from .errors import RequestError, refusal
+from .openai_schema import Strict  # unknown fields refused, no coercion: `temperature: "hot"` is a 400
 
 # Thinking levels Ollama's `think` takes besides true / false (each turns thinking on here).
 THINK_LEVELS = ("low", "medium", "high", "max")
-
-
-class Strict(BaseModel):
-    """Unknown fields refused, and no coercion: `temperature: "hot"` is a 400 naming the field."""
-
-    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 # Options whose neutral value changes nothing, and which cannot be honoured at any other value.
 NEUTRAL = {"typical_p": 1.0, "tfs_z": 1.0, "mirostat": 0, "penalize_newline": True}
 
 
-class Options(BaseModel):
+class Options(Strict):
     """The Modelfile parameters a request may set (`options`), in Ollama's names. Those after
     `penalize_newline` tune how the model is loaded or run, never what it writes: accepted, no
     effect here (num_keep only matters when a prompt is cut, and none is)."""
-
-    model_config = ConfigDict(extra="forbid", strict=True)
 
     seed: int | None = None
     num_predict: int | None = Field(None, ge=-2)  # -1: until the context is full; -2: fill the context
