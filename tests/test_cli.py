@@ -402,7 +402,7 @@ def test_gguf_model_is_converted_once_then_reused(tiny_gguf, isolated_home):
     assert first.exit_code == 0, first.output
     assert "converting tiny.Q4_1.gguf" in first.stderr
     folders = list((isolated_home / "models").iterdir())
-    assert len(folders) == 1 and folders[0].name.startswith("tiny.Q4_1-")
+    assert len(folders) == 1 and folders[0].name == "tiny-q4_1"  # as `mlxinfer pull` names it
     stamp = (folders[0] / "config.json").stat().st_mtime_ns
     second = invoke(*args)
     assert second.exit_code == 0 and "converting" not in second.stderr
@@ -430,7 +430,7 @@ def test_bench_and_inspect_accept_what_generate_accepts(command, tiny, tiny_gguf
     from_gguf = invoke(command, "-m", str(tiny_gguf), *args)
     assert from_gguf.exit_code == 0, from_gguf.output
     cached = [m for m in json.loads(invoke("models", "--json").stdout) if m["where"] == "mlxinfer"]
-    assert len(cached) == 1 and cached[0]["name"].startswith("tiny.Q4_1-")
+    assert len(cached) == 1 and cached[0]["name"] == "tiny-q4_1"
     assert json.loads(from_gguf.stdout)["model"] == cached[0]["path"]
     by_name = invoke(command, "-m", cached[0]["name"], *args)
     assert by_name.exit_code == 0 and "converting" not in by_name.stderr, by_name.output
@@ -486,7 +486,7 @@ def test_models_lists_cache_huggingface_and_folders(hf_checkpoint, tiny_gguf, is
     found = {m["where"]: m for m in listed if m["family"] != "broken"}
     assert set(found) == {"mlxinfer", "huggingface", "folder"}
     ours, hub, folder = found["mlxinfer"], found["huggingface"], found["folder"]
-    assert ours["name"].startswith("tiny.Q4_1-") and ours["family"] == "llama"
+    assert ours["name"] == "tiny-q4_1" and ours["family"] == "llama"
     assert ours["quantization"] == "4-bit g32" and ours["parameters"] == float_parameters(src)
     assert hub["name"] == "org/tiny-hf" and hub["family"] == "qwen3" and hub["quantization"] == "float32"
     assert hub["parameters"] == float_parameters(hf_checkpoint("qwen3"))

@@ -296,10 +296,11 @@ def test_a_typed_route_parameter_error_is_a_400_in_openais_shape(loaded):
     from mlxinfer.serve.engine_thread import EngineThread
     from mlxinfer.engine.batch import BatchGenerator
     from mlxinfer.serve.app import ServerConfig, create_app
+    from mlxinfer.serve.models import Models, Served
 
     engine = EngineThread(BatchGenerator(*loaded))
     try:
-        app = create_app(engine, *loaded, ServerConfig("tiny", max_tokens=64))
+        app = create_app(Models.of(Served("tiny", engine, *loaded, 64, "tiny", 0, 0.0)), ServerConfig())
 
         @app.get("/v1/typed")
         async def typed(count: int):

@@ -35,7 +35,7 @@ from mlxinfer.base.errors import (
 )
 from mlxinfer.loading.checkpoint import read_weights, weight_files
 from mlxinfer.models import model_config
-from mlxinfer.cli.store import describe
+from mlxinfer.loading.store import describe
 from mlxinfer.text.tokenizer import load_tokenizer_from_dir
 
 FUZZ = settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
@@ -303,7 +303,7 @@ def test_a_file_linked_from_outside_is_refused_by_load_and_convert(llama, copy_c
     naming the file, for loading, for the tokenizer alone, for listing and for `convert`, which
     writes nothing."""
     from mlxinfer.convert import convert
-    from mlxinfer.cli.store import describe
+    from mlxinfer.loading.store import describe
 
     folder = copy_checkpoint(llama)
     outside = tmp_path / "private" / name
@@ -432,7 +432,7 @@ def test_fuzzed_tokenizer_files_only_raise_mlxinfer_errors(llama, data):
 
 
 def test_models_lists_a_broken_folder_as_broken(llama, tmp_path):
-    from mlxinfer.cli.store import local_models
+    from mlxinfer.loading.store import local_models
 
     shutil.copytree(llama, tmp_path / "good")
     shutil.copytree(llama, tmp_path / "bad-config")

@@ -688,12 +688,13 @@ def test_attention_is_off_on_a_network_address_without_a_key(loaded):
     from mlxinfer.serve.inspect import attention_offered
     from mlxinfer.engine.batch import BatchGenerator
     from mlxinfer.serve.app import ServerConfig, create_app
+    from mlxinfer.serve.models import Models, Served
 
     assert [attention_offered(h, k) for h, k in (("127.0.0.1", None), ("0.0.0.0", None), ("0.0.0.0", "k"))] == \
         [True, False, True]
     engine = EngineThread(BatchGenerator(*loaded))
     try:
-        app = create_app(engine, *loaded, ServerConfig("tiny", max_tokens=64, attention=False))
+        app = create_app(Models.of(Served("tiny", engine, *loaded, 64, "tiny", 0, 0.0)), ServerConfig(attention=False))
         with TestClient(app, base_url="http://127.0.0.1") as c:
             r = c.post("/v1/attention", json={"messages": [{"role": "user", "content": "hi"}]})
             assert r.status_code == 403 and "--api-key" in r.json()["error"]["message"]

@@ -61,3 +61,22 @@ class SamplingError(MlxinferError):
 class ImageError(InvalidOptionError):
     """An image that cannot be used: not an image, too large, a decompression bomb, or given to a
     model that takes none (a request's own fault: a 400 from the server)."""
+
+
+class StoreError(MlxinferError):
+    """A change to mlxinfer's model cache that cannot go ahead: a name already taken or not
+    allowed, or a model the cache does not hold (in the Hugging Face cache, a folder of yours)."""
+
+
+class DownloadError(MlxinferError):
+    """A download the user asked for (`mlxinfer pull`) that failed or stopped; what arrived is kept
+    so the same command resumes it."""
+
+
+class ModelExistsError(StoreError):
+    """A new model's name already taken in the cache; `name` says which, so a caller for whom
+    "already there" is success (Ollama's `/api/pull`) can take the model that has it."""
+
+    def __init__(self, message: str, name: str):
+        super().__init__(message)
+        self.name = name

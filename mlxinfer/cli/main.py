@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 import traceback
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
@@ -15,6 +16,7 @@ import click
 from .. import __version__
 from ..base.errors import InvalidOptionError, MlxinferError
 from ..engine.options import PREFILL_STEP
+from .serve import Duration
 
 
 class Group(click.Group):
@@ -414,7 +416,7 @@ def models_command(folders: tuple[Path, ...], supported: bool, as_json: bool) ->
     """Models on this machine: mlxinfer's cache, the Hugging Face cache, and model folders
     in FOLDERS (default: the current directory). The NAME column is what --model accepts.
     With --supported, the model families mlxinfer runs instead."""
-    from .store import local_models
+    from ..loading.store import local_models
     from .terminal import size
 
     if supported:
@@ -435,7 +437,7 @@ def models_command(folders: tuple[Path, ...], supported: bool, as_json: bool) ->
         click.echo(json.dumps([m.as_dict() for m in found]))
         return
     if not found:
-        click.echo("no local models yet: `mlxinfer chat` fetches the demo model; `mlxinfer convert` makes others")
+        click.echo("no local models yet: `mlxinfer pull` fetches one, `mlxinfer chat` fetches the demo model")
         return
     rows = [("NAME", "FAMILY", "PARAMS", "QUANTIZATION", "SIZE", "WHERE", "NOTE")]
     rows += [(m.name, m.family, _count(m.parameters), m.quantization, size(m.size), m.where, m.error or "")
@@ -449,6 +451,94 @@ def models_command(folders: tuple[Path, ...], supported: bool, as_json: bool) ->
 
 def _count(n: int) -> str:
     return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
+
+
+@main.command("pull")
+@click.argument("source")
+@click.option("--bits", type=int, help="Quantize to this many bits (2, 3, 4, 5, 6, 8) [default: 4 for a float "
+                                       "model; a quantized one keeps its precision].")
+@click.option("--recipe", help="Mixed precision instead of --bits: mixed-3-6, mixed-4-6 or mixed-4-8.")
+@click.option("--name", help="The name to give it [default: the source's name and precision, "
+                             "e.g. smollm2-135m-instruct-4bit].")
+def pull_command(source: str, bits: int | None, recipe: str | None, name: str | None) -> None:
+    """Convert SOURCE into mlxinfer's cache, under the name `mlxinfer models` then lists: a hub id
+    (downloaded into the Hugging Face cache, resumably), a model folder, a .gguf file, or the
+    http(s) URL of one (resumed if interrupted)."""
+    from ..convert.pull import pull
+    from .terminal import PullBar, size
+
+    bar = PullBar()
+    try:
+        model = pull(source, bits=bits, recipe=recipe, name=name, progress=bar)
+    finally:
+        bar.close()
+    click.echo(f"pulled {model.name}: {model.family}, {_count(model.parameters)} parameters, {model.quantization}, "
+               f"{size(model.size)}; run it with `mlxinfer chat -m {model.name}`")
+
+
+@main.command("rm")
+@click.argument("name")
+@click.option("--yes", "-y", is_flag=True, help="Delete without asking.")
+def rm_command(name: str, yes: bool) -> None:
+    """Delete the model NAME from mlxinfer's cache (only there: a Hugging Face cache model or a
+    folder of yours is left alone, with how to delete it)."""
+    from ..loading.store import removable, remove
+    from .terminal import size
+
+    model = removable(name)
+    if not yes:
+        click.confirm(f"delete {model.name} ({size(model.size)}, {model.path})?", abort=True, err=True)
+    remove(name)
+    click.echo(f"deleted {model.name} ({size(model.size)})")
+
+
+@main.command("cp")
+@click.argument("source")
+@click.argument("new_name")
+def cp_command(source: str, new_name: str) -> None:
+    """Copy the model SOURCE (any name `mlxinfer models` lists) into mlxinfer's cache as NEW_NAME
+    (files hard-linked where possible, so it costs no space)."""
+    from ..loading.store import copy
+
+    click.echo(f"copied {source} to {copy(source, new_name).name}")
+
+
+TEMPLATE_LINES = 8
+
+
+@main.command("show")
+@click.argument("name")
+@click.option("--template", "whole_template", is_flag=True, help="Print the whole chat template.")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output (the whole template included).")
+def show_command(name: str, whole_template: bool, as_json: bool) -> None:
+    """What the model NAME is: family, parameters, quantization and how it was chosen, context
+    length, chat template, size on disk and where it is."""
+    from ..loading.quant_summary import method_text
+    from ..loading.store import details
+    from .terminal import size
+
+    d = details(name)
+    if as_json:
+        click.echo(json.dumps(d.as_dict()))
+        return
+    m = d.model
+    rows = [("name", m.name), ("family", m.family), ("parameters", f"{_count(m.parameters)} ({m.parameters:,})"),
+            ("quantization", m.quantization), ("layers", d.precision), ("bits/weight", f"{d.bits_per_weight:.2f}")]
+    if d.method:
+        rows.append(("chosen by", method_text(d.method)))
+    rows += [("context", f"{d.context_length:,} tokens" if d.context_length else "unknown"),
+             ("size", size(m.size)), ("path", str(m.path)), ("where", m.where)]
+    width = max(len(k) for k, _ in rows)
+    for key, value in rows:
+        click.echo(f"{key:<{width}}  {value}")
+    if d.template is None:
+        click.echo(f"{'template':<{width}}  none (the model takes raw text)")
+        return
+    lines = d.template.splitlines()
+    shown = lines if whole_template else lines[:TEMPLATE_LINES]
+    click.echo(f"{'template':<{width}}  " + (f"\n{'':<{width}}  ".join(shown)))
+    if len(shown) < len(lines):
+        click.echo(f"{'':<{width}}  ... {len(lines) - len(shown)} more lines (--template shows them all)")
 
 
 @main.command("inspect")
@@ -472,7 +562,8 @@ def inspect_command(prompt, model, dtype, steps, top, temp, top_p, system, raw, 
     from ..engine.batch import BatchGenerator
     from ..engine.inspection import inspect_pipeline
     from .inspect_report import render
-    from .store import open_model, stored_weights
+    from ..loading.store import stored_weights
+    from .store import open_model
     from .terminal import typed_text
 
     prompt, system = typed_text(prompt), typed_text(system) if system is not None else None
@@ -519,19 +610,34 @@ def bench(model_argument, model, dtype, prompt_tokens, gen_tokens, repeat, max_k
     for name, (med, lo, hi), scale, fmt in rows:
         click.echo(f"  {name:<16} {med * scale:{fmt}} [{lo * scale:{fmt}}-{hi * scale:{fmt}}]")
 
+SERVE_MODEL_HELP = ("A model to serve: a local folder, hub id, .gguf file or a name from `mlxinfer models`, as NAME=PATH "
+                    "to serve it as NAME (repeatable; the first is the default for requests that name none). "
+                    "Default: every model `mlxinfer models` lists, by its name.")
+
+
 @main.command()
-@with_options(MODEL_OPTIONS)
+@click.option("--model", "-m", "models", multiple=True, metavar="[NAME=]MODEL", help=SERVE_MODEL_HELP)
+@with_options(MODEL_OPTIONS[1:])
+@click.option("--keep-alive", type=Duration(), default="5m", show_default=True,
+              help="How long a model stays loaded after its last request (e.g. 30s, 10m, 1h; 0: unload once idle; "
+                   "negative: keep loaded). A request's keep_alive overrides it for its model.")
+@click.option("--max-loaded-models", type=click.IntRange(1), default=3, show_default=True,
+              help="Models loaded at once (3, as Ollama); loading another unloads the least recently used idle one.")
+@click.option("--memory-budget", type=ByteSize(), default=None,
+              help="Memory the loaded models may hold together, each counted as its weights plus its K/V and "
+                   "prompt-cache limits (e.g. 24GiB; default: the wired limit on Metal, else 3/4 of memory).")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on (loopback by default).")
 @click.option("--port", type=click.IntRange(0, 65535), default=8080, show_default=True)
 @click.option("--max-concurrency", type=click.IntRange(1), default=8, show_default=True,
-              help="Requests decoded together; more wait in the queue.")
+              help="Requests decoded together, per model; more wait in the queue.")
 @click.option("--max-queue", type=click.IntRange(0), default=32, show_default=True,
-              help="Requests that may wait for a slot; past that the server answers 503 with Retry-After.")
+              help="Requests that may wait for a slot, per model; past that the server answers 503 with Retry-After.")
 @click.option("--max-kv-size", type=click.IntRange(2), help="Rotating KV cache of this many tokens per request.")
 @click.option("--kv-bits", type=click.Choice(["4", "8"]), help="Quantize the KV cache.")
 @click.option("--prompt-cache-bytes", type=ByteSize(), default="1GiB", show_default=True,
-              help="K/V of finished requests kept for reuse by later ones (e.g. 512MiB, 2GB, 0: off).")
-@click.option("--draft-model", help="A small model of the same family that drafts tokens while one request runs.")
+              help="K/V of finished requests kept for reuse by later ones, per model (e.g. 512MiB, 2GB, 0: off).")
+@click.option("--draft-model", help="A small model of the default model's family that drafts tokens while one request "
+              "runs on it.")
 @click.option("--prompt-lookup", is_flag=True, help="Draft tokens by copying from the context while one request runs.")
 @click.option("--api-key", help="Require 'Authorization: Bearer KEY' on /v1 requests.")
 @click.option("--cors", "cors", help="Allow browser requests from this origin.")
@@ -548,9 +654,10 @@ def bench(model_argument, model, dtype, prompt_tokens, gen_tokens, repeat, max_k
               help="Bytes the kept responses may hold in all, their inputs included, as JSON (e.g. 64MiB, 1GB); the "
                    "least recently used go first, and one larger than this alone is not kept.")
 @click.option("--adapter", "adapters", multiple=True, metavar="NAME=DIR",
-              help="A LoRA adapter to serve as the model BASE:NAME (repeatable; DIR alone: named after its folder).")
+              help="A LoRA adapter on the default model, served as BASE:NAME (repeatable; DIR alone: named after its "
+                   "folder).")
 @click.option("--max-adapters", type=click.IntRange(0), default=8, show_default=True,
-              help="Most adapters loaded at once (--adapter and POST /v1/adapters together).")
+              help="Most adapters loaded at once on one model (--adapter and POST /v1/adapters together).")
 @click.option("--no-web", "no_web", is_flag=True, help="Serve no chat page at / (the APIs only).")
 @click.option("--allow-image-urls", is_flag=True,
               help="Fetch http(s) image URLs in requests (a vision-language model; each bounded in bytes and "
@@ -569,23 +676,27 @@ def bench(model_argument, model, dtype, prompt_tokens, gen_tokens, repeat, max_k
 @click.option("--prefill-step", type=click.IntRange(1), default=PREFILL_STEP, show_default=True,
               help="Prompt tokens per prefill chunk (one chunk's activations are held at once).")
 @PIPELINE_OPTION
-def serve(model, dtype, host, port, max_concurrency, max_queue, max_kv_size, kv_bits, prompt_cache_bytes,
-          draft_model, prompt_lookup, api_key, cors, allowed_host, max_connections, responses_store,
-          responses_store_bytes, adapters, max_adapters, no_web, allow_image_urls, image_hosts, image_url_timeout,
-          images_per_request, pixels_per_request, prefill_step, pipeline) -> None:
-    """Serve the model over OpenAI's HTTP API (chat and text completions, streaming), with a
-    chat page at / (unless --no-web). Concurrent requests are decoded together; Ctrl-C stops
-    after the requests in flight."""
-    from ..engine.batch import BatchGenerator
+def serve(models, dtype, keep_alive, max_loaded_models, memory_budget, host, port, max_concurrency, max_queue,
+          max_kv_size, kv_bits, prompt_cache_bytes, draft_model, prompt_lookup, api_key, cors, allowed_host,
+          max_connections, responses_store, responses_store_bytes, adapters, max_adapters, no_web, allow_image_urls,
+          image_hosts, image_url_timeout, images_per_request, pixels_per_request, prefill_step, pipeline) -> None:
+    """Serve models over OpenAI's HTTP API (chat and text completions, streaming) and Anthropic's,
+    with a chat page at / (unless --no-web). Each request's `model` picks one; a model loads on
+    its first request and unloads after --keep-alive idle, or when another needs its room.
+    Each loaded model has its own engine: requests to different models run at once, and one
+    model's concurrent requests are decoded together. Ctrl-C stops after the requests in flight."""
     from ..engine.replica import Replica, pool_for, run_front_end
+    from ..loading.adapters import load_adapter
     from ..serve.guard import allowed_hosts
     from ..serve.inspect import attention_offered
-    from ..serve.app import EngineThread, ServerConfig, create_app, run
-    from ..models.shard import rank_zero
+    from ..serve.app import ServerConfig, create_app, run
+    from ..serve.models import Models, Policy, Served
+    from ..models.shard import launched, rank_zero
     from ..models.shard import summary as shard_summary
-    from ..loading.adapters import load_adapter
     from ..text.images import DATA, HTTP, LIMITS
+    from .serve import Opening, demo_default, entry, listed, named
     from .store import open_model
+    from .terminal import spinner
 
     if image_hosts and not allow_image_urls:
         raise click.UsageError("--allow-image-hosts names hosts image URLs may also be fetched from: pass "
@@ -593,6 +704,8 @@ def serve(model, dtype, host, port, max_concurrency, max_queue, max_kv_size, kv_
     if draft_model and prompt_lookup:
         raise click.UsageError("--draft-model and --prompt-lookup are alternatives: pass one of them")
     no_drafting_across_ranks(bool(draft_model or prompt_lookup))
+    if launched() and len(models) > 1:
+        raise click.UsageError("under mlx.launch the ranks serve one model together: pass one --model")
     if rank_zero():
         check_free(host, port)
     guarded = attention_offered(host, api_key)  # on a loopback address, or behind a key
@@ -600,15 +713,9 @@ def serve(model, dtype, host, port, max_concurrency, max_queue, max_kv_size, kv_
         click.echo(f"warning: listening on {host} without --api-key: anyone who can reach it can use it", err=True)
     if len(adapters) > max_adapters:
         raise click.UsageError(f"{len(adapters)} --adapter options but --max-adapters is {max_adapters}")
-    m, tokenizer, where = open_model(model, dtype, pipeline=pipeline)
-    for spec in adapters:
-        name, _, folder = spec.rpartition("=")
-        load_adapter(m, folder, name or None)
     options: dict[str, Any] = {"prefill_step": prefill_step, "max_kv_size": max_kv_size,
                                "kv_bits": int(kv_bits) if kv_bits else None,
-                               "draft_model": open_model(draft_model, dtype)[0] if draft_model else None,
                                "prompt_lookup": prompt_lookup or None,
-                               "pool": pool_for(m, prompt_cache_bytes) if prompt_cache_bytes else None,
                                "image_sources": frozenset({DATA, HTTP} if allow_image_urls else {DATA}),
                                "image_limits": replace(
                                    LIMITS, url_seconds=image_url_timeout or LIMITS.url_seconds,
@@ -616,24 +723,89 @@ def serve(model, dtype, host, port, max_concurrency, max_queue, max_kv_size, kv_
                                    max_request_pixels=pixels_per_request or LIMITS.max_request_pixels,
                                    allowed_hosts=frozenset(",".join(image_hosts).split(",")))}
     options = {k: v for k, v in options.items() if v is not None}
+    limits = {"max_concurrency": max_concurrency, "max_queued": max_queue}
 
-    def listen(replica: Replica | None) -> None:
-        engine = EngineThread(replica or BatchGenerator(m, tokenizer, max_batch=max_concurrency, **options),
-                              max_queued=max_queue)
-        name = model_name(where)
+    def listen(served: Models) -> None:
+        loaded = served.loaded()
+        one = loaded[0] if len(served.listing()) == 1 and loaded else None
         # a vision-language model's requests carry images inline: room for one of the largest, base64-encoded
-        max_body = 4 << 20 if m.image_token_id is None else (4 << 20) + LIMITS.max_bytes * 4 // 3
-        config = ServerConfig(name, max_tokens=m.config.max_position_embeddings, api_key=api_key, cors=cors,
-                              hosts=allowed_hosts(host, allowed_host), responses_store=responses_store,
-                              responses_store_bytes=responses_store_bytes, max_adapters=max_adapters,
-                              max_body=max_body, web=not no_web, attention=guarded)
-        split = shard_summary(m)
+        images = one is None or one.model.image_token_id is not None
+        max_body = (4 << 20) + (LIMITS.max_bytes * 4 // 3 if images else 0)
+        config = ServerConfig(api_key=api_key, cors=cors, hosts=allowed_hosts(host, allowed_host),
+                              responses_store=responses_store, responses_store_bytes=responses_store_bytes,
+                              max_adapters=max_adapters, max_body=max_body, web=not no_web, attention=guarded)
+        split = shard_summary(one.model) if one is not None else None
         page = "" if no_web else f"; chat at http://{host}:{port}/"
-        click.echo(f"serving {name} at http://{host}:{port}/v1{page} (Ctrl-C stops)" + (f" [{split}]" if split else ""),
+        names = ", ".join(e.name for e in served.listing())
+        click.echo(f"serving {names} at http://{host}:{port}/v1{page} (Ctrl-C stops)" + (f" [{split}]" if split else ""),
                    err=True)
-        run(create_app(engine, m, tokenizer, config), engine, host, port, max_connections)
+        run(create_app(served, config), served, host, port, max_connections)
 
-    run_front_end(listen, m, tokenizer, max_batch=max_concurrency, **options)
+    if launched():  # every rank loads its part of the one model
+        m, tokenizer, where = open_model(models[0] if models else None, dtype, pipeline=pipeline)
+        for spec in adapters:
+            adapter, _, folder = spec.rpartition("=")
+            load_adapter(m, folder, adapter or None)
+        if prompt_cache_bytes:
+            options["pool"] = pool_for(m, prompt_cache_bytes)
+        name = named(models)[0].name if models else model_name(where)
+
+        def sharded(replica: Replica | None) -> None:
+            from ..serve.engine_thread import EngineThread
+
+            engine = EngineThread(replica, max_queued=max_queue)
+            listen(Models.of(Served(name, engine, m, tokenizer, m.config.max_position_embeddings, where, 0,
+                                    time.time())))
+
+        run_front_end(sharded, m, tokenizer, max_batch=max_concurrency, **options)
+        return
+    entries = named(models) if models else listed()
+    default = entries[0].name if models else demo_default(entries)
+    if not entries:  # nothing on this machine yet: the demo model, as `serve` always offered
+        entries = [entry(*_demo())]
+        default = entries[0].name
+    opening = Opening(default, dtype, max_concurrency, max_queue, prompt_cache_bytes, options, adapters, draft_model,
+                      {k: options[k] for k in ("max_kv_size", "kv_bits") if k in options})
+    policy = Policy(keep_alive, max_loaded_models, memory_budget or 0)
+    # with --model, those models; without, the store as it is now (`Models.refresh` after a pull or delete)
+    registry = Models(lambda: entries if models else listed() or entries, opening, opening.estimate, policy, default,
+                      limits=limits)
+    if default is not None and (models or len(entries) == 1):
+        with spinner(f"loading {default}"):
+            registry.preload(default)
+    listen(registry)
+
+
+def _demo() -> tuple[str, Path]:
+    from .demo import NAME
+    from .store import resolve_model
+
+    return NAME, resolve_model(None)
+
+
+@main.command()
+@click.option("--host", default="127.0.0.1", show_default=True, help="Where the server listens.")
+@click.option("--port", type=click.IntRange(1, 65535), default=8080, show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+def ps(host: str, port: int, as_json: bool) -> None:
+    """The models a running server (`mlxinfer serve`, or Ollama) has loaded: the memory each
+    takes and when it unloads unless used."""
+    from .ps import running, until
+    from .terminal import size
+
+    found = running(host, port)
+    if as_json:
+        click.echo(json.dumps([{**m.__dict__, "expires_at": m.expires_at.isoformat() if m.expires_at else None}
+                               for m in found]))
+        return
+    if not found:
+        click.echo(f"no model is loaded on the server at {host}:{port}; its first request to a model loads it")
+        return
+    rows = [("NAME", "SIZE", "FAMILY", "PARAMETERS", "QUANTIZATION", "UNTIL")]
+    rows += [(m.name, size(m.size), m.family, m.parameters, m.quantization, until(m.expires_at)) for m in found]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for row in rows:
+        click.echo("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
 
 
 def check_free(host: str, port: int) -> None:

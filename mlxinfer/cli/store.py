@@ -1,31 +1,20 @@
-"""What `--model` means, and which models this machine has.
-
-Converted GGUF files and the demo model live in mlxinfer's own cache (`cachedir`), under
-names `--model` accepts. Listing also covers the Hugging Face cache and converted folders
-elsewhere.
+"""What `--model` means on the command line: the demo model when none is given, a `.gguf`
+file converted once into our cache, a folder, or a name `mlxinfer models` lists (resolved by
+`loading.store`, which the server shares).
 """
 
 from __future__ import annotations
 
-import hashlib
 import os
-from collections import Counter
-from collections.abc import Iterable
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-from ..convert.sources import is_gguf
 
 from ..base.cachedir import Notify, is_model_folder, models_dir, named_model, stderr_line
-from .demo import convert_into, demo_model
-from ..base.errors import MlxinferError, ModelNotFoundError
+from ..base.errors import ModelNotFoundError
+from ..convert.pull import gguf_cache_name, gguf_key, record_gguf, recorded_gguf
+from ..convert.sources import is_gguf
 from ..loading.model import load
-from ..loading.checkpoint import read_config, weight_files
-from ..loading.quant_summary import bits_per_weight, quantization_summary
-from ..base.safetensors import safetensors_header
-from ..models import FAMILIES
 from ..models.shard import launched
+from .demo import convert_into, demo_model
 from .terminal import spinner
 
 
@@ -50,23 +39,23 @@ def resolve_model(spec: str | None, notify: Notify = stderr_line) -> Path | str:
     return named_model(spec) or spec
 
 
-def gguf_key(path: Path) -> str:
-    """Identifies a GGUF file by its size and first and last MiB (its header holds the
-    metadata), so a copy elsewhere reuses the conversion without hashing gigabytes."""
-    h = hashlib.sha256(str(path.stat().st_size).encode())
-    with open(path, "rb") as f:
-        h.update(f.read(1 << 20))
-        f.seek(max(path.stat().st_size - (1 << 20), 0))
-        h.update(f.read(1 << 20))
-    return h.hexdigest()[:8]
-
-
 def gguf_in_cache(path: Path, notify: Notify) -> Path:
-    """The MLX folder converted from `path`: made on first use, reused afterwards."""
-    out = models_dir() / f"{path.stem}-{gguf_key(path)}"
-    if not is_model_folder(out):
-        notify(f"mlxinfer: converting {path.name} into {out} (once; later runs reuse it)")
-        convert_into(path, out)
+    """The MLX folder converted from `path` as stored: made on first use, reused afterwards. It is
+    named as `mlxinfer pull` names it (`tiny-q4_1`), which also reuses a pulled one; the file's
+    key is added when another file has that name, and a folder made under the older name
+    (`tiny.Q4_1-<key>`) is reused as it is."""
+    key = gguf_key(path)
+    readable = models_dir() / gguf_cache_name(path.name)
+    keyed, older = readable.with_name(f"{readable.name}-{key}"), models_dir() / f"{path.stem}-{key}"
+    for out in (readable, keyed):
+        if is_model_folder(out) and recorded_gguf(out) == key:
+            return out
+    if is_model_folder(older):
+        return older
+    out = keyed if os.path.lexists(readable) else readable
+    notify(f"mlxinfer: converting {path.name} into {out} (once; later runs reuse it)")
+    convert_into(path, out)
+    record_gguf(out, path)
     return out
 
 
@@ -80,137 +69,3 @@ def open_model(spec: str | None, dtype: str | None = None, notify: Notify = stde
         split = "pipeline" if pipeline else "tensor"
         model, tokenizer = load(where, dtype=dtype, shard=split if launched() else None, adapter_path=adapter)
     return model, tokenizer, where
-
-
-@dataclass(frozen=True)
-class LocalModel:
-    """One model found on this machine, as `mlxinfer models` lists it."""
-
-    name: str  # what --model accepts
-    where: str  # "mlxinfer" (our cache), "huggingface" (the HF cache) or "folder"
-    path: Path
-    family: str
-    parameters: int
-    quantization: str
-    size: int
-    error: str | None = None  # why a folder that looks like a model cannot be read ("broken")
-
-    def as_dict(self) -> dict[str, Any]:
-        return {**self.__dict__, "path": str(self.path)}
-
-
-def local_models(folders: Iterable[Path] = ()) -> list[LocalModel]:
-    """Models in our cache, the Hugging Face cache, and in (or directly under) `folders`."""
-    found: list[tuple[str, str, Path]] = []
-    if models_dir().is_dir():
-        found += [(p.name, "mlxinfer", p) for p in sorted(models_dir().iterdir()) if is_model_folder(p)]
-    found += [(repo, "huggingface", p) for repo, p in huggingface_models()]
-    for folder in folders:
-        candidates = [folder] if is_model_folder(folder) else sorted(p for p in folder.iterdir() if p.is_dir())
-        found += [(str(p), "folder", p) for p in candidates if is_model_folder(p)]
-    seen: set[Path] = set()
-    out = []
-    for name, where, path in found:
-        if path.resolve() in seen:
-            continue
-        seen.add(path.resolve())
-        out.append(describe(name, where, path))
-    return out
-
-
-def huggingface_models() -> list[tuple[str, Path]]:
-    """(repo id, snapshot folder) for every cached hub model that has weights."""
-    from huggingface_hub import scan_cache_dir
-    from huggingface_hub.errors import CacheNotFound
-
-    cache = os.environ.get("HF_HUB_CACHE") or (
-        os.path.join(os.environ["HF_HOME"], "hub") if os.environ.get("HF_HOME") else None
-    )
-    try:
-        info = scan_cache_dir(cache)
-    except CacheNotFound:
-        return []
-    out = []
-    for repo in sorted(info.repos, key=lambda r: r.repo_id):
-        if repo.repo_type != "model":
-            continue
-        revisions = sorted(repo.revisions, key=lambda r: (bool(r.refs), r.last_modified), reverse=True)
-        snapshot = next((r.snapshot_path for r in revisions if is_model_folder(r.snapshot_path)), None)
-        if snapshot is not None:
-            out.append((repo.repo_id, snapshot))
-    return out
-
-
-def describe(name: str, where: str, path: Path) -> LocalModel:
-    """A model folder's listing entry; a folder whose config or weights cannot be read is
-    listed as "broken" with the reason, so one damaged folder does not hide the others."""
-    try:
-        size = sum(p.stat().st_size for p in path.iterdir() if p.is_file())
-        config = read_config(path)
-        headers = [safetensors_header(f) for f in weight_files(path)]  # as loading reads them: links checked
-    except (MlxinferError, OSError) as e:
-        return LocalModel(name, where, path, "broken", 0, "?", 0, error=str(e) or type(e).__name__)
-    tensors = {k: v for h in headers for k, v in h.items()}
-    model_type = config.get("model_type", "?")
-    family = model_type if model_type in FAMILIES else f"{model_type} (unsupported)"
-    return LocalModel(name, where, path, family, parameter_count(tensors, config), quantization(tensors, config), size)
-
-
-def _layer_quant(config: dict[str, Any], layer: str) -> dict[str, Any]:
-    q = config.get("quantization") or {}
-    own = q.get(layer)
-    return own if isinstance(own, dict) else q
-
-
-def parameter_count(tensors: dict[str, Any], config: dict[str, Any]) -> int:
-    """Parameters as the unquantized model has them (tied embeddings counted once); a
-    quantized weight packs 32/bits values per uint32, a Hugging Face MXFP4 `*_blocks`
-    tensor two per byte (its `*_scales` are not parameters)."""
-    total = 0
-    for name, info in tensors.items():
-        base = name.rsplit(".", 1)[0]
-        quantized = f"{base}.scales" in tensors
-        if quantized and name.endswith((".scales", ".biases")):
-            continue
-        if name.endswith("_scales") and f"{name.removesuffix('_scales')}_blocks" in tensors:
-            continue
-        n = 1
-        for d in info["shape"]:
-            n *= d
-        if quantized and name.endswith(".weight"):
-            n = n * 32 // (_layer_quant(config, base).get("bits") or 4)
-        elif name.endswith("_blocks"):
-            n *= 2
-        total += n
-    return total
-
-
-def stored_weights(path: Path) -> dict[str, Any]:
-    """How a model folder's weights are stored, for `mlxinfer inspect`: the bits chosen per layer
-    (or the float type), bits per weight over every stored tensor, and config.json's
-    "quantization_method" (how a calibrated conversion chose them) when it has one."""
-    config = read_config(path)
-    headers = {k: v for f in weight_files(path) for k, v in safetensors_header(f).items()}
-    quant = config.get("quantization")
-    sizes = {name: (tuple(e["shape"]), e["data_offsets"][1] - e["data_offsets"][0]) for name, e in headers.items()}
-    return {
-        "precision": quantization_summary(quant, headers) or quantization(headers, config),
-        "bits_per_weight": bits_per_weight(quant, sizes),
-        "method": config.get("quantization_method"),
-    }
-
-
-def quantization(tensors: dict[str, Any], config: dict[str, Any]) -> str:
-    """'4-bit g64', with '(mixed)' when some layers differ; else the float dtype."""
-    q = config.get("quantization")
-    if q:
-        mode = q.get("mode", "affine")
-        label = f"{q.get('bits', '?')}-bit g{q.get('group_size', '?')}" if mode == "affine" else str(mode)
-        layers = [v for v in q.values() if isinstance(v, (dict, bool))]
-        own = (q.get("bits"), q.get("group_size"))
-        if any(v is False or (isinstance(v, dict) and (v.get("bits"), v.get("group_size")) != own) for v in layers):
-            label += " (mixed)"
-        return label
-    dtypes = Counter(info["dtype"] for info in tensors.values())
-    names = {"F16": "float16", "BF16": "bfloat16", "F32": "float32"}
-    return names.get(dtypes.most_common(1)[0][0], "?") if dtypes else "?"

@@ -9,7 +9,7 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TextIO
 
 from ..decode.sources import Stats
@@ -93,3 +93,56 @@ def spinner(message: str, stream: TextIO = sys.stderr, delay: float = 0.3) -> It
     finally:
         done.set()
         thread.join()
+
+
+class PullBar:
+    """How `mlxinfer pull` shows its progress events (`convert.pull.PullProgress`): on a terminal
+    one line redrawn in place with bytes, total, rate and percent; elsewhere (a log, a pipe) plain
+    lines, one per step and one per tenth of a download, so a log stays short."""
+
+    def __init__(self, stream: TextIO | None = None, interval: float = 0.1,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.stream, self.interval, self.clock = stream or sys.stderr, interval, clock
+        self.live = hasattr(self.stream, "isatty") and self.stream.isatty()
+        self.status: str | None = None
+        self.started = self.drawn = 0.0
+        self.first = 0
+        self.tenth = -1
+
+    def __call__(self, event) -> None:
+        now = self.clock()
+        if event.status != self.status:
+            self._end_line()
+            self.status, self.started, self.first, self.tenth = event.status, now, event.completed or 0, -1
+            if event.completed is None:
+                self.stream.write(f"{event.status}\n")
+        if event.completed is None:
+            self.stream.flush()
+            return
+        line = self._line(event, now)
+        if self.live:
+            if now - self.drawn >= self.interval or event.completed == event.total:
+                self.stream.write(f"\r\x1b[K{line}")
+                self.drawn = now
+        else:
+            tenth = event.completed * 10 // event.total if event.total else 0
+            if tenth != self.tenth:
+                self.stream.write(f"{line}\n")
+                self.tenth = tenth
+        self.stream.flush()
+
+    def _line(self, event, now: float) -> str:
+        elapsed = now - self.started
+        rate = (event.completed - self.first) / elapsed if elapsed > 0.2 else None
+        done = size(event.completed) + (f" / {size(event.total)}" if event.total else "")
+        percent = f" {event.completed * 100 // event.total:3d}%" if event.total else ""
+        return f"{event.status}{percent}  {done}" + (f"  {size(rate)}/s" if rate is not None else "")
+
+    def _end_line(self) -> None:
+        if self.live and self.status is not None and self.drawn:
+            self.stream.write("\n")
+        self.drawn = 0.0
+
+    def close(self) -> None:
+        self._end_line()
+        self.stream.flush()

@@ -136,6 +136,7 @@ class RequestOptions:
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
+    penalty_window: int | None = None  # the last tokens the penalties look at (Ollama's repeat_last_n)
     logit_bias: dict[int, float] | None = None
     stop: str | list[str] | None = None
     logprobs: int | None = None  # top alternatives per token; 1 asks for the chosen token's alone

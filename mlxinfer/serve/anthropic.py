@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import uuid
+from collections.abc import Mapping
+from datetime import datetime, timezone
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
@@ -18,11 +20,12 @@ from fastapi.responses import Response
 
 from ..decode.sources import Stats
 from ..engine.text_stream import Chunk
-from ..text.tools import ToolCall, call_opener
+from ..text.tools import ToolCall, call_opener, may_open_call
 from .anthropic_schema import CountTokens, CreateMessage, parse
 from .api import Api, Route
 from .bodies import parsed
 from .errors import RequestError
+from .models import Served
 from .replies import respond, sse
 
 Event = tuple[str, dict[str, Any]]  # (event name, data)
@@ -38,20 +41,66 @@ class MessagesApi(Api):
     def error_body(e: RequestError) -> dict[str, Any]:
         return error_body(e)
 
+    @staticmethod
+    def claims(headers: Mapping[str, str]) -> bool:
+        return asks_anthropic(headers)
+
     async def create(self, request: Request) -> Response:
-        config, engine = self.ctx.config, self.ctx.engine
-        body = await parsed(request, config.max_body, parse, CreateMessage)
-        typed = await engine.request(body.chat(), config.served(body.request_options(), body.model))
+        body = await parsed(request, self.ctx.config.max_body, parse, CreateMessage)
+        return await self.ctx.models.held_for(body.model, lambda served: self.answer(request, body, served))
+
+    async def answer(self, request: Request, body: CreateMessage, served: Served) -> Response:
+        engine = served.engine
+        typed = await engine.request(body.chat(), served.options(body.request_options(), body.model))
         o = typed.options
-        reply = Reply(rid=f"msg_{uuid.uuid4().hex}", model=config.model_name, max_tokens=o.max_tokens,
-                      opener=call_opener(self.ctx.tokenizer) if o.tools and o.tool_choice != "none" else None)
+        reply = Reply(rid=f"msg_{uuid.uuid4().hex}", model=served.name, max_tokens=o.max_tokens,
+                      opener=call_opener(served.tokenizer) if o.tools and o.tool_choice != "none" else None)
         return await respond(request, engine.chunks(typed), bool(body.stream), reply.whole, reply.events)
 
     async def count_tokens(self, request: Request) -> dict[str, int]:
-        config, engine = self.ctx.config, self.ctx.engine
-        body = await parsed(request, config.max_body, parse, CountTokens)
-        typed = await engine.request(body.chat(), config.served(body.request_options(), body.model))
-        return {"input_tokens": await engine.count(typed)}
+        body = await parsed(request, self.ctx.config.max_body, parse, CountTokens)
+        async with self.ctx.models.use(body.model) as served:
+            typed = await served.engine.request(body.chat(), served.options(body.request_options(), body.model))
+            return {"input_tokens": await served.engine.count(typed)}
+
+
+def models_page(models: list[tuple[str, float, bool]], query: Mapping[str, str]) -> dict[str, Any]:
+    """A page of `GET /v1/models` in Anthropic's shape, of `models` ((id, created epoch seconds,
+    loaded), in the order served), as its `limit` (1 to 1000, default 20), `after_id` and
+    `before_id` ask."""
+    try:
+        limit = int(query.get("limit", "20"))
+    except ValueError:
+        limit = 0
+    if not 1 <= limit <= 1000:
+        raise RequestError("limit must be an integer from 1 to 1000", "limit")
+    ids = [m for m, _, _ in models]
+    for cursor in ("after_id", "before_id"):
+        if cursor in query and query[cursor] not in ids:
+            raise RequestError(f"{cursor} '{query[cursor][:200]}' is not a model of this server", cursor)
+    if "before_id" in query:
+        end = ids.index(query["before_id"])
+        page = models[max(end - limit, 0):end]
+        more = end - limit > 0
+    else:
+        start = ids.index(query["after_id"]) + 1 if "after_id" in query else 0
+        page = models[start:start + limit]
+        more = start + limit < len(models)
+    data = [model_info(m, created, loaded) for m, created, loaded in page]
+    return {"data": data, "first_id": data[0]["id"] if data else None, "last_id": data[-1]["id"] if data else None,
+            "has_more": more}
+
+
+def model_info(name: str, created: float, loaded: bool) -> dict[str, Any]:
+    """Anthropic's model object (`created_at` in RFC 3339: the model's files' time), and whether
+    it is loaded now (`loaded`, ours, as in the OpenAI-shaped list)."""
+    stamp = datetime.fromtimestamp(created, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return {"type": "model", "id": name, "display_name": name, "created_at": stamp, "loaded": loaded}
+
+
+def asks_anthropic(headers: Mapping[str, str]) -> bool:
+    """Whether a request comes from an Anthropic client: every one sends `anthropic-version`."""
+    return "anthropic-version" in headers
 
 
 # Anthropic's error type for each HTTP status it documents (other 4xx: invalid_request_error).
@@ -119,7 +168,7 @@ class Reply:
         """The events one chunk adds (none while its text is held back)."""
         events = self._add("thinking", chunk.reasoning)
         self.held += chunk.text
-        self.free = self.free or not self._could_call()
+        self.free = self.free or not may_open_call(self.held, self.opener)
         if chunk.tool_calls and not self.free:  # what was held back were the calls
             self.held = chunk.content or ""
         if self.free or chunk.finish_reason:
@@ -134,10 +183,6 @@ class Reply:
         events = self._add("text", self.held)
         self.held = ""
         return [*events, *self._close()]
-
-    def _could_call(self) -> bool:
-        start = self.held.lstrip()
-        return self.opener is not None and (start.startswith(self.opener) or self.opener.startswith(start))
 
     def _add(self, kind: str, text: str) -> list[Event]:
         """`text` appended to the open block of `kind` ("text" or "thinking"), opened if need be."""

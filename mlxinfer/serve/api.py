@@ -1,29 +1,25 @@
 """What an HTTP API of `mlxinfer serve` is: a class of its own (`Api`) whose methods are its
-routes (`Route`), over what every API is given (`Context`: the engine, model and tokenizer, and
-how the server was started, `ServerConfig`), writing its errors in its own shape."""
+routes (`Route`), over what every API is given (`Context`: the models it serves, each taken per
+request through `models.use`, and how the server was started, `ServerConfig`), writing its
+errors in its own shape."""
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, replace
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import APIRouter
 
-from ..engine.options import RequestOptions
-from ..models.layers import CausalLM
-from ..text.tokenizer import Tokenizer
-from .engine_thread import EngineThread
 from .errors import RequestError
 from .guard import allowed_hosts
+from .models import Models
 
 
 @dataclass(frozen=True)
 class ServerConfig:
     """How the server was started, as the API modules need it."""
 
-    model_name: str
-    max_tokens: int  # default for requests that give none: the model's context
     api_key: str | None = None
     cors: str | None = None
     max_body: int = 4 << 20
@@ -34,24 +30,13 @@ class ServerConfig:
     web: bool = True  # the chat page at / (`serve --no-web`: none)
     attention: bool = True  # POST /v1/attention: off on a non-loopback host without an API key
 
-    def served(self, options: RequestOptions, model: str | None) -> RequestOptions:
-        """A request's `options` with this server's defaults: `max_tokens` when it gives none, and
-        the LoRA adapter its `model` names as `BASE:NAME` (none for the base model; any other name
-        is taken as the base, as clients send their own defaults)."""
-        prefix = f"{self.model_name}:"
-        adapter = model[len(prefix):] if model is not None and model.startswith(prefix) else None
-        return replace(options, max_tokens=self.max_tokens if options.max_tokens is None else options.max_tokens,
-                       adapter=adapter)
-
 
 @dataclass(frozen=True)
 class Context:
-    """What each API is given: the engine (its `EngineThread`), the model and its tokenizer, and
-    the server's config."""
+    """What each API is given: the models (`Models`: a request takes its own with
+    `models.use(body.model)`), and the server's config."""
 
-    engine: EngineThread
-    model: CausalLM
-    tokenizer: Tokenizer
+    models: Models
     config: ServerConfig
 
 
@@ -84,6 +69,12 @@ class Api:
     def error_body(e: RequestError) -> dict[str, Any]:
         """`e` in this API's shape."""
         return e.body()
+
+    @staticmethod
+    def claims(headers: Mapping[str, str]) -> bool:
+        """Whether a request's headers say its client speaks this API, wherever it was sent (its
+        errors then take this API's shape): none but an API whose clients mark themselves."""
+        return False
 
     def router(self) -> APIRouter:
         """Its routes as FastAPI mounts them; a route's return value is written as it is (no

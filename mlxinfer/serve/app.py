@@ -10,6 +10,7 @@ them (`APIS`): the host and content-type guard, the API key, errors in each API'
 from __future__ import annotations
 
 import hmac
+from collections.abc import Mapping
 from typing import Any, Sequence
 
 import uvicorn
@@ -17,10 +18,9 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
+from starlette.routing import Match
 
 from ..base.errors import MlxinferError
-from ..models.layers import CausalLM
-from ..text.tokenizer import Tokenizer
 from . import metrics
 from .adapters import AdaptersApi
 from .anthropic import MessagesApi
@@ -31,6 +31,8 @@ from .errors import RequestError, dotted, refusal
 from .guard import LocalOnly, guarded_protocol
 from .health import HealthApi, MetricsApi
 from .inspect import InspectApi
+from .models import Models
+from .ollama import OllamaApi
 from .openai import OpenAIApi
 from .page import PageApi
 from .responses import ResponsesApi
@@ -40,40 +42,40 @@ MAX_CONNECTIONS = 128  # under macOS's default of 256 descriptors a process
 KEEP_ALIVE_SECONDS = 5  # an idle connection between requests
 HEADER_SECONDS = 10  # from connecting (or the last response) to a request's last header
 
-__all__ = ["EngineThread", "ServerConfig", "create_app", "run"]
+__all__ = ["EngineThread", "Models", "ServerConfig", "create_app", "run"]
 
 # Every API the server offers (the web page joins them unless `serve --no-web`); adding one is
 # adding its module and its class here.
 APIS: tuple[type[Api], ...] = (HealthApi, OpenAIApi, ResponsesApi, MessagesApi, EmbeddingsApi, AdaptersApi,
-                               InspectApi, TokensApi, MetricsApi)
+                               InspectApi, TokensApi, MetricsApi, OllamaApi)
 
 
 class _Uvicorn(uvicorn.Server):
     """uvicorn whose first Ctrl-C / SIGTERM also ends the requests in flight, so their
     connections close at once instead of holding the shutdown until they finish."""
 
-    def __init__(self, config: uvicorn.Config, engine: EngineThread):
+    def __init__(self, config: uvicorn.Config, models: Models):
         super().__init__(config)
-        self.engine = engine
+        self.models = models
 
     def handle_exit(self, sig: int, frame) -> None:
-        self.engine.shutdown()
+        self.models.shutdown()
         super().handle_exit(sig, frame)
         # uvicorn re-raises the signal once it has stopped; a stop the user asked for is a clean exit (status 0)
         getattr(self, "_captured_signals", []).clear()
 
 
-def run(app: FastAPI, engine: EngineThread, host: str, port: int, max_connections: int = MAX_CONNECTIONS) -> None:
-    """Serve until Ctrl-C or SIGTERM, then stop the engine. At most `max_connections` are
+def run(app: FastAPI, models: Models, host: str, port: int, max_connections: int = MAX_CONNECTIONS) -> None:
+    """Serve until Ctrl-C or SIGTERM, then stop every model's engine. At most `max_connections` are
     open at once (fewer when the descriptor limit says so); idle ones close after
     KEEP_ALIVE_SECONDS, and a request's headers must arrive within HEADER_SECONDS."""
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5,
                             http=guarded_protocol(max_connections, HEADER_SECONDS),
                             timeout_keep_alive=KEEP_ALIVE_SECONDS)
     try:
-        _Uvicorn(config, engine).run()
+        _Uvicorn(config, models).run()
     finally:
-        engine.stop()
+        models.stop()
 
 
 def key_given(request: Request, key: str | None) -> bool:
@@ -93,40 +95,47 @@ def parameter(loc: tuple[int | str, ...]) -> str | None:
 
 
 class ErrorShapes:
-    """Which API's shape a request's error takes, by its path: that of the API one of whose
-    routes' paths (up to its first parameter) is the longest prefix of it, so an unknown path or a
-    wrong method among an API's routes answers as that API does; OpenAI's shape elsewhere."""
+    """Which API's shape a request's error takes: that of an API whose clients mark their
+    requests (`Api.claims`: Anthropic's send `anthropic-version`), else by its path: that of the
+    API one of whose routes' paths (up to its first parameter) is the longest prefix of it, so an
+    unknown path or a wrong method among an API's routes answers as that API does; OpenAI's shape
+    elsewhere."""
 
     def __init__(self, apis: Sequence[Api]) -> None:
         owned = [((api.prefix + route.path.partition("{")[0]).rstrip("/"), api) for api in apis
                  for route in api.routes()]
         self.owners = sorted(owned, key=lambda owner: len(owner[0]), reverse=True)
+        self.apis = apis
 
-    def body(self, path: str, e: RequestError) -> dict[str, Any]:
-        """`e` in the shape of the API at `path`."""
+    def body(self, path: str, e: RequestError, headers: Mapping[str, str] = {}) -> dict[str, Any]:
+        """`e` in the shape of the API whose client sent `headers`, or of the API at `path`."""
+        for api in self.apis:
+            if api.claims(headers):
+                return api.error_body(e)
         for prefix, api in self.owners:
             if path == prefix or path.startswith(f"{prefix}/"):
                 return api.error_body(e)
         return e.body()
 
 
-def create_app(engine: EngineThread, model: CausalLM, tokenizer: Tokenizer, config: ServerConfig) -> FastAPI:
-    """The FastAPI application: every API's routes (`APIS`, and the web page unless `config.web`
-    is off), behind the API key but for health and the page; errors in each API's own shape."""
-    ctx = Context(engine, model, tokenizer, config)
+def create_app(models: Models, config: ServerConfig) -> FastAPI:
+    """The FastAPI application over `models`: every API's routes (`APIS`, and the web page unless
+    `config.web` is off), behind the API key but for health and the page; errors in each API's own shape."""
+    ctx = Context(models, config)
     apis = [api(ctx) for api in (*APIS, *((PageApi,) if config.web else ()))]
     shapes = ErrorShapes(apis)
     app = FastAPI(title="mlxinfer", docs_url=None, redoc_url=None, openapi_url=None)
     app.add_middleware(LocalOnly, hosts=config.hosts,
-                       refusal=lambda status, message, path: shapes.body(path, RequestError(message, status=status)))
+                       refusal=lambda status, message, path: shapes.body(path, RequestError(message, status=status)),
+                       routed=lambda scope: any(r.matches(scope)[0] != Match.NONE for r in app.router.routes))
     if config.cors:
         from fastapi.middleware.cors import CORSMiddleware
 
         app.add_middleware(CORSMiddleware, allow_origins=[config.cors], allow_methods=["*"], allow_headers=["*"])
-    app.add_middleware(metrics.Counted, metrics=engine.metrics)  # outermost: every response is counted
+    app.add_middleware(metrics.Counted, metrics=models.metrics)  # outermost: every response is counted
 
     def error_response(request: Request, e: RequestError) -> JSONResponse:
-        return JSONResponse(shapes.body(request.url.path, e), status_code=e.status, headers=e.headers)
+        return JSONResponse(shapes.body(request.url.path, e, request.headers), status_code=e.status, headers=e.headers)
 
     @app.exception_handler(RequestError)
     async def refused(request: Request, e: RequestError) -> JSONResponse:

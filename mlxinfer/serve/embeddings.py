@@ -22,9 +22,13 @@ from pydantic_core import PydanticCustomError
 from ..base.checks import is_integer
 from ..engine.embed import check_dimensions, embed_slices, encode_texts
 from ..base.errors import MlxinferError
+from ..models.layers import CausalLM
+from ..text.tokenizer import Tokenizer
 from .api import Api, Route
+from .engine_thread import EngineThread
 from .bodies import parsed
 from .errors import RequestError
+from .models import Served
 from .replies import ClientGone, hung_up, json_reply, unless_gone
 from .openai_schema import Strict, parse
 
@@ -67,28 +71,41 @@ class EmbeddingsApi(Api):
         return (Route("/embeddings", self.embeddings),)
 
     async def embeddings(self, request: Request) -> Response:
-        model, tokenizer, engine, config = self.ctx.model, self.ctx.tokenizer, self.ctx.engine, self.ctx.config
-        body = await parsed(request, config.max_body, parse, Embeddings)
+        body = await parsed(request, self.ctx.config.max_body, parse, Embeddings)
+        async with self.ctx.models.use(body.model) as served:
+            return await self.embedded(request, body, served)
+
+    async def embedded(self, request: Request, body: Embeddings, served: Served) -> Response:
+        model, tokenizer, engine = served.model, served.tokenizer, served.engine
         try:
-            check_dimensions(model, body.dimensions)
-        except MlxinferError as e:
-            raise RequestError.of(e, "dimensions") from None
-        try:
-            ids = await asyncio.to_thread(encode_texts, model, tokenizer, body.texts(), "input")
-        except MlxinferError as e:
-            raise RequestError.of(e, "input") from None
-        gone = asyncio.ensure_future(hung_up(request))
-        try:
-            result = await unless_gone(engine.run_slices(embed_slices(model, ids, dimensions=body.dimensions,
-                                                                      chunk=engine.prefill_step)), gone)
+            result, tokens = await embedded(request, engine, model, tokenizer, body.texts(), body.dimensions)
         except ClientGone:
             return Response(status_code=499)
-        finally:
-            gone.cancel()
-        tokens = sum(map(len, ids))
         return await json_reply(lambda: {
             "object": "list", "data": [item(i, v, body.encoding_format) for i, v in enumerate(result)],
-            "model": config.model_name, "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
+            "model": served.name, "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
+
+
+async def embedded(request: Request, engine: EngineThread, model: CausalLM, tokenizer: Tokenizer,
+                   texts: str | list, dimensions: int | None) -> tuple[list[np.ndarray], int]:
+    """Each text's vector (cut to `dimensions`) and the tokens read, for every API that embeds:
+    texts tokenized and checked off the event loop, the model run on the engine thread a slice
+    at a time; ClientGone (the work cancelled) when the client hangs up first."""
+    try:
+        check_dimensions(model, dimensions)
+    except MlxinferError as e:
+        raise RequestError.of(e, "dimensions") from None
+    try:
+        ids = await asyncio.to_thread(encode_texts, model, tokenizer, texts, "input")
+    except MlxinferError as e:
+        raise RequestError.of(e, "input") from None
+    gone = asyncio.ensure_future(hung_up(request))
+    try:
+        result = await unless_gone(engine.run_slices(embed_slices(model, ids, dimensions=dimensions,
+                                                                  chunk=engine.prefill_step)), gone)
+    finally:
+        gone.cancel()
+    return list(result), sum(map(len, ids))
 
 
 def item(index: int, vector: np.ndarray, encoding: str) -> dict[str, Any]:

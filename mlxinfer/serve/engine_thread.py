@@ -90,10 +90,11 @@ class EngineThread:
     a `Replica`, whose rounds the other ranks follow. A request whose images are downloaded is
     made on threads of its own (`download`): slow image senders never hold the shared workers."""
 
-    def __init__(self, engine: BatchGenerator, max_queued: int = 32):
+    def __init__(self, engine: BatchGenerator, max_queued: int = 32, metrics: Metrics | None = None):
         self._engine, self.max_queued = engine, max_queued
         self.served = 0
-        self.metrics = Metrics()  # fed here as sequences end, and by the server as responses end
+        # fed here as sequences end, and by the server as responses end (one for every model's engine)
+        self.metrics = metrics or Metrics()
         self.health: dict[str, Any] = {}
         self._in_flight = 0
         self.preparing = 0

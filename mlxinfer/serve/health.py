@@ -1,6 +1,7 @@
 """How the server is doing, for those who watch it, at its root: `GET /health` (open to all, for
-probes: the engine's snapshot, its limits, the memory this process peaked at) and `GET /metrics`
-(behind the API key, where Prometheus looks by default: the counts `metrics.Metrics` keeps)."""
+probes: the loaded models' engine snapshots, summed and each on its own, their limits, the memory
+this process peaked at) and `GET /metrics` (behind the API key, where Prometheus looks by
+default: the counts `metrics.Metrics` keeps, one for every model's engine)."""
 
 from __future__ import annotations
 
@@ -23,9 +24,10 @@ class HealthApi(Api):
         return (Route("/health", self.health, ("GET", "HEAD")),)
 
     async def health(self) -> dict[str, Any]:
-        engine, config = self.ctx.engine, self.ctx.config
-        return {"status": "ok", "model": config.model_name, **engine.health, "preparing": engine.preparing,
-                "limits": {"max_concurrency": engine.max_batch, "max_queued": engine.max_queued},
+        """The loaded models' engines summed, each one's own under `models`, and the limits
+        (per model: each has its own engine)."""
+        models, config = self.ctx.models, self.ctx.config
+        return {"status": "ok", "model": models.default, **models.health(), "limits": models.limits,
                 "peak_rss_bytes": peak_rss_bytes(), "api_key_required": config.api_key is not None}
 
 
@@ -38,7 +40,8 @@ class MetricsApi(Api):
         return (Route("/metrics", self.metrics, ("GET",)),)
 
     async def metrics(self) -> Response:
-        return Response(self.ctx.engine.metrics.text(self.ctx.engine.health), media_type=CONTENT_TYPE)
+        models = self.ctx.models
+        return Response(models.metrics.text(models.health()), media_type=CONTENT_TYPE)
 
 
 def peak_rss_bytes() -> int:

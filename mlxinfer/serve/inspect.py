@@ -25,9 +25,10 @@ from pydantic_core import PydanticCustomError
 
 from .guard import LOOPBACK_NAMES
 from ..engine.inspection import attention_slices, inspect_slices
-from .api import Api, Context, Route
+from .api import Api, Route
 from .bodies import parsed
 from .errors import RequestError
+from .models import Served
 from .replies import json_reply
 from .openai_schema import ImagePart, Message, Strict, parse
 from .tokens import chat_prompt
@@ -37,9 +38,11 @@ MAX_TOKENS = 8192  # context a look inside reruns at most
 
 class Inspect(Strict):
     messages: list[Message] = Field(min_length=1)
+    model: str | None = None  # the model to look inside (none: the server's default)
 
 
 class Attention(Strict):
+    model: str | None = None
     messages: list[Message] = Field(min_length=1)
     reply: str = ""  # the assistant's reply so far: its last token is the one whose attention is shown
     layer: int = Field(0, ge=0)
@@ -64,39 +67,37 @@ def attention_offered(host: str, api_key: str | None) -> bool:
 class InspectApi(Api):
     """One chat's pipeline made visible, under /v1: its report, and its attention weights."""
 
-    def __init__(self, ctx: Context) -> None:
-        super().__init__(ctx)
-        self.limit = min(MAX_TOKENS, ctx.model.config.max_position_embeddings)
-
     def routes(self) -> tuple[Route, ...]:
         return Route("/inspect", self.inspect), Route("/attention", self.attention)
 
-    def bounded(self, ids: list[int]) -> list[int]:
-        if len(ids) > self.limit:
-            raise RequestError(f"the context is {len(ids)} tokens; a look inside reruns at most {self.limit}",
-                               "messages")
+    @staticmethod
+    def bounded(ids: list[int], served: Served) -> list[int]:
+        limit = min(MAX_TOKENS, served.model.config.max_position_embeddings)
+        if len(ids) > limit:
+            raise RequestError(f"the context is {len(ids)} tokens; a look inside reruns at most {limit}", "messages")
         if not ids:
             raise RequestError("the messages render to no tokens", "messages")
         return ids
 
     async def inspect(self, request: Request) -> Response:
-        ctx = self.ctx
-        body = await parsed(request, ctx.config.max_body, parse, Inspect)
-        ids, images = await chat_prompt(ctx, body.messages)
-        self.bounded(ids)
-        report = await ctx.engine.run_slices(inspect_slices(ctx.model, ctx.tokenizer, ids, steps=1, images=images,
-                                                            chunk=ctx.engine.prefill_step))
+        body = await parsed(request, self.ctx.config.max_body, parse, Inspect)
+        async with self.ctx.models.use(body.model) as served:
+            ids, images = await chat_prompt(served, body.messages)
+            self.bounded(ids, served)
+            report = await served.engine.run_slices(inspect_slices(served.model, served.tokenizer, ids, steps=1,
+                                                                   images=images, chunk=served.engine.prefill_step))
         return await json_reply(lambda: report)
 
     async def attention(self, request: Request) -> Response:
-        ctx = self.ctx
-        if not ctx.config.attention:
+        if not self.ctx.config.attention:
             raise RequestError("attention weights are offered on a loopback address, or with --api-key; restart "
                                "the server with --api-key KEY to use them here", status=403, kind="permission_error")
-        body = await parsed(request, ctx.config.max_body, parse, Attention)
-        reply = await asyncio.to_thread(ctx.tokenizer.encode, body.reply, False)
-        ids = self.bounded((await chat_prompt(ctx, body.messages))[0] + reply)
-        weights = await ctx.engine.run_slices(attention_slices(ctx.model, ids, body.layer, body.head,
-                                                               ctx.engine.prefill_step))
+        body = await parsed(request, self.ctx.config.max_body, parse, Attention)
+        async with self.ctx.models.use(body.model) as served:
+            tokenizer = served.tokenizer
+            reply = await asyncio.to_thread(tokenizer.encode, body.reply, False)
+            ids = self.bounded((await chat_prompt(served, body.messages))[0] + reply, served)
+            weights = await served.engine.run_slices(attention_slices(served.model, ids, body.layer, body.head,
+                                                                      served.engine.prefill_step))
         return await json_reply(lambda: {"layer": body.layer, "head": body.head, "weights": weights, "tokens": [
-            {"id": i, "text": p} for i, p in zip(ids, ctx.tokenizer.pieces(ids))]})
+            {"id": i, "text": p} for i, p in zip(ids, tokenizer.pieces(ids))]})

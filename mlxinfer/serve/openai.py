@@ -1,6 +1,6 @@
 """OpenAI's chat and text completions (`/v1/chat/completions`, `/v1/completions`) and
-models list, translated to the typed `Request` and back; the wire shapes live in
-`openai_schema`."""
+models list (in Anthropic's shape to Anthropic's clients, which share its path), translated to
+the typed `Request` and back; the wire shapes live in `openai_schema`."""
 
 from __future__ import annotations
 
@@ -15,10 +15,12 @@ from fastapi.responses import Response
 from ..decode.sources import Stats
 from ..engine.text_stream import Chunk
 from ..models.lora import adapters_of
-from ..text.tools import call_opener
+from ..text.tools import call_opener, may_open_call
+from .anthropic import asks_anthropic, model_info, models_page
 from .api import Api, Context, Route
 from .bodies import parsed
 from .errors import RequestError
+from .models import Served
 from .replies import merged, respond_each, sse
 from .openai_schema import ChatCompletion, Completion, Logprobs, TextCompletion, choice, parse, timings, usage
 
@@ -34,19 +36,29 @@ class OpenAIApi(Api):
         return (Route("/models", self.models, ("GET",)), Route("/models/{name:path}", self.model, ("GET",)),
                 Route("/chat/completions", self.chat_completions), Route("/completions", self.completions))
 
-    def served(self) -> list[str]:
-        """The base model and each loaded adapter on it, as `BASE:NAME`."""
-        base, found = self.ctx.config.model_name, adapters_of(self.ctx.model)
-        return [base, *(f"{base}:{n}" for n in sorted(found.slots if found else ()))]
+    def served(self) -> list[tuple[str, bool, float]]:
+        """(name, loaded, created) of every model and each adapter loaded on one (as
+        `NAME:ADAPTER`); created: the model's files' time."""
+        out = []
+        for entry in self.ctx.models.listing():
+            found = adapters_of(entry.served.model) if entry.served is not None else None
+            out += [(entry.name, entry.served is not None, entry.modified_at),
+                    *((f"{entry.name}:{n}", True, entry.modified_at) for n in sorted(found.slots if found else ()))]
+        return out
 
-    async def models(self) -> dict[str, Any]:
-        return {"object": "list", "data": [model_object(n) for n in self.served()]}
+    async def models(self, request: Request) -> dict[str, Any]:
+        """The models list: Anthropic's shape to an Anthropic client, OpenAI's to every other."""
+        if asks_anthropic(request.headers):
+            return models_page([(n, created, up) for n, up, created in self.served()], request.query_params)
+        return {"object": "list", "data": [model_object(n, up) for n, up, _ in self.served()]}
 
-    async def model(self, name: str) -> dict[str, Any]:
-        if name not in self.served():
+    async def model(self, name: str, request: Request) -> dict[str, Any]:
+        served = {n: (up, created) for n, up, created in self.served()}
+        if name not in served:
             raise RequestError(f"the model '{name[:200]}' does not exist; this server serves "
-                               f"{', '.join(self.served())}", "model", status=404, kind="not_found_error")
-        return model_object(name)
+                               f"{', '.join(served)[:1000]}", "model", status=404, kind="not_found_error")
+        up, created = served[name]
+        return model_info(name, created, up) if asks_anthropic(request.headers) else model_object(name, up)
 
     async def chat_completions(self, request: Request) -> Response:
         return await self.complete(request, ChatCompletion)
@@ -55,18 +67,21 @@ class OpenAIApi(Api):
         return await self.complete(request, TextCompletion)
 
     async def complete(self, request: Request, kind: type[Completion]) -> Response:
-        """A chat or text completion: each prompt its own request of n sequences (its choices), all
-        decoded together, as one group."""
-        config, tokenizer, engine = self.ctx.config, self.ctx.tokenizer, self.ctx.engine
-        body = await parsed(request, config.max_body, parse, kind)
-        options = config.served(body.request_options(), body.model)
+        """A chat or text completion, on the model the body names (held until its reply ends)."""
+        body = await parsed(request, self.ctx.config.max_body, parse, kind)
+        return await self.ctx.models.held_for(body.model, lambda served: self.answer(request, body, kind, served))
+
+    async def answer(self, request: Request, body: Completion, kind: type[Completion], served: Served) -> Response:
+        """Each prompt its own request of n sequences (its choices), all decoded together, as one group."""
+        tokenizer, engine = served.tokenizer, served.engine
+        options = served.options(body.request_options(), body.model)
         chat = kind is ChatCompletion
         n = body.n or 1
         typed = [await engine.request(p, options) for p in body.engine_prompts(max(engine.places // n, 1))]
         o = typed[0].options
         calls = chat and o.tools and o.tool_choice != "none"
         rows, as_ids = body.logprob_rows(), bool(body.return_tokens_as_token_ids)
-        served_as = body.model if options.adapter else config.model_name
+        served_as = body.model if options.adapter else served.name
         logprobs = [Logprobs(tokenizer, chat, rows, as_ids) for _ in range(len(typed) * n)] if rows else None
         reply = Reply(rid=f"{'chatcmpl' if chat else 'cmpl'}-{next(self.ids)}", chat=chat, model=served_as, n=n,
                       logprobs=logprobs,
@@ -78,8 +93,10 @@ class OpenAIApi(Api):
                                   lambda firsts, rest: reply.events(firsts, rest, body.include_usage))
 
 
-def model_object(name: str) -> dict[str, Any]:
-    return {"id": name, "object": "model", "created": int(time.time()), "owned_by": "mlxinfer"}
+def model_object(name: str, loaded: bool) -> dict[str, Any]:
+    """OpenAI's model object, and whether the model is loaded now (`loaded`, ours: the next
+    request to a model that is not waits for its load)."""
+    return {"id": name, "object": "model", "created": int(time.time()), "owned_by": "mlxinfer", "loaded": loaded}
 
 
 @dataclass(kw_only=True)
@@ -135,10 +152,6 @@ class Reply:
         return self._object([self._choice(k, choices[k], delta=False) for k in sorted(choices)], chunk=False,
                             **self._accounting({k: cs[-1] for k, cs in choices.items()}))
 
-    def _could_call(self, text: str) -> bool:
-        start = text.lstrip()
-        return self.opener is not None and (start.startswith(self.opener) or self.opener.startswith(start))
-
     async def events(self, firsts: list[Chunk | None], streams: list[AsyncIterator[Chunk]],
                      include_usage: bool) -> AsyncIterator[bytes]:
         """The stream, each event one choice's chunk (its `index` says whose); with tools,
@@ -155,7 +168,8 @@ class Reply:
                 i = stream * self.n + chunk.index
                 last[i] = chunk
                 pending, streamed = [*held.pop(i, ()), chunk], i in sent
-                if i not in sent and self._could_call("".join(c.text for c in pending)) and not chunk.finish_reason:
+                text = "".join(c.text for c in pending)
+                if i not in sent and may_open_call(text, self.opener) and not chunk.finish_reason:
                     if not chunk.reasoning or any(c.text for c in pending):
                         held[i] = pending
                         continue

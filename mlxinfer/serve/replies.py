@@ -103,18 +103,20 @@ async def collect(stream: AsyncIterator[Chunk]) -> list[Chunk]:
 
 async def respond(request: Request, stream: AsyncIterator[Chunk], streamed: bool,
                   whole: Callable[[list[Chunk]], dict[str, Any]],
-                  events: Callable[[Chunk | None, AsyncIterator[Chunk]], AsyncIterator[bytes]]) -> Response:
+                  events: Callable[[Chunk | None, AsyncIterator[Chunk]], AsyncIterator[bytes]],
+                  media_type: str = "text/event-stream") -> Response:
     """A request's reply in an API's shape: `whole` of every chunk, or `events` as a stream
-    that begins once the first chunk came (so a refused request is a 4xx, not a broken
-    stream). A client that hangs up before then cancels its request (499, seen by no one)."""
+    (of `media_type`: Server-Sent Events unless the API streams otherwise) that begins once the
+    first chunk came (so a refused request is a 4xx, not a broken stream). A client that hangs up
+    before then cancels its request (499, seen by no one)."""
     return await respond_each(request, [stream], streamed, lambda chunks: whole(chunks[0]),
-                              lambda firsts, streams: events(firsts[0], streams[0]))
+                              lambda firsts, streams: events(firsts[0], streams[0]), media_type)
 
 
 async def respond_each(request: Request, streams: list[AsyncIterator[Chunk]], streamed: bool,
                        whole: Callable[[list[list[Chunk]]], dict[str, Any]],
-                       events: Callable[[list[Chunk | None], list[AsyncIterator[Chunk]]], AsyncIterator[bytes]]
-                       ) -> Response:
+                       events: Callable[[list[Chunk | None], list[AsyncIterator[Chunk]]], AsyncIterator[bytes]],
+                       media_type: str = "text/event-stream") -> Response:
     """`respond` for a request of several sequences (a choice each, as a list of prompts
     asks), run together: one refused or failed ends the others."""
     gone = asyncio.ensure_future(hung_up(request))
@@ -127,7 +129,7 @@ async def respond_each(request: Request, streams: list[AsyncIterator[Chunk]], st
         return Response(status_code=499)
     finally:
         gone.cancel()  # once streaming, the response itself notices a disconnect
-    return StreamingResponse(events(firsts, streams), media_type="text/event-stream")
+    return StreamingResponse(events(firsts, streams), media_type=media_type)
 
 
 async def collect_all(streams: list[AsyncIterator[Chunk]]) -> list[list[Chunk]]:

@@ -29,10 +29,11 @@ from fastapi.responses import Response
 from ..engine.text_stream import Chunk
 from ..engine.request import Request as TypedRequest
 from ..text.tokenizer import Tokenizer
-from ..text.tools import ToolCall, call_opener
+from ..text.tools import ToolCall, call_opener, may_open_call
 from .api import Api, Context, Route
 from .bodies import parsed
 from .errors import RequestError
+from .models import Served
 from .replies import respond, sse
 from .openai_schema import parse
 from .responses_schema import ITEM, UNRENDERED, CountInputTokens, CreateResponse, ItemReference, listed, messages
@@ -208,7 +209,7 @@ class ResponsesApi(Api):
                 Route("/responses/{rid}", self.retrieve, ("GET",)), Route("/responses/{rid}", self.delete, ("DELETE",)),
                 Route("/responses/{rid}/input_items", self.input_items, ("GET",)))
 
-    async def typed(self, body: CreateResponse) -> tuple[TypedRequest, Turn]:
+    async def typed(self, body: CreateResponse, served: Served) -> tuple[TypedRequest, Turn]:
         """The one typed request `body` makes, and the items it answers. Resolving them and
         writing them as messages grow with the body and the store: a worker thread does both."""
         config = self.ctx.config
@@ -218,14 +219,17 @@ class ResponsesApi(Api):
             return turn, messages(turn.items, body.instructions)
 
         turn, chat = await asyncio.to_thread(answered)
-        return await self.ctx.engine.request(chat, config.served(body.request_options(), body.model)), turn
+        return await served.engine.request(chat, served.options(body.request_options(), body.model)), turn
 
     async def create(self, request: Request) -> Response:
-        config, tokenizer = self.ctx.config, self.ctx.tokenizer
-        body = await parsed(request, config.max_body, parse, CreateResponse)
-        typed_request, turn = await self.typed(body)
+        body = await parsed(request, self.ctx.config.max_body, parse, CreateResponse)
+        return await self.ctx.models.held_for(body.model, lambda served: self.answer(request, body, served))
+
+    async def answer(self, request: Request, body: CreateResponse, served: Served) -> Response:
+        tokenizer = served.tokenizer
+        typed_request, turn = await self.typed(body, served)
         o = typed_request.options
-        reply = Reply(body=body, model=config.model_name, tokenizer=tokenizer,
+        reply = Reply(body=body, model=served.name, tokenizer=tokenizer,
                       opener=call_opener(tokenizer) if o.tools and o.tool_choice != "none" else None)
 
         def keep(response: dict[str, Any]) -> dict[str, Any]:
@@ -240,13 +244,14 @@ class ResponsesApi(Api):
                 raise RequestError("the server is shutting down", status=503, kind="server_busy")
             return keep(reply.whole(chunks))
 
-        return await respond(request, self.ctx.engine.chunks(typed_request), bool(body.stream), whole,
+        return await respond(request, served.engine.chunks(typed_request), bool(body.stream), whole,
                              lambda first, rest: reply.events(first, rest, keep))
 
     async def input_tokens(self, request: Request) -> dict[str, Any]:
         """How many tokens the input is as `create` would render it (tools included)."""
         body = await parsed(request, self.ctx.config.max_body, parse, CountInputTokens)
-        count = await self.ctx.engine.count((await self.typed(body))[0])
+        async with self.ctx.models.use(body.model) as served:
+            count = await served.engine.count((await self.typed(body, served))[0])
         return {"object": "response.input_tokens", "input_tokens": count}
 
     async def retrieve(self, rid: str, request: Request) -> Response:
@@ -387,10 +392,6 @@ class Reply:
         text = (last.content or "") if last.tool_calls else "".join(c.text for c in chunks)
         return self.finished(chunks, "".join(c.reasoning for c in chunks), text)
 
-    def _could_call(self, text: str) -> bool:
-        start = text.lstrip()
-        return self.opener is not None and (start.startswith(self.opener) or self.opener.startswith(start))
-
     async def events(self, first: Chunk | None, stream: AsyncIterator[Chunk],
                      keep: Callable[[dict[str, Any]], None]) -> AsyncIterator[bytes]:
         """The stream of events; with tools, text that may be the start of a call is held
@@ -409,7 +410,7 @@ class Reply:
                     held.append(chunk)
                     text = "".join(c.text for c in held)
                     if chunk.tool_calls or (out.said is None and not chunk.finish_reason
-                                            and (not text or self._could_call(text))):
+                                            and (not text or may_open_call(text, self.opener))):
                         continue
                     for event in out.say(text, held):
                         yield event

@@ -25,9 +25,10 @@ from pydantic_core import PydanticCustomError
 from ..base.checks import token_ids
 from ..engine.options import RequestOptions
 from ..engine.prompt import ImagePrompt, image_prompt, tool_plan
-from .api import Api, Context, Route
+from .api import Api, Route
 from .bodies import parsed
 from .errors import RequestError
+from .models import Served
 from .replies import json_reply
 from .openai_schema import ChatCompletion, Message, Strict, parse
 
@@ -36,7 +37,7 @@ class Tokenize(Strict):
     """One body for both families: `content` (llama.cpp) or `prompt` (vLLM) text, or
     `messages` (vLLM's chat form)."""
 
-    model: str | None = None  # vLLM clients name the model; there is one
+    model: str | None = None  # vLLM clients name the model
     content: str | None = None
     prompt: str | None = None
     messages: list[Message] | None = None
@@ -72,7 +73,7 @@ class Detokenize(Strict):
     tokens: list[int]
 
 
-async def chat_prompt(ctx: Context, messages: list[Message],
+async def chat_prompt(served: Served, messages: list[Message],
                       tools: list[dict[str, Any]] | None = None) -> tuple[list[int], ImagePrompt | None]:
     """The ids a chat completion of these messages (and tools) prefills and, when they hold
     images, the images as the engine prepares them: `engine.prompt.image_prompt`, as the engine
@@ -81,9 +82,9 @@ async def chat_prompt(ctx: Context, messages: list[Message],
     (`EngineThread.request`), then rendered on a worker: the event loop is never held."""
     chat = ChatCompletion(messages=messages, tools=tools)
     options = RequestOptions(tools=tools or None, tool_choice="none")  # rendered, no grammar needed
-    request = await ctx.engine.request(chat.engine_prompt(), options)
-    return await asyncio.to_thread(image_prompt, ctx.model, ctx.tokenizer, request,
-                                   tool_plan(request.options, ctx.tokenizer))
+    request = await served.engine.request(chat.engine_prompt(), options)
+    return await asyncio.to_thread(image_prompt, served.model, served.tokenizer, request,
+                                   tool_plan(request.options, served.tokenizer))
 
 
 class TokensApi(Api):
@@ -99,33 +100,38 @@ class TokensApi(Api):
         if not body.parse_special:
             raise RequestError("parse_special: false (special tokens' text read as plain text) is not supported; "
                                "leave it out", "parse_special")
-        ids = None
-        if body.messages is not None:
-            if not body.add_generation_prompt or body.add_special_tokens:
-                raise RequestError("chat messages are counted as a chat completion renders them: with the "
-                                   "generation prompt and the template's own special tokens; leave "
-                                   "add_generation_prompt and add_special_tokens out",
-                                   "add_generation_prompt" if not body.add_generation_prompt else "add_special_tokens")
-            ids = (await chat_prompt(self.ctx, body.messages, body.tools))[0]
-        return await json_reply(lambda: self.tokens(body, ids))  # a long text or template must not stall the loop
+        async with self.ctx.models.use(body.model) as served:
+            ids = None
+            if body.messages is not None:
+                if not body.add_generation_prompt or body.add_special_tokens:
+                    raise RequestError("chat messages are counted as a chat completion renders them: with the "
+                                       "generation prompt and the template's own special tokens; leave "
+                                       "add_generation_prompt and add_special_tokens out",
+                                       "add_generation_prompt" if not body.add_generation_prompt
+                                       else "add_special_tokens")
+                ids = (await chat_prompt(served, body.messages, body.tools))[0]
+            # a long text or template must not stall the loop
+            return await json_reply(lambda: self.tokens(body, ids, served))
 
-    def tokens(self, body: Tokenize, ids: list[int] | None) -> dict[str, Any]:
+    @staticmethod
+    def tokens(body: Tokenize, ids: list[int] | None, served: Served) -> dict[str, Any]:
         """The answer for `body`: its text's ids, or `ids` (its messages', `chat_prompt`)."""
-        tokenizer = self.ctx.tokenizer
+        tokenizer = served.tokenizer
         if ids is None:
             ids = tokenizer.encode(body.content if body.content is not None else body.prompt, body.add_bos())
         tokens: list[Any] = [{"id": i, "piece": p} for i, p in zip(ids, tokenizer.pieces(ids))] if body.with_pieces \
             else ids
         strs = [tokenizer.backend.id_to_token(i) for i in ids] if body.return_token_strs else None
-        return {"tokens": tokens, "count": len(ids), "max_model_len": self.ctx.model.config.max_position_embeddings,
+        return {"tokens": tokens, "count": len(ids), "max_model_len": served.model.config.max_position_embeddings,
                 "token_strs": strs}
 
     async def detokenize(self, request: Request) -> Response:
         body = await parsed(request, self.ctx.config.max_body, parse, Detokenize)
-        tokenizer = self.ctx.tokenizer
+        async with self.ctx.models.use(body.model) as served:
+            tokenizer = served.tokenizer
 
-        def detokenized() -> dict[str, str]:
-            text = tokenizer.decode(token_ids(body.tokens, tokenizer.vocab_size, "tokens"))
-            return {"content": text, "prompt": text}
+            def detokenized() -> dict[str, str]:
+                text = tokenizer.decode(token_ids(body.tokens, tokenizer.vocab_size, "tokens"))
+                return {"content": text, "prompt": text}
 
-        return await json_reply(detokenized)
+            return await json_reply(detokenized)

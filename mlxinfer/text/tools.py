@@ -317,6 +317,13 @@ def call_opener(tokenizer: Tokenizer) -> str | None:
     return None if syntax.addressed else syntax.open or "{"
 
 
+def may_open_call(text: str, opener: str | None) -> bool:
+    """Whether streamed answer `text` may be the start of a call that begins with `opener`
+    (`call_opener`; None: no calls in the text), so it is held back until that is known."""
+    start = text.lstrip()
+    return opener is not None and (start.startswith(opener) or opener.startswith(start))
+
+
 def plan(tokenizer: Tokenizer, tools: Any, tool_choice: Any = None, parallel: bool = True,
          answer: dict[str, Any] | None = None) -> ToolPlan:
     """Check `tools` / `tool_choice` and work out how to render, constrain and read them; a

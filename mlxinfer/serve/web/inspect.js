@@ -59,7 +59,7 @@ function tokensRegion(look, prompt, onError) {
   const legend = el("p", { className: "legend", textContent:
     `Prompt: ${look.usage?.prompt_tokens ?? "?"} tokens, ${cached} from the prompt cache (marked); reply: ${look.tokens.length} tokens, each with its probability, ${drafted} drafted and accepted (marked). Ids on hover.` });
   section.append(legend, el("h4", { textContent: "Prompt" }), prompts, el("h4", { textContent: "Reply" }), replies, detail);
-  postJSON("/tokenize", { messages: prompt, with_pieces: true }).then((r) => {
+  postJSON("/tokenize", { model: look.request.model, messages: prompt, with_pieces: true }).then((r) => {
     prompts.append(...r.tokens.map((t, i) => {
       const item = el("li", { className: i < cached ? "chip cached" : "chip", title: `id ${t.id}${i < cached ? " (from the prompt cache)" : ""}` },
         el("span", { className: "text", textContent: visible(t.piece) }));
@@ -77,7 +77,7 @@ function pipelineRegion(look, prompt, onError, panel) {
   const stages = el("ol", { className: "stages" }, el("li", { textContent: "Running the prompt through the model…" }));
   stages.setAttribute("aria-label", "Stages");
   section.append(stages, el("p", { className: "legend", textContent: `Sampler: ${sampler || "the server's defaults"}` }), timeline(look));
-  postJSON("/v1/inspect", { messages: prompt }).then((r) => {
+  postJSON("/v1/inspect", { model: look.request.model, messages: prompt }).then((r) => {
     stages.replaceChildren(...stageItems(r, look));
     panel.dispatchEvent(new CustomEvent("inspected", { detail: r }));
   }).catch((e) => { stages.replaceChildren(el("li", { textContent: `Not available: ${e.message}` })); });
@@ -163,7 +163,7 @@ function attentionRegion(message, prompt, onError, panel) {
   }, { once: true });
   show.addEventListener("click", () => {
     show.disabled = true;
-    postJSON("/v1/attention", { messages: prompt, reply: message.content, layer: Number(layer.value), head: Number(head.value) })
+    postJSON("/v1/attention", { model: message.look.request.model, messages: prompt, reply: message.content, layer: Number(layer.value), head: Number(head.value) })
       .then((r) => {
         const top = Math.max(...r.weights) || 1;
         strip.replaceChildren(...r.tokens.map((t, i) => {
