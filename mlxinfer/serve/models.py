@@ -52,7 +52,7 @@ LOAD_THREADS = 1  # one load at a time: two at once would peak at both models' l
 KEEP_ALIVE_SECONDS = 300.0  # `serve --keep-alive`'s default, as Ollama's
 MAX_LOADED = 3  # `serve --max-loaded-models`'s default, as Ollama's (3 per GPU)
 BUDGET_FRACTION = 0.75  # of physical memory, where no wired limit says otherwise
-KV_TOKENS = 4096  # tokens a running sequence is counted at without --max-kv-size (Ollama's default num_ctx)
+KV_TOKENS = 4096  # K/V tokens a model is counted at without --max-kv-size (Ollama's default num_ctx)
 
 
 @dataclass(frozen=True)
@@ -121,10 +121,13 @@ def default_budget() -> int:
 def estimate_memory(path: Path, *, max_concurrency: int, max_kv_size: int | None = None, kv_bits: int | None = None,
                     prompt_cache_bytes: int = 0) -> int:
     """The bytes a model is counted at before it loads: its weight files as stored (what loading
-    maps), plus the K/V its engine may hold: `max_concurrency` sequences of `max_kv_size` tokens
-    (without it, KV_TOKENS each, capped by the context: a typical load, not the worst case),
-    2 x layers x K/V heads x head size values a token at 16 bits (or `kv_bits`), plus the prompt
-    cache's limit. Sliding-window and recurrent layers hold less: this overcounts them."""
+    maps), plus the prompt cache's limit (a bound the pool keeps), plus K/V at 2 x layers x K/V
+    heads x head size values a token, 16 bits each (or `kv_bits`): with `max_kv_size` (each
+    sequence's rotating cache) the bound, `max_concurrency` sequences of it; without, K/V grows
+    only as tokens come, so KV_TOKENS in all (one conversation of Ollama's default context,
+    capped by the model's): a working estimate, not a bound, that lets a model whose every
+    sequence could fill its context still be served, as a one-model server is. Sliding-window
+    and recurrent layers hold less: this overcounts them."""
     from ..loading.checkpoint import read_config, weight_files
 
     config = read_config(path)
@@ -135,9 +138,9 @@ def estimate_memory(path: Path, *, max_concurrency: int, max_kv_size: int | None
     kv_heads = int(text.get("num_key_value_heads") or heads)
     head_dim = int(text.get("head_dim") or (int(text.get("hidden_size") or 0) // heads))
     context = int(text.get("max_position_embeddings") or KV_TOKENS)
-    tokens = min(max_kv_size or KV_TOKENS, context)
+    tokens = max_concurrency * min(max_kv_size, context) if max_kv_size else min(KV_TOKENS, context)
     per_token = 2 * layers * kv_heads * head_dim * (kv_bits or 16) // 8
-    return weights + max_concurrency * tokens * per_token + prompt_cache_bytes
+    return weights + tokens * per_token + prompt_cache_bytes
 
 
 @dataclass(frozen=True)
