@@ -161,8 +161,8 @@ def test_keep_alive_0_unloads_after_the_reply_and_frees_the_memory(home):
         reply = client(server).chat.completions.create(model="alpha", messages=[{"role": "user", "content": "hi"}],
                                                        max_tokens=4)
         assert reply.model == "alpha"
-        after = server.wait_for(lambda h: not h["models"])
-        assert after["models"] == {}, "the model stayed loaded"
+        after = server.wait_for(lambda h: not h["models"] and not h["unloading"])
+        assert after["models"] == {} and after["unloading"] == [], "the model stayed loaded"
         assert loaded(server) == {"alpha": False, "beta": False}
         assert after["memory"]["mlx_active_bytes"] - before < weights / 10
     finally:

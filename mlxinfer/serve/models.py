@@ -397,9 +397,10 @@ class Models:
             if served is not None:
                 await asyncio.to_thread(served.engine.stop)
         finally:
-            slot.served, slot.unloading, slot.doomed = None, None, False
+            slot.served, slot.doomed = None, False
             del served
             await asyncio.to_thread(_free)
+            slot.unloading = None  # only now: until its memory is given back, it still counts
             if slot.gone and not slot.users:  # deleted from the store meanwhile
                 self._slots.pop(slot.entry.name, None)
             await self._notify()
@@ -456,7 +457,8 @@ class Models:
 
     def health(self) -> dict[str, Any]:
         """The loaded models' engine snapshots summed (what /health and /metrics report), each on its
-        own (`models`), and the requests waiting for a model to load (`waiting`, by model)."""
+        own (`models`), the requests waiting for a model to load (`waiting`, by model), and the
+        models being unloaded (`unloading`: their memory is not given back yet)."""
         each = {s.name: {**s.engine.health, "preparing": s.engine.preparing, "memory_estimate": s.memory,
                          "expires_at": s.expires_at} for s in self.loaded()}
         total: dict[str, Any] = {"active": 0, "queued": 0, "served": 0, "cache_bytes": 0, "preparing": 0}
@@ -467,7 +469,8 @@ class Models:
         total["prompt_cache"] = {k: sum(p.get(k, 0) for p in pools) for k in pools[0]} if pools else None
         total["memory"] = {"mlx_active_bytes": mx.get_active_memory(), "mlx_peak_bytes": mx.get_peak_memory()}
         waiting = {n: s.users for n, s in self._slots.items() if s.users and (s.served is None or s.unloading)}
-        return {**total, "models": each, "waiting": waiting}
+        unloading = [n for n, s in self._slots.items() if s.unloading is not None]
+        return {**total, "models": each, "waiting": waiting, "unloading": unloading}
 
 
 def _unopenable(entry: ModelEntry, metrics: Metrics) -> Loaded:
