@@ -9,6 +9,7 @@ the official `openai` and `anthropic` clients, and MLX's own count of the memory
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import shutil
@@ -134,13 +135,22 @@ def test_each_model_answers_by_name_as_itself(server, checkpoints):
     name with its own weights (transformers' greedy continuation), and is then marked loaded."""
     assert loaded(server) == {"alpha": False, "beta": False}
     prompt = [5, 9, 23, 41, 7]
-    for name in ("alpha", "beta"):
+    want = {name: greedy(checkpoints[name], prompt, 6) for name in ("alpha", "beta")}
+    assert want["alpha"] != want["beta"]
+
+    def ask(name: str) -> list[int]:
         reply = client(server).completions.create(model=name, prompt=prompt, max_tokens=6, temperature=0,
                                                   logit_bias={str(t): -100 for t in no_end(checkpoints[name])},
                                                   extra_body={"return_token_details": True})
         assert reply.model == name
-        assert ids_of(reply) == greedy(checkpoints[name], prompt, 6)
+        return ids_of(reply)
+
+    for name in ("alpha", "beta"):
+        assert ask(name) == want[name]
     assert loaded(server) == {"alpha": True, "beta": True}
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:  # both models at once, two requests each
+        names = ["alpha", "beta", "alpha", "beta"]
+        assert list(pool.map(ask, names)) == [want[n] for n in names]
     health = server.health()
     assert set(health["models"]) == {"alpha", "beta"} and health["waiting"] == {}
 
