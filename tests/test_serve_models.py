@@ -501,3 +501,22 @@ def test_a_name_not_served_is_refused_and_one_model_answers_to_any():
             assert served.name == "only"
 
     asyncio.run(run())
+
+
+def test_named_models_with_an_alias_and_a_draft_model_for_the_default(home, checkpoints):
+    """`--model NAME=PATH` serves PATH as NAME, the first `--model` is the default (a request naming
+    none, and the one the `--draft-model` drafts for); speculation leaves greedy replies as they are."""
+    store = home / "two" / "models"
+    server = serve(home, "-m", f"first={store / 'alpha'}", "-m", str(store / "beta"), "--draft-model",
+                   str(store / "beta"))
+    try:
+        assert loaded(server) == {"first": True, "beta": False}  # the default loads before the server listens
+        prompt = [5, 9, 23, 41, 7]
+        reply = client(server).completions.create(model="first", prompt=prompt, max_tokens=6, temperature=0,
+                                                  logit_bias={str(t): -100 for t in no_end(checkpoints["alpha"])},
+                                                  extra_body={"return_token_details": True})
+        assert reply.model == "first" and ids_of(reply) == greedy(checkpoints["alpha"], prompt, 6)
+        with pytest.raises(openai.NotFoundError):
+            client(server).completions.create(model="alpha", prompt="hi", max_tokens=2)  # served as "first"
+    finally:
+        server.stop()
