@@ -213,7 +213,7 @@ class Models:
     @classmethod
     def of(cls, served: Served, metrics: Metrics | None = None) -> Models:
         """A registry of one model already loaded, never unloaded: a model sharded across ranks
-        (whose ranks all loaded it), or one an embedding program built itself."""
+        (whose ranks all loaded it), or one a program built itself around its own engine."""
         entry = ModelEntry(served.name, served.path, 0, type(served.model).__name__, 0, "?",
                            _timestamp(served.path))
         limits = {"max_concurrency": served.engine.max_batch, "max_queued": served.engine.max_queued}
