@@ -9,6 +9,7 @@ the official `openai` and `anthropic` clients, and MLX's own count of the memory
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import shutil
@@ -134,13 +135,22 @@ def test_each_model_answers_by_name_as_itself(server, checkpoints):
     name with its own weights (transformers' greedy continuation), and is then marked loaded."""
     assert loaded(server) == {"alpha": False, "beta": False}
     prompt = [5, 9, 23, 41, 7]
-    for name in ("alpha", "beta"):
+    want = {name: greedy(checkpoints[name], prompt, 6) for name in ("alpha", "beta")}
+    assert want["alpha"] != want["beta"]
+
+    def ask(name: str) -> list[int]:
         reply = client(server).completions.create(model=name, prompt=prompt, max_tokens=6, temperature=0,
                                                   logit_bias={str(t): -100 for t in no_end(checkpoints[name])},
                                                   extra_body={"return_token_details": True})
         assert reply.model == name
-        assert ids_of(reply) == greedy(checkpoints[name], prompt, 6)
+        return ids_of(reply)
+
+    for name in ("alpha", "beta"):
+        assert ask(name) == want[name]
     assert loaded(server) == {"alpha": True, "beta": True}
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:  # both models at once, two requests each
+        names = ["alpha", "beta", "alpha", "beta"]
+        assert list(pool.map(ask, names)) == [want[n] for n in names]
     health = server.health()
     assert set(health["models"]) == {"alpha", "beta"} and health["waiting"] == {}
 
@@ -161,8 +171,8 @@ def test_keep_alive_0_unloads_after_the_reply_and_frees_the_memory(home):
         reply = client(server).chat.completions.create(model="alpha", messages=[{"role": "user", "content": "hi"}],
                                                        max_tokens=4)
         assert reply.model == "alpha"
-        after = server.wait_for(lambda h: not h["models"])
-        assert after["models"] == {}, "the model stayed loaded"
+        after = server.wait_for(lambda h: not h["models"] and not h["unloading"])
+        assert after["models"] == {} and after["unloading"] == [], "the model stayed loaded"
         assert loaded(server) == {"alpha": False, "beta": False}
         assert after["memory"]["mlx_active_bytes"] - before < weights / 10
     finally:
@@ -491,3 +501,22 @@ def test_a_name_not_served_is_refused_and_one_model_answers_to_any():
             assert served.name == "only"
 
     asyncio.run(run())
+
+
+def test_named_models_with_an_alias_and_a_draft_model_for_the_default(home, checkpoints):
+    """`--model NAME=PATH` serves PATH as NAME, the first `--model` is the default (a request naming
+    none, and the one the `--draft-model` drafts for); speculation leaves greedy replies as they are."""
+    store = home / "two" / "models"
+    server = serve(home, "-m", f"first={store / 'alpha'}", "-m", str(store / "beta"), "--draft-model",
+                   str(store / "beta"))
+    try:
+        assert loaded(server) == {"first": True, "beta": False}  # the default loads before the server listens
+        prompt = [5, 9, 23, 41, 7]
+        reply = client(server).completions.create(model="first", prompt=prompt, max_tokens=6, temperature=0,
+                                                  logit_bias={str(t): -100 for t in no_end(checkpoints["alpha"])},
+                                                  extra_body={"return_token_details": True})
+        assert reply.model == "first" and ids_of(reply) == greedy(checkpoints["alpha"], prompt, 6)
+        with pytest.raises(openai.NotFoundError):
+            client(server).completions.create(model="alpha", prompt="hi", max_tokens=2)  # served as "first"
+    finally:
+        server.stop()

@@ -624,8 +624,9 @@ SERVE_MODEL_HELP = ("A model to serve: a local folder, hub id, .gguf file or a n
 @click.option("--max-loaded-models", type=click.IntRange(1), default=3, show_default=True,
               help="Models loaded at once (3, as Ollama); loading another unloads the least recently used idle one.")
 @click.option("--memory-budget", type=ByteSize(), default=None,
-              help="Memory the loaded models may hold together, each counted as its weights plus its K/V and "
-                   "prompt-cache limits (e.g. 24GiB; default: the wired limit on Metal, else 3/4 of memory).")
+              help="Memory the loaded models may hold together, each counted as its weights, its prompt-cache limit "
+                   "and its K/V (--max-concurrency x --max-kv-size tokens; without it, 4096) (e.g. 24GiB; default: "
+                   "the wired limit on Metal, else 3/4 of memory).")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on (loopback by default).")
 @click.option("--port", type=click.IntRange(0, 65535), default=8080, show_default=True)
 @click.option("--max-concurrency", type=click.IntRange(1), default=8, show_default=True,

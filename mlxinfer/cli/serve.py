@@ -114,6 +114,7 @@ class Opening:
         from ..loading.model import load
         from ..serve.engine_thread import EngineThread
         from ..serve.models import Loaded
+        from .store import resolve_model
 
         model, tokenizer = load(entry.path, dtype=self.dtype)
         options = dict(self.options)
@@ -122,7 +123,7 @@ class Opening:
                 name, _, folder = spec.rpartition("=")
                 load_adapter(model, folder, name or None)
             if self.draft_model:
-                options["draft_model"] = load(self.draft_model, dtype=self.dtype)[0]
+                options["draft_model"] = load(resolve_model(self.draft_model), dtype=self.dtype)[0]
         if self.prompt_cache_bytes:
             options["pool"] = pool_for(model, self.prompt_cache_bytes)
         engine = BatchGenerator(model, tokenizer, max_batch=self.max_concurrency, **options)

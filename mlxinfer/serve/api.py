@@ -26,7 +26,7 @@ class ServerConfig:
     hosts: frozenset[str] | None = allowed_hosts("127.0.0.1", ())  # what a request's Host may name; None: any
     responses_store: int = 256  # Responses API objects kept for retrieval and previous_response_id
     responses_store_bytes: int = 256 << 20  # ... and the bytes they may hold in all
-    max_adapters: int = 8  # LoRA adapters loaded at once (POST /v1/adapters)
+    max_adapters: int = 8  # LoRA adapters loaded at once on one model (POST /v1/adapters)
     web: bool = True  # the chat page at / (`serve --no-web`: none)
     attention: bool = True  # POST /v1/attention: off on a non-loopback host without an API key
 

@@ -52,7 +52,7 @@ LOAD_THREADS = 1  # one load at a time: two at once would peak at both models' l
 KEEP_ALIVE_SECONDS = 300.0  # `serve --keep-alive`'s default, as Ollama's
 MAX_LOADED = 3  # `serve --max-loaded-models`'s default, as Ollama's (3 per GPU)
 BUDGET_FRACTION = 0.75  # of physical memory, where no wired limit says otherwise
-KV_TOKENS = 4096  # tokens a running sequence is counted at without --max-kv-size (Ollama's default num_ctx)
+KV_TOKENS = 4096  # K/V tokens a model is counted at without --max-kv-size (Ollama's default num_ctx)
 
 
 @dataclass(frozen=True)
@@ -121,10 +121,13 @@ def default_budget() -> int:
 def estimate_memory(path: Path, *, max_concurrency: int, max_kv_size: int | None = None, kv_bits: int | None = None,
                     prompt_cache_bytes: int = 0) -> int:
     """The bytes a model is counted at before it loads: its weight files as stored (what loading
-    maps), plus the K/V its engine may hold: `max_concurrency` sequences of `max_kv_size` tokens
-    (without it, KV_TOKENS each, capped by the context: a typical load, not the worst case),
-    2 x layers x K/V heads x head size values a token at 16 bits (or `kv_bits`), plus the prompt
-    cache's limit. Sliding-window and recurrent layers hold less: this overcounts them."""
+    maps), plus the prompt cache's limit (a bound the pool keeps), plus K/V at 2 x layers x K/V
+    heads x head size values a token, 16 bits each (or `kv_bits`): with `max_kv_size` (each
+    sequence's rotating cache) the bound, `max_concurrency` sequences of it; without, K/V grows
+    only as tokens come, so KV_TOKENS in all (one conversation of Ollama's default context,
+    capped by the model's): a working estimate, not a bound, that lets a model whose every
+    sequence could fill its context still be served, as a one-model server is. Sliding-window
+    and recurrent layers hold less: this overcounts them."""
     from ..loading.checkpoint import read_config, weight_files
 
     config = read_config(path)
@@ -135,9 +138,9 @@ def estimate_memory(path: Path, *, max_concurrency: int, max_kv_size: int | None
     kv_heads = int(text.get("num_key_value_heads") or heads)
     head_dim = int(text.get("head_dim") or (int(text.get("hidden_size") or 0) // heads))
     context = int(text.get("max_position_embeddings") or KV_TOKENS)
-    tokens = min(max_kv_size or KV_TOKENS, context)
+    tokens = max_concurrency * min(max_kv_size, context) if max_kv_size else min(KV_TOKENS, context)
     per_token = 2 * layers * kv_heads * head_dim * (kv_bits or 16) // 8
-    return weights + max_concurrency * tokens * per_token + prompt_cache_bytes
+    return weights + tokens * per_token + prompt_cache_bytes
 
 
 @dataclass(frozen=True)
@@ -210,7 +213,7 @@ class Models:
     @classmethod
     def of(cls, served: Served, metrics: Metrics | None = None) -> Models:
         """A registry of one model already loaded, never unloaded: a model sharded across ranks
-        (whose ranks all loaded it), or one an embedding program built itself."""
+        (whose ranks all loaded it), or one a program built itself around its own engine."""
         entry = ModelEntry(served.name, served.path, 0, type(served.model).__name__, 0, "?",
                            _timestamp(served.path))
         limits = {"max_concurrency": served.engine.max_batch, "max_queued": served.engine.max_queued}
@@ -394,9 +397,10 @@ class Models:
             if served is not None:
                 await asyncio.to_thread(served.engine.stop)
         finally:
-            slot.served, slot.unloading, slot.doomed = None, None, False
+            slot.served, slot.doomed = None, False
             del served
             await asyncio.to_thread(_free)
+            slot.unloading = None  # only now: until its memory is given back, it still counts
             if slot.gone and not slot.users:  # deleted from the store meanwhile
                 self._slots.pop(slot.entry.name, None)
             await self._notify()
@@ -453,7 +457,8 @@ class Models:
 
     def health(self) -> dict[str, Any]:
         """The loaded models' engine snapshots summed (what /health and /metrics report), each on its
-        own (`models`), and the requests waiting for a model to load (`waiting`, by model)."""
+        own (`models`), the requests waiting for a model to load (`waiting`, by model), and the
+        models being unloaded (`unloading`: their memory is not given back yet)."""
         each = {s.name: {**s.engine.health, "preparing": s.engine.preparing, "memory_estimate": s.memory,
                          "expires_at": s.expires_at} for s in self.loaded()}
         total: dict[str, Any] = {"active": 0, "queued": 0, "served": 0, "cache_bytes": 0, "preparing": 0}
@@ -464,7 +469,8 @@ class Models:
         total["prompt_cache"] = {k: sum(p.get(k, 0) for p in pools) for k in pools[0]} if pools else None
         total["memory"] = {"mlx_active_bytes": mx.get_active_memory(), "mlx_peak_bytes": mx.get_peak_memory()}
         waiting = {n: s.users for n, s in self._slots.items() if s.users and (s.served is None or s.unloading)}
-        return {**total, "models": each, "waiting": waiting}
+        unloading = [n for n, s in self._slots.items() if s.unloading is not None]
+        return {**total, "models": each, "waiting": waiting, "unloading": unloading}
 
 
 def _unopenable(entry: ModelEntry, metrics: Metrics) -> Loaded:
