@@ -397,7 +397,8 @@ def test_malformed_bodies_unknown_paths_and_methods_in_anthropics_shape(server):
     with pytest.raises(urllib.error.HTTPError) as e:
         urllib.request.urlopen(urllib.request.Request(f"{server.url}/v1/messages", headers=headers))
     assert e.value.code == 405 and json.loads(e.value.read())["type"] == "error"
-    for extra, code in (({"Content-Type": "text/plain"}, 415), ({"Host": "evil.example"}, 403)):  # the guard's refusals
+    for extra, code in (({"Content-Type": "text/plain", "Origin": "http://evil.example"}, 415),  # the guard's refusals
+                        ({"Host": "evil.example"}, 403)):
         request = urllib.request.Request(f"{server.url}/v1/messages", data=b"{}", headers={**headers, **extra})
         with pytest.raises(urllib.error.HTTPError) as e:
             urllib.request.urlopen(request)

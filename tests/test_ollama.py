@@ -333,6 +333,30 @@ def test_unknown_model_is_404_and_bad_options_400_naming_them(client, server, na
     assert r.status_code == 404 and list(r.json()) == ["error"]
 
 
+def test_curl_as_ollamas_documentation_writes_it(server, name):
+    """docs/api.md's `curl http://localhost:11434/api/generate -d '{...}'`: curl declares a form
+    body and sends no Origin; it is answered, `stream: false` as one object. With a web page's
+    Origin the same body is refused, 415 in Ollama's shape."""
+    import shutil
+    import subprocess
+
+    curl = shutil.which("curl")
+    if curl is None:
+        pytest.skip("no curl on this machine")
+    body = json.dumps({"model": name, "prompt": "Why is the sky blue?", "stream": False,
+                       "options": {"num_predict": 3}})
+    for extra, status in (([], 200), (["-H", "Origin: http://evil.example"], 415)):
+        out = subprocess.run([curl, "-sS", "-w", "\n%{http_code}", f"{server.url}/api/generate", "-d", body, *extra],
+                             capture_output=True, text=True, timeout=120, check=True).stdout
+        text, _, code = out.rpartition("\n")
+        assert int(code) == status, text
+        reply = json.loads(text)
+        if status == 200:
+            assert reply["done"] is True and reply["eval_count"] == 3 and isinstance(reply["response"], str)
+        else:
+            assert list(reply) == ["error"] and "application/json" in reply["error"]
+
+
 # --- the model store: copy and delete ---
 
 def test_copy_and_delete_go_through_mlxinfers_cache(client, tiny):

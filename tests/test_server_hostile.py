@@ -490,16 +490,41 @@ def test_only_known_host_names_are_answered(server, host, allowed):
     assert (status == 200) == allowed
 
 
+@pytest.mark.parametrize("origin", ["http://evil.example", "null"])
 @pytest.mark.parametrize("kind", ["text/plain", "application/x-www-form-urlencoded", "multipart/form-data", None])
-def test_a_body_that_is_not_declared_json_is_refused(server, kind):
-    """A page may POST text/plain to any address without a CORS preflight: such a request runs nothing."""
-    head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+def test_a_pages_body_that_is_not_declared_json_is_refused(server, kind, origin):
+    """A page may POST text/plain to any address without a CORS preflight, and its browser sends
+    the page's Origin with it ("null" where it hides it): such a request runs nothing."""
+    head = f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nOrigin: {origin}\r\n".encode()
     if kind:
         head += f"Content-Type: {kind}\r\n".encode()
     served = server.health()["served"]
     status, reply = raw(server.port, head, CHAT)
     assert status == 415 and "application/json" in reply["error"]["message"]
     assert server.health()["served"] == served  # nothing ran
+
+
+def test_curls_form_body_without_an_origin_is_read_as_json(server, tmp_path):
+    """`curl URL -d '{...}'`, as Ollama's and OpenAI's documentation write it, declares a form
+    (application/x-www-form-urlencoded) and sends no Origin: not a page, so it is answered. The
+    same with a page's Origin is refused."""
+    import shutil
+    import subprocess
+
+    curl = shutil.which("curl")
+    if curl is None:
+        pytest.skip("no curl on this machine")
+    url = f"{server.url}/v1/chat/completions"
+    for extra, status in (([], 200), (["-H", "Origin: http://evil.example"], 415)):
+        out = subprocess.run([curl, "-sS", "-w", "\n%{http_code}", url, "-d", CHAT.decode(), *extra],
+                             capture_output=True, text=True, timeout=HANG_GUARD, check=True).stdout
+        body, _, code = out.rpartition("\n")
+        assert int(code) == status, body
+        reply = json.loads(body)
+        if status == 200:
+            assert reply["object"] == "chat.completion" and reply["choices"][0]["message"]["role"] == "assistant"
+        else:
+            assert reply["error"]["type"] == "invalid_request_error" and "application/json" in reply["error"]["message"]
 
 
 def test_json_with_a_charset_is_json(server):

@@ -9,9 +9,15 @@ Two layers, below the routes:
   headers have not all arrived within `header_seconds` is closed.
 - `LocalOnly`: an ASGI middleware that refuses a request whose `Host` is not one this
   server answers to (a page that rebinds its own DNS name to 127.0.0.1 still sends its own
-  name), and a POST to one of its routes whose body is not `application/json` (a page may send
-  `text/plain` to any address without asking first; it may not send JSON without CORS
-  approval). A POST to a path with no route goes on, whatever its body, to be told so (404).
+  name), and a POST from a web page to one of its routes whose body is not `application/json`.
+  A page may POST the "simple" content types (`text/plain`, a form) to any address without
+  asking first, but not JSON without CORS approval; so a page's non-JSON POST is refused (415)
+  and runs nothing. A page is known by its `Origin` header: the Fetch standard has a browser
+  send one on every POST (cross-origin or not; "null" where it hides the origin), while
+  non-browser clients send none. Those are read as JSON whatever they declare, because the
+  plainest of them do not declare it: `curl -d '{...}'`, as Ollama's and OpenAI's documentation
+  write their examples, sends `application/x-www-form-urlencoded`. A POST to a path with no
+  route goes on, whatever its body, to be told so (404).
 """
 
 from __future__ import annotations
@@ -137,8 +143,9 @@ def _is_ip(name: str) -> bool:
 
 
 class LocalOnly:
-    """ASGI middleware: a foreign Host is a 403, a POST body that is not JSON a 415 where a route
-    (`routed`) would read it, both in the API's error shape (`refusal`), before any route runs."""
+    """ASGI middleware: a foreign Host is a 403, a web page's POST body (one with an `Origin`) that
+    is not JSON a 415 where a route (`routed`) would read it, both in the API's error shape
+    (`refusal`), before any route runs."""
 
     def __init__(self, app: Callable[..., Awaitable[None]], hosts: frozenset[str] | None, refusal: Refusal,
                  routed: Callable[[dict[str, Any]], bool] = lambda scope: True):
@@ -152,7 +159,7 @@ class LocalOnly:
             if name not in self.hosts and not ("<ip>" in self.hosts and _is_ip(name)):
                 return 403, (f"this server does not answer to the host {host[:100]!r}; it serves "
                              f"{', '.join(sorted(self.hosts - {'<ip>'}))} (start it with --allowed-host NAME to add one)")
-        if scope.get("method") == "POST" and self.routed(scope):
+        if scope.get("method") == "POST" and "origin" in headers and self.routed(scope):  # a web page's
             kind = headers.get("content-type", "").partition(";")[0].strip().lower()
             if kind != "application/json":
                 return 415, (f"the request body must be JSON sent as Content-Type: application/json, not "
