@@ -520,3 +520,23 @@ def test_named_models_with_an_alias_and_a_draft_model_for_the_default(home, chec
             client(server).completions.create(model="alpha", prompt="hi", max_tokens=2)  # served as "first"
     finally:
         server.stop()
+
+
+def test_the_preloaded_default_models_keep_alive_starts_with_the_server(home):
+    """`serve -m alpha --keep-alive 8`: the default model loads before the server listens and,
+    asked nothing, its countdown runs from the start, as if it had just been used: the official
+    `ollama` client's `ps()` shows it expiring 8 s after the start, and it unloads then."""
+    import time
+
+    ollama = pytest.importorskip("ollama")
+    started = time.time()
+    server = serve(home, "-m", str(home / "two" / "models" / "alpha"), "--keep-alive", "8")
+    try:
+        ready = time.time()
+        (running,) = ollama.Client(host=server.url).ps().models
+        assert running.model == "alpha"
+        assert started + 8 - 1 <= running.expires_at.timestamp() <= ready + 8 + 1
+        after = server.wait_for(lambda h: not h["models"] and not h["unloading"])
+        assert after["models"] == {} and loaded(server) == {"alpha": False}
+    finally:
+        server.stop()

@@ -10,7 +10,8 @@ them (`APIS`): the host and content-type guard, the API key, errors in each API'
 from __future__ import annotations
 
 import hmac
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
+from contextlib import asynccontextmanager
 from typing import Any, Sequence
 
 import uvicorn
@@ -124,7 +125,12 @@ def create_app(models: Models, config: ServerConfig) -> FastAPI:
     ctx = Context(models, config)
     apis = [api(ctx) for api in (*APIS, *((PageApi,) if config.web else ()))]
     shapes = ErrorShapes(apis)
-    app = FastAPI(title="mlxinfer", docs_url=None, redoc_url=None, openapi_url=None)
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        models.start()  # the preloaded models' keep-alive countdowns
+        yield
+
+    app = FastAPI(title="mlxinfer", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
     app.add_middleware(LocalOnly, hosts=config.hosts,
                        refusal=lambda status, message, path: shapes.body(path, RequestError(message, status=status)),
                        routed=lambda scope: any(r.matches(scope)[0] != Match.NONE for r in app.router.routes))

@@ -435,7 +435,7 @@ class Models:
 
     def preload(self, name: str) -> Served:
         """Load model `name` before the server starts (so a bad model fails `serve` at once); its
-        keep-alive countdown starts at its first request."""
+        keep-alive countdown starts when the server does (`start`)."""
         slot = self._slots[self.resolve(name)]
         entry = slot.entry
         loaded = self._opener(entry, self.metrics)
@@ -443,6 +443,15 @@ class Models:
                              loaded.model.config.max_position_embeddings, entry.path, self._estimate(entry), time.time())
         slot.last_used = time.time()
         return slot.served
+
+    def start(self) -> None:
+        """As the server starts, on its event loop: the keep-alive countdown of each model loaded
+        before (`preload`) starts now, as if it had just been used, so a default model nobody asks
+        for unloads after --keep-alive as any other (a model loaded for good, `of`, stays)."""
+        for slot in self._slots.values():
+            if slot.served is not None and not slot.pinned and slot.timer is None:
+                slot.last_used = time.time()
+                self._set_expiry(slot, self.policy.keep_alive)
 
     def shutdown(self) -> None:
         """Refuse new requests on every loaded model and end those in flight (safe in a signal handler)."""
