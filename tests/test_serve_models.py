@@ -10,12 +10,16 @@ the official `openai` and `anthropic` clients, and MLX's own count of the memory
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import json
 import os
 import shutil
+import socket
 import threading
 import urllib.request
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -284,9 +288,11 @@ class HeldLoads:
         return self.opening(entry, metrics)
 
 
-def test_a_stream_goes_on_while_another_model_loads(home, checkpoints):
-    """While beta's load is held (on the load thread), alpha's stream keeps producing; two
-    requests for beta wait for the one load, then both are answered."""
+@contextlib.contextmanager
+def in_process(home: Path, wrap: Callable = lambda opening: opening, **policy) -> Iterator[tuple[str, Any]]:
+    """The server of the two-model store run in this process (uvicorn on a thread) under
+    `policy`, its models opened by `wrap(opening)` (`opening`: as `serve` opens them); its URL
+    and that opener."""
     import uvicorn
 
     from mlxinfer.cli.serve import Opening, listed
@@ -300,42 +306,106 @@ def test_a_stream_goes_on_while_another_model_loads(home, checkpoints):
     finally:
         os.environ["MLXINFER_HOME"] = old
     opening = Opening(None, "float32", 8, 32, 0, {})
-    held = HeldLoads(opening)
-    models = Models(lambda: entries, held, opening.estimate, Policy(keep_alive=-1))
+    opener = wrap(opening)
+    models = Models(lambda: entries, opener, opening.estimate, Policy(**{"keep_alive": -1, **policy}))
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(create_app(models, ServerConfig(web=False)), host="127.0.0.1", port=port,
                                            log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
-    url = f"http://127.0.0.1:{port}"
-    stream = None
     try:
         while not server.started:
             assert thread.is_alive()
             threading.Event().wait(0.05)
-        stream = Stream(url, "alpha", no_end(checkpoints["alpha"]))
-        stream.wait_for(3)
-        replies: list = []
-        askers = [threading.Thread(target=lambda: replies.append(openai.OpenAI(
-            base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120).completions.create(
-            model="beta", prompt="hi", max_tokens=2)), daemon=True) for _ in range(2)]
-        for asker in askers:
-            asker.start()
-        assert held.entered.wait(120)
-        seen = stream.count
-        stream.wait_for(seen + 5)  # alpha streams on while beta loads
-        assert not replies
-        held.release.set()
-        for asker in askers:
-            asker.join(120)
-        assert [r.model for r in replies] == ["beta", "beta"] and held.opened == ["alpha", "beta"]
+        yield f"http://127.0.0.1:{port}", opener
     finally:
-        held.release.set()
-        if stream is not None:
-            stream.close()
         server.should_exit = True
         thread.join(30)
         models.stop()
+
+
+def test_a_stream_goes_on_while_another_model_loads(home, checkpoints):
+    """While beta's load is held (on the load thread), alpha's stream keeps producing; two
+    requests for beta wait for the one load, then both are answered."""
+    stream = None
+    with in_process(home, HeldLoads) as (url, held):
+        try:
+            stream = Stream(url, "alpha", no_end(checkpoints["alpha"]))
+            stream.wait_for(3)
+            replies: list = []
+            askers = [threading.Thread(target=lambda: replies.append(openai.OpenAI(
+                base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120).completions.create(
+                model="beta", prompt="hi", max_tokens=2)), daemon=True) for _ in range(2)]
+            for asker in askers:
+                asker.start()
+            assert held.entered.wait(120)
+            seen = stream.count
+            stream.wait_for(seen + 5)  # alpha streams on while beta loads
+            assert not replies
+            held.release.set()
+            for asker in askers:
+                asker.join(120)
+            assert [r.model for r in replies] == ["beta", "beta"] and held.opened == ["alpha", "beta"]
+        finally:
+            held.release.set()
+            if stream is not None:
+                stream.close()
+
+
+def test_a_request_that_waits_too_long_for_room_is_a_503_naming_the_busy_model(home, checkpoints):
+    """One model at most, a load wait of 0.5 s: while alpha streams, a request for beta is
+    answered 503 with Retry-After, naming alpha, by the official `openai` and `ollama` clients
+    (each its own error type); beta never loads, alpha streams on."""
+    ollama = pytest.importorskip("ollama")
+    stream = None
+    with in_process(home, max_loaded=1, load_wait=0.5) as (url, _):
+        try:
+            stream = Stream(url, "alpha", no_end(checkpoints["alpha"]))
+            stream.wait_for(3)
+            ask = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
+            with pytest.raises(openai.InternalServerError) as e:
+                ask.chat.completions.create(model="beta", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+            assert e.value.status_code == 503 and int(e.value.response.headers["retry-after"]) > 0
+            assert "'alpha'" in e.value.message and "beta" in e.value.message and "--max-loaded-models" in e.value.message
+            with pytest.raises(ollama.ResponseError) as e:
+                ollama.Client(host=url, timeout=120).chat(model="beta", messages=[{"role": "user", "content": "hi"}])
+            assert e.value.status_code == 503 and "'alpha'" in e.value.error
+            stream.wait_for(stream.count + 3)
+            health = json.load(urllib.request.urlopen(f"{url}/health", timeout=5))
+            assert set(health["models"]) == {"alpha"} and health["waiting"] == {}
+        finally:
+            if stream is not None:
+                stream.close()
+
+
+def test_a_request_waiting_for_room_stops_when_its_client_hangs_up(home, checkpoints):
+    """--max-loaded-models 1: while alpha streams, two requests for beta (streamed and not) wait
+    for room; their clients hang up and they stop waiting (the server's count of waiting requests
+    drops to none), so once alpha's stream ends nothing unloads it to load beta."""
+    server = serve(home, "--keep-alive", "-1", "--max-loaded-models", "1")
+    stream = None
+    try:
+        stream = Stream(server.url, "alpha", no_end(checkpoints["alpha"]))
+        stream.wait_for(3)
+        waiting = []
+        for streamed in (False, True):
+            body = json.dumps({"model": "beta", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+                               "stream": streamed}).encode()
+            sock = socket.create_connection(("127.0.0.1", server.port), timeout=120)
+            sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json"
+                         + f"\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
+            waiting.append(sock)
+            assert server.wait_for(lambda h: h["waiting"].get("beta") == len(waiting))["waiting"] == \
+                {"beta": len(waiting)}
+        for sock in waiting:
+            sock.close()
+        assert server.wait_for(lambda h: not h["waiting"])["waiting"] == {}, "the requests still wait"
+        stream.close()
+        assert loaded(server) == {"alpha": True, "beta": False}
+    finally:
+        if stream is not None:
+            stream.close()
+        server.stop()
 
 
 # --- mlxinfer ps ---
@@ -419,8 +489,9 @@ class FakeEngine:
     shutdown = stop
 
 
-def registry(names=("a", "b"), **policy):
-    """A registry of stand-in models of 1000 bytes each, and the engines it opened by name."""
+def registry(names=("a", "b"), opening=lambda name: None, **policy):
+    """A registry of stand-in models of 1000 bytes each (`opening(name)` called on the load
+    thread as each opens), and the engines it opened by name."""
     from types import SimpleNamespace
 
     from mlxinfer.serve.models import Loaded, ModelEntry, Models, Policy
@@ -428,6 +499,7 @@ def registry(names=("a", "b"), **policy):
     opened: dict[str, FakeEngine] = {}
 
     def opener(entry, metrics):
+        opening(entry.name)
         opened[entry.name] = FakeEngine()
         return Loaded(opened[entry.name], SimpleNamespace(config=SimpleNamespace(max_position_embeddings=64)), None)
 
@@ -483,6 +555,36 @@ def test_unload_waits_for_the_request_using_the_model():
         assert models.loaded() == [] and opened["b"].stopped.is_set()
 
     asyncio.run(run())
+
+
+def test_a_model_whose_waiters_all_left_during_its_load_still_expires():
+    """The only request for b is cancelled (its client left) while b loads: the load goes on, and
+    b's keep-alive countdown starts as it ends (0 here: b unloads at once), so it does not stay
+    loaded for ever with no request to start one."""
+    import asyncio
+
+    async def run():
+        entered, release = threading.Event(), threading.Event()
+
+        def held(name):
+            entered.set()
+            assert release.wait(60)
+
+        models, opened = registry(keep_alive=0, opening=held)
+
+        async def ask():
+            async with models.use("b"):
+                pass
+
+        task = asyncio.ensure_future(ask())
+        assert await asyncio.to_thread(entered.wait, 60)
+        task.cancel()
+        release.set()
+        while "b" not in opened or not opened["b"].stopped.is_set():
+            await asyncio.sleep(0.01)  # the load ends on the load thread, then the unload on a worker
+        assert models.loaded() == []
+
+    asyncio.run(asyncio.wait_for(run(), 60))
 
 
 def test_a_name_not_served_is_refused_and_one_model_answers_to_any():

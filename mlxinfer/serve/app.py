@@ -32,7 +32,7 @@ from .errors import RequestError, dotted, refusal
 from .guard import LocalOnly, guarded_protocol
 from .health import HealthApi, MetricsApi
 from .inspect import InspectApi
-from .models import Models
+from .models import Models, WatchesClients
 from .ollama import OllamaApi
 from .openai import OpenAIApi
 from .page import PageApi
@@ -131,6 +131,7 @@ def create_app(models: Models, config: ServerConfig) -> FastAPI:
         yield
 
     app = FastAPI(title="mlxinfer", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
+    app.add_middleware(WatchesClients)  # innermost: a request waiting for its model's load learns its client left
     app.add_middleware(LocalOnly, hosts=config.hosts,
                        refusal=lambda status, message, path: shapes.body(path, RequestError(message, status=status)),
                        routed=lambda scope: any(r.matches(scope)[0] != Match.NONE for r in app.router.routes))

@@ -22,11 +22,15 @@ model's engine thread, so loaded models keep streaming meanwhile. When a load wo
 first; a model in use is never unloaded: the load waits until enough models are idle (so a
 client is served late rather than refused, as Ollama's scheduler queues), and a model too big
 for the budget even alone is refused at once (400, naming the sizes and `--memory-budget`).
+The wait is bounded: a client that hangs up stops waiting (`WatchesClients` tells `use` when),
+and one still waiting after `Policy.load_wait` seconds is answered 503 with Retry-After,
+naming the models in use.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import gc
 import os
 import time
@@ -53,6 +57,8 @@ KEEP_ALIVE_SECONDS = 300.0  # `serve --keep-alive`'s default, as Ollama's
 MAX_LOADED = 3  # `serve --max-loaded-models`'s default, as Ollama's (3 per GPU)
 BUDGET_FRACTION = 0.75  # of physical memory, where no wired limit says otherwise
 KV_TOKENS = 4096  # K/V tokens a model is counted at without --max-kv-size (Ollama's default num_ctx)
+LOAD_WAIT_SECONDS = 300.0  # a request waits this long for room to load its model (Ollama's load timeout)
+RETRY_AFTER_SECONDS = 5  # what a request refused for want of room is told to wait before asking again
 
 
 @dataclass(frozen=True)
@@ -99,11 +105,13 @@ class ModelEntry:
 class Policy:
     """What the models may hold together: at most `max_loaded` loaded at once and
     `memory_budget` bytes (their `estimate_memory` summed); an idle model stays loaded for
-    `keep_alive` seconds after its last request (0: unloaded once idle; negative: kept)."""
+    `keep_alive` seconds after its last request (0: unloaded once idle; negative: kept); a
+    request waits at most `load_wait` seconds for room to load its model."""
 
     keep_alive: float = KEEP_ALIVE_SECONDS
     max_loaded: int = MAX_LOADED
     memory_budget: int = 0  # 0: `default_budget()`
+    load_wait: float = LOAD_WAIT_SECONDS
 
     def budget(self) -> int:
         return self.memory_budget or default_budget()
@@ -150,6 +158,36 @@ class Loaded:
     engine: EngineThread
     model: CausalLM
     tokenizer: Tokenizer
+
+
+# Returns once the client of the request being served hangs up (`WatchesClients`); None outside a request.
+_hung_up: contextvars.ContextVar[Callable[[], Awaitable[Any]] | None] = contextvars.ContextVar(
+    "mlxinfer_hung_up", default=None)
+
+
+class WatchesClients:
+    """ASGI middleware (innermost, next to the routes): lets `Models.use` learn that the client
+    of the request it is loading a model for has hung up, so that it stops waiting. The routes
+    read their whole body before they name a model, so the next message the connection gives is
+    the disconnect; it is read only while the request waits for its model, never beside a reply."""
+
+    def __init__(self, app: Callable[..., Awaitable[None]]):
+        self.app = app
+
+    async def __call__(self, scope: dict[str, Any], receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def hung_up() -> None:
+            while (await receive())["type"] != "http.disconnect":
+                pass
+
+        token = _hung_up.set(hung_up)
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            _hung_up.reset(token)
 
 
 Opener = Callable[[ModelEntry, Metrics], Loaded]  # runs on the load thread; feeds the server's Metrics
@@ -276,7 +314,7 @@ class Models:
         slot = self._slots[self.resolve(name)]
         slot.users += 1
         try:
-            served = await self._loaded(slot)
+            served = await self._watched(slot)
         except BaseException:
             self._release(slot, keep_alive)
             raise
@@ -328,8 +366,27 @@ class Models:
         async with self._condition():
             self._condition().notify_all()
 
+    async def _watched(self, slot: _Slot) -> Served:
+        """`_loaded`, given up (499) when the request's client hangs up first (`WatchesClients`):
+        a load already started goes on, for the next request."""
+        hung_up = _hung_up.get()
+        if hung_up is None or (slot.served is not None and slot.unloading is None):
+            return await self._loaded(slot)
+        loading, gone = asyncio.ensure_future(self._loaded(slot)), asyncio.ensure_future(hung_up())
+        try:
+            await asyncio.wait({loading, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not loading.done():
+                loading.cancel()
+        if loading.cancelled():
+            raise RequestError(f"the client hung up while '{slot.entry.name}' waited to load", "model", status=499)
+        return loading.result()
+
     async def _loaded(self, slot: _Slot) -> Served:
-        """`slot`'s model once loaded (its load started here, or by another request)."""
+        """`slot`'s model once loaded (its load started here, or by another request); 503 when
+        no room is made for it within `Policy.load_wait` seconds."""
+        deadline: float | None = None
         while True:
             if slot.served is not None and slot.unloading is None:
                 return slot.served
@@ -339,9 +396,23 @@ class Models:
             if self._make_room(slot):
                 slot.loading = asyncio.ensure_future(self._load(slot))
                 continue
+            clock = asyncio.get_running_loop().time
+            deadline = deadline if deadline is not None else clock() + self.policy.load_wait
             async with self._condition():  # no room until a model in use goes idle, or an unload ends
                 if not self._fits(slot):
-                    await self._condition().wait()
+                    try:
+                        await asyncio.wait_for(self._condition().wait(), max(deadline - clock(), 0))
+                    except asyncio.TimeoutError:
+                        raise self._no_room(slot) from None
+
+    def _no_room(self, slot: _Slot) -> RequestError:
+        """The refusal of a request that waited `Policy.load_wait` seconds for room to load its model."""
+        busy = ", ".join(f"'{n}'" for n, s in self._slots.items() if s is not slot and s.resident and s.users) or "none"
+        return RequestError(f"the model '{slot.entry.name}' could not be loaded within {self.policy.load_wait:g} s: "
+                            f"the models in use ({busy[:1000]}) leave no room (at most {self.policy.max_loaded} "
+                            f"loaded, {_size(self.policy.budget())} in all); retry later, or restart the server with "
+                            "a larger --max-loaded-models or --memory-budget", "model", status=503, kind="server_busy",
+                            headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
 
     def _fits(self, slot: _Slot, leaving: Sequence[_Slot] = ()) -> bool:
         """Whether `slot`'s model fits beside the resident ones (but `leaving`)."""
@@ -379,6 +450,7 @@ class Models:
             slot.served = Served(entry.name, loaded.engine, loaded.model, loaded.tokenizer,
                                  loaded.model.config.max_position_embeddings, entry.path, memory, time.time())
             slot.last_used = time.time()
+            self._set_expiry(slot, self.policy.keep_alive)  # its requests' release restarts it (all may have left)
         except MlxinferError as e:  # the model's folder: a damaged file, an unsupported family
             raise RequestError(f"the model '{entry.name}' cannot be loaded: {e}", "model", status=400) from None
         except Exception as e:  # noqa: BLE001 - a fault of ours ends this request, not the server
