@@ -642,3 +642,40 @@ def test_the_preloaded_default_models_keep_alive_starts_with_the_server(home):
         assert after["models"] == {} and loaded(server) == {"alpha": False}
     finally:
         server.stop()
+
+
+def test_ps_against_a_live_server_agrees_with_its_api_ps_and_the_ollama_client(home):
+    """`mlxinfer ps` (the command, in its own process) against a live `serve` of alpha and beta
+    after a request to alpha with keep_alive 10m: it lists alpha alone, with the size, details and
+    expiry the server's GET /api/ps gives and the official `ollama` client's `ps()` reads."""
+    import subprocess
+    import sys
+    from datetime import datetime
+
+    ollama = pytest.importorskip("ollama")
+    server = serve(home, "--keep-alive", "-1")
+    try:
+        asker = ollama.Client(host=server.url)
+        empty = subprocess.run([sys.executable, "-m", "mlxinfer", "ps", "--port", str(server.port)],
+                               capture_output=True, text=True, timeout=120, check=True).stdout
+        assert "no model is loaded" in empty
+        asker.generate(model="alpha", prompt="hi", keep_alive="10m", options={"num_predict": 2})
+
+        def ps(*args: str) -> str:
+            return subprocess.run([sys.executable, "-m", "mlxinfer", "ps", "--port", str(server.port), *args],
+                                  capture_output=True, text=True, timeout=120, check=True).stdout
+
+        (listed,) = json.loads(ps("--json"))
+        (raw,) = json.load(urllib.request.urlopen(f"{server.url}/api/ps", timeout=30))["models"]
+        (seen,) = asker.ps().models
+        assert listed["name"] == raw["name"] == seen.model == "alpha"
+        assert listed["size"] == raw["size"] == seen.size > 0
+        assert (listed["family"], listed["parameters"], listed["quantization"]) == \
+            (seen.details.family, seen.details.parameter_size, seen.details.quantization_level)
+        assert datetime.fromisoformat(listed["expires_at"]) == seen.expires_at
+        header, *rows = ps().splitlines()
+        assert header.split() == ["NAME", "SIZE", "FAMILY", "PARAMETERS", "QUANTIZATION", "UNTIL"]
+        assert len(rows) == 1 and rows[0].split()[0] == "alpha" and seen.details.family in rows[0].split()
+        assert rows[0].endswith(("9 minutes from now", "10 minutes from now"))
+    finally:
+        server.stop()
