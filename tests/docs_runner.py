@@ -133,8 +133,8 @@ def problems(blocks: list[Block]) -> list[str]:
             found.append(f"{block.where}: `<!-- not run: REASON -->` names no reason")
         elif reason is None and block.info not in RUNNABLE | DATA:
             what = f"info string '{block.info}'" if block.info else "a block with no info string"
-            found.append(f"{block.where}: {what} is neither run nor data ({', '.join(sorted(DATA))}); "
-                         "name its language and say `<!-- not run: REASON -->` before it, or run it")
+            found.append(f"{block.where}: {what} is neither run nor data (text, json, ...): run it, or name "
+                         "its language and put `<!-- not run: REASON -->` before it")
         if block.comment == OUTPUT:
             above = blocks[i - 1] if i else None
             if block.info != "text":
