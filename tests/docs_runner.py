@@ -209,7 +209,13 @@ class Result:
 
     block: Block
     outputs: list[str] = field(default_factory=list)  # per step (one for a script or a Python block)
-    failure: str | None = None
+    error: str | None = None  # it did not run as written (docs/regenerate.py cannot mend that)
+    mismatch: str | None = None  # it printed otherwise than shown (docs/regenerate.py rewrites what is shown)
+    seconds: float = 0.0
+
+    @property
+    def failure(self) -> str | None:
+        return self.error or self.mismatch
 
 
 MARK = "\x1e"  # separates the steps' outputs in a shell block's combined output
@@ -276,7 +282,7 @@ class Page:
         try:
             parts = steps(block)
         except ValueError as e:
-            result.failure = str(e)
+            result.error = str(e)
             return result
         if parts[0].shown is None and len(parts) == 1 and not block.lines[0].startswith(PROMPT):
             return self.run_script(result)
@@ -289,7 +295,7 @@ class Page:
         prelude = ["exec 2>&1", "set -eE -o pipefail", f"trap 'printf \"\\n{MARK}%s\\n\" $LINENO' ERR"]
         done = self.bash([*prelude, *block.lines], block)
         if done is None:
-            result.failure = f"{block.where}: still running after {SHELL_TIMEOUT} s"
+            result.error = f"{block.where}: still running after {SHELL_TIMEOUT} s"
             return result
         output, _, failed_at = done.stdout.partition(f"\n{MARK}")
         result.outputs = [output]
@@ -299,7 +305,7 @@ class Page:
                 what = f"{block.page}:{line}: `{block.lines[line - block.line - 1]}`"
             else:
                 what = f"{block.where}: the block"
-            result.failure = f"{what} exits {done.returncode}:\n{output[-2000:]}"
+            result.error = f"{what} exits {done.returncode}:\n{output[-2000:]}"
         return result
 
     def run_commands(self, result: Result, parts: list[Step]) -> Result:
@@ -312,24 +318,22 @@ class Page:
             script += [f"{{ {step.command}\n}}{stdin}", f"printf '\\n{MARK}%s\\n' $?"]
         done = self.bash(script, block)
         if done is None:
-            result.failure = f"{block.where}: still running after {SHELL_TIMEOUT} s"
+            result.error = f"{block.where}: still running after {SHELL_TIMEOUT} s"
             return result
         chunks = done.stdout.split(f"\n{MARK}")
         statuses = [int(chunk.split("\n", 1)[0]) for chunk in chunks[1:]]
         result.outputs = [chunks[0], *(chunk.split("\n", 1)[1] if "\n" in chunk else "" for chunk in chunks[1:-1])]
         if len(statuses) != len(parts):
-            result.failure = f"{block.where}: the shell stopped early (exit {done.returncode}):\n{done.stdout[-2000:]}"
+            result.error = f"{block.where}: the shell stopped early (exit {done.returncode}):\n{done.stdout[-2000:]}"
             return result
         for step, status, output in zip(parts, statuses, result.outputs):
-            change = difference(step.shown, output.splitlines(), self.home) if step.shown is not None else None
-            if change:
-                result.failure = (f"{block.page}:{step.line}: `{first_line(step.command)}` prints otherwise "
-                                  f"than the page shows:\n{change}")
-                break
             if status and step.shown is None and block.output is None:
-                result.failure = (f"{block.page}:{step.line}: `{first_line(step.command)}` exits {status}:\n"
-                                  f"{output[-2000:]}")
+                result.error = f"{block.page}:{step.line}: `{first_line(step.command)}` exits {status}:\n{output[-2000:]}"
                 break
+            change = difference(step.shown, output.splitlines(), self.home) if step.shown is not None else None
+            if change and not result.mismatch:
+                result.mismatch = (f"{block.page}:{step.line}: `{first_line(step.command)}` prints otherwise "
+                                   f"than the page shows:\n{change}")
         return result
 
     def bash(self, script: list[str], block: Block) -> subprocess.CompletedProcess | None:
@@ -362,10 +366,10 @@ class Page:
                 return result
             except (urllib.error.URLError, ConnectionError):
                 if proc.poll() is not None:
-                    result.failure = f"{block.where}: the background command exited ({proc.returncode}):\n{tail(log)}"
+                    result.error = f"{block.where}: the background command exited ({proc.returncode}):\n{tail(log)}"
                     return result
                 time.sleep(0.1)
-        result.failure = f"{block.where}: {url} did not answer within {SERVER_START} s:\n{tail(log)}"
+        result.error = f"{block.where}: {url} did not answer within {SERVER_START} s:\n{tail(log)}"
         return result
 
     def run_python(self, block: Block) -> Result:
@@ -384,17 +388,17 @@ class Page:
         if not reply:
             kill_group(self.python)
             self.python = None
-            result.failure = f"{block.where}: the Python block " + (
+            result.error = f"{block.where}: the Python block " + (
                 f"still ran after {PYTHON_TIMEOUT} s" if not ready else "ended its interpreter")
             return result
         answer = json.loads(reply)
         result.outputs = [answer["output"]]
         if answer["error"]:
-            result.failure = f"{block.where}: the Python block raised:\n{answer['error']}"
+            result.error = f"{block.where}: the Python block raised:\n{answer['error']}"
         elif block.output is not None:
             change = difference(block.output.lines, answer["output"].splitlines(), self.home)
             if change:
-                result.failure = f"{block.output.where}: the block above prints otherwise than shown:\n{change}"
+                result.mismatch = f"{block.output.where}: the block above prints otherwise than shown:\n{change}"
         return result
 
 
@@ -402,11 +406,11 @@ def check_output(result: Result, home: Path) -> None:
     """A shell block's whole output against the `text` block shown after it (Python blocks are
     compared as they run)."""
     block = result.block
-    if result.failure or block.output is None or block.info == "python":
+    if result.error or block.output is None or block.info == "python":
         return
     change = difference(block.output.lines, "".join(result.outputs).splitlines(), home)
     if change:
-        result.failure = f"{block.output.where}: the block above prints otherwise than shown:\n{change}"
+        result.mismatch = f"{block.output.where}: the block above prints otherwise than shown:\n{change}"
 
 
 def run_page(blocks: list[Block], seed_home: Path, demo_source: Path | None = None) -> Iterator[tuple[Result, Path]]:
@@ -415,11 +419,13 @@ def run_page(blocks: list[Block], seed_home: Path, demo_source: Path | None = No
     with Page(seed_home, demo_source) as page:
         for block in blocks:
             if block.runs:
+                started = time.monotonic()
                 result = page.run(block)
+                result.seconds = time.monotonic() - started
                 check_output(result, page.home)
                 yield result, page.home
         for trouble in page.close():
-            yield Result(blocks[-1], failure=trouble), page.home
+            yield Result(blocks[-1], error=trouble), page.home
 
 
 def block_env(home: Path, demo_source: Path | None) -> dict[str, str]:
