@@ -5,7 +5,8 @@
 Each page runs as tests/test_docs.py runs it (the same runner, tests/docs_runner.py: a temporary
 HOME with the demo model cached, offline), and every `text` block marked
 `<!-- output of the block above -->` (and the lines shown after a console block's `$ ` commands) is
-replaced by what its block printed, the temporary home written `~`. Blocks that fail are listed and
+replaced by what its block printed, the temporary home written `~`, where the test rejects it
+(`--all`: everywhere, fresh timings too). Blocks that fail are listed and
 left alone; so are transcripts with typed `>>> ` input, whose places among the output cannot be known.
 Hand-pasted outputs are never needed: change the program, run this, review the diff.
 """
@@ -46,10 +47,13 @@ def printed(text: str, home: Path) -> list[str]:
     return lines
 
 
-def edits(result: Result, home: Path) -> list[tuple[int, int, list[str]]]:
-    """(first, end, new lines) replacing the shown outputs of a block that ran; 0-based, end excluded."""
+def edits(result: Result, home: Path, every: bool) -> list[tuple[int, int, list[str]]]:
+    """(first, end, new lines) replacing the shown outputs of a block that ran (those the test
+    rejects, or `every` one); 0-based, end excluded."""
     block = result.block
     found = []
+    if not (every or result.mismatch):
+        return found
     if block.output is not None:
         indent = " " * (len(block.output.lines[0]) - len(block.output.lines[0].lstrip())) if block.output.lines else ""
         fresh = [indent + line if line else line for line in printed("".join(result.outputs), home)]
@@ -63,8 +67,9 @@ def edits(result: Result, home: Path) -> list[tuple[int, int, list[str]]]:
     return found
 
 
-def regenerate(page: Path, seed_home: Path, source: Path) -> tuple[int, list[str]]:
-    """Run `page` and write back the outputs it shows: (outputs rewritten, failures)."""
+def regenerate(page: Path, seed_home: Path, source: Path, every: bool) -> tuple[int, list[str]]:
+    """Run `page` and write back the outputs it shows that changed (beyond timings; `every`: all of
+    them): (outputs rewritten, failures)."""
     blocks: list[Block] = parse(page)
     changes, failures = [], []
     for result, home in run_page(blocks, seed_home, source):
@@ -72,7 +77,7 @@ def regenerate(page: Path, seed_home: Path, source: Path) -> tuple[int, list[str
         if result.error:
             failures.append(result.error)
         else:
-            changes += edits(result, home)
+            changes += edits(result, home, every)
     lines = page.read_text().splitlines()
     written = 0
     for first, end, fresh in sorted(changes, reverse=True):
@@ -86,6 +91,8 @@ def regenerate(page: Path, seed_home: Path, source: Path) -> tuple[int, list[str
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[1])
     parser.add_argument("pages", nargs="*", type=Path, help="pages to regenerate (default: README.md, docs/*.md)")
+    parser.add_argument("--all", action="store_true",
+                        help="rewrite every output shown, fresh timings too (default: those the test rejects)")
     parser.add_argument("--demo-source", help="the demo model's wheel or GGUF (default: the test-asset cache)")
     args = parser.parse_args()
     source = demo_source(args.demo_source)
@@ -94,7 +101,7 @@ def main() -> None:
         home = seed(Path(tmp) / "home", source)
         for page in [p.resolve() for p in args.pages] or pages():
             print(page.relative_to(ROOT), flush=True)
-            written, failures = regenerate(page, home, source)
+            written, failures = regenerate(page, home, source, args.all)
             print(f"  {written} output(s) rewritten", flush=True)
             failed += failures
     for failure in failed:

@@ -14,6 +14,9 @@ The convention (every page follows it):
 - A `text` block right after `<!-- output of the block above -->` is what the block above prints
   (stdout and stderr together); it is compared after `normalize`, which blanks only what differs
   from run to run or machine to machine: timings, rates, memory sizes, dates, the temporary home.
+- `<!-- output of the block above, varies by machine -->` marks an output that names the machine
+  (`mlxinfer doctor`: its CPU, BLAS, threads): only its form is compared, each line's label (what
+  comes before its first `:`), so a renamed or missing line still fails.
 - Other info strings hold data or pictures that are not run (DATA); any other block must say why
   it is not run.
 """
@@ -47,6 +50,8 @@ DATA = {"text", "json", "jsonc", "jsonl", "toml", "yaml", "jinja", "diff", "merm
 NOT_RUN = re.compile(r"<!--\s*not run:\s*(.*?)\s*-->")
 BACKGROUND = "<!-- run: background -->"
 OUTPUT = "<!-- output of the block above -->"
+OUTPUT_BY_MACHINE = "<!-- output of the block above, varies by machine -->"
+OUTPUTS = (OUTPUT, OUTPUT_BY_MACHINE)
 FENCE = re.compile(r"^(?P<indent> *)(?P<fence>`{3,})(?P<info>[^`]*)$")
 PROMPT, INPUT = "$ ", ">>> "
 DEMO_NAME = "SmolLM2-135M-Instruct"
@@ -80,6 +85,11 @@ class Block:
     @property
     def runs(self) -> bool:
         return self.info in RUNNABLE and self.skip_reason is None
+
+    @property
+    def by_machine(self) -> bool:
+        """Whether its shown output varies by machine (compared in form only)."""
+        return self.output is not None and self.output.comment == OUTPUT_BY_MACHINE
 
     @property
     def background(self) -> bool:
@@ -116,7 +126,7 @@ def parse(page: Path) -> list[Block]:
         body = [line[indent:] if not line[:indent].strip() else line.lstrip() for line in lines[i + 1:end]]
         comment = lines[i - 1].strip() if i and lines[i - 1].strip().startswith("<!--") else ""
         block = Block(rel, i + 1, opening["info"].strip().split(" ")[0], body, comment)
-        if comment == OUTPUT and blocks and block.info == "text":
+        if comment in OUTPUTS and blocks and block.info == "text":
             blocks[-1].output = block
         blocks.append(block)
         i = end + 1
@@ -135,7 +145,7 @@ def problems(blocks: list[Block]) -> list[str]:
             what = f"info string '{block.info}'" if block.info else "a block with no info string"
             found.append(f"{block.where}: {what} is neither run nor data (text, json, ...): run it, or name "
                          "its language and put `<!-- not run: REASON -->` before it")
-        if block.comment == OUTPUT:
+        if block.comment in OUTPUTS:
             above = blocks[i - 1] if i else None
             if block.info != "text":
                 found.append(f"{block.where}: a shown output is a `text` block, not '{block.info}'")
@@ -195,9 +205,12 @@ def normalize(text: str, home: Path | None = None) -> list[str]:
     return lines
 
 
-def difference(shown: list[str], printed: list[str], home: Path | None) -> str | None:
-    """A unified diff of the shown output against the printed one after `normalize`, or None."""
+def difference(shown: list[str], printed: list[str], home: Path | None, form_only: bool = False) -> str | None:
+    """A unified diff of the shown output against the printed one after `normalize` (of their
+    lines' labels alone, with `form_only`), or None."""
     want, got = normalize("\n".join(shown)), normalize("\n".join(printed), home)
+    if form_only:
+        want, got = [line.split(":")[0] for line in want], [line.split(":")[0] for line in got]
     if want == got:
         return None
     return "\n".join(difflib.unified_diff(want, got, "shown", "printed", lineterm="", n=1))
@@ -396,7 +409,7 @@ class Page:
         if answer["error"]:
             result.error = f"{block.where}: the Python block raised:\n{answer['error']}"
         elif block.output is not None:
-            change = difference(block.output.lines, answer["output"].splitlines(), self.home)
+            change = difference(block.output.lines, answer["output"].splitlines(), self.home, block.by_machine)
             if change:
                 result.mismatch = f"{block.output.where}: the block above prints otherwise than shown:\n{change}"
         return result
@@ -408,7 +421,7 @@ def check_output(result: Result, home: Path) -> None:
     block = result.block
     if result.error or block.output is None or block.info == "python":
         return
-    change = difference(block.output.lines, "".join(result.outputs).splitlines(), home)
+    change = difference(block.output.lines, "".join(result.outputs).splitlines(), home, block.by_machine)
     if change:
         result.mismatch = f"{block.output.where}: the block above prints otherwise than shown:\n{change}"
 
