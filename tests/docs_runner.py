@@ -31,6 +31,7 @@ import re
 import select
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -366,16 +367,22 @@ class Page:
         result = Result(block)
         log = self.tmp / f"background-{block.line}.log"
         command = "\n".join(step.command for step in steps(block))
+        port = int(found[1]) if (found := re.search(r"--port[ =](\d+)", command)) else DEFAULT_PORT
+        with socket.socket() as probe:
+            if probe.connect_ex(("127.0.0.1", port)) == 0:
+                result.error = f"{block.where}: port {port} is taken by another program, so the page cannot start its own"
+                return result
         with open(log, "w") as out:
             proc = subprocess.Popen(["bash", "-c", command], cwd=self.work, env=self.env, stdin=subprocess.DEVNULL,
                                     stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         self.servers.append((block, proc, log))
-        port = re.search(r"--port[ =](\d+)", command)
-        url = f"http://127.0.0.1:{port[1] if port else DEFAULT_PORT}/health"
+        url = f"http://127.0.0.1:{port}/health"
         deadline = time.monotonic() + SERVER_START
         while time.monotonic() < deadline:
             try:
                 urllib.request.urlopen(url, timeout=2).close()
+                return result
+            except urllib.error.HTTPError:  # an answer, if not a happy one: the server is up
                 return result
             except (urllib.error.URLError, ConnectionError):
                 if proc.poll() is not None:
@@ -411,7 +418,7 @@ class Page:
         elif block.output is not None:
             change = difference(block.output.lines, answer["output"].splitlines(), self.home, block.by_machine)
             if change:
-                result.mismatch = f"{block.output.where}: the block above prints otherwise than shown:\n{change}"
+                result.mismatch = f"{block.output.where}: the block above ({block.where}) prints otherwise:\n{change}"
         return result
 
 
@@ -423,7 +430,8 @@ def check_output(result: Result, home: Path) -> None:
         return
     change = difference(block.output.lines, "".join(result.outputs).splitlines(), home, block.by_machine)
     if change:
-        result.mismatch = f"{block.output.where}: the block above prints otherwise than shown:\n{change}"
+        what = f"`{first_line(block.lines[0].removeprefix(PROMPT))}`" if block.lines else "the block above"
+        result.mismatch = f"{block.output.where}: {what} ({block.where}) prints otherwise than shown:\n{change}"
 
 
 def run_page(blocks: list[Block], seed_home: Path, demo_source: Path | None = None) -> Iterator[tuple[Result, Path]]:

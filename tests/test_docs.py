@@ -5,6 +5,7 @@ shown from the same runner), and every examples/*.py is run by a page."""
 from __future__ import annotations
 
 import re
+import socket
 from pathlib import Path
 
 import pytest
@@ -72,7 +73,7 @@ def test_shown_output_blocks_and_python_state(tmp_path, bare_home):
             "```text\n42 tokens\n```\n\n```bash\necho $HOME/models; echo 5 files\n```\n"
             "<!-- output of the block above -->\n```text\n~/models\n4 files\n```\n")
     [failure] = failures_of(write_page(tmp_path, page), bare_home)
-    assert ":17: the block above prints otherwise" in failure and "-4 files\n+5 files" in failure
+    assert ":17: `echo $HOME/models; echo 5 files` (" in failure and "-4 files\n+5 files" in failure
 
 
 def test_failing_commands_and_python_errors_are_failures(tmp_path, bare_home):
@@ -81,6 +82,20 @@ def test_failing_commands_and_python_errors_are_failures(tmp_path, bare_home):
     assert ":3: `false` exits 1" in first
     assert "page.md\", line 7" in second and "ValueError: no" in second
     assert ":10: the block exits 3" in third
+
+
+def test_a_background_server_serves_the_blocks_after_it_and_stops(tmp_path, bare_home):
+    from serving import free_port
+
+    port = free_port()
+    serve = ("import http.server, sys; http.server.HTTPServer(('127.0.0.1', int(sys.argv[2])), "
+             "http.server.SimpleHTTPRequestHandler).serve_forever()")
+    fetch = f"import urllib.request; print(urllib.request.urlopen('http://127.0.0.1:{port}/').status)"
+    page = (f"<!-- run: background -->\n```bash\npython -c \"{serve}\" --port {port}\n```\n\n"
+            f"```python\n{fetch}\n```\n<!-- output of the block above -->\n```text\n200\n```\n")
+    assert failures_of(write_page(tmp_path, page), bare_home) == []
+    with socket.socket() as probe:
+        assert probe.connect_ex(("127.0.0.1", port)) != 0  # stopped with the page
 
 
 def test_transcript_input_goes_to_stdin(tmp_path, bare_home):
