@@ -15,8 +15,8 @@ The convention (every page follows it):
   (stdout and stderr together); it is compared after `normalize`, which blanks only what differs
   from run to run or machine to machine: timings, rates, memory sizes, dates, the temporary home.
 - `<!-- output of the block above, varies by machine -->` marks an output that names the machine
-  (`mlxinfer doctor`: its CPU, BLAS, threads): only its form is compared, each line's label (what
-  comes before its first `:`), so a renamed or missing line still fails.
+  or is all measurements (`mlxinfer doctor`: its CPU, BLAS, threads; `mlxinfer bench`): only its
+  form is compared, each line's label (`label`), so a renamed or missing line still fails.
 - Other info strings hold data or pictures that are not run (DATA); any other block must say why
   it is not run.
 """
@@ -214,10 +214,19 @@ def difference(shown: list[str], printed: list[str], home: Path | None, form_onl
     lines' labels alone, with `form_only`), or None."""
     want, got = normalize("\n".join(shown)), normalize("\n".join(printed), home)
     if form_only:
-        want, got = [line.split(":")[0] for line in want], [line.split(":")[0] for line in got]
+        want, got = [label(line) for line in want], [label(line) for line in got]
     if want == got:
         return None
     return "\n".join(difflib.unified_diff(want, got, "shown", "printed", lineterm="", n=1))
+
+
+NUMBER = re.compile(r"\s\d[\d.,]*(?:\s|$)")
+
+
+def label(line: str) -> str:
+    """What names a line of a report: the text before its first `:` and before its first number
+    (`BLAS: OpenBLAS ...` -> `BLAS`, `  decode tok/s  134.7 [129.0-140.5]` -> `  decode tok/s`)."""
+    return NUMBER.split(line.split(":")[0], maxsplit=1)[0].rstrip()
 
 
 @dataclass

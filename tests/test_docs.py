@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from docs_runner import ROOT, Block, normalize, pages, parse, problems, run_page, seed, steps
+from docs_runner import ROOT, Block, difference, normalize, pages, parse, problems, run_page, seed, steps
 
 PAGES = pages()
 
@@ -117,6 +117,13 @@ def test_normalize_blanks_only_measurements():
     assert normalize(printed) == ["[TTFT <measured> | prefill 37 tok <measured> | cache 45 tok <measured>] "
                                   "<measured> on <date>"]
     assert normalize("9 query heads, 3 KV heads  (46,080 bytes)") == ["9 query heads, 3 KV heads (46,080 bytes)"]
+
+
+def test_outputs_that_vary_by_machine_are_compared_by_their_labels():
+    shown = ["BLAS: OpenBLAS (Haswell kernels)", "4-bit GEMM: 259 GFLOP/s", "  decode tok/s  134.7 [129.0-140.5]"]
+    other = ["BLAS: BLIS", "4-bit GEMM: 118 GFLOP/s", "  decode tok/s   97.1 [90.2-99.0]"]
+    assert difference(shown, other, None, form_only=True) is None
+    assert "+  decode tokens/s" in difference(shown, [*other[:2], "  decode tokens/s 97.1"], None, form_only=True)
 
 
 def test_regenerate_rewrites_what_the_test_rejects(tmp_path, bare_home):
