@@ -47,16 +47,20 @@ def edits(result: Result, home: Path, every: bool) -> list[tuple[int, int, list[
     if not (every or result.mismatch):
         return found
     if block.output is not None:
-        indent = " " * (len(block.output.lines[0]) - len(block.output.lines[0].lstrip())) if block.output.lines else ""
-        fresh = [indent + line if line else line for line in as_shown("".join(result.outputs), home)]
-        found.append((block.output.line, block.output.line + len(block.output.lines), fresh))
+        fresh = as_shown("".join(result.outputs), home)
+        found.append((block.output.line, block.output.line + len(block.output.lines), indented(fresh, block.output)))
     commands = steps(block) if block.info != "python" else []
     if any(step.shown for step in commands) and not any(step.stdin for step in commands):
         body = []
         for step, output in zip(commands, result.outputs):
             body += ["$ " + step.command.split("\n")[0], *step.command.split("\n")[1:], *as_shown(output, home)]
-        found.append((block.line, block.line + len(block.lines), body))
+        found.append((block.line, block.line + len(block.lines), indented(body, block)))
     return found
+
+
+def indented(lines: list[str], block: Block) -> list[str]:
+    """`lines` at the indentation of `block`'s fence (a block inside a list item)."""
+    return [block.indent + line if line else line for line in lines]
 
 
 def regenerate(page: Path, seed_home: Path, source: Path, every: bool) -> tuple[int, list[str]]:

@@ -70,6 +70,7 @@ class Block:
     info: str
     lines: list[str]
     comment: str  # the line before the fence, stripped ("" when it is not a comment)
+    indent: str = ""  # the fence's indentation (a block in a list), taken off its lines
     output: Block | None = None  # the `text` block shown as its output
 
     @property
@@ -125,7 +126,7 @@ def parse(page: Path) -> list[Block]:
             raise ValueError(f"{rel}:{i + 1}: the block is never closed")
         body = [line[indent:] if not line[:indent].strip() else line.lstrip() for line in lines[i + 1:end]]
         comment = lines[i - 1].strip() if i and lines[i - 1].strip().startswith("<!--") else ""
-        block = Block(rel, i + 1, opening["info"].strip().split(" ")[0], body, comment)
+        block = Block(rel, i + 1, opening["info"].strip().split(" ")[0], body, comment, opening["indent"])
         if comment in OUTPUTS and blocks and block.info == "text":
             blocks[-1].output = block
         blocks.append(block)

@@ -141,3 +141,7 @@ def test_regenerate_rewrites_what_the_test_rejects(tmp_path, bare_home):
                                 "```text\nhello\ntook 3 s\n```\n\n```console\n$ echo one\none\n$ echo took 2 s\n"
                                 "took 2 s\n```\n")
     assert failures_of(parse(page), bare_home) == []
+    page.write_text("- a list item:\n\n  ```bash\n  printf '  two spaces'\n  ```\n  <!-- output of the block above -->\n"
+                    "  ```text\n  ```\n")
+    regenerate.regenerate(page, bare_home, None, every=True)
+    assert page.read_text().endswith("  ```text\n    two spaces\n  ```\n")
