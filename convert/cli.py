@@ -30,7 +30,7 @@ def _choices(values) -> str:
     return "|".join(str(v) for v in values)
 
 
-@click.command("convert")
+@click.command("convert", epilog="Recipes, GPTQ, GGUF files and what each costs: docs/converting.md")
 @click.argument("source")
 @click.option("-o", "--output", required=True, type=click.Path(path_type=Path), help="Folder to write.")
 @click.option("-q", "--quantize", is_flag=True, help="Quantize (implied by --bits, --group-size, --recipe).")

@@ -1,6 +1,8 @@
 """Several prompts decoded together, each in its own stream; one JSON line per finished prompt.
 
-    python examples/batch.py MODEL "Name a planet." "Name a river." [...]
+    python examples/batch.py [MODEL] ["Name a planet." "Name a river." ...]
+
+MODEL is a name `mlxinfer models` lists or a folder (default: the demo model, SmolLM2-135M-Instruct).
 """
 
 import json
@@ -8,9 +10,11 @@ import sys
 
 import mlxinfer
 
+DEMO_MODEL = "SmolLM2-135M-Instruct"  # what `mlxinfer chat` fetches; works offline once cached
+
 
 def main() -> None:
-    model, tokenizer = mlxinfer.load(sys.argv[1])
+    model, tokenizer = mlxinfer.load(sys.argv[1] if len(sys.argv) > 1 else DEMO_MODEL)
     prompts = sys.argv[2:] or ["Name a planet.", "Name a river."]
     engine = mlxinfer.BatchGenerator(model, tokenizer, max_tokens=32)
     index = {engine.submit(prompt): i for i, prompt in enumerate(prompts)}

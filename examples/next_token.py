@@ -1,6 +1,8 @@
 """Load a model and show its most likely next tokens for a prompt.
 
-    python examples/next_token.py HuggingFaceTB/SmolLM2-135M-Instruct "The capital of France is"
+    python examples/next_token.py [MODEL] [PROMPT]
+
+MODEL is a name `mlxinfer models` lists or a folder (default: the demo model, SmolLM2-135M-Instruct).
 """
 
 import sys
@@ -8,8 +10,10 @@ import sys
 import mlxinfer  # first: it binds a fast BLAS before mlx.core loads (see mlxinfer.base.blas)
 import mlx.core as mx  # noqa: I001
 
+DEMO_MODEL = "SmolLM2-135M-Instruct"  # what `mlxinfer chat` fetches; works offline once cached
 
-def main(model_path: str, prompt: str = "The capital of France is", top: int = 5) -> None:
+
+def main(model_path: str = DEMO_MODEL, prompt: str = "The capital of France is", top: int = 5) -> None:
     model, tokenizer = mlxinfer.load(model_path)
     ids = tokenizer.encode(prompt)
     logits = model(mx.array([ids]))[0, -1]
@@ -21,6 +25,4 @@ def main(model_path: str, prompt: str = "The capital of France is", top: int = 5
 
 
 if __name__ == "__main__":
-    if len(sys.argv) < 2:
-        sys.exit("usage: python examples/next_token.py MODEL [PROMPT]")
     main(*sys.argv[1:3])

@@ -1,6 +1,6 @@
 """Talk to `mlxinfer serve` with the official `openai` package (pip install openai).
 
-    mlxinfer serve -m MODEL                      # in another terminal
+    mlxinfer serve                               # in another terminal: the demo model, or -m MODEL
     python examples/openai_client.py [BASE_URL] [API_KEY]
 
 A whole reply, a streamed one, and a second turn that reuses the first turn's prompt cache.

@@ -1,14 +1,18 @@
 """Stream a chat reply token by token, then print the generation stats.
 
-    python examples/stream.py HuggingFaceTB/SmolLM2-135M-Instruct "Name three planets."
+    python examples/stream.py [MODEL] [QUESTION]
+
+MODEL is a name `mlxinfer models` lists or a folder (default: the demo model, SmolLM2-135M-Instruct).
 """
 
 import sys
 
 import mlxinfer
 
+DEMO_MODEL = "SmolLM2-135M-Instruct"  # what `mlxinfer chat` fetches; works offline once cached
 
-def main(model_path: str, question: str = "Name three planets.", max_tokens: int = 64) -> None:
+
+def main(model_path: str = DEMO_MODEL, question: str = "Name three planets.", max_tokens: int = 64) -> None:
     model, tokenizer = mlxinfer.load(model_path)
     messages = [{"role": "user", "content": question}]
     stats = None
@@ -24,6 +28,4 @@ def main(model_path: str, question: str = "Name three planets.", max_tokens: int
 
 
 if __name__ == "__main__":
-    if len(sys.argv) < 2:
-        sys.exit("usage: python examples/stream.py MODEL [QUESTION]")
     main(*sys.argv[1:3])

@@ -24,11 +24,11 @@ def test_next_token_example(hf_checkpoint):
 
 
 def python_sources() -> list[tuple[str, str]]:
-    """(where, code) of every example script and every Python block of the README."""
-    readme = (ROOT / "README.md").read_text()
-    blocks = re.findall(r"^```python\n(.*?)^```", readme, flags=re.S | re.M)
-    return [*((f"examples/{p.name}", p.read_text()) for p in sorted((ROOT / "examples").glob("*.py"))),
-            *((f"README.md's Python block {i + 1}", b) for i, b in enumerate(blocks))]
+    """(where, code) of every example script and every Python block of the README and docs/."""
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    blocks = [(f"{page.relative_to(ROOT)}'s Python block {i + 1}", b) for page in pages
+              for i, b in enumerate(re.findall(r"^```python\n(.*?)^```", page.read_text(), flags=re.S | re.M))]
+    return [*((f"examples/{p.name}", p.read_text()) for p in sorted((ROOT / "examples").glob("*.py"))), *blocks]
 
 
 @pytest.mark.parametrize("where, code", python_sources(), ids=[w for w, _ in python_sources()])

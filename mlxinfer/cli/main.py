@@ -247,7 +247,7 @@ IMAGE_OPTION = click.option("--image", "images", multiple=True, type=click.Path(
                             help="Show this image with the (first) message (repeatable; a vision-language model).")
 
 
-@main.command()
+@main.command(epilog="The commands, options and thinking models: docs/chat.md")
 @with_options(GENERATION_OPTIONS)
 @IMAGE_OPTION
 @PIPELINE_OPTION
@@ -615,7 +615,7 @@ SERVE_MODEL_HELP = ("A model to serve: a local folder, hub id, .gguf file or a n
                     "Default: every model `mlxinfer models` lists, by its name.")
 
 
-@main.command()
+@main.command(epilog="Every API, its clients and the limits: docs/serving.md")
 @click.option("--model", "-m", "models", multiple=True, metavar="[NAME=]MODEL", help=SERVE_MODEL_HELP)
 @with_options(MODEL_OPTIONS[1:])
 @click.option("--keep-alive", type=Duration(), default="5m", show_default=True,

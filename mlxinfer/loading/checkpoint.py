@@ -74,7 +74,7 @@ def resolve(path_or_repo: str | os.PathLike, revision: str | None = None, patter
         return named
     if not _REPO_ID.match(name):
         raise ModelNotFoundError(f"no model folder at '{name}' and no model of that name in `mlxinfer models`; "
-                                 "pass an existing folder, a name it lists or a hub id like 'org/model'")
+                                 "pass an existing folder, a name it lists or a hub id like 'org/model' (docs/python-api.md)")
     return _download(name, revision, patterns)
 
 

@@ -48,7 +48,7 @@ def family(model_type: str) -> ModuleType:
     """The family module for `model_type`, or a clear error listing what we support."""
     if model_type not in FAMILIES:
         raise UnsupportedArchitectureError(
-            f"model_type '{model_type}' is not supported; supported: {', '.join(sorted(FAMILIES))}"
+            f"model_type '{model_type}' is not supported; supported: {', '.join(sorted(FAMILIES))} (docs/models.md)"
         )
     return importlib.import_module(f"{__name__}.{FAMILIES[model_type]}")
 

@@ -65,7 +65,7 @@ def check_takes_images(model) -> None:
     any image, so they all refuse alike."""
     if model.image_token_id is None:
         raise ImageError("this model takes no images; send text only, or use a vision-language model "
-                         "(Qwen2.5-VL, Qwen3-VL, Gemma 3)")
+                         "(Qwen2.5-VL, Qwen3-VL, Gemma 3; docs/images.md)")
 
 
 def image_spans(tokens: Sequence[int] | np.ndarray, image_token_id: int | None,
