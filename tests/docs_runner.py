@@ -5,7 +5,9 @@ The convention (every page follows it):
 - A block whose info string is `bash`, `console`, `sh` or `python` is run, unless the line before its
   fence is `<!-- not run: REASON -->`. `<!-- run: background -->` starts a shell block (a server) in
   the background, ready once the port it names (`--port N`, else 8080) answers HTTP; the blocks
-  after it talk to it, and it is stopped with Ctrl-C (SIGINT) when the page is done.
+  after it talk to it, and it is stopped with Ctrl-C (SIGINT) when the page is done. A page's 8080
+  is a free port chosen for the run (a reader's own server on 8080 must not fail the tests), put
+  back as 8080 in what the blocks print.
 - A shell block holds commands: a script, or `$ ` prompts with the lines after each (up to the next
   prompt) as what it prints; `>>> ` lines there are what the reader types into it (its stdin).
   It runs in bash with a temporary HOME where the demo model is already cached, in a copy of the
@@ -38,7 +40,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Iterator
 
@@ -265,6 +267,7 @@ class Page:
         self.env = block_env(self.home, demo_source)
         self.python: subprocess.Popen | None = None
         self.servers: list[tuple[Block, subprocess.Popen, Path]] = []
+        self.port = free_port()  # the page's 8080: a reader's own server there must not fail the tests
 
     def __enter__(self) -> Page:
         return self
@@ -296,11 +299,29 @@ class Page:
         return trouble
 
     def run(self, block: Block) -> Result:
+        """`block` run on the page's own port in place of DEFAULT_PORT (its output is read back with
+        DEFAULT_PORT, as the page shows it: `as_page`)."""
+        shown = block
+        block = replace(block, lines=[self.own_port(line, block.background) for line in block.lines])
         if block.info == "python":
-            return self.run_python(block)
-        if block.background:
-            return self.start(block)
-        return self.run_shell(block)
+            result = self.run_python(block)
+        elif block.background:
+            result = self.start(block)
+        else:
+            result = self.run_shell(block)
+        result.block = shown
+        return result
+
+    def as_page(self, output: str) -> str:
+        """What a block printed, with DEFAULT_PORT for the page's own port, as the page shows it."""
+        return output.replace(str(self.port), str(DEFAULT_PORT))
+
+    def own_port(self, line: str, background: bool) -> str:
+        """`line` with the page's port for DEFAULT_PORT; a background `mlxinfer serve` given it."""
+        line = line.replace(str(DEFAULT_PORT), str(self.port))
+        if background and re.search(r"\bmlxinfer serve\b", line) and "--port" not in line:
+            line = re.sub(r"\bmlxinfer serve\b", f"mlxinfer serve --port {self.port}", line, count=1)
+        return line
 
     def run_shell(self, block: Block) -> Result:
         """The block in bash, stdout and stderr together. A failing command is a failure, unless
@@ -373,7 +394,7 @@ class Page:
         except subprocess.TimeoutExpired:
             kill_group(proc)
             return None
-        return subprocess.CompletedProcess(proc.args, proc.returncode, stdout)
+        return subprocess.CompletedProcess(proc.args, proc.returncode, self.as_page(stdout))
 
     def start(self, block: Block) -> Result:
         """A background command, ready once its port answers /health; it fails if it exits first."""
@@ -425,6 +446,7 @@ class Page:
                 f"still ran after {PYTHON_TIMEOUT} s" if not ready else "ended its interpreter")
             return result
         answer = json.loads(reply)
+        answer["output"] = self.as_page(answer["output"])
         result.outputs = [answer["output"]]
         if answer["error"]:
             result.error = f"{block.where}: the Python block raised:\n{answer['error']}"
@@ -490,6 +512,12 @@ def seed(home: Path, demo_source: Path) -> Path:
 def pages() -> list[Path]:
     """README.md and every docs/*.md."""
     return [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
 
 
 def kill_group(proc: subprocess.Popen) -> None:
