@@ -41,6 +41,9 @@ from .plan import Job
 from .quantize import BITS, GROUP_SIZES, QuantSpec
 from .sources import Source
 
+ERROR_ROWS = 4096  # rows of a tensor whose rounding error is measured at once
+
+
 @dataclass
 class Use:
     """One way a tensor W is used, as a rank-one weight on its squared rounding error:
@@ -238,9 +241,14 @@ def weighted_error(weight: mx.array, spec: QuantSpec, dtype: mx.Dtype, uses: lis
     """sum over `uses` of sum_ij (W - Q(W))_ij^2 rows_i cols_j: the loss's expected increase
     (up to a factor 1/2) from rounding to `spec` as the writer rounds (in `dtype`, with scales
     and biases in `dtype`)."""
-    packed = mx.quantize(weight.astype(dtype), spec.group_size, spec.bits)
-    diff = mx.square(mx.dequantize(*packed, spec.group_size, spec.bits).astype(mx.float32) - weight)
-    return sum((use.rows @ (diff @ use.cols) for use in uses), mx.zeros(()))
+    total = 0.0
+    for start in range(0, weight.shape[0], ERROR_ROWS):  # a slice at a time: a 7B head's copies are GBs
+        rows = weight[start : start + ERROR_ROWS]
+        packed = mx.quantize(rows.astype(dtype), spec.group_size, spec.bits)
+        diff = mx.square(mx.dequantize(*packed, spec.group_size, spec.bits).astype(mx.float32) - rows)
+        part = sum((use.rows[start : start + ERROR_ROWS] @ (diff @ use.cols) for use in uses), mx.zeros(()))
+        total += part.item()
+    return mx.array(total)
 
 
 Option = tuple[int, float]  # (bytes, error)
@@ -347,9 +355,8 @@ def allocate(jobs: list[Job], source: Source, windows: list[list[int]], target_b
         job = jobs[i]
         weight = _floats(job)
         specs.append(candidates(job.source.shape))
-        errors = [weighted_error(weight, s, job.dtype, uses[job.path]) for s in specs[-1]]
-        mx.eval(errors)
-        options.append([(replace(job, target=s, kept_float=None).nbytes, e.item()) for s, e in zip(specs[-1], errors)])
+        errors = [weighted_error(weight, s, job.dtype, uses[job.path]).item() for s in specs[-1]]  # one at a time
+        options.append([(replace(job, target=s, kept_float=None).nbytes, e) for s, e in zip(specs[-1], errors)])
         del weight
     smallest = fixed + sum(min(b for b, _ in opts) for opts in options)
     if smallest > budget:
