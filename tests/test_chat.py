@@ -397,17 +397,6 @@ def test_speculative_chat_equals_plain_greedy(loaded, drafter):
     assert fast.stats.drafted > 0 and any(c.drafted for c in b)
 
 
-def test_readme_example_runs(tiny, tmp_path, monkeypatch):
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    block = readme[readme.index("**In an app: `mlxinfer.ChatSession`.**"):]
-    code = block[block.index("```python") + len("```python"):]
-    code = code[: code.index("```")].replace('"path/to/model"', repr(str(tiny)))
-    code = code.replace("max_tokens=256", "max_tokens=8")  # two replies must fit the tiny model's context
-    monkeypatch.chdir(tmp_path)
-    exec(compile(code, "README.md", "exec"), {})
-    assert (tmp_path / "chat.json").is_file() and (tmp_path / "chat.kv.safetensors").is_file()
-
-
 class CountingModel:
     """Wraps a model and counts the tokens it is fed through a cache: the draft's
     prefill work (cache-less calls are the speed check's timing steps)."""
