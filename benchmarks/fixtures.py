@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import subprocess
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -212,3 +213,14 @@ def free_port() -> int:
 def load_average() -> str:
     """The machine's 1, 5 and 15-minute load averages: a number measured on a busy machine says so."""
     return " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def stop_process(proc: subprocess.Popen, timeout: float = 30) -> None:
+    """Ask a server the benchmark started to stop (SIGTERM), and kill it if it has not within `timeout`."""
+    if proc.poll() is None:
+        proc.terminate()
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()

@@ -50,7 +50,7 @@ from pathlib import Path
 from typing import IO
 
 import mlxinfer  # first: it binds a fast BLAS before mlx.core loads (see mlxinfer.base.blas)
-from fixtures import convert_smollm2, free_port, load_average, smollm2_source  # noqa: E402, I001
+from fixtures import convert_smollm2, free_port, load_average, smollm2_source, stop_process  # noqa: E402, I001
 from mlxinfer.base import blas  # noqa: E402
 from mlxinfer.cli.demo import NAME as DEMO  # noqa: E402
 from mlxinfer.text.tokenizer import load_tokenizer_from_dir  # noqa: E402
@@ -142,13 +142,7 @@ class Server:
         return (lines or ["no output"])[-1]
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        stop_process(self.proc)
 
 
 def first_token(port: int, model: str, prompt: str) -> float:

@@ -65,7 +65,7 @@ from pathlib import Path
 from typing import IO
 
 import mlxinfer  # first: it binds a fast BLAS before mlx.core loads (see mlxinfer.base.blas)
-from fixtures import build_llama_50m, convert_smollm2, free_port, smollm2_source  # noqa: E402, I001
+from fixtures import build_llama_50m, convert_smollm2, free_port, smollm2_source, stop_process  # noqa: E402, I001
 from mlxinfer.base import blas  # noqa: E402
 from mlxinfer.cli.bench import random_prompt  # noqa: E402
 from mlxinfer.text.tokenizer import load_tokenizer_from_dir  # noqa: E402
@@ -144,13 +144,7 @@ class Server:
         return (errors or lines or ["no output"])[-1]
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        stop_process(self.proc)
 
 
 def server_env() -> dict[str, str]:

@@ -181,18 +181,10 @@ def _head(model: Blockwise, paths: list[str], embed: str, tokens: list[mx.array]
         nll = mx.logsumexp(logits, axis=-1) - mx.take_along_axis(logits, t[1:, None], axis=-1)[:, 0]
         return nll.sum(), dict(pass_.inputs)
 
-    out = []
     try:
-        for h, t in zip(hidden, tokens):
-            pass_.probes = {}
-            loss(h, {}, t)  # learns the output shapes the probes need
-            (_, inputs), (g, probe_grads) = mx.value_and_grad(loss, argnums=(0, 1))(h, pass_.zeros(), t)
-            sums.add(probe_grads, inputs)
-            out.append(g)
-            mx.eval(g)
+        return _gradients(loss, pass_, hidden, tokens, sums)
     finally:
         restore()
-    return out
 
 
 def _block(block: nn.Module, paths: dict[str, str], inputs: list[mx.array], grads: list[mx.array],
@@ -206,17 +198,23 @@ def _block(block: nn.Module, paths: dict[str, str], inputs: list[mx.array], grad
         pass_.probes = probes
         return (run_block(block, x) * g).sum(), dict(pass_.inputs)
 
-    out = []
     try:
-        pass_.probes = {}
-        run_block(block, inputs[0])  # learns the output shapes (every window has the same length)
-        for x, g in zip(inputs, grads):
-            (_, recorded), (gx, probe_grads) = mx.value_and_grad(through, argnums=(0, 1))(x, pass_.zeros(), g)
-            sums.add(probe_grads, recorded)
-            out.append(gx)
-            mx.eval(gx)
+        return _gradients(through, pass_, inputs, grads, sums)
     finally:
         restore()
+
+
+def _gradients(f: Callable, pass_: _Pass, xs: list[mx.array], extras: list[mx.array], sums: _Sums) -> list[mx.array]:
+    """For each window, f(x, probes, extra) -> (scalar, recorded inputs) differentiated in x and
+    in the probes: the probes' gradients and the inputs go to `sums`, x's gradient is returned."""
+    pass_.probes = {}
+    f(xs[0], {}, extras[0])  # learns the probes' shapes once: every window has the same length
+    out = []
+    for x, extra in zip(xs, extras):
+        (_, recorded), (gx, probe_grads) = mx.value_and_grad(f, argnums=(0, 1))(x, pass_.zeros(), extra)
+        sums.add(probe_grads, recorded)
+        out.append(gx)
+        mx.eval(gx)
     return out
 
 
@@ -237,7 +235,7 @@ def candidates(shape: tuple[int, ...]) -> list[QuantSpec]:
     return [QuantSpec(bits, group) for bits in BITS for group in GROUP_SIZES if QuantSpec(bits, group).fits(shape)]
 
 
-def weighted_error(weight: mx.array, spec: QuantSpec, dtype: mx.Dtype, uses: list[Use]) -> mx.array:
+def weighted_error(weight: mx.array, spec: QuantSpec, dtype: mx.Dtype, uses: list[Use]) -> float:
     """sum over `uses` of sum_ij (W - Q(W))_ij^2 rows_i cols_j: the loss's expected increase
     (up to a factor 1/2) from rounding to `spec` as the writer rounds (in `dtype`, with scales
     and biases in `dtype`)."""
@@ -248,7 +246,7 @@ def weighted_error(weight: mx.array, spec: QuantSpec, dtype: mx.Dtype, uses: lis
         diff = mx.square(mx.dequantize(*packed, spec.group_size, spec.bits).astype(mx.float32) - rows)
         part = sum((use.rows[start : start + ERROR_ROWS] @ (diff @ use.cols) for use in uses), mx.zeros(()))
         total += part.item()
-    return mx.array(total)
+    return total
 
 
 Option = tuple[int, float]  # (bytes, error)
@@ -355,7 +353,7 @@ def allocate(jobs: list[Job], source: Source, windows: list[list[int]], target_b
         job = jobs[i]
         weight = _floats(job)
         specs.append(candidates(job.source.shape))
-        errors = [weighted_error(weight, s, job.dtype, uses[job.path]).item() for s in specs[-1]]  # one at a time
+        errors = [weighted_error(weight, s, job.dtype, uses[job.path]) for s in specs[-1]]  # one at a time
         options.append([(replace(job, target=s, kept_float=None).nbytes, e) for s, e in zip(specs[-1], errors)])
         del weight
     smallest = fixed + sum(min(b for b, _ in opts) for opts in options)

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 from serving import Server, post
 from test_images_server import vlm  # noqa: F401 - a tiny vision-language model's folder
+from test_reasoning import thinker  # noqa: F401 - a random Qwen3 with Qwen3's real tokenizer and template
 
 ollama = pytest.importorskip("ollama")
 httpx = pytest.importorskip("httpx")
@@ -46,18 +47,6 @@ def client(server):
 @pytest.fixture(scope="module")
 def name(server):
     return json.loads(httpx.get(f"{server.url}/api/tags").text)["models"][0]["name"]
-
-
-@pytest.fixture(scope="module")
-def thinker(hf_checkpoint, qwen3_tokenizer, tmp_path_factory) -> Path:
-    """A random-weight Qwen3 with Qwen3's real tokenizer and chat template (tools, thinking switch)."""
-    src = hf_checkpoint("qwen3", vocab_size=151936, tie_word_embeddings=True, head_dim=32,
-                        max_position_embeddings=1024)
-    folder = tmp_path_factory.mktemp("thinker") / "model"
-    shutil.copytree(src, folder)
-    for file in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(qwen3_tokenizer / file, folder / file)
-    return folder
 
 
 @pytest.fixture(scope="module")
